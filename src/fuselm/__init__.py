@@ -1,0 +1,8 @@
+"""fuselm: fused Triton kernels for gated-MLP language models."""
+
+from fuselm.ops.activation import Activation
+from fuselm.ops.rms_norm import RMSNorm, add_rms_norm, rms_norm
+from fuselm.ops.silu_mul import SiLUMul, silu_mul
+
+__version__ = "0.1.0"
+__all__ = ["Activation", "SiLUMul", "silu_mul", "RMSNorm", "rms_norm", "add_rms_norm"]

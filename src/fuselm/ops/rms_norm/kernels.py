@@ -1,0 +1,138 @@
+"""Triton kernels and host launchers for RMSNorm, optionally fused with the residual add.
+
+Forward, per row (fp32 in registers):
+    s        = round(x + residual)                  (HAS_RESIDUAL; s is also written out)
+    rstd     = rsqrt(sum(s^2) / N + eps)            (sum in fp32, never from a rounded sum)
+    x_normed = s * rstd
+    y        = round(w * round(x_normed))           (offset == 0, HF Llama)
+             = round(x_normed * (offset + w))       (offset != 0, HF Qwen3.5 zero-centered)
+Backward, per row, with w_eff = w (+ offset), g = dy * w_eff:
+    dx = rstd * (g - x_normed * sum(g * x_normed) / N)   (+ d_residual_out, HAS_DRES)
+    dw = sum over rows of dy * x_normed   (round(x_normed) in the Llama mode, as the forward uses it)
+rstd is recomputed in the backward from x (which the backward reads anyway), so the forward
+writes nothing but its outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselm.runtime import num_sms
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr,
+    n_rows, n_cols, stride_x, stride_res, stride_y, stride_res_out,
+    eps, offset,
+    HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    mask = (rows[:, None] < n_rows) & col_mask[None, :]
+    rows = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + rows * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rows * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + rows * stride_res_out + cols[None, :], s, mask=mask)
+        x = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    x_normed = x * rstd[:, None]
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if ZERO_CENTERED:
+        y = x_normed * (offset + w)
+    else:
+        y = w * x_normed.to(y_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptr + rows * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    dy_ptr, x_ptr, w_ptr, dres_ptr, dx_ptr, dw_partial_ptr,
+    n_rows, n_cols, rows_per_program, stride_dy, stride_x, stride_dres, stride_dx,
+    eps, offset,
+    HAS_DRES: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = w + offset
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    row_start = pid.to(tl.int64) * rows_per_program
+    for i in range(0, rows_per_program):
+        row = row_start + i
+        row_mask = cols < tl.where(row < n_rows, n_cols, 0)  # all-false past the last row
+        x = tl.load(x_ptr + row * stride_x + cols, mask=row_mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=row_mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        x_normed = x * rstd
+        if ZERO_CENTERED:
+            dw += dy * x_normed
+        else:
+            dw += dy * x_normed.to(x_ptr.dtype.element_ty).to(tl.float32)
+        g = dy * w
+        dx = rstd * (g - x_normed * (tl.sum(g * x_normed, axis=0) / n_cols))
+        if HAS_DRES:
+            dx += tl.load(dres_ptr + row * stride_dres + cols, mask=row_mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=row_mask)
+    tl.store(dw_partial_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=mask)
+
+
+# ----------------------------------------------------------------------------- tuning constants
+# The widest row a program holds in registers (fp32): the kernels keep a whole row on chip.
+MAX_COLS = 65536
+# Forward: rows per program and warps, by row width. Chosen by the sweep on an H100 at
+# 8192 x 4096 bf16 (benchmarks/results/, rms_norm tile sweep): a 4096-wide row per 8 warps
+# leaves each thread 16 elements, 2 x 16-byte loads per input; one row per program is the
+# only geometry at decode (1 row).
+def _forward_geometry(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+    block_n = triton.next_power_of_2(n_cols)
+    block_m = 1 if n_rows < 1024 else max(1, min(4, 4096 // block_n))
+    num_warps = min(max(block_m * block_n // 512, 4), 16)
+    return block_m, block_n, num_warps
+
+
+# Backward: a persistent grid of PROGRAMS_PER_SM x SMs programs, each over a contiguous run of
+# rows, accumulating its dw partial in registers (one fp32 row of partial sums per program).
+PROGRAMS_PER_SM = 2
+
+
+# ----------------------------------------------------------------------------- host launchers
+def rms_norm_forward_kernel(x, residual, weight, y, residual_out, eps: float, offset: float):
+    """Launch the forward on 2-D [rows, N] views (unit column stride). ``residual`` None: plain
+    RMSNorm, else the fused add writing ``residual_out``."""
+    n_rows, n_cols = x.shape
+    block_m, block_n, num_warps = _forward_geometry(n_rows, n_cols)
+    has_res = residual is not None
+    res, res_out = (residual, residual_out) if has_res else (x, y)
+    _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+        x, res, weight, y, res_out, n_rows, n_cols,
+        x.stride(0), res.stride(0), y.stride(0), res_out.stride(0), eps, offset,
+        HAS_RESIDUAL=has_res, ZERO_CENTERED=offset != 0.0, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+
+
+def rms_norm_backward_kernel(dy, x, weight, d_residual_out, dx, eps: float, offset: float) -> torch.Tensor:
+    """Launch the backward; writes ``dx`` (plus ``d_residual_out`` when given) and returns dw as
+    fp32 partial sums reduced over programs."""
+    n_rows, n_cols = x.shape
+    programs = max(1, min(n_rows, PROGRAMS_PER_SM * num_sms(x.device)))
+    rows_per_program = triton.cdiv(n_rows, programs)
+    programs = triton.cdiv(n_rows, rows_per_program)
+    dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x.device)
+    block_n = triton.next_power_of_2(n_cols)
+    has_dres = d_residual_out is not None
+    dres = d_residual_out if has_dres else dy
+    _rms_norm_bwd_kernel[(programs,)](
+        dy, x, weight, dres, dx, dw_partial, n_rows, n_cols, rows_per_program,
+        dy.stride(0), x.stride(0), dres.stride(0), dx.stride(0), eps, offset,
+        HAS_DRES=has_dres, ZERO_CENTERED=offset != 0.0, BLOCK_N=block_n,
+        num_warps=min(max(block_n // 256, 4), 16),
+    )
+    return dw_partial.sum(0)

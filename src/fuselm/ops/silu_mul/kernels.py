@@ -1,0 +1,154 @@
+"""Triton kernels and host launchers for ``silu_mul(gate, up)`` = gate_factor(gate) * up_factor(up).
+
+Both kernels are elementwise over a [rows, cols] view whose columns are contiguous (rows may be
+strided, e.g. the two halves of a [M, 2F] projection). A program covers a BLOCK_M x BLOCK_N tile
+on a 2-D grid (row blocks, column tiles). The launch geometry only decides which tile a program
+owns, never the arithmetic, so every geometry gives bit-identical results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselm.ops.activation import Activation, gate_factor, gate_factor_grad, up_factor, up_factor_grad
+from fuselm.runtime import arch_major
+
+
+@triton.jit
+def _silu_mul_fwd_kernel(
+    gate_ptr, up_ptr, out_ptr,
+    n_rows, n_cols, stride_gate, stride_up, stride_out,
+    limit, alpha,
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    rows = rows.to(tl.int64)[:, None]
+    g = tl.load(gate_ptr + rows * stride_gate + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + rows * stride_up + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    a = gate_factor(g, ACT, limit, alpha).to(out_ptr.dtype.element_ty).to(tl.float32)
+    y = a * up_factor(u, ACT, limit)
+    tl.store(out_ptr + rows * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_bwd_kernel(
+    grad_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr,
+    n_rows, n_cols, stride_grad, stride_gate, stride_up, stride_dgate, stride_dup,
+    limit, alpha,
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    rows = rows.to(tl.int64)[:, None]
+    dy = tl.load(grad_ptr + rows * stride_grad + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + rows * stride_gate + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + rows * stride_up + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    a = gate_factor(g, ACT, limit, alpha).to(dgate_ptr.dtype.element_ty).to(tl.float32)
+    dg = dy * up_factor(u, ACT, limit) * gate_factor_grad(g, ACT, limit, alpha)
+    du = dy * a * up_factor_grad(u, ACT, limit)
+    tl.store(dgate_ptr + rows * stride_dgate + cols[None, :], dg.to(dgate_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + rows * stride_dup + cols[None, :], du.to(dup_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------- launch geometry
+@dataclass(frozen=True)
+class Geometry:
+    """Which tile a program owns: BLOCK_M rows x BLOCK_N columns, and its warps."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+
+
+# The widest row one program may cover in the one-row geometry (registers: 64K fp32 / program).
+MAX_ROW_BLOCK = 65536
+# Column-tiled geometry, a program per (row block, 1024-column tile). 1024 columns x 2 rows is
+# 2 x 2 KB per bf16 input, enough bytes in flight per program; chosen by the sweep in
+# benchmarks/results/ (tile sweep), as seed 004 found 1024 best or tied for the backward on B200.
+TILE_N = 1024
+
+
+def row_geometry(n_cols: int) -> Geometry:
+    """One program per row, the whole row in one tile (Liger's geometry)."""
+    block_n = triton.next_power_of_2(max(n_cols, 1))
+    if block_n > MAX_ROW_BLOCK:
+        raise ValueError(f"row geometry covers rows up to {MAX_ROW_BLOCK} columns, got {n_cols}")
+    return Geometry(1, block_n, num_warps=min(max(block_n // 512, 4), 32))
+
+
+def tiled_geometry(n_cols: int) -> Geometry:
+    """Column tiles of TILE_N on a 2-D grid; several rows per program when rows are narrow."""
+    block_n = min(TILE_N, triton.next_power_of_2(max(n_cols, 1)))
+    block_m = max(2048 // block_n, 1)
+    return Geometry(block_m, block_n, num_warps=4)
+
+
+def choose_geometry(n_cols: int, device: torch.device) -> Geometry:
+    """Geometry per architecture and row width.
+
+    Column tiles keep register use per thread low, so many programs share an SM and the
+    memory system stays busy; they win for wide rows on Blackwell (seed 004: 1.6x backward at
+    14336) and never lose on Hopper in our sweep, while one program per row starves narrow rows
+    (4096 columns on an H100: 1.2 TB/s, below eager). The one-row geometry stays available for
+    the tests and for architectures we have not measured.
+    """
+    if arch_major(device) in (0, 9, 10, 12) or n_cols > MAX_ROW_BLOCK:
+        return tiled_geometry(n_cols)
+    return row_geometry(n_cols)
+
+
+GEOMETRIES = {"row": row_geometry, "tiled": tiled_geometry}
+
+
+def _geometry(n_cols: int, device: torch.device, geometry: str | None) -> Geometry:
+    if geometry is None:
+        return choose_geometry(n_cols, device)
+    if geometry not in GEOMETRIES:
+        raise ValueError(f"geometry: expected one of {sorted(GEOMETRIES)} or None, got {geometry!r}")
+    return GEOMETRIES[geometry](n_cols)
+
+
+def _grid(n_rows: int, n_cols: int, geo: Geometry):
+    return (triton.cdiv(n_rows, geo.block_m), triton.cdiv(n_cols, geo.block_n))
+
+
+# ----------------------------------------------------------------------------- host launchers
+def silu_mul_forward_kernel(
+    gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor, act: Activation, geometry: str | None = None
+) -> torch.Tensor:
+    """Launch the forward on 2-D [rows, cols] views with unit column stride; writes ``out``."""
+    n_rows, n_cols = gate.shape
+    if n_rows == 0 or n_cols == 0:
+        return out
+    geo = _geometry(n_cols, gate.device, geometry)
+    _silu_mul_fwd_kernel[_grid(n_rows, n_cols, geo)](
+        gate, up, out, n_rows, n_cols, gate.stride(0), up.stride(0), out.stride(0),
+        act.kernel_limit, float(act.alpha),
+        ACT=act.code, BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, num_warps=geo.num_warps,
+    )
+    return out
+
+
+def silu_mul_backward_kernel(
+    grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d_gate: torch.Tensor, d_up: torch.Tensor,
+    act: Activation, geometry: str | None = None,
+):
+    """Launch the backward on 2-D views with unit column stride; writes ``d_gate`` and ``d_up``."""
+    n_rows, n_cols = gate.shape
+    if n_rows == 0 or n_cols == 0:
+        return d_gate, d_up
+    geo = _geometry(n_cols, gate.device, geometry)
+    _silu_mul_bwd_kernel[_grid(n_rows, n_cols, geo)](
+        grad, gate, up, d_gate, d_up, n_rows, n_cols,
+        grad.stride(0), gate.stride(0), up.stride(0), d_gate.stride(0), d_up.stride(0),
+        act.kernel_limit, float(act.alpha),
+        ACT=act.code, BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, num_warps=geo.num_warps,
+    )
+    return d_gate, d_up

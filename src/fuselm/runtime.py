@@ -1,0 +1,112 @@
+"""Where a kernel runs, what the device is, and the argument checks every op shares.
+
+Dispatch rule for every fuselm op:
+- CUDA tensors run the Triton kernel.
+- CPU tensors run the same Triton kernel in the Triton interpreter when the environment
+  variable ``TRITON_INTERPRET=1`` was set before triton was imported (the test suite does this
+  on machines without a GPU); otherwise they run the plain-PyTorch reference in ``naive.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when ``t`` is computed by the Triton kernel (GPU, or CPU under the interpreter)."""
+    return t.is_cuda or (INTERPRET and t.device.type == "cpu")
+
+
+@functools.lru_cache(maxsize=None)
+def _device_properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def arch_major(device: torch.device) -> int:
+    """Compute-capability major of ``device`` (9 = Hopper, 10 = Blackwell); 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    return _device_properties(device.index if device.index is not None else torch.cuda.current_device()).major
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors on ``device``; a small fixed number off CUDA (interpreter)."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_properties(index).multi_processor_count
+
+
+# ----------------------------------------------------------------------------- argument checks
+def check_tensor(name: str, t, dtypes=KERNEL_DTYPES) -> None:
+    """TypeError unless ``t`` is a tensor of one of ``dtypes``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name}: dtype {str(t.dtype).removeprefix('torch.')} is not supported (use {allowed})")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    """ValueError naming the arguments when the tensors are not all on one device."""
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        listed = ", ".join(f"{name} on {dev}" for name, dev in devices.items())
+        raise ValueError(f"tensors must be on one device: {listed}")
+
+
+def check_match(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor, *, dtype: bool = True) -> None:
+    """ValueError/TypeError when ``t`` differs from ``ref`` in shape (or dtype)."""
+    if t.shape != ref.shape:
+        raise ValueError(f"{name}: shape {tuple(t.shape)} does not match {ref_name} {tuple(ref.shape)}")
+    if dtype and t.dtype != ref.dtype:
+        raise TypeError(f"{name}: dtype {t.dtype} does not match {ref_name} {ref.dtype}")
+
+
+def check_finite_float(name: str, value, *, positive: bool = False, nonnegative: bool = False) -> float:
+    """The argument as a float; ValueError if it is not a finite number (of the right sign)."""
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name}: must be finite, got {value}")
+    if positive and not value > 0:
+        raise ValueError(f"{name}: must be > 0, got {value}")
+    if nonnegative and not value >= 0:
+        raise ValueError(f"{name}: must be >= 0, got {value}")
+    return value
+
+
+def check_out(name: str, out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """A caller-provided output buffer, checked against the output it will hold; or a new one."""
+    if out is None:
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    check_tensor(name, out)
+    check_match(name, out, "the output", like)
+    if out.device != like.device:
+        raise ValueError(f"{name}: on {out.device}, the output is on {like.device}")
+    if not out.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous")
+    return out
+
+
+def as_rows(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 2-D [rows, last dim] tensor with unit column stride (a view when possible).
+
+    A 2-D input with a row stride (e.g. one half of a [M, 2F] projection) is kept as a view; other
+    layouts are reshaped, copying only when the layout cannot be viewed that way.
+    """
+    if t.dim() == 0:
+        raise ValueError(f"{name}: must have at least one dimension")
+    t2 = t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+    if t2.stride(-1) != 1 or (t2.shape[0] > 1 and t2.stride(0) < t2.shape[1]):
+        t2 = t2.contiguous()
+    return t2

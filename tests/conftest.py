@@ -1,0 +1,38 @@
+"""Test set-up: without a CUDA device the kernels run in the Triton interpreter.
+
+TRITON_INTERPRET must be set before triton is imported, so this runs before fuselm is imported.
+On a CPU machine the suite uses small odd shapes in fp32/fp16 (bf16 for elementwise kernels:
+the interpreter's bf16 ``tl.dot`` is wrong, triton issue 11584). On a GPU the same tests run
+at bf16 too, and ``--large`` adds the real model shapes.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--large", action="store_true", help="also run the real-model-shape cases (GPU)")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_large = pytest.mark.skip(reason="large shapes: pass --large on a GPU")
+    for item in items:
+        if "gpu" in item.keywords and not ON_GPU:
+            item.add_marker(skip_gpu)
+        if "large" in item.keywords and not (ON_GPU and config.getoption("--large")):
+            item.add_marker(skip_large)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)
