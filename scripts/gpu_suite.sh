@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The GPU suite in one call: tests at real shapes, then the benchmarks. Logs and tables go to
+# $OUT (default ./gpu_out). Uses the image's torch/triton; comparison libraries come from .whl/
+# when present. Usage: bash scripts/gpu_suite.sh [--sweep]
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+status=0
+python3 -m pytest -q -p no:cacheprovider --large tests 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1
+if [ "${1:-}" = "--sweep" ]; then
+  python3 benchmarks/sweep.py --out "$OUT" > "$OUT/sweep.log" 2>&1 || status=1
+  tail -6 "$OUT/sweep.log"
+fi
+python3 benchmarks/ops.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 || status=1
+exit $status
