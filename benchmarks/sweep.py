@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import triton
 
-from fuselm.ops.rms_norm.kernels import _rms_norm_fwd_kernel
+from fuselm.ops.rms_norm.kernels import _rms_norm_bwd_kernel, _rms_norm_fwd_kernel
 from fuselm.ops.silu_mul.kernels import _silu_mul_bwd_kernel, _silu_mul_fwd_kernel
 
 
@@ -74,6 +74,19 @@ def sweep_rms_norm(shapes):
                              "plain_ms": plain, "fused_add_ms": fused,
                              "plain_tbps": 2 * elem / plain / 1e9, "fused_add_tbps": 4 * elem / fused / 1e9})
                 print(rows[-1], flush=True)
+        dy = torch.randn_like(x)
+        for per_sm in (1, 2, 4, 8):
+            programs = per_sm * torch.cuda.get_device_properties().multi_processor_count
+            rows_per_program = triton.cdiv(m, programs)
+            programs = triton.cdiv(m, rows_per_program)
+            partial = torch.empty(programs, n, device="cuda", dtype=torch.float32)
+            for warps in (4, 8, 16):
+                ms = bench(lambda: _rms_norm_bwd_kernel[(programs,)](
+                    dy, x, w, dy, y, partial, m, n, rows_per_program, n, n, n, n, 1e-6, 0.0,
+                    HAS_DRES=False, ZERO_CENTERED=False, BLOCK_N=n, num_warps=warps))
+                rows.append({"kernel": "rms_norm_bwd", "shape": f"{m}x{n}", "programs_per_sm": per_sm, "warps": warps,
+                             "bwd_ms": ms, "bwd_tbps": (3 * m * n * 2 + programs * n * 4) / ms / 1e9})
+                print(rows[-1], flush=True)
     return rows
 
 
@@ -89,7 +102,10 @@ def main(argv=None):
               f"{r['bwd_ms']:.4f} | {r['bwd_tbps']:.2f} |" for r in silu]
     lines += ["", "| rms_norm shape | block_m | warps | plain ms | plain TB/s | fused add ms | fused add TB/s |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['shape']} | {r['block_m']} | {r['warps']} | {r['plain_ms']:.4f} | {r['plain_tbps']:.2f} | "
-              f"{r['fused_add_ms']:.4f} | {r['fused_add_tbps']:.2f} |" for r in norm]
+              f"{r['fused_add_ms']:.4f} | {r['fused_add_tbps']:.2f} |" for r in norm if r["kernel"] == "rms_norm"]
+    lines += ["", "| rms_norm bwd shape | programs/SM | warps | ms | TB/s |", "|---|---|---|---|---|"]
+    lines += [f"| {r['shape']} | {r['programs_per_sm']} | {r['warps']} | {r['bwd_ms']:.4f} | {r['bwd_tbps']:.2f} |"
+              for r in norm if r["kernel"] == "rms_norm_bwd"]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sweep.md").write_text("\n".join(lines) + "\n")
     (args.out / "sweep.json").write_text(json.dumps({"silu_mul": silu, "rms_norm": norm}, indent=1))
@@ -99,8 +115,11 @@ def main(argv=None):
         f, b = min(rs, key=lambda r: r["fwd_ms"]), min(rs, key=lambda r: r["bwd_ms"])
         print(f"best silu_mul {shape}: fwd {f['block_m']}x{f['block_n']}/w{f['warps']} {f['fwd_ms']:.4f} ms; "
               f"bwd {b['block_m']}x{b['block_n']}/w{b['warps']} {b['bwd_ms']:.4f} ms")
-    p, fa = min(norm, key=lambda r: r["plain_ms"]), min(norm, key=lambda r: r["fused_add_ms"])
+    fwd = [r for r in norm if r["kernel"] == "rms_norm"]
+    p, fa = min(fwd, key=lambda r: r["plain_ms"]), min(fwd, key=lambda r: r["fused_add_ms"])
     print(f"best rms_norm: plain bm{p['block_m']}/w{p['warps']} {p['plain_ms']:.4f}; fused bm{fa['block_m']}/w{fa['warps']} {fa['fused_add_ms']:.4f}")
+    b = min((r for r in norm if r["kernel"] == "rms_norm_bwd"), key=lambda r: r["bwd_ms"])
+    print(f"best rms_norm bwd: {b['programs_per_sm']}/SM w{b['warps']} {b['bwd_ms']:.4f} ms")
     return 0
 
 

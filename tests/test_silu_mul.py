@@ -129,3 +129,15 @@ def test_cpu_without_interpreter_uses_reference(monkeypatch):
     gate, up = torch.randn(3, 50), torch.randn(3, 50)
     assert torch.equal(silu_mul(gate, up), silu_mul_ref(gate, up))
 
+
+
+def test_geometry_choice_per_architecture(monkeypatch):
+    import fuselm.ops.silu_mul.kernels as kernels
+
+    cuda = torch.device("cuda", 0)
+    for major, n_cols, expected in [(9, 14336, "row"), (9, 4096, "row"), (10, 14336, "tiled"), (10, 4096, "row"),
+                                    (9, 70000, "tiled"), (8, 18944, "row")]:
+        kernels.choose_geometry.cache_clear()
+        monkeypatch.setattr(kernels, "arch_major", lambda device, major=major: major)
+        assert kernels.choose_geometry(n_cols, cuda) == kernels.GEOMETRIES[expected](n_cols), (major, n_cols)
+    kernels.choose_geometry.cache_clear()

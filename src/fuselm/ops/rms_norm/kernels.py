@@ -87,15 +87,14 @@ def _rms_norm_bwd_kernel(
 # ----------------------------------------------------------------------------- tuning constants
 # The widest row a program holds in registers (fp32): the kernels keep a whole row on chip.
 MAX_COLS = 65536
-# Forward: rows per program and warps, by row width. Chosen by the sweep on an H100 at
-# 8192 x 4096 bf16 (benchmarks/results/, rms_norm tile sweep): a 4096-wide row per 8 warps
-# leaves each thread 16 elements, 2 x 16-byte loads per input; one row per program is the
-# only geometry at decode (1 row).
-def _forward_geometry(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+# Forward: rows per program and warps by row width. At least 2048 elements per program (narrow
+# rows, e.g. per-head q/k norms, share a program) and a warp per 1024 columns (2 to 16). The H100
+# sweep at 8192 x 4096 bf16 (benchmarks/results/, sweep.md) put one row and 4 warps within 1%
+# of the best, plain (90% of copy bandwidth) and fused with the add (96%).
+def _forward_geometry(n_cols: int) -> tuple[int, int, int]:
     block_n = triton.next_power_of_2(n_cols)
-    block_m = 1 if n_rows < 1024 else max(1, min(4, 4096 // block_n))
-    num_warps = min(max(block_m * block_n // 512, 4), 16)
-    return block_m, block_n, num_warps
+    block_m = max(1, 2048 // block_n)
+    return block_m, block_n, min(max(block_n // 1024, 2), 16)
 
 
 # Backward: a persistent grid of PROGRAMS_PER_SM x SMs programs, each over a contiguous run of
@@ -108,7 +107,7 @@ def rms_norm_forward_kernel(x, residual, weight, y, residual_out, eps: float, of
     """Launch the forward on 2-D [rows, N] views (unit column stride). ``residual`` None: plain
     RMSNorm, else the fused add writing ``residual_out``."""
     n_rows, n_cols = x.shape
-    block_m, block_n, num_warps = _forward_geometry(n_rows, n_cols)
+    block_m, block_n, num_warps = _forward_geometry(n_cols)
     has_res = residual is not None
     res, res_out = (residual, residual_out) if has_res else (x, y)
     _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](

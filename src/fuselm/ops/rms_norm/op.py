@@ -1,5 +1,9 @@
-"""``rms_norm`` and ``add_rms_norm``: checked host functions, ``torch.library`` ops with autograd,
-and the modules. Rounding modes and formulas: ``naive.py`` and ``kernels.py`` beside this file."""
+"""``rms_norm`` and ``add_rms_norm``: checked host functions, autograd, ``torch.library`` ops, and
+the module. Rounding modes and formulas: ``naive.py`` and ``kernels.py`` beside this file.
+
+Eager calls go through ``autograd.Function``s, calls under ``torch.compile`` through the custom
+ops (see ``fuselm/ops/silu_mul/op.py`` for why there are two entry points to one kernel pair).
+"""
 
 from __future__ import annotations
 
@@ -73,7 +77,38 @@ def add_rms_norm_forward(x, residual, weight, eps: float = 1e-6, offset: float =
     return _forward(x, residual, weight, eps, offset, check_out("out", out, x), check_out("residual_out", residual_out, x))
 
 
-# ----------------------------------------------------------------------------- torch.library ops
+# ----------------------------------------------------------------------------- autograd (eager)
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset):
+        ctx.save_for_backward(x, weight)
+        ctx.eps, ctx.offset = eps, offset
+        return _forward(x, None, weight, eps, offset, torch.empty(x.shape, dtype=x.dtype, device=x.device), None)[0]
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        return (*_backward(dy, x, weight, None, ctx.eps, ctx.offset), None, None)
+
+
+class _AddRMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, offset):
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        _forward(x, residual, weight, eps, offset, y, s)
+        ctx.save_for_backward(s, weight)  # s = x + residual: the normalised input
+        ctx.eps, ctx.offset = eps, offset
+        return y, s
+
+    @staticmethod
+    def backward(ctx, dy, d_residual_out):
+        s, weight = ctx.saved_tensors
+        ds, dw = _backward(dy, s, weight, d_residual_out, ctx.eps, ctx.offset)
+        return ds, ds, dw, None, None  # s = x + residual: both get ds
+
+
+# ----------------------------------------------------------------------------- torch.library ops (compile)
 @torch.library.custom_op("fuselm::rms_norm", mutates_args=())
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
     return _forward(x, None, weight, eps, offset, torch.empty(x.shape, dtype=x.dtype, device=x.device), None)[0]
@@ -152,7 +187,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
         [..., N] in ``x.dtype``.
     """
     eps, offset = _check_inputs(x, weight, eps, offset)
-    return _rms_norm_op(x, weight, eps, offset)
+    if torch.compiler.is_compiling():
+        return _rms_norm_op(x, weight, eps, offset)
+    return _RMSNormFunction.apply(x, weight, eps, offset)
 
 
 def add_rms_norm(x, residual, weight, eps: float = 1e-6, offset: float = 0.0):
@@ -166,7 +203,9 @@ def add_rms_norm(x, residual, weight, eps: float = 1e-6, offset: float = 0.0):
         residual stream for the next layer.
     """
     eps, offset = _check_inputs(x, weight, eps, offset, residual)
-    return _add_rms_norm_op(x, residual, weight, eps, offset)
+    if torch.compiler.is_compiling():
+        return _add_rms_norm_op(x, residual, weight, eps, offset)
+    return _AddRMSNormFunction.apply(x, residual, weight, eps, offset)
 
 
 class RMSNorm(nn.Module):

@@ -8,6 +8,7 @@ owns, never the arithmetic, so every geometry gives bit-identical results.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -69,14 +70,15 @@ class Geometry:
 
 # The widest row one program may cover in the one-row geometry (registers: 64K fp32 / program).
 MAX_ROW_BLOCK = 65536
-# Column-tiled geometry, a program per (row block, 1024-column tile). 1024 columns x 2 rows is
-# 2 x 2 KB per bf16 input, enough bytes in flight per program; chosen by the sweep in
-# benchmarks/results/ (tile sweep), as seed 004 found 1024 best or tied for the backward on B200.
+# Column-tiled geometry: a program per (row block, 1024-column tile), 4 warps; seed 004's B200
+# sweep found 1024 best or tied for the backward. On the H100 every tiling we swept ran within 4%
+# of the one-row geometry (benchmarks/results/, sweep.md).
 TILE_N = 1024
 
 
 def row_geometry(n_cols: int) -> Geometry:
-    """One program per row, the whole row in one tile (Liger's geometry)."""
+    """One program per row, the whole row in one tile; a warp per 512 columns (4 to 32), the
+    best or within 1% of the best warp count at each width of the H100 sweep."""
     block_n = triton.next_power_of_2(max(n_cols, 1))
     if block_n > MAX_ROW_BLOCK:
         raise ValueError(f"row geometry covers rows up to {MAX_ROW_BLOCK} columns, got {n_cols}")
@@ -90,16 +92,17 @@ def tiled_geometry(n_cols: int) -> Geometry:
     return Geometry(block_m, block_n, num_warps=4)
 
 
+@functools.lru_cache(maxsize=256)
 def choose_geometry(n_cols: int, device: torch.device) -> Geometry:
     """Geometry per architecture and row width.
 
-    Column tiles keep register use per thread low, so many programs share an SM and the
-    memory system stays busy; they win for wide rows on Blackwell (seed 004: 1.6x backward at
-    14336) and never lose on Hopper in our sweep, while one program per row starves narrow rows
-    (4096 columns on an H100: 1.2 TB/s, below eager). The one-row geometry stays available for
-    the tests and for architectures we have not measured.
+    Hopper and older: one program per row. Our H100 sweep (benchmarks/results/, sweep.md) has it
+    1-4% ahead of every column tiling at 4096, 14336 and 18944 columns, forward and backward, at
+    96-97% of copy bandwidth. Blackwell: column tiles for rows wider than 8192 (seed 004: the
+    one-row backward is occupancy-starved there, 1.6x from tiling at 14336). Rows wider than a
+    program holds are tiled everywhere.
     """
-    if arch_major(device) in (0, 9, 10, 12) or n_cols > MAX_ROW_BLOCK:
+    if n_cols > MAX_ROW_BLOCK or (arch_major(device) >= 10 and n_cols > 8192):
         return tiled_geometry(n_cols)
     return row_geometry(n_cols)
 

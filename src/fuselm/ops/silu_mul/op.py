@@ -1,4 +1,11 @@
-"""``silu_mul``: the checked host function, the ``torch.library`` ops with autograd, and the module."""
+"""``silu_mul``: checked host functions, autograd, the ``torch.library`` ops, the module.
+
+Two entry points share one forward and one backward: eager calls go through an
+``autograd.Function`` (a few µs of host time), calls under ``torch.compile`` through the
+``torch.library`` custom ops, which the compiler traces with their fake implementations. The
+custom-op dispatch costs 11 µs more per call without grad and 30 µs more with grad than the
+Function on our CPU (measured with tiny tensors), which is the whole kernel time at decode.
+"""
 
 from __future__ import annotations
 
@@ -60,7 +67,23 @@ def silu_mul_backward(grad, gate, up, activation="silu", *, geometry: str | None
                      torch.empty_like(up, memory_format=torch.contiguous_format), geometry)
 
 
-# ----------------------------------------------------------------------------- torch.library ops
+# ----------------------------------------------------------------------------- autograd (eager)
+class _SiLUMulFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, act: Activation):
+        ctx.save_for_backward(gate, up)
+        ctx.act = act
+        return _forward(gate, up, act, torch.empty(gate.shape, dtype=gate.dtype, device=gate.device))
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        d_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+        return (*_backward(grad, gate, up, ctx.act, d_gate, d_up), None)
+
+
+# ----------------------------------------------------------------------------- torch.library ops (compile)
 @torch.library.custom_op("fuselm::silu_mul", mutates_args=())
 def _silu_mul_op(gate: torch.Tensor, up: torch.Tensor, kind: str, limit: float, alpha: float) -> torch.Tensor:
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
@@ -116,7 +139,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, activation: Activation | str 
     """
     _check_inputs(gate, up)
     act = Activation.parse(activation)
-    return _silu_mul_op(gate, up, act.kind, act.limit, act.alpha)
+    if torch.compiler.is_compiling():
+        return _silu_mul_op(gate, up, act.kind, act.limit, act.alpha)
+    return _SiLUMulFunction.apply(gate, up, act)
 
 
 class SiLUMul(nn.Module):
