@@ -19,5 +19,6 @@ if [ "${1:-}" = "--sweep" ]; then
   python3 benchmarks/sweep.py --out "$OUT" > "$OUT/sweep.log" 2>&1 || status=1
   tail -6 "$OUT/sweep.log"
 fi
+python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host_overhead.md" || status=1
 python3 benchmarks/ops.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 || status=1
 exit $status
