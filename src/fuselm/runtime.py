@@ -10,6 +10,7 @@ Dispatch rule for every fuselm op:
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -56,9 +57,9 @@ def check_tensor(name: str, t, dtypes=KERNEL_DTYPES) -> None:
 
 def check_same_device(**tensors: torch.Tensor) -> None:
     """ValueError naming the arguments when the tensors are not all on one device."""
-    devices = {name: t.device for name, t in tensors.items() if t is not None}
-    if len(set(devices.values())) > 1:
-        listed = ", ".join(f"{name} on {dev}" for name, dev in devices.items())
+    present = [(name, t.device) for name, t in tensors.items() if t is not None]
+    if any(device != present[0][1] for _, device in present):
+        listed = ", ".join(f"{name} on {device}" for name, device in present)
         raise ValueError(f"tensors must be on one device: {listed}")
 
 
@@ -72,11 +73,12 @@ def check_match(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor, *,
 
 def check_finite_float(name: str, value, *, positive: bool = False, nonnegative: bool = False) -> float:
     """The argument as a float; ValueError if it is not a finite number (of the right sign)."""
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name}: expected a number, got {type(value).__name__}") from None
-    if value != value or value in (float("inf"), float("-inf")):
+    if type(value) is not float:
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"{name}: expected a number, got {type(value).__name__}") from None
+    if not math.isfinite(value):
         raise ValueError(f"{name}: must be finite, got {value}")
     if positive and not value > 0:
         raise ValueError(f"{name}: must be > 0, got {value}")
@@ -96,6 +98,11 @@ def check_out(name: str, out: torch.Tensor | None, like: torch.Tensor) -> torch.
     if not out.is_contiguous():
         raise ValueError(f"{name}: must be contiguous")
     return out
+
+
+def needs_autograd(*tensors: torch.Tensor) -> bool:
+    """True when autograd must record the op (grad mode on and an input requires grad)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def as_rows(name: str, t: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,8 @@ writes nothing but its outputs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -91,6 +93,7 @@ MAX_COLS = 65536
 # rows, e.g. per-head q/k norms, share a program) and a warp per 1024 columns (2 to 16). The H100
 # sweep at 8192 x 4096 bf16 (benchmarks/results/, sweep.md) put one row and 4 warps within 1%
 # of the best, plain (90% of copy bandwidth) and fused with the add (96%).
+@functools.lru_cache(maxsize=256)
 def _forward_geometry(n_cols: int) -> tuple[int, int, int]:
     block_n = triton.next_power_of_2(n_cols)
     block_m = max(1, 2048 // block_n)

@@ -13,7 +13,7 @@ from torch import nn
 from fuselm.ops.rms_norm.kernels import MAX_COLS, rms_norm_backward_kernel, rms_norm_forward_kernel
 from fuselm.ops.rms_norm.naive import add_rms_norm_ref, rms_norm_backward_ref, rms_norm_ref
 from fuselm.runtime import (
-    as_rows, check_finite_float, check_match, check_out, check_same_device, check_tensor, use_triton,
+    as_rows, check_finite_float, check_match, check_out, check_same_device, check_tensor, needs_autograd, use_triton,
 )
 
 
@@ -189,7 +189,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
     eps, offset = _check_inputs(x, weight, eps, offset)
     if torch.compiler.is_compiling():
         return _rms_norm_op(x, weight, eps, offset)
-    return _RMSNormFunction.apply(x, weight, eps, offset)
+    if needs_autograd(x, weight):
+        return _RMSNormFunction.apply(x, weight, eps, offset)
+    return _forward(x, None, weight, eps, offset, torch.empty(x.shape, dtype=x.dtype, device=x.device), None)[0]
 
 
 def add_rms_norm(x, residual, weight, eps: float = 1e-6, offset: float = 0.0):
@@ -205,7 +207,10 @@ def add_rms_norm(x, residual, weight, eps: float = 1e-6, offset: float = 0.0):
     eps, offset = _check_inputs(x, weight, eps, offset, residual)
     if torch.compiler.is_compiling():
         return _add_rms_norm_op(x, residual, weight, eps, offset)
-    return _AddRMSNormFunction.apply(x, residual, weight, eps, offset)
+    if needs_autograd(x, residual, weight):
+        return _AddRMSNormFunction.apply(x, residual, weight, eps, offset)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return _forward(x, residual, weight, eps, offset, y, torch.empty(x.shape, dtype=x.dtype, device=x.device))
 
 
 class RMSNorm(nn.Module):

@@ -15,7 +15,7 @@ from torch import nn
 from fuselm.ops.activation import Activation
 from fuselm.ops.silu_mul.kernels import silu_mul_backward_kernel, silu_mul_forward_kernel
 from fuselm.ops.silu_mul.naive import silu_mul_backward_ref, silu_mul_ref
-from fuselm.runtime import as_rows, check_match, check_out, check_same_device, check_tensor, use_triton
+from fuselm.runtime import as_rows, check_match, check_out, check_same_device, check_tensor, needs_autograd, use_triton
 
 
 def _check_inputs(gate, up) -> None:
@@ -141,7 +141,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, activation: Activation | str 
     act = Activation.parse(activation)
     if torch.compiler.is_compiling():
         return _silu_mul_op(gate, up, act.kind, act.limit, act.alpha)
-    return _SiLUMulFunction.apply(gate, up, act)
+    if needs_autograd(gate, up):
+        return _SiLUMulFunction.apply(gate, up, act)
+    return _forward(gate, up, act, torch.empty(gate.shape, dtype=gate.dtype, device=gate.device))
 
 
 class SiLUMul(nn.Module):

@@ -1,0 +1,5 @@
+import sys
+
+from fuselm.cli import main
+
+sys.exit(main())
