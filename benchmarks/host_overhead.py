@@ -3,11 +3,9 @@
     python benchmarks/host_overhead.py
 
 Each layer adds one step of the public call path; the differences show where host time goes.
-Times are medians of 5 loops of 500 calls that never wait on the GPU (the kernels take ~1.5 µs,
+Times are medians of 5 loops of 200 calls that never wait on the GPU (the kernels take ~1.5 µs,
 so the host is the bottleneck).
 """
-
-import time
 
 import torch
 import triton
@@ -15,19 +13,7 @@ import triton
 from fuselm import rms_norm
 from fuselm.ops.rms_norm import op as rms_op
 from fuselm.ops.rms_norm.kernels import _rms_norm_fwd_kernel, rms_norm_forward_kernel
-
-
-def host_us(fn, calls=500):
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return sorted(samples)[2]
+from timing import host_us
 
 
 def main():

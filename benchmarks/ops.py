@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
-import sys
 import itertools
-import time
+import json
+import sys
 from importlib.metadata import version as package_version
 from pathlib import Path
 
@@ -32,6 +30,7 @@ import triton
 
 import fuselm
 from fuselm import add_rms_norm, rms_norm, silu_mul
+from timing import bench, capture, capture_stream, copy_bandwidth, graph_bench, host_us
 
 try:
     from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
@@ -42,43 +41,6 @@ except ImportError:  # the comparison is skipped, and the table says so
 
 EPS = 1e-6
 DTYPE = torch.bfloat16
-
-
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-_capture_stream = None
-
-
-def capture_stream() -> torch.cuda.Stream:
-    """The stream graphs are captured on. Backward timers build their forward on it too:
-    autograd runs each backward op on its forward op's stream, which must be the capturing one."""
-    global _capture_stream
-    if _capture_stream is None:
-        _capture_stream = torch.cuda.Stream()
-    return _capture_stream
-
-
-def graph_bench(fn) -> float:
-    """do_bench of ``fn`` captured once in a CUDA graph and replayed."""
-    stream = capture_stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    return bench(graph.replay)
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second (TB/s)."""
-    src = torch.randn(256 * 1024 * 1024, device="cuda", dtype=DTYPE)  # 512 MiB
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
-    return 2 * src.numel() * src.element_size() / ms / 1e9
 
 
 # ----------------------------------------------------------------------------- eager baselines (HF)
@@ -176,31 +138,13 @@ def rms_norm_cases(rows, n=4096):
 def decode_costs(fn, calls: int = 200) -> dict:
     """Host time per call (Python + launch, GPU not waited on), GPU time per call (the same
     call replayed from a CUDA graph), and kernels launched per call (profiler)."""
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    host_us = sorted(samples)[2]
-    stream = capture_stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls):
-            fn()
-    gpu_us = bench(graph.replay) / calls * 1e3
+    host = host_us(fn, calls)
+    gpu_us = bench(capture(fn, calls).replay) / calls * 1e3
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return {"host_us": host_us, "gpu_us": gpu_us, "kernels": kernels}
+    return {"host_us": host, "gpu_us": gpu_us, "kernels": kernels}
 
 
 def decode_table():

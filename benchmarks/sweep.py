@@ -19,10 +19,7 @@ import triton
 
 from fuselm.ops.rms_norm.kernels import _rms_norm_bwd_kernel, _rms_norm_fwd_kernel
 from fuselm.ops.silu_mul.kernels import _silu_mul_bwd_kernel, _silu_mul_fwd_kernel
-
-
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+from timing import bench
 
 
 def silu_mul_configs(n_cols):

@@ -20,21 +20,27 @@ from fuselm.runtime import arch_major
 
 
 @triton.jit
+def _tile(n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's tile: int64 row offsets [BLOCK_M, 1], columns [1, BLOCK_N], in-bounds mask."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    return rows.to(tl.int64)[:, None], cols[None, :], mask
+
+
+@triton.jit
 def _silu_mul_fwd_kernel(
     gate_ptr, up_ptr, out_ptr,
     n_rows, n_cols, stride_gate, stride_up, stride_out,
     limit, alpha,
     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    rows = rows.to(tl.int64)[:, None]
-    g = tl.load(gate_ptr + rows * stride_gate + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + rows * stride_up + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
+    g = tl.load(gate_ptr + rows * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + rows * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
     a = gate_factor(g, ACT, limit, alpha).to(out_ptr.dtype.element_ty).to(tl.float32)
     y = a * up_factor(u, ACT, limit)
-    tl.store(out_ptr + rows * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -44,18 +50,15 @@ def _silu_mul_bwd_kernel(
     limit, alpha,
     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    rows = rows.to(tl.int64)[:, None]
-    dy = tl.load(grad_ptr + rows * stride_grad + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(gate_ptr + rows * stride_gate + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + rows * stride_up + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
+    dy = tl.load(grad_ptr + rows * stride_grad + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + rows * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + rows * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
     a = gate_factor(g, ACT, limit, alpha).to(dgate_ptr.dtype.element_ty).to(tl.float32)
     dg = dy * up_factor(u, ACT, limit) * gate_factor_grad(g, ACT, limit, alpha)
     du = dy * a * up_factor_grad(u, ACT, limit)
-    tl.store(dgate_ptr + rows * stride_dgate + cols[None, :], dg.to(dgate_ptr.dtype.element_ty), mask=mask)
-    tl.store(dup_ptr + rows * stride_dup + cols[None, :], du.to(dup_ptr.dtype.element_ty), mask=mask)
+    tl.store(dgate_ptr + rows * stride_dgate + cols, dg.to(dgate_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + rows * stride_dup + cols, du.to(dup_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------- launch geometry

@@ -1,0 +1,65 @@
+"""Timing helpers shared by the benchmark scripts (all on the current CUDA device)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import triton
+
+_capture_stream = None
+
+
+def bench(fn) -> float:
+    """``triton.testing.do_bench`` median in ms, after warm-up."""
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """The stream graphs are captured on. A backward timed in a graph needs its forward built on
+    it too: autograd runs each backward op on its forward op's stream, which must be capturing."""
+    global _capture_stream
+    if _capture_stream is None:
+        _capture_stream = torch.cuda.Stream()
+    return _capture_stream
+
+
+def capture(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
+    """``calls`` calls of ``fn`` captured in one CUDA graph (after a warm-up call)."""
+    stream = capture_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def graph_bench(fn) -> float:
+    """GPU time of one call: do_bench of ``fn`` replayed from a CUDA graph, in ms."""
+    return bench(capture(fn).replay)
+
+
+def host_us(fn, calls: int = 200) -> float:
+    """Host time per call in µs: median of 5 loops of ``calls`` calls that never wait on the GPU."""
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return sorted(samples)[2]
+
+
+def copy_bandwidth(dtype=torch.bfloat16) -> float:
+    """Device-to-device copy of 512 MiB, bytes read + written per second (TB/s)."""
+    src = torch.randn(256 * 1024 * 1024, device="cuda", dtype=dtype)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / ms / 1e9
