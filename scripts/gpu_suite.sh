@@ -11,14 +11,16 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+# At most 8 files come back from the device: tests.log, host_overhead.md, ops.{md,json,png}, mlp.{md,json,png}.
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/tests.log"
 status=0
-python3 -m pytest -q -p no:cacheprovider --large tests 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1
+python3 -m pytest -q -p no:cacheprovider --large tests 2>&1 | tee -a "$OUT/tests.log" | tail -25 || status=1
 if [ "${1:-}" = "--sweep" ]; then
-  python3 benchmarks/sweep.py --out "$OUT" > "$OUT/sweep.log" 2>&1 || status=1
-  tail -6 "$OUT/sweep.log"
+  python3 benchmarks/sweep.py --out "$OUT" > /tmp/sweep.log 2>&1 || status=1
+  tail -6 /tmp/sweep.log
 fi
 python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host_overhead.md" || status=1
-python3 benchmarks/ops.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 || status=1
+python3 benchmarks/ops.py --out "$OUT" 2>&1 | tail -40 || status=1
+python3 benchmarks/mlp.py ${1:+$1} --out "$OUT" 2>&1 | tail -40 || status=1
 exit $status

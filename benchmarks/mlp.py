@@ -1,0 +1,264 @@
+"""The gate/up GEMM with SwiGLU and the whole SwiGLU MLP at the Llama-8B shape (D=4096,
+F=14336, bf16), against cuBLAS (+ Liger silu_mul) and Liger's fused MLP, in one run.
+
+    python benchmarks/mlp.py [--sweep] [--out DIR]
+
+GPU time is do_bench of the call replayed from a CUDA graph (see benchmarks/ops.py); the matrix
+rate (8192^3 bf16 torch.mm) and the copy bandwidth are measured in the same run. Writes
+``mlp.md``, ``mlp.json``, ``mlp.png``. ``--sweep`` also times the kernels' tile configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from fuselm import gemm_swiglu, pack_gate_up, silu_mul, swiglu_mlp
+from fuselm.ops.activation import Activation
+from fuselm.ops.swiglu_mlp.kernels import GemmConfig, GemvConfig, decode_gemv_kernel, gemm_swiglu_kernel
+from timing import bench, copy_bandwidth, graph_bench
+
+try:
+    from liger_kernel.ops.mlp import LigerMLPFunction
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+except ImportError:
+    LigerMLPFunction = LigerSiLUMulFunction = None
+
+D, FF = 4096, 14336
+DT = torch.bfloat16
+
+
+def matrix_rate() -> float:
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=DT) for _ in range(2))
+    return 2 * 8192**3 / bench(lambda: a @ b) / 1e9
+
+
+def make_weights():
+    wg, wu = (torch.randn(FF, D, device="cuda", dtype=DT) * D**-0.5 for _ in range(2))
+    w2 = torch.randn(D, FF, device="cuda", dtype=DT) * FF**-0.5
+    return wg, wu, pack_gate_up(wg, wu), w2
+
+
+def runnable(providers: dict) -> dict:
+    """The providers whose first (eager) call succeeds; a failure is printed, not fatal."""
+    ok = {}
+    for name, fn in providers.items():
+        try:
+            fn()
+            ok[name] = fn
+        except Exception as error:  # e.g. a comparison library that rejects a shape
+            print(f"  {name} skipped: {str(error).splitlines()[0][:120]}")
+    return ok
+
+
+def gemm_providers(x, wg, wu, w13):
+    w_flat = w13.view(2 * FF, D)
+    p = {
+        "fuselm gemm_swiglu": lambda: gemm_swiglu(x, w13),
+        "cuBLAS mm alone": lambda: x @ w_flat.T,
+        "cuBLAS + fuselm silu_mul": lambda: (lambda gu: silu_mul(gu[:, :FF], gu[:, FF:]))(x @ w_flat.T),
+    }
+    if LigerSiLUMulFunction is not None:
+        p["cuBLAS + Liger silu_mul"] = lambda: (lambda gu: LigerSiLUMulFunction.apply(gu[:, :FF], gu[:, FF:]))(x @ w_flat.T)
+    return p
+
+
+def mlp_providers(x, wg, wu, w13, w2):
+    p = {
+        "fuselm swiglu_mlp": lambda: swiglu_mlp(x, w13, w2),
+        "eager cuBLAS MLP": lambda: (F.silu(x @ wg.T) * (x @ wu.T)) @ w2.T,
+    }
+    if LigerMLPFunction is not None:
+        p["Liger LigerMLPFunction"] = lambda: LigerMLPFunction.apply(x, wg, wu, w2)
+    return p
+
+
+def peak_bytes(fn) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    del out
+    return torch.cuda.max_memory_allocated() - base
+
+
+def training_step(m, wg, wu, w13, w2):
+    """Forward + backward at M tokens: fuselm swiglu_mlp vs eager cuBLAS with Liger silu_mul."""
+    x = torch.randn(m, D, device="cuda", dtype=DT)
+    dy = torch.randn(m, D, device="cuda", dtype=DT)
+    w13p, w2p = w13.clone().requires_grad_(True), w2.clone().requires_grad_(True)
+    w_flat = w13p.view(2 * FF, D)
+    xg = x.clone().requires_grad_(True)
+
+    def fuselm_step():
+        swiglu_mlp(xg, w13p, w2p).backward(dy)
+
+    def unfused_step(act):
+        gu = xg @ w_flat.T
+        (act(gu[:, :FF], gu[:, FF:]) @ w2p.T).backward(dy)
+
+    rows = {"fuselm swiglu_mlp": fuselm_step, "eager cuBLAS + fuselm silu_mul": lambda: unfused_step(silu_mul)}
+    if LigerSiLUMulFunction is not None:
+        rows["eager cuBLAS + Liger silu_mul"] = lambda: unfused_step(LigerSiLUMulFunction.apply)
+    out = {}
+    for name, fn in rows.items():
+        fn()
+        out[name] = {"ms": bench(fn), "peak_gb": peak_bytes(fn) / 1e9}
+        xg.grad = w13p.grad = w2p.grad = None
+    return out
+
+
+def sweep(wg, wu, w13, w2):
+    rows = []
+    act = Activation()
+    for m in (4096,):
+        x = torch.randn(m, D, device="cuda", dtype=DT)
+        h = torch.empty(m, FF, device="cuda", dtype=DT)
+        for cfg in [GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(128, 128, 32, 8, 8, 4),
+                    GemmConfig(128, 64, 64, 8, 4, 4), GemmConfig(128, 64, 64, 8, 8, 4), GemmConfig(64, 128, 64, 8, 4, 4),
+                    GemmConfig(128, 128, 64, 16, 8, 3), GemmConfig(256, 64, 64, 8, 8, 3)]:
+            try:
+                ms = bench(lambda: gemm_swiglu_kernel(x, w13, act, h, config=cfg))
+            except Exception as error:  # out of shared memory / registers: recorded, not fatal
+                rows.append({"kernel": "gemm", "m": m, "config": str(cfg), "error": str(error)[:80]})
+                continue
+            rows.append({"kernel": "gemm", "m": m, "config": str(cfg), "ms": ms,
+                         "tflops": 2 * m * D * 2 * FF / ms / 1e9})
+            print(rows[-1], flush=True)
+    for m in (1, 16):
+        x = torch.randn(m, D, device="cuda", dtype=DT)
+        h = torch.empty(m, FF, device="cuda", dtype=DT)
+        y = torch.empty(m, D, device="cuda", dtype=DT)
+        for bn in (16, 32, 64):
+            for bk in (128, 256, 512):
+                for stages in (3, 4):
+                    for warps in (4, 8):
+                        cfg = GemvConfig(bn, bk, warps, stages)
+                        for kernel, fn, nbytes in (
+                            ("gemv gate/up", lambda: decode_gemv_kernel(x, w13, h, act, config=cfg), 2 * FF * D * 2),
+                            ("gemv down", lambda: decode_gemv_kernel(h, w2, y, config=cfg), FF * D * 2),
+                        ):
+                            try:
+                                ms = graph_bench(fn)
+                            except Exception as error:
+                                rows.append({"kernel": kernel, "m": m, "config": str(cfg), "error": str(error)[:80]})
+                                continue
+                            rows.append({"kernel": kernel, "m": m, "config": str(cfg), "ms": ms, "tbps": nbytes / ms / 1e9})
+                            print(rows[-1], flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/mlp.py needs a CUDA device; nothing timed.")
+        return 0
+    gpu = torch.cuda.get_device_name()
+    out = args.out or Path(__file__).parent / "results" / gpu.replace(" ", "_")
+    out.mkdir(parents=True, exist_ok=True)
+    copy_tbps, tflops = copy_bandwidth(), matrix_rate()
+    wg, wu, w13, w2 = make_weights()
+    result = {"meta": {"gpu": gpu, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+                       "triton": triton.__version__, "command": "python " + " ".join(sys.argv),
+                       "copy_tbps": copy_tbps, "matrix_tflops": tflops}, "gemm": [], "mlp": []}
+    if args.sweep:
+        result["sweep"] = sweep(wg, wu, w13, w2)
+    for m in (1, 16, 128, 1024, 4096, 8192):
+        x = torch.randn(m, D, device="cuda", dtype=DT)
+        ms = {name: graph_bench(fn) for name, fn in runnable(gemm_providers(x, wg, wu, w13)).items()}
+        peak = {"fuselm gemm_swiglu": peak_bytes(lambda: gemm_swiglu(x, w13)),
+                "cuBLAS + fuselm silu_mul": peak_bytes(gemm_providers(x, wg, wu, w13)["cuBLAS + fuselm silu_mul"])}
+        result["gemm"].append({"m": m, "ms": ms, "peak_bytes": peak})
+        print("gemm", m, {k: round(v, 4) for k, v in ms.items()}, flush=True)
+    for m in (1, 4, 16, 128, 1024, 4096):
+        x = torch.randn(m, D, device="cuda", dtype=DT)
+        ms = {name: graph_bench(fn) for name, fn in runnable(mlp_providers(x, wg, wu, w13, w2)).items()}
+        result["mlp"].append({"m": m, "ms": ms})
+        print("mlp", m, {k: round(v, 4) for k, v in ms.items()}, flush=True)
+    result["training_m4096"] = training_step(4096, wg, wu, w13, w2)
+    (out / "mlp.json").write_text(json.dumps(result, indent=1))
+    text = render(result)
+    (out / "mlp.md").write_text(text)
+    plot(result, out / "mlp.png")
+    print(text)
+    return 0
+
+
+def render(r) -> str:
+    meta = r["meta"]
+    weight_bytes = 3 * FF * D * 2
+    lines = [f"# SwiGLU GEMM and MLP, Llama-8B shape (D={D}, F={FF}), bf16: {meta['gpu']}", "",
+             f"{meta['date']}; torch {meta['torch']}, triton {meta['triton']}. Command: `{meta['command']}`.",
+             f"Measured in this run: copy {meta['copy_tbps']:.2f} TB/s, bf16 mm 8192^3 {meta['matrix_tflops']:.0f} TFLOP/s.",
+             "GPU time per call (CUDA-graph replay, do_bench median), ms.", "",
+             "## gate/up GEMM + SwiGLU: h = silu(x Wg^T) * (x Wu^T)", ""]
+    names = sorted({n for row in r["gemm"] for n in row["ms"]})
+    lines += ["| M | " + " | ".join(names) + " | fuselm TFLOP/s | % of mm alone | vs cuBLAS+Liger | fuselm peak MB | unfused peak MB |",
+              "|---|" + "---|" * (len(names) + 5)]
+    for row in r["gemm"]:
+        t, m = row["ms"], row["m"]
+        fus = t["fuselm gemm_swiglu"]
+        liger = t.get("cuBLAS + Liger silu_mul")
+        lines.append(f"| {m} | " + " | ".join(f"{t[n]:.4f}" if n in t else "-" for n in names)
+                     + f" | {2 * m * D * 2 * FF / fus / 1e9:.0f} | {100 * t['cuBLAS mm alone'] / fus:.0f}% | "
+                     + (f"{liger / fus:.2f}" if liger else "-")
+                     + f" | {row['peak_bytes']['fuselm gemm_swiglu'] / 1e6:.0f} | {row['peak_bytes']['cuBLAS + fuselm silu_mul'] / 1e6:.0f} |")
+    m1 = r["gemm"][0]["ms"]["fuselm gemm_swiglu"]
+    lines += ["", f"M=1: weight bytes {2 * FF * D * 2 / 1e6:.0f} MB in {m1:.4f} ms = {2 * FF * D * 2 / m1 / 1e9:.2f} TB/s "
+              f"({100 * 2 * FF * D * 2 / m1 / 1e9 / meta['copy_tbps']:.0f}% of copy).", "",
+              "## Whole MLP (gate, up, SwiGLU, down)", ""]
+    names = sorted({n for row in r["mlp"] for n in row["ms"]})
+    floor = weight_bytes / meta["copy_tbps"] / 1e9
+    lines += [f"Weight-streaming floor: {weight_bytes / 1e6:.0f} MB / copy = {floor:.4f} ms.", "",
+              "| M | " + " | ".join(names) + " | vs eager | vs Liger | % of floor |", "|---|" + "---|" * (len(names) + 3)]
+    for row in r["mlp"]:
+        t = row["ms"]
+        fus = t["fuselm swiglu_mlp"]
+        liger = t.get("Liger LigerMLPFunction")
+        lines.append(f"| {row['m']} | " + " | ".join(f"{t[n]:.4f}" if n in t else "-" for n in names)
+                     + f" | {t['eager cuBLAS MLP'] / fus:.2f} | " + (f"{liger / fus:.2f}" if liger else "-")
+                     + f" | {100 * floor / fus:.0f}% |")
+    lines += ["", "## Training step (forward + backward) at M=4096", "", "| provider | ms | peak GB |", "|---|---|---|"]
+    lines += [f"| {k} | {v['ms']:.3f} | {v['peak_gb']:.2f} |" for k, v in r["training_m4096"].items()]
+    if "sweep" in r:
+        lines += ["", "## Tile sweep", "", "| kernel | M | config | ms | rate |", "|---|---|---|---|---|"]
+        for s in r["sweep"]:
+            rate = f"{s['tflops']:.0f} TFLOP/s" if "tflops" in s else (f"{s['tbps']:.2f} TB/s" if "tbps" in s else s.get("error", ""))
+            lines.append(f"| {s['kernel']} | {s['m']} | {s['config']} | {s.get('ms', float('nan')):.4f} | {rate} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(r, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, title in ((axes[0], "gemm", "gate/up GEMM + SwiGLU"), (axes[1], "mlp", "whole MLP")):
+        for name in sorted({n for row in r[key] for n in row["ms"]}):
+            rows = [row for row in r[key] if name in row["ms"]]
+            ax.plot([row["m"] for row in rows], [row["ms"][name] for row in rows], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("M (tokens)")
+        ax.set_ylabel("GPU time, ms")
+        ax.set_title(f"{title}, D={D} F={FF}, bf16")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Plain-PyTorch references for the gate/up GEMM with SwiGLU and the whole SwiGLU MLP.
+
+Weight layout: ``w13`` is [2, F, D], ``w13[0]`` the gate projection and ``w13[1]`` the up
+projection, each in the nn.Linear layout [out_features, in_features]. Its memory is that of
+``torch.cat([w_gate, w_up])`` (vLLM's merged ``gate_up_proj``), so such a weight is
+``w.view(2, F, D)``. ``w2`` is the down projection, [D, F].
+
+Numerics contract of the fused path: the gate and up GEMMs accumulate in fp32 and are *not*
+rounded before the activation (HF rounds them to the model dtype first); the activation then
+follows the SwiGLU contract of ``fuselm.ops.activation`` (gate factor rounded to the input dtype,
+times the up factor, one final rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fuselm.ops.activation import Activation, gate_factor_ref, up_factor_ref
+
+
+def _work(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def gemm_swiglu_ref(x: torch.Tensor, w13: torch.Tensor, act: Activation = Activation()) -> torch.Tensor:
+    """``act(x @ w_gate.T) * (x @ w_up.T)`` per the contract above: [..., D] -> [..., F]."""
+    work = _work(x)
+    xw = x.to(work)
+    g = xw @ w13[0].to(work).T
+    u = xw @ w13[1].to(work).T
+    a = gate_factor_ref(g, act).to(x.dtype).to(work)
+    return (a * up_factor_ref(u, act)).to(x.dtype)
+
+
+def swiglu_mlp_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: Activation = Activation()) -> torch.Tensor:
+    """``gemm_swiglu_ref(x) @ w2.T``, the hidden activation rounded to x's dtype, fp32 accumulation."""
+    h = gemm_swiglu_ref(x, w13, act)
+    return (h.to(_work(x)) @ w2.to(_work(x)).T).to(x.dtype)
+
+
+def gemm_swiglu_backward_ref(x, w13, dh, act: Activation = Activation()):
+    """(d_gate_up [..., 2F], h [..., F]) from the recomputed pre-activations, in fp32."""
+    work = _work(x)
+    xw = x.to(work)
+    g = xw @ w13[0].to(work).T
+    u = xw @ w13[1].to(work).T
+    dh = dh.to(work)
+    c = g if act.kind == "silu" else torch.clamp(g, max=act.limit)
+    s = torch.sigmoid(act.alpha * c)
+    d_gate_factor = s * (1.0 + act.alpha * c * (1.0 - s))
+    d_up_factor = torch.ones_like(u)
+    if act.kind != "silu":
+        d_gate_factor = torch.where(g > act.limit, 0.0, d_gate_factor)
+        d_up_factor = ((u >= -act.limit) & (u <= act.limit)).to(work)
+    a = gate_factor_ref(g, act).to(x.dtype).to(work)
+    uf = up_factor_ref(u, act)
+    d_gu = torch.cat([dh * uf * d_gate_factor, dh * a * d_up_factor], dim=-1)
+    return d_gu.to(x.dtype), (a * uf).to(x.dtype)

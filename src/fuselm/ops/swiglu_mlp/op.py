@@ -1,0 +1,315 @@
+"""Gate/up GEMM with SwiGLU (``gemm_swiglu``) and the whole MLP (``swiglu_mlp``): weight packing,
+checks, the compute paths, autograd (eager) and ``torch.library`` ops (compile), and the module.
+
+Paths by token count M (rows of x):
+- M <= 16 (decode): ``_decode_gemv_kernel`` streams the gate/up weight once with SwiGLU in its
+  epilogue, then the down weight once: two launches for the whole MLP.
+- M > 16 (prefill, training): ``_gemm_swiglu_kernel`` (tensor cores, fp32 accumulators, SwiGLU
+  epilogue, no [M, 2F] intermediate), then the down GEMM through ``torch.mm`` (cuBLAS).
+- Backward: the GEMM kernel recomputes G and U and writes dG, dU (and h for the down weight's
+  gradient); only x and the weights are saved. dx and the weight gradients are cuBLAS GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fuselm.ops.activation import Activation
+from fuselm.ops.swiglu_mlp.kernels import DECODE_MAX_M, decode_gemv_kernel, gemm_swiglu_kernel
+from fuselm.ops.swiglu_mlp.naive import gemm_swiglu_backward_ref, gemm_swiglu_ref
+from fuselm.runtime import as_rows, check_out, check_same_device, check_tensor, needs_autograd, use_triton
+
+
+# ----------------------------------------------------------------------------- weight layout
+def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """The gate/up weight the kernels read: [2, F, D], gate then up (each [F, D], nn.Linear layout).
+
+    Loading a Hugging Face Llama/Qwen MLP: ``pack_gate_up(mlp.gate_proj.weight, mlp.up_proj.weight)``.
+    A merged vLLM ``gate_up_proj.weight`` [2F, D] already has this memory: ``w.view(2, F, D)``.
+    """
+    check_tensor("w_gate", w_gate)
+    check_tensor("w_up", w_up)
+    check_same_device(w_gate=w_gate, w_up=w_up)
+    if w_gate.dim() != 2 or w_gate.shape != w_up.shape:
+        raise ValueError(f"w_gate, w_up: expected two [F, D] weights of one shape, got {tuple(w_gate.shape)} "
+                         f"and {tuple(w_up.shape)}")
+    if w_gate.dtype != w_up.dtype:
+        raise TypeError(f"w_up: dtype {w_up.dtype} does not match w_gate {w_gate.dtype}")
+    return torch.stack([w_gate.detach(), w_up.detach()]).contiguous()
+
+
+def unpack_gate_up(w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_gate_up`: (w_gate, w_up), views of ``w13``."""
+    _check_w13(w13, None)
+    return w13[0], w13[1]
+
+
+# ----------------------------------------------------------------------------- checks
+def _check_w13(w13, x) -> None:
+    check_tensor("w13", w13)
+    if w13.dim() != 3 or w13.shape[0] != 2:
+        raise ValueError(f"w13: expected the [2, F, D] gate/up weight from pack_gate_up(w_gate, w_up), "
+                         f"got shape {tuple(w13.shape)}")
+    if w13.stride(-1) != 1:
+        raise ValueError("w13: rows must be contiguous (last-dim stride 1); pass w13.contiguous() once at load")
+    if x is not None:
+        if w13.shape[2] != x.shape[-1]:
+            raise ValueError(f"w13: in-features {w13.shape[2]} do not match x's last dim {x.shape[-1]}")
+        if w13.dtype != x.dtype:
+            raise TypeError(f"w13: dtype {w13.dtype} does not match x {x.dtype}")
+
+
+def _check_inputs(x, w13, w2=None) -> None:
+    check_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x: must have at least one dimension")
+    _check_w13(w13, x)
+    if w2 is not None:
+        check_tensor("w2", w2)
+        if w2.shape != (w13.shape[2], w13.shape[1]):
+            raise ValueError(f"w2: expected the down weight [D, F] = {(w13.shape[2], w13.shape[1])}, "
+                             f"got {tuple(w2.shape)}")
+        if w2.dtype != x.dtype:
+            raise TypeError(f"w2: dtype {w2.dtype} does not match x {x.dtype}")
+        if w2.stride(-1) != 1:
+            raise ValueError("w2: rows must be contiguous (last-dim stride 1)")
+    check_same_device(x=x, w13=w13, w2=w2)
+
+
+# ----------------------------------------------------------------------------- compute (2-D x)
+def _empty_h(x, w13):
+    return torch.empty((x.shape[0], w13.shape[1]), dtype=x.dtype, device=x.device)
+
+
+def _empty_y(x, w2):
+    return torch.empty((x.shape[0], w2.shape[0]), dtype=x.dtype, device=x.device)
+
+
+def _gemm_swiglu(x: torch.Tensor, w13: torch.Tensor, act: Activation, out: torch.Tensor) -> torch.Tensor:
+    if not use_triton(x):
+        return out.copy_(gemm_swiglu_ref(x, w13, act))
+    if x.shape[0] == 0:
+        return out
+    if x.shape[0] <= DECODE_MAX_M:
+        return decode_gemv_kernel(x, w13, out, act)
+    return gemm_swiglu_kernel(x, w13, act, out)
+
+
+def _swiglu_mlp(x, w13, w2, act: Activation, out: torch.Tensor) -> torch.Tensor:
+    h = _gemm_swiglu(x, w13, act, _empty_h(x, w13))
+    if use_triton(x) and 0 < x.shape[0] <= DECODE_MAX_M:
+        return decode_gemv_kernel(h, w2, out)
+    return torch.matmul(h, w2.T, out=out)
+
+
+def _gemm_swiglu_backward(x, w13, dh, act: Activation, want_h: bool):
+    """(d_gate_up [M, 2F], h [M, F] or None) with G, U recomputed."""
+    if not use_triton(x):
+        d_gu, h = gemm_swiglu_backward_ref(x, w13, dh, act)
+        return d_gu, h if want_h else None
+    M, F = x.shape[0], w13.shape[1]
+    d_gu = torch.empty((M, 2 * F), dtype=x.dtype, device=x.device)
+    h = torch.empty((M, F), dtype=x.dtype, device=x.device) if want_h else None
+    if M > 0:
+        gemm_swiglu_kernel(x, w13, act, d_gu, dh=dh, h=h)
+    return d_gu, h
+
+
+def _gemm_swiglu_grads(x, w13, dh, act: Activation):
+    """(dx, dw13) of ``gemm_swiglu`` for upstream dh [M, F]."""
+    d_gu, _ = _gemm_swiglu_backward(x, w13, dh.contiguous(), act, want_h=False)
+    w_flat = w13.reshape(-1, w13.shape[2])  # [2F, D]: gate rows then up rows, as d_gu's columns
+    return d_gu @ w_flat, (d_gu.T @ x).view(w13.shape)
+
+
+def _swiglu_mlp_grads(x, w13, w2, dy, act: Activation):
+    """(dx, dw13, dw2) of ``swiglu_mlp`` for upstream dy [M, D]."""
+    dh = dy @ w2
+    d_gu, h = _gemm_swiglu_backward(x, w13, dh, act, want_h=True)
+    w_flat = w13.reshape(-1, w13.shape[2])
+    return d_gu @ w_flat, (d_gu.T @ x).view(w13.shape), dy.T @ h
+
+
+# ----------------------------------------------------------------------------- checked host functions
+def gemm_swiglu_forward(x, w13, activation="silu", *, out=None) -> torch.Tensor:
+    """``gemm_swiglu`` without autograd for 2-D x [M, D], into ``out`` [M, F] if given."""
+    _check_inputs(x, w13)
+    if x.dim() != 2:
+        raise ValueError(f"x: expected [M, D], got shape {tuple(x.shape)}")
+    return _gemm_swiglu(as_rows("x", x), w13, Activation.parse(activation), check_out("out", out, _empty_h(x, w13)))
+
+
+def swiglu_mlp_forward(x, w13, w2, activation="silu", *, out=None) -> torch.Tensor:
+    """``swiglu_mlp`` without autograd for 2-D x [M, D], into ``out`` [M, D] if given."""
+    _check_inputs(x, w13, w2)
+    if x.dim() != 2:
+        raise ValueError(f"x: expected [M, D], got shape {tuple(x.shape)}")
+    return _swiglu_mlp(as_rows("x", x), w13, w2, Activation.parse(activation), check_out("out", out, _empty_y(x, w2)))
+
+
+# ----------------------------------------------------------------------------- autograd (eager)
+class _GemmSwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w13, act):
+        ctx.save_for_backward(x, w13)
+        ctx.act = act
+        return _gemm_swiglu(x, w13, act, _empty_h(x, w13))
+
+    @staticmethod
+    def backward(ctx, dh):
+        x, w13 = ctx.saved_tensors
+        return (*_gemm_swiglu_grads(x, w13, dh, ctx.act), None)
+
+
+class _SwiGLUMLPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w13, w2, act):
+        ctx.save_for_backward(x, w13, w2)
+        ctx.act = act
+        return _swiglu_mlp(x, w13, w2, act, _empty_y(x, w2))
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w13, w2 = ctx.saved_tensors
+        return (*_swiglu_mlp_grads(x, w13, w2, dy.contiguous(), ctx.act), None)
+
+
+# ----------------------------------------------------------------------------- torch.library ops (compile)
+@torch.library.custom_op("fuselm::gemm_swiglu", mutates_args=())
+def _gemm_swiglu_op(x: torch.Tensor, w13: torch.Tensor, kind: str, limit: float, alpha: float) -> torch.Tensor:
+    return _gemm_swiglu(x, w13, Activation(kind, limit, alpha), _empty_h(x, w13))
+
+
+@_gemm_swiglu_op.register_fake
+def _(x, w13, kind, limit, alpha):
+    return x.new_empty((x.shape[0], w13.shape[1]))
+
+
+@torch.library.custom_op("fuselm::gemm_swiglu_backward", mutates_args=())
+def _gemm_swiglu_backward_op(
+    x: torch.Tensor, w13: torch.Tensor, dh: torch.Tensor, kind: str, limit: float, alpha: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _gemm_swiglu_grads(x, w13, dh, Activation(kind, limit, alpha))
+
+
+@_gemm_swiglu_backward_op.register_fake
+def _(x, w13, dh, kind, limit, alpha):
+    return torch.empty_like(x), torch.empty_like(w13)
+
+
+@torch.library.custom_op("fuselm::swiglu_mlp", mutates_args=())
+def _swiglu_mlp_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, kind: str, limit: float, alpha: float) -> torch.Tensor:
+    return _swiglu_mlp(x, w13, w2, Activation(kind, limit, alpha), _empty_y(x, w2))
+
+
+@_swiglu_mlp_op.register_fake
+def _(x, w13, w2, kind, limit, alpha):
+    return x.new_empty((x.shape[0], w2.shape[0]))
+
+
+@torch.library.custom_op("fuselm::swiglu_mlp_backward", mutates_args=())
+def _swiglu_mlp_backward_op(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, dy: torch.Tensor, kind: str, limit: float, alpha: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _swiglu_mlp_grads(x, w13, w2, dy.contiguous(), Activation(kind, limit, alpha))
+
+
+@_swiglu_mlp_backward_op.register_fake
+def _(x, w13, w2, dy, kind, limit, alpha):
+    return torch.empty_like(x), torch.empty_like(w13), torch.empty_like(w2)
+
+
+def _save_inputs(ctx, inputs, output):
+    *tensors, kind, limit, alpha = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.act = (kind, limit, alpha)
+
+
+def _gemm_swiglu_autograd(ctx, dh):
+    x, w13 = ctx.saved_tensors
+    return (*_gemm_swiglu_backward_op(x, w13, dh, *ctx.act), None, None, None)
+
+
+def _swiglu_mlp_autograd(ctx, dy):
+    x, w13, w2 = ctx.saved_tensors
+    return (*_swiglu_mlp_backward_op(x, w13, w2, dy, *ctx.act), None, None, None)
+
+
+torch.library.register_autograd("fuselm::gemm_swiglu", _gemm_swiglu_autograd, setup_context=_save_inputs)
+torch.library.register_autograd("fuselm::swiglu_mlp", _swiglu_mlp_autograd, setup_context=_save_inputs)
+
+
+# ----------------------------------------------------------------------------- public API
+def gemm_swiglu(x: torch.Tensor, w13: torch.Tensor, activation: Activation | str = "silu") -> torch.Tensor:
+    """``act(x @ w_gate.T) * (x @ w_up.T)`` without writing the [M, 2F] product; differentiable.
+
+    Args:
+        x: [..., D] fp16/bf16/fp32.
+        w13: [2, F, D] from :func:`pack_gate_up`, x's dtype.
+        activation: "silu" or an :class:`~fuselm.ops.activation.Activation`.
+    Returns:
+        h: [..., F] in x's dtype (numerics: ``fuselm/ops/swiglu_mlp/naive.py``).
+    """
+    _check_inputs(x, w13)
+    act = Activation.parse(activation)
+    x2 = as_rows("x", x)
+    if torch.compiler.is_compiling():
+        h = _gemm_swiglu_op(x2, w13, act.kind, act.limit, act.alpha)
+    elif needs_autograd(x, w13):
+        h = _GemmSwiGLUFunction.apply(x2, w13, act)
+    else:
+        h = _gemm_swiglu(x2, w13, act, _empty_h(x2, w13))
+    return h.view(*x.shape[:-1], w13.shape[1])
+
+
+def swiglu_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: Activation | str = "silu") -> torch.Tensor:
+    """The SwiGLU MLP ``down(act(gate(x)) * up(x))``; differentiable.
+
+    Args:
+        x: [..., D] fp16/bf16/fp32.
+        w13: [2, F, D] from :func:`pack_gate_up`; w2: [D, F] (``down_proj.weight``); x's dtype.
+        activation: "silu" or an :class:`~fuselm.ops.activation.Activation`.
+    Returns:
+        y: [..., D]. Decode (<= 16 rows) is two weight-streaming launches; prefill is the fused
+        gate/up GEMM then a cuBLAS down GEMM.
+    """
+    _check_inputs(x, w13, w2)
+    act = Activation.parse(activation)
+    x2 = as_rows("x", x)
+    if torch.compiler.is_compiling():
+        y = _swiglu_mlp_op(x2, w13, w2, act.kind, act.limit, act.alpha)
+    elif needs_autograd(x, w13, w2):
+        y = _SwiGLUMLPFunction.apply(x2, w13, w2, act)
+    else:
+        y = _swiglu_mlp(x2, w13, w2, act, _empty_y(x2, w2))
+    return y.view(*x.shape[:-1], w2.shape[0])
+
+
+class SwiGLUMLP(nn.Module):
+    """A gated MLP on fuselm kernels: ``w13`` [2, F, D] (gate, up) and ``w2`` [D, F] (down)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: Activation | str = "silu",
+                 device=None, dtype=None):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(2, intermediate_size, hidden_size, device=device, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(hidden_size, intermediate_size, device=device, dtype=dtype))
+        self.activation = Activation.parse(activation)
+        bound = hidden_size ** -0.5
+        nn.init.uniform_(self.w13, -bound, bound)
+        nn.init.uniform_(self.w2, -intermediate_size ** -0.5, intermediate_size ** -0.5)
+
+    @classmethod
+    def from_hf(cls, mlp: nn.Module, activation: Activation | str = "silu") -> "SwiGLUMLP":
+        """From a Hugging Face Llama/Qwen MLP (``gate_proj``, ``up_proj``, ``down_proj``, no bias)."""
+        w_gate, w_up, w_down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+        module = cls(w_gate.shape[1], w_gate.shape[0], activation, device="meta")
+        module.w13 = nn.Parameter(pack_gate_up(w_gate, w_up))
+        module.w2 = nn.Parameter(w_down.detach().contiguous())
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu_mlp(x, self.w13, self.w2, self.activation)
+
+    def extra_repr(self) -> str:
+        return f"hidden={self.w13.shape[2]}, intermediate={self.w13.shape[1]}, {self.activation}"

@@ -1,0 +1,187 @@
+import pytest
+import torch
+from torch import nn
+
+from conftest import DEVICE, ON_GPU
+from helpers import randn
+from fuselm import Activation, SwiGLUMLP, gemm_swiglu, pack_gate_up, swiglu_mlp, unpack_gate_up
+from fuselm.ops.activation import gate_factor_ref, up_factor_ref
+from fuselm.ops.swiglu_mlp import gemm_swiglu_forward, gemm_swiglu_ref, swiglu_mlp_forward, swiglu_mlp_ref
+from fuselm.testing import assert_close, poisoned_like
+
+ACTIVATIONS = [Activation(), Activation.swiglu_limit(1.5), Activation.swiglu_oai(limit=1.5, alpha=1.702)]
+ACT_IDS = ["silu", "limit", "oai"]
+# Matrix kernels: bf16 only on the GPU (the interpreter's bf16 tl.dot is wrong, triton 11584).
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
+D, F = 100, 72  # neither a multiple of the tiles
+
+
+def weights(dtype, d=D, f=F):
+    w13 = pack_gate_up(randn(f, d, dtype=dtype, scale=d ** -0.5), randn(f, d, dtype=dtype, scale=d ** -0.5))
+    return w13, randn(d, f, dtype=dtype, scale=f ** -0.5)
+
+
+def exact_h(x, w13, act):
+    x = x.double()
+    return gate_factor_ref(x @ w13[0].double().T, act) * up_factor_ref(x @ w13[1].double().T, act)
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 17, 128, 1000])
+def test_gemm_swiglu_and_mlp_forward(m, dtype, act):
+    x = randn(m, D, dtype=dtype)
+    w13, w2 = weights(dtype)
+    h = gemm_swiglu_forward(x, w13, act, out=poisoned_like(torch.empty(m, F, dtype=dtype, device=DEVICE)))
+    assert not h.isnan().any(), "an element of h was not written"
+    assert_close(h, exact_h(x, w13, act), TOL[dtype], "h")
+    assert_close(h, gemm_swiglu_ref(x, w13, act), TOL[dtype], "h vs contract")
+    y = swiglu_mlp_forward(x, w13, w2, act, out=poisoned_like(x))
+    assert not y.isnan().any(), "an element of y was not written"
+    assert_close(y, exact_h(x, w13, act) @ w2.double().T, TOL[dtype], "y")
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [3, 40])
+def test_gradients_match_autograd_of_the_reference(m, dtype, act):
+    x = randn(2, m, D, dtype=dtype)  # 3-D input: leading dims flatten
+    w13, w2 = weights(dtype)
+    dy = randn(2, m, D, dtype=dtype)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w13, w2)]
+    swiglu_mlp(*leaves, act).backward(dy)
+    exact = [t.double().requires_grad_(True) for t in (x, w13, w2)]
+    (exact_h(exact[0], exact[1], act) @ exact[2].T).backward(dy.double())
+    for name, got, want in zip(("dx", "dw13", "dw2"), leaves, exact):
+        assert_close(got.grad, want.grad, TOL[dtype] * 2, name)
+    # gemm_swiglu alone
+    dh = randn(2, m, F, dtype=dtype)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w13)]
+    gemm_swiglu(*leaves, act).backward(dh)
+    exact = [t.double().requires_grad_(True) for t in (x, w13)]
+    exact_h(*exact, act).backward(dh.double())
+    for name, got, want in zip(("dx", "dw13"), leaves, exact):
+        assert_close(got.grad, want.grad, TOL[dtype] * 2, name)
+
+
+def test_pack_unpack_and_hf_loading():
+    w_gate, w_up = randn(F, D), randn(F, D)
+    w13 = pack_gate_up(w_gate, w_up)
+    assert w13.shape == (2, F, D) and w13.is_contiguous()
+    assert all(torch.equal(a, b) for a, b in zip(unpack_gate_up(w13), (w_gate, w_up)))
+    assert torch.equal(w13.view(2 * F, D), torch.cat([w_gate, w_up]))  # vLLM's merged gate_up_proj
+
+    class HFMLP(nn.Module):  # the Llama/Qwen MLP layout
+        def __init__(self):
+            super().__init__()
+            self.gate_proj = nn.Linear(D, F, bias=False, device=DEVICE)
+            self.up_proj = nn.Linear(D, F, bias=False, device=DEVICE)
+            self.down_proj = nn.Linear(F, D, bias=False, device=DEVICE)
+
+        def forward(self, x):
+            return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    hf = HFMLP()
+    ours = SwiGLUMLP.from_hf(hf)
+    x = randn(5, D)
+    with torch.no_grad():
+        assert_close(ours(x), hf(x), 1e-5)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda x, w13, w2: gemm_swiglu(x, w13.reshape(2 * F, D)), ValueError, r"w13: expected the \[2, F, D\]"),
+    (lambda x, w13, w2: gemm_swiglu(x[:, :50], w13), ValueError, "w13: in-features 100"),
+    (lambda x, w13, w2: gemm_swiglu(x.half(), w13), TypeError, "w13: dtype"),
+    (lambda x, w13, w2: gemm_swiglu(x, w13.transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "w13: rows"),
+    (lambda x, w13, w2: swiglu_mlp(x, w13, w2.T), ValueError, r"w2: expected the down weight \[D, F\]"),
+    (lambda x, w13, w2: swiglu_mlp(x, w13, w2.half()), TypeError, "w2: dtype"),
+    (lambda x, w13, w2: swiglu_mlp(x.long(), w13, w2), TypeError, "x: dtype int64"),
+    (lambda x, w13, w2: swiglu_mlp(x, w13, w2, "gelu"), ValueError, "activation"),
+    (lambda x, w13, w2: swiglu_mlp(x, w13, torch.empty(D, F, device="meta")), ValueError, "one device"),
+    (lambda x, w13, w2: gemm_swiglu_forward(x, w13, out=torch.empty(3, F + 1, device=DEVICE)), ValueError, "out: shape"),
+    (lambda x, w13, w2: pack_gate_up(w13[0], w13[1][:, :5]), ValueError, "w_gate, w_up"),
+])
+def test_bad_input(call, error, match):
+    w13, w2 = weights(torch.float32)
+    with pytest.raises(error, match=match):
+        call(randn(3, D), w13, w2)
+
+
+def test_zero_rows():
+    w13, w2 = weights(torch.float32)
+    x = torch.empty(0, D, device=DEVICE)
+    assert gemm_swiglu(x, w13).shape == (0, F)
+    assert swiglu_mlp(x, w13, w2).shape == (0, D)
+
+
+def test_opcheck_and_compile():
+    w13, w2 = weights(torch.float32)
+    x = randn(5, D)
+    torch.library.opcheck(torch.ops.fuselm.gemm_swiglu, (x.requires_grad_(True), w13, "silu", float("inf"), 1.0))
+    torch.library.opcheck(torch.ops.fuselm.swiglu_mlp, (x, w13, w2.requires_grad_(True), "swiglu_limit", 2.0, 1.0))
+    compiled = torch.compile(swiglu_mlp, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    torch.testing.assert_close(compiled(x, w13, w2), swiglu_mlp(x, w13, w2))
+
+
+def test_cpu_without_interpreter_uses_reference(monkeypatch):
+    import fuselm.ops.swiglu_mlp.op as op
+
+    monkeypatch.setattr(op, "use_triton", lambda t: False)
+    w13 = pack_gate_up(torch.randn(F, D), torch.randn(F, D))
+    w2 = torch.randn(D, F)
+    x = torch.randn(4, D)
+    assert torch.equal(swiglu_mlp(x, w13, w2), swiglu_mlp_ref(x, w13, w2))
+
+
+# ----------------------------------------------------------------------------- GPU: real shapes
+@pytest.mark.gpu
+@pytest.mark.large
+@pytest.mark.parametrize("m", [1, 4, 16, 1024])
+def test_llama8b_mlp_bf16(m):
+    d, f = 4096, 14336
+    w13, w2 = weights(torch.bfloat16, d, f)
+    x = randn(m, d, dtype=torch.bfloat16)
+    h = gemm_swiglu_forward(x, w13, out=poisoned_like(torch.empty(m, f, dtype=torch.bfloat16, device=DEVICE)))
+    assert_close(h, exact_h(x, w13, Activation()), 1e-2, "h")
+    y = swiglu_mlp_forward(x, w13, w2, out=poisoned_like(x))
+    assert_close(y, exact_h(x, w13, Activation()) @ w2.double().T, 1e-2, "y")
+
+
+@pytest.mark.gpu
+def test_decode_mlp_is_two_launches_and_graph_capturable():
+    w13, w2 = weights(torch.bfloat16, 512, 1376)
+    x = randn(4, 512, dtype=torch.bfloat16)
+    swiglu_mlp(x, w13, w2)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        swiglu_mlp(x, w13, w2)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) <= 2, kernels
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = swiglu_mlp(x, w13, w2)
+    x.copy_(randn(4, 512, dtype=torch.bfloat16))
+    graph.replay()
+    torch.testing.assert_close(y, swiglu_mlp(x, w13, w2), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.large
+def test_fused_forward_halves_activation_memory():
+    d, f, m = 4096, 14336, 4096
+    w13, _ = weights(torch.bfloat16, d, f)
+    x = randn(m, d, dtype=torch.bfloat16)
+
+    def peak(fn):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base, out
+
+    fused, _ = peak(lambda: gemm_swiglu(x, w13))
+    unfused, _ = peak(lambda: (lambda gu: nn.functional.silu(gu[:, :f]) * gu[:, f:])(x @ w13.view(2 * f, d).T))
+    assert fused <= 0.5 * unfused + 2**20, (fused, unfused)
