@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU suite in one call: tests at real shapes, then the benchmarks. Logs and tables go to
 # $OUT (default ./gpu_out). Uses the image's torch/triton; comparison libraries come from .whl/
-# when present. Usage: bash scripts/gpu_suite.sh [--sweep]
+# when present. Usage: bash scripts/gpu_suite.sh [--sweep]  (--sweep: the MLP tile sweep too;
+# the elementwise geometry sweep is `python3 benchmarks/sweep.py --out DIR`)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}
@@ -16,10 +17,6 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/tests.log"
 status=0
 python3 -m pytest -q -p no:cacheprovider --large tests 2>&1 | tee -a "$OUT/tests.log" | tail -25 || status=1
-if [ "${1:-}" = "--sweep" ]; then
-  python3 benchmarks/sweep.py --out "$OUT" > /tmp/sweep.log 2>&1 || status=1
-  tail -6 /tmp/sweep.log
-fi
 python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host_overhead.md" || status=1
 python3 benchmarks/ops.py --out "$OUT" 2>&1 | tail -40 || status=1
 python3 benchmarks/mlp.py ${1:+$1} --out "$OUT" 2>&1 | tail -40 || status=1
