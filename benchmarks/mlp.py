@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from fuselm import gemm_swiglu, pack_gate_up, silu_mul, swiglu_mlp
+from fuselm import gemm_swiglu, interleave_gate_up, silu_mul, swiglu_mlp
 from fuselm.ops.activation import Activation
 from fuselm.ops.swiglu_mlp.kernels import GemmConfig, GemvConfig, decode_gemv_kernel, gemm_swiglu_kernel
 from timing import bench, copy_bandwidth, graph_bench
@@ -41,9 +41,11 @@ def matrix_rate() -> float:
 
 
 def make_weights():
+    """w_gate, w_up, fuselm's interleaved w13, and the concatenated [2F, D] weight the cuBLAS
+    baselines use (gate columns then up columns of the product)."""
     wg, wu = (torch.randn(FF, D, device="cuda", dtype=DT) * D**-0.5 for _ in range(2))
     w2 = torch.randn(D, FF, device="cuda", dtype=DT) * FF**-0.5
-    return wg, wu, pack_gate_up(wg, wu), w2
+    return wg, wu, interleave_gate_up(wg, wu), w2, torch.cat([wg, wu])
 
 
 def runnable(providers: dict) -> dict:
@@ -58,8 +60,7 @@ def runnable(providers: dict) -> dict:
     return ok
 
 
-def gemm_providers(x, wg, wu, w13):
-    w_flat = w13.view(2 * FF, D)
+def gemm_providers(x, w13, w_flat):
     p = {
         "fuselm gemm_swiglu": lambda: gemm_swiglu(x, w13),
         "cuBLAS mm alone": lambda: x @ w_flat.T,
@@ -90,12 +91,11 @@ def peak_bytes(fn) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-def training_step(m, wg, wu, w13, w2):
+def training_step(m, w13, w2, w_cat):
     """Forward + backward at M tokens: fuselm swiglu_mlp vs eager cuBLAS with Liger silu_mul."""
     x = torch.randn(m, D, device="cuda", dtype=DT)
     dy = torch.randn(m, D, device="cuda", dtype=DT)
-    w13p, w2p = w13.clone().requires_grad_(True), w2.clone().requires_grad_(True)
-    w_flat = w13p.view(2 * FF, D)
+    w13p, w2p, w_flat = (w.clone().requires_grad_(True) for w in (w13, w2, w_cat))
     xg = x.clone().requires_grad_(True)
 
     def fuselm_step():
@@ -112,11 +112,11 @@ def training_step(m, wg, wu, w13, w2):
     for name, fn in rows.items():
         fn()
         out[name] = {"ms": bench(fn), "peak_gb": peak_bytes(fn) / 1e9}
-        xg.grad = w13p.grad = w2p.grad = None
+        xg.grad = w13p.grad = w2p.grad = w_flat.grad = None
     return out
 
 
-def sweep(wg, wu, w13, w2):
+def sweep(w13, w2):
     rows = []
     act = Activation()
     for m in (4096,):
@@ -137,22 +137,20 @@ def sweep(wg, wu, w13, w2):
         x = torch.randn(m, D, device="cuda", dtype=DT)
         h = torch.empty(m, FF, device="cuda", dtype=DT)
         y = torch.empty(m, D, device="cuda", dtype=DT)
-        for bn in (16, 32, 64):
-            for bk in (128, 256, 512):
-                for stages in (3, 4):
-                    for warps in (4, 8):
-                        cfg = GemvConfig(bn, bk, warps, stages)
-                        for kernel, fn, nbytes in (
-                            ("gemv gate/up", lambda: decode_gemv_kernel(x, w13, h, act, config=cfg), 2 * FF * D * 2),
-                            ("gemv down", lambda: decode_gemv_kernel(h, w2, y, config=cfg), FF * D * 2),
-                        ):
-                            try:
-                                ms = graph_bench(fn)
-                            except Exception as error:
-                                rows.append({"kernel": kernel, "m": m, "config": str(cfg), "error": str(error)[:80]})
-                                continue
-                            rows.append({"kernel": kernel, "m": m, "config": str(cfg), "ms": ms, "tbps": nbytes / ms / 1e9})
-                            print(rows[-1], flush=True)
+        for kernel, configs, fn_of, nbytes in (
+            ("gemv gate/up", [GemvConfig(64, 128, 4, 4), GemvConfig(64, 128, 4, 3), GemvConfig(32, 256, 4, 4), GemvConfig(32, 128, 4, 5)],
+             lambda cfg: (lambda: decode_gemv_kernel(x, w13, h, act, config=cfg)), 2 * FF * D * 2),
+            ("gemv down", [GemvConfig(32, 512, 4, 3), GemvConfig(16, 512, 4, 4), GemvConfig(16, 1024, 4, 3), GemvConfig(32, 256, 8, 5)],
+             lambda cfg: (lambda: decode_gemv_kernel(h, w2, y, config=cfg)), FF * D * 2),
+        ):
+            for cfg in configs:
+                try:
+                    ms = graph_bench(fn_of(cfg))
+                except Exception as error:
+                    rows.append({"kernel": kernel, "m": m, "config": str(cfg), "error": str(error)[:80]})
+                    continue
+                rows.append({"kernel": kernel, "m": m, "config": str(cfg), "ms": ms, "tbps": nbytes / ms / 1e9})
+                print(rows[-1], flush=True)
     return rows
 
 
@@ -168,17 +166,17 @@ def main(argv=None) -> int:
     out = args.out or Path(__file__).parent / "results" / gpu.replace(" ", "_")
     out.mkdir(parents=True, exist_ok=True)
     copy_tbps, tflops = copy_bandwidth(), matrix_rate()
-    wg, wu, w13, w2 = make_weights()
+    wg, wu, w13, w2, w_cat = make_weights()
     result = {"meta": {"gpu": gpu, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
                        "triton": triton.__version__, "command": "python " + " ".join(sys.argv),
                        "copy_tbps": copy_tbps, "matrix_tflops": tflops}, "gemm": [], "mlp": []}
     if args.sweep:
-        result["sweep"] = sweep(wg, wu, w13, w2)
+        result["sweep"] = sweep(w13, w2)
     for m in (1, 16, 128, 1024, 4096, 8192):
         x = torch.randn(m, D, device="cuda", dtype=DT)
-        ms = {name: graph_bench(fn) for name, fn in runnable(gemm_providers(x, wg, wu, w13)).items()}
-        peak = {"fuselm gemm_swiglu": peak_bytes(lambda: gemm_swiglu(x, w13)),
-                "cuBLAS + fuselm silu_mul": peak_bytes(gemm_providers(x, wg, wu, w13)["cuBLAS + fuselm silu_mul"])}
+        providers = runnable(gemm_providers(x, w13, w_cat))
+        ms = {name: graph_bench(fn) for name, fn in providers.items()}
+        peak = {name: peak_bytes(providers[name]) for name in ("fuselm gemm_swiglu", "cuBLAS + fuselm silu_mul")}
         result["gemm"].append({"m": m, "ms": ms, "peak_bytes": peak})
         print("gemm", m, {k: round(v, 4) for k, v in ms.items()}, flush=True)
     for m in (1, 4, 16, 128, 1024, 4096):
@@ -186,7 +184,7 @@ def main(argv=None) -> int:
         ms = {name: graph_bench(fn) for name, fn in runnable(mlp_providers(x, wg, wu, w13, w2)).items()}
         result["mlp"].append({"m": m, "ms": ms})
         print("mlp", m, {k: round(v, 4) for k, v in ms.items()}, flush=True)
-    result["training_m4096"] = training_step(4096, wg, wu, w13, w2)
+    result["training_m4096"] = training_step(4096, w13, w2, w_cat)
     (out / "mlp.json").write_text(json.dumps(result, indent=1))
     text = render(result)
     (out / "mlp.md").write_text(text)

@@ -4,7 +4,7 @@ from torch import nn
 
 from conftest import DEVICE, ON_GPU
 from helpers import randn
-from fuselm import Activation, SwiGLUMLP, gemm_swiglu, pack_gate_up, swiglu_mlp, unpack_gate_up
+from fuselm import Activation, SwiGLUMLP, gemm_swiglu, interleave_gate_up, swiglu_mlp, deinterleave_gate_up
 from fuselm.ops.activation import gate_factor_ref, up_factor_ref
 from fuselm.ops.swiglu_mlp import gemm_swiglu_forward, gemm_swiglu_ref, swiglu_mlp_forward, swiglu_mlp_ref
 from fuselm.testing import assert_close, poisoned_like
@@ -18,13 +18,13 @@ D, F = 100, 72  # neither a multiple of the tiles
 
 
 def weights(dtype, d=D, f=F):
-    w13 = pack_gate_up(randn(f, d, dtype=dtype, scale=d ** -0.5), randn(f, d, dtype=dtype, scale=d ** -0.5))
+    w13 = interleave_gate_up(randn(f, d, dtype=dtype, scale=d ** -0.5), randn(f, d, dtype=dtype, scale=d ** -0.5))
     return w13, randn(d, f, dtype=dtype, scale=f ** -0.5)
 
 
 def exact_h(x, w13, act):
     x = x.double()
-    return gate_factor_ref(x @ w13[0].double().T, act) * up_factor_ref(x @ w13[1].double().T, act)
+    return gate_factor_ref(x @ w13[0::2].double().T, act) * up_factor_ref(x @ w13[1::2].double().T, act)
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
@@ -67,10 +67,12 @@ def test_gradients_match_autograd_of_the_reference(m, dtype, act):
 
 def test_pack_unpack_and_hf_loading():
     w_gate, w_up = randn(F, D), randn(F, D)
-    w13 = pack_gate_up(w_gate, w_up)
-    assert w13.shape == (2, F, D) and w13.is_contiguous()
-    assert all(torch.equal(a, b) for a, b in zip(unpack_gate_up(w13), (w_gate, w_up)))
-    assert torch.equal(w13.view(2 * F, D), torch.cat([w_gate, w_up]))  # vLLM's merged gate_up_proj
+    w13 = interleave_gate_up(w_gate, w_up)
+    assert w13.shape == (2 * F, D) and w13.is_contiguous()
+    assert torch.equal(w13[0::2], w_gate) and torch.equal(w13[1::2], w_up)
+    assert all(torch.equal(a, b) for a, b in zip(deinterleave_gate_up(w13), (w_gate, w_up)))
+    merged = torch.cat([w_gate, w_up])  # vLLM's gate_up_proj layout
+    assert torch.equal(interleave_gate_up(*merged.chunk(2)), w13)
 
     class HFMLP(nn.Module):  # the Llama/Qwen MLP layout
         def __init__(self):
@@ -90,17 +92,18 @@ def test_pack_unpack_and_hf_loading():
 
 
 @pytest.mark.parametrize("call, error, match", [
-    (lambda x, w13, w2: gemm_swiglu(x, w13.reshape(2 * F, D)), ValueError, r"w13: expected the \[2, F, D\]"),
+    (lambda x, w13, w2: gemm_swiglu(x, w13[:-1]), ValueError, r"w13: expected the \[2F, D\] interleaved"),
+    (lambda x, w13, w2: gemm_swiglu(x, w13.view(2, F, D)), ValueError, r"w13: expected the \[2F, D\] interleaved"),
     (lambda x, w13, w2: gemm_swiglu(x[:, :50], w13), ValueError, "w13: in-features 100"),
     (lambda x, w13, w2: gemm_swiglu(x.half(), w13), TypeError, "w13: dtype"),
-    (lambda x, w13, w2: gemm_swiglu(x, w13.transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "w13: rows"),
+    (lambda x, w13, w2: gemm_swiglu(x, w13.t().contiguous().t()), ValueError, "w13: rows"),
     (lambda x, w13, w2: swiglu_mlp(x, w13, w2.T), ValueError, r"w2: expected the down weight \[D, F\]"),
     (lambda x, w13, w2: swiglu_mlp(x, w13, w2.half()), TypeError, "w2: dtype"),
     (lambda x, w13, w2: swiglu_mlp(x.long(), w13, w2), TypeError, "x: dtype int64"),
     (lambda x, w13, w2: swiglu_mlp(x, w13, w2, "gelu"), ValueError, "activation"),
     (lambda x, w13, w2: swiglu_mlp(x, w13, torch.empty(D, F, device="meta")), ValueError, "one device"),
     (lambda x, w13, w2: gemm_swiglu_forward(x, w13, out=torch.empty(3, F + 1, device=DEVICE)), ValueError, "out: shape"),
-    (lambda x, w13, w2: pack_gate_up(w13[0], w13[1][:, :5]), ValueError, "w_gate, w_up"),
+    (lambda x, w13, w2: interleave_gate_up(w13[0::2], w13[1::2, :5]), ValueError, "w_gate, w_up"),
 ])
 def test_bad_input(call, error, match):
     w13, w2 = weights(torch.float32)
@@ -128,7 +131,7 @@ def test_cpu_without_interpreter_uses_reference(monkeypatch):
     import fuselm.ops.swiglu_mlp.op as op
 
     monkeypatch.setattr(op, "use_triton", lambda t: False)
-    w13 = pack_gate_up(torch.randn(F, D), torch.randn(F, D))
+    w13 = interleave_gate_up(torch.randn(F, D), torch.randn(F, D))
     w2 = torch.randn(D, F)
     x = torch.randn(4, D)
     assert torch.equal(swiglu_mlp(x, w13, w2), swiglu_mlp_ref(x, w13, w2))
@@ -183,5 +186,5 @@ def test_fused_forward_halves_activation_memory():
         return torch.cuda.max_memory_allocated() - base, out
 
     fused, _ = peak(lambda: gemm_swiglu(x, w13))
-    unfused, _ = peak(lambda: (lambda gu: nn.functional.silu(gu[:, :f]) * gu[:, f:])(x @ w13.view(2 * f, d).T))
+    unfused, _ = peak(lambda: (lambda gu: nn.functional.silu(gu[:, :f]) * gu[:, f:])(x @ w13.T))
     assert fused <= 0.5 * unfused + 2**20, (fused, unfused)

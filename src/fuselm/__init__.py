@@ -3,10 +3,10 @@
 from fuselm.ops.activation import Activation
 from fuselm.ops.rms_norm import RMSNorm, add_rms_norm, rms_norm
 from fuselm.ops.silu_mul import SiLUMul, silu_mul
-from fuselm.ops.swiglu_mlp import SwiGLUMLP, gemm_swiglu, pack_gate_up, swiglu_mlp, unpack_gate_up
+from fuselm.ops.swiglu_mlp import SwiGLUMLP, gemm_swiglu, interleave_gate_up, swiglu_mlp, deinterleave_gate_up
 
 __version__ = "0.1.0"
 __all__ = [
     "Activation", "SiLUMul", "silu_mul", "RMSNorm", "rms_norm", "add_rms_norm",
-    "SwiGLUMLP", "gemm_swiglu", "swiglu_mlp", "pack_gate_up", "unpack_gate_up",
+    "SwiGLUMLP", "gemm_swiglu", "swiglu_mlp", "interleave_gate_up", "deinterleave_gate_up",
 ]

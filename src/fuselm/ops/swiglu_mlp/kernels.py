@@ -1,18 +1,22 @@
 """Triton kernels for the SwiGLU MLP: the gate/up GEMM with SwiGLU in its epilogue (prefill and
 training), and the weight-streaming matrix-vector kernel for decode.
 
-Shapes: x [M, D]; w13 [2, F, D] (gate, up; nn.Linear layout); w2 [D, F]; h [M, F]; y [M, D].
+Shapes: x [M, D]; w13 [2F, D] with gate and up rows interleaved (row 2f = gate f, row 2f + 1 =
+up f; nn.Linear layout); w2 [D, F]; h [M, F]; y [M, D].
 
-``_gemm_swiglu_kernel``: a program owns a BLOCK_M x BLOCK_N tile of h and keeps two fp32
-accumulators, G = x @ w_gate.T and U = x @ w_up.T, over the K loop; the [M, 2F] product never
-reaches memory. Forward epilogue: h = round(round(gate_factor(G)) * up_factor(U)). Backward
-epilogue (BACKWARD): loads dh and writes d_gate_up [M, 2F] (dG in columns [0, F), dU in [F, 2F)),
-and h when STORE_H, recomputing G and U instead of saving them.
+``_gemm_swiglu_kernel``: a program owns a BLOCK_M x BLOCK_N tile of h, i.e. 2 * BLOCK_N rows of
+w13, and accumulates one fp32 [BLOCK_M, 2 * BLOCK_N] product over the K loop (one wide dot: the x
+tile is read from shared memory once per k-step). Interleaving puts each gate column next to its
+up column, so the epilogue splits the accumulator into G and U within each thread's registers
+(the MMA accumulator holds adjacent column pairs). The [M, 2F] product never reaches memory.
+Forward epilogue: h = round(round(gate_factor(G)) * up_factor(U)). Backward epilogue
+(BACKWARD): loads dh and writes d_gate_up [M, 2F] in w13's interleaved column order, and h when
+STORE_H, recomputing G and U instead of saving them.
 
 ``_decode_gemv_kernel``: for M <= 16. A program owns BLOCK_N output features and streams their
 weight rows once, as the wide operand of the dot (out.T = W_tile @ x.T, M padded to 16), so the
-weight bytes dominate and are read exactly once. SWIGLU: two weight tiles (gate, up) and the
-SwiGLU epilogue; otherwise a plain x @ W.T (the down projection).
+weight bytes dominate and are read exactly once. SWIGLU: the rows are interleaved gate/up pairs
+(2 * BLOCK_N of them) and the epilogue applies SwiGLU; otherwise a plain x @ W.T (down).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 @triton.jit
 def _gemm_swiglu_kernel(
     x_ptr, w_ptr, dh_ptr, out_ptr, h_ptr,
-    M, F, D, stride_xm, stride_w_half, stride_wf, stride_dhm, stride_om, stride_hm,
+    M, F, D, stride_xm, stride_wn, stride_dhm, stride_om, stride_hm,
     limit, alpha,
     ACT: tl.constexpr, BACKWARD: tl.constexpr, STORE_H: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -54,62 +58,63 @@ def _gemm_swiglu_kernel(
     pid_n = (pid % (GROUP_M * num_n)) // group_rows
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    wrows = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)  # interleaved gate/up rows of w13
     k = tl.arange(0, BLOCK_K)
-    # Out-of-range rows/columns wrap to valid ones (their results are never stored), so the
-    # main loop needs no row or column masks.
+    # Out-of-range rows wrap to valid ones (their results are never stored), so the main loop
+    # needs no row or column masks.
     x_ptrs = x_ptr + (rows % M).to(tl.int64)[:, None] * stride_xm + k[None, :]
-    wg_ptrs = w_ptr + (cols % F).to(tl.int64)[None, :] * stride_wf + k[:, None]  # [BLOCK_K, BLOCK_N] of w_gate.T
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_ptrs = w_ptr + (wrows % (2 * F)).to(tl.int64)[None, :] * stride_wn + k[:, None]  # [BLOCK_K, 2 BLOCK_N] of w13.T
+    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         if EVEN_K:
             xt = tl.load(x_ptrs)
-            wg = tl.load(wg_ptrs)
-            wu = tl.load(wg_ptrs + stride_w_half)
+            w = tl.load(w_ptrs)
         else:
             k_ok = k < D - k0
             xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-            wg = tl.load(wg_ptrs, mask=k_ok[:, None], other=0.0)
-            wu = tl.load(wg_ptrs + stride_w_half, mask=k_ok[:, None], other=0.0)
-        acc_g = _dot(xt, wg, acc_g, IEEE)
-        acc_u = _dot(xt, wu, acc_u, IEEE)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = _dot(xt, w, acc, IEEE)
         x_ptrs += BLOCK_K
-        wg_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    g, u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
 
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < F)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
-    cols = cols[None, :]
-    a = gate_factor(acc_g, ACT, limit, alpha).to(x_ptr.dtype.element_ty).to(tl.float32)
-    uf = up_factor(acc_u, ACT, limit)
+    a = gate_factor(g, ACT, limit, alpha).to(x_ptr.dtype.element_ty).to(tl.float32)
+    uf = up_factor(u, ACT, limit)
     if BACKWARD:
-        dh = tl.load(dh_ptr + rows64 * stride_dhm + cols, mask=mask, other=0.0).to(tl.float32)
-        d_gate = dh * uf * gate_factor_grad(acc_g, ACT, limit, alpha)
-        d_up = dh * a * up_factor_grad(acc_u, ACT, limit)
-        tl.store(out_ptr + rows64 * stride_om + cols, d_gate.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(out_ptr + rows64 * stride_om + F + cols, d_up.to(out_ptr.dtype.element_ty), mask=mask)
+        dh = tl.load(dh_ptr + rows64 * stride_dhm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        d_gate = dh * uf * gate_factor_grad(g, ACT, limit, alpha)
+        d_up = dh * a * up_factor_grad(u, ACT, limit)
+        d_gu = tl.reshape(tl.join(d_gate, d_up), [BLOCK_M, 2 * BLOCK_N])  # back to interleaved order
+        wcols = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        tl.store(out_ptr + rows64 * stride_om + wcols[None, :], d_gu.to(out_ptr.dtype.element_ty),
+                 mask=(rows < M)[:, None] & (wcols < 2 * F)[None, :])
         if STORE_H:
-            tl.store(h_ptr + rows64 * stride_hm + cols, (a * uf).to(h_ptr.dtype.element_ty), mask=mask)
+            tl.store(h_ptr + rows64 * stride_hm + cols[None, :], (a * uf).to(h_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(out_ptr + rows64 * stride_om + cols, (a * uf).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + rows64 * stride_om + cols[None, :], (a * uf).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _decode_gemv_kernel(
     x_ptr, w_ptr, out_ptr,
-    M, N, K, stride_xm, stride_w_half, stride_wn, stride_om,
+    M, N, K, stride_xm, stride_wn, stride_om,
     limit, alpha,
     SWIGLU: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features
+    # SWIGLU: N output features read 2 * N interleaved weight rows.
+    W_ROWS: tl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
+    wrows = tl.program_id(0) * W_ROWS + tl.arange(0, W_ROWS)
     rows = tl.arange(0, BLOCK_M)  # tokens, padded to BLOCK_M
     k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + k[None, :]  # [BLOCK_N, BLOCK_K]
+    n_wrows = 2 * N if SWIGLU else N
+    w_ptrs = w_ptr + (wrows % n_wrows).to(tl.int64)[:, None] * stride_wn + k[None, :]  # [W_ROWS, BLOCK_K]
     x_ptrs = x_ptr + rows[None, :] * stride_xm + k[:, None]  # [BLOCK_K, BLOCK_M] of x.T
     row_ok = (rows < M)[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([W_ROWS, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
@@ -119,18 +124,14 @@ def _decode_gemv_kernel(
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=row_ok & k_ok[:, None], other=0.0)
         acc = _dot(w, xt, acc, IEEE)
-        if SWIGLU:
-            if EVEN_K:
-                wu = tl.load(w_ptrs + stride_w_half)
-            else:
-                wu = tl.load(w_ptrs + stride_w_half, mask=k_ok[None, :], other=0.0)
-            acc_u = _dot(wu, xt, acc_u, IEEE)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
 
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if SWIGLU:
-        a = gate_factor(acc, ACT, limit, alpha).to(out_ptr.dtype.element_ty).to(tl.float32)
-        acc = a * up_factor(acc_u, ACT, limit)
+        g, u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_N, 2, BLOCK_M]), (0, 2, 1)))
+        a = gate_factor(g, ACT, limit, alpha).to(out_ptr.dtype.element_ty).to(tl.float32)
+        acc = a * up_factor(u, ACT, limit)
     mask = (cols < N)[:, None] & row_ok
     tl.store(out_ptr + rows[None, :] * stride_om + cols[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -160,33 +161,39 @@ DECODE_MAX_M = 16
 
 @functools.lru_cache(maxsize=64)
 def gemm_config(arch: int, dtype: torch.dtype) -> GemmConfig:
-    """Tile config of the fused gate/up GEMM. Hopper (9): 128 x 128 tiles of h (so 128 x 256 of
-    the [M, 2F] product), 8 warps, 3 stages; to be re-chosen from benchmarks/results (gemm sweep).
-    The interpreter (0) and fp32 use small tiles."""
+    """Tile config of the fused gate/up GEMM. Hopper (9), 16-bit: 128 x 128 tiles of h (a
+    128 x 256 tile of the [M, 2F] product), BLOCK_K 64, 8 warps, 3 stages: the best of the H100
+    sweep at M=4096 (benchmarks/results/, mlp.md). The interpreter (0) and fp32 use small tiles."""
     if arch == 0 or dtype == torch.float32:
         return GemmConfig(32, 32, 32, 4, 4, 2)
     return GemmConfig(128, 128, 64, 8, 8, 3)
 
 
 @functools.lru_cache(maxsize=64)
-def gemv_config(arch: int, swiglu: bool) -> GemvConfig:
-    """Decode GEMV config: output features per program and the K step."""
+def gemv_config(arch: int, dtype: torch.dtype, swiglu: bool) -> GemvConfig:
+    """Decode GEMV config: output features per program, the K step, warps, stages. Hopper,
+    16-bit, from the H100 sweep at M=1 and 16 (benchmarks/results/, mlp.md): gate/up 64 features
+    (128 weight rows) x 128, 4 stages; down 32 x 512, 3 stages. fp32 halves BLOCK_K (shared
+    memory); the interpreter uses small tiles."""
     if arch == 0:
-        return GemvConfig(32, 64, 4, 1)
-    return GemvConfig(32, 256, 4, 4) if swiglu else GemvConfig(16, 512, 4, 4)
+        return GemvConfig(16, 64, 4, 1)
+    cfg = GemvConfig(64, 128, 4, 4) if swiglu else GemvConfig(32, 512, 4, 3)
+    if dtype == torch.float32:
+        cfg = GemvConfig(cfg.block_n // 2, cfg.block_k // 2, cfg.num_warps, 3)
+    return cfg
 
 
 # ----------------------------------------------------------------------------- host launchers
 def gemm_swiglu_kernel(x, w13, act: Activation, out, dh=None, h=None, config: GemmConfig | None = None):
     """Forward (dh None): out = h [M, F]. Backward: out = d_gate_up [M, 2F], and h if given."""
     M, D = x.shape
-    F = w13.shape[1]
+    F = w13.shape[0] // 2
     cfg = config or gemm_config(arch_major(x.device), x.dtype)
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(F, cfg.block_n),)
     backward = dh is not None
     _gemm_swiglu_kernel[grid](
         x, w13, dh if backward else x, out, h if h is not None else out,
-        M, F, D, x.stride(0), w13.stride(0), w13.stride(1),
+        M, F, D, x.stride(0), w13.stride(0),
         dh.stride(0) if backward else 0, out.stride(0), h.stride(0) if h is not None else 0,
         act.kernel_limit, float(act.alpha),
         ACT=act.code, BACKWARD=backward, STORE_H=h is not None, IEEE=x.dtype == torch.float32,
@@ -198,15 +205,15 @@ def gemm_swiglu_kernel(x, w13, act: Activation, out, dh=None, h=None, config: Ge
 
 
 def decode_gemv_kernel(x, w, out, act: Activation | None = None, config: GemvConfig | None = None):
-    """out [M, N] = x [M, K] @ w.T for w [N, K]; or, with ``act``, w = w13 [2, N, K] and
-    out = SwiGLU(x @ w_gate.T, x @ w_up.T). M <= DECODE_MAX_M."""
+    """out [M, N] = x [M, K] @ w.T for w [N, K]; or, with ``act``, w = w13 [2N, K] (interleaved)
+    and out = SwiGLU(x @ w_gate.T, x @ w_up.T). M <= DECODE_MAX_M."""
     M, K = x.shape
     swiglu = act is not None
-    N = w.shape[-2]
-    cfg = config or gemv_config(arch_major(x.device), swiglu)
+    N = w.shape[0] // 2 if swiglu else w.shape[0]
+    cfg = config or gemv_config(arch_major(x.device), x.dtype, swiglu)
     act = act or Activation()
     _decode_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
-        x, w, out, M, N, K, x.stride(0), w.stride(0) if swiglu else 0, w.stride(-2), out.stride(0),
+        x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
         act.kernel_limit, float(act.alpha),
         SWIGLU=swiglu, ACT=act.code, IEEE=x.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0,
         BLOCK_M=DECODE_MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

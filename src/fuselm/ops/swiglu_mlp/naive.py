@@ -1,9 +1,8 @@
 """Plain-PyTorch references for the gate/up GEMM with SwiGLU and the whole SwiGLU MLP.
 
-Weight layout: ``w13`` is [2, F, D], ``w13[0]`` the gate projection and ``w13[1]`` the up
-projection, each in the nn.Linear layout [out_features, in_features]. Its memory is that of
-``torch.cat([w_gate, w_up])`` (vLLM's merged ``gate_up_proj``), so such a weight is
-``w.view(2, F, D)``. ``w2`` is the down projection, [D, F].
+Weight layout: ``w13`` is [2F, D] with the gate and up projections' rows interleaved: row 2f
+is gate row f, row 2f + 1 is up row f (nn.Linear layout [out_features, in_features];
+``interleave_gate_up`` builds it). ``w2`` is the down projection, [D, F].
 
 Numerics contract of the fused path: the gate and up GEMMs accumulate in fp32 and are *not*
 rounded before the activation (HF rounds them to the model dtype first); the activation then
@@ -26,8 +25,8 @@ def gemm_swiglu_ref(x: torch.Tensor, w13: torch.Tensor, act: Activation = Activa
     """``act(x @ w_gate.T) * (x @ w_up.T)`` per the contract above: [..., D] -> [..., F]."""
     work = _work(x)
     xw = x.to(work)
-    g = xw @ w13[0].to(work).T
-    u = xw @ w13[1].to(work).T
+    g = xw @ w13[0::2].to(work).T
+    u = xw @ w13[1::2].to(work).T
     a = gate_factor_ref(g, act).to(x.dtype).to(work)
     return (a * up_factor_ref(u, act)).to(x.dtype)
 
@@ -39,11 +38,12 @@ def swiglu_mlp_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: Ac
 
 
 def gemm_swiglu_backward_ref(x, w13, dh, act: Activation = Activation()):
-    """(d_gate_up [..., 2F], h [..., F]) from the recomputed pre-activations, in fp32."""
+    """(d_gate_up [..., 2F] in w13's interleaved order, h [..., F]) from the recomputed
+    pre-activations, in fp32."""
     work = _work(x)
     xw = x.to(work)
-    g = xw @ w13[0].to(work).T
-    u = xw @ w13[1].to(work).T
+    g = xw @ w13[0::2].to(work).T
+    u = xw @ w13[1::2].to(work).T
     dh = dh.to(work)
     c = g if act.kind == "silu" else torch.clamp(g, max=act.limit)
     s = torch.sigmoid(act.alpha * c)
@@ -54,5 +54,5 @@ def gemm_swiglu_backward_ref(x, w13, dh, act: Activation = Activation()):
         d_up_factor = ((u >= -act.limit) & (u <= act.limit)).to(work)
     a = gate_factor_ref(g, act).to(x.dtype).to(work)
     uf = up_factor_ref(u, act)
-    d_gu = torch.cat([dh * uf * d_gate_factor, dh * a * d_up_factor], dim=-1)
+    d_gu = torch.stack([dh * uf * d_gate_factor, dh * a * d_up_factor], dim=-1).flatten(-2)
     return d_gu.to(x.dtype), (a * uf).to(x.dtype)

@@ -22,11 +22,12 @@ from fuselm.runtime import as_rows, check_out, check_same_device, check_tensor, 
 
 
 # ----------------------------------------------------------------------------- weight layout
-def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
-    """The gate/up weight the kernels read: [2, F, D], gate then up (each [F, D], nn.Linear layout).
+def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """The gate/up weight the kernels read: [2F, D], row 2f = w_gate[f], row 2f + 1 = w_up[f].
 
-    Loading a Hugging Face Llama/Qwen MLP: ``pack_gate_up(mlp.gate_proj.weight, mlp.up_proj.weight)``.
-    A merged vLLM ``gate_up_proj.weight`` [2F, D] already has this memory: ``w.view(2, F, D)``.
+    Each [F, D] in the nn.Linear layout. A Hugging Face Llama/Qwen MLP loads with
+    ``interleave_gate_up(mlp.gate_proj.weight, mlp.up_proj.weight)``; a vLLM-style merged
+    ``gate_up_proj.weight`` [2F, D] (gate rows, then up rows) with ``interleave_gate_up(*w.chunk(2))``.
     """
     check_tensor("w_gate", w_gate)
     check_tensor("w_up", w_up)
@@ -36,26 +37,26 @@ def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
                          f"and {tuple(w_up.shape)}")
     if w_gate.dtype != w_up.dtype:
         raise TypeError(f"w_up: dtype {w_up.dtype} does not match w_gate {w_gate.dtype}")
-    return torch.stack([w_gate.detach(), w_up.detach()]).contiguous()
+    return torch.stack([w_gate.detach(), w_up.detach()], dim=1).reshape(-1, w_gate.shape[1])
 
 
-def unpack_gate_up(w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`pack_gate_up`: (w_gate, w_up), views of ``w13``."""
+def deinterleave_gate_up(w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`interleave_gate_up`: (w_gate, w_up), strided views of ``w13``."""
     _check_w13(w13, None)
-    return w13[0], w13[1]
+    return w13[0::2], w13[1::2]
 
 
 # ----------------------------------------------------------------------------- checks
 def _check_w13(w13, x) -> None:
     check_tensor("w13", w13)
-    if w13.dim() != 3 or w13.shape[0] != 2:
-        raise ValueError(f"w13: expected the [2, F, D] gate/up weight from pack_gate_up(w_gate, w_up), "
-                         f"got shape {tuple(w13.shape)}")
+    if w13.dim() != 2 or w13.shape[0] % 2:
+        raise ValueError(f"w13: expected the [2F, D] interleaved gate/up weight from "
+                         f"interleave_gate_up(w_gate, w_up), got shape {tuple(w13.shape)}")
     if w13.stride(-1) != 1:
         raise ValueError("w13: rows must be contiguous (last-dim stride 1); pass w13.contiguous() once at load")
     if x is not None:
-        if w13.shape[2] != x.shape[-1]:
-            raise ValueError(f"w13: in-features {w13.shape[2]} do not match x's last dim {x.shape[-1]}")
+        if w13.shape[1] != x.shape[-1]:
+            raise ValueError(f"w13: in-features {w13.shape[1]} do not match x's last dim {x.shape[-1]}")
         if w13.dtype != x.dtype:
             raise TypeError(f"w13: dtype {w13.dtype} does not match x {x.dtype}")
 
@@ -67,8 +68,8 @@ def _check_inputs(x, w13, w2=None) -> None:
     _check_w13(w13, x)
     if w2 is not None:
         check_tensor("w2", w2)
-        if w2.shape != (w13.shape[2], w13.shape[1]):
-            raise ValueError(f"w2: expected the down weight [D, F] = {(w13.shape[2], w13.shape[1])}, "
+        if w2.shape != (w13.shape[1], w13.shape[0] // 2):
+            raise ValueError(f"w2: expected the down weight [D, F] = {(w13.shape[1], w13.shape[0] // 2)}, "
                              f"got {tuple(w2.shape)}")
         if w2.dtype != x.dtype:
             raise TypeError(f"w2: dtype {w2.dtype} does not match x {x.dtype}")
@@ -79,7 +80,7 @@ def _check_inputs(x, w13, w2=None) -> None:
 
 # ----------------------------------------------------------------------------- compute (2-D x)
 def _empty_h(x, w13):
-    return torch.empty((x.shape[0], w13.shape[1]), dtype=x.dtype, device=x.device)
+    return torch.empty((x.shape[0], w13.shape[0] // 2), dtype=x.dtype, device=x.device)
 
 
 def _empty_y(x, w2):
@@ -108,7 +109,7 @@ def _gemm_swiglu_backward(x, w13, dh, act: Activation, want_h: bool):
     if not use_triton(x):
         d_gu, h = gemm_swiglu_backward_ref(x, w13, dh, act)
         return d_gu, h if want_h else None
-    M, F = x.shape[0], w13.shape[1]
+    M, F = x.shape[0], w13.shape[0] // 2
     d_gu = torch.empty((M, 2 * F), dtype=x.dtype, device=x.device)
     h = torch.empty((M, F), dtype=x.dtype, device=x.device) if want_h else None
     if M > 0:
@@ -119,16 +120,14 @@ def _gemm_swiglu_backward(x, w13, dh, act: Activation, want_h: bool):
 def _gemm_swiglu_grads(x, w13, dh, act: Activation):
     """(dx, dw13) of ``gemm_swiglu`` for upstream dh [M, F]."""
     d_gu, _ = _gemm_swiglu_backward(x, w13, dh.contiguous(), act, want_h=False)
-    w_flat = w13.reshape(-1, w13.shape[2])  # [2F, D]: gate rows then up rows, as d_gu's columns
-    return d_gu @ w_flat, (d_gu.T @ x).view(w13.shape)
+    return d_gu @ w13, d_gu.T @ x  # d_gu's columns are in w13's interleaved row order
 
 
 def _swiglu_mlp_grads(x, w13, w2, dy, act: Activation):
     """(dx, dw13, dw2) of ``swiglu_mlp`` for upstream dy [M, D]."""
     dh = dy @ w2
     d_gu, h = _gemm_swiglu_backward(x, w13, dh, act, want_h=True)
-    w_flat = w13.reshape(-1, w13.shape[2])
-    return d_gu @ w_flat, (d_gu.T @ x).view(w13.shape), dy.T @ h
+    return d_gu @ w13, d_gu.T @ x, dy.T @ h
 
 
 # ----------------------------------------------------------------------------- checked host functions
@@ -183,7 +182,7 @@ def _gemm_swiglu_op(x: torch.Tensor, w13: torch.Tensor, kind: str, limit: float,
 
 @_gemm_swiglu_op.register_fake
 def _(x, w13, kind, limit, alpha):
-    return x.new_empty((x.shape[0], w13.shape[1]))
+    return x.new_empty((x.shape[0], w13.shape[0] // 2))
 
 
 @torch.library.custom_op("fuselm::gemm_swiglu_backward", mutates_args=())
@@ -246,7 +245,7 @@ def gemm_swiglu(x: torch.Tensor, w13: torch.Tensor, activation: Activation | str
 
     Args:
         x: [..., D] fp16/bf16/fp32.
-        w13: [2, F, D] from :func:`pack_gate_up`, x's dtype.
+        w13: [2F, D] from :func:`interleave_gate_up`, x's dtype.
         activation: "silu" or an :class:`~fuselm.ops.activation.Activation`.
     Returns:
         h: [..., F] in x's dtype (numerics: ``fuselm/ops/swiglu_mlp/naive.py``).
@@ -260,7 +259,7 @@ def gemm_swiglu(x: torch.Tensor, w13: torch.Tensor, activation: Activation | str
         h = _GemmSwiGLUFunction.apply(x2, w13, act)
     else:
         h = _gemm_swiglu(x2, w13, act, _empty_h(x2, w13))
-    return h.view(*x.shape[:-1], w13.shape[1])
+    return h.view(*x.shape[:-1], w13.shape[0] // 2)
 
 
 def swiglu_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: Activation | str = "silu") -> torch.Tensor:
@@ -268,7 +267,7 @@ def swiglu_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation:
 
     Args:
         x: [..., D] fp16/bf16/fp32.
-        w13: [2, F, D] from :func:`pack_gate_up`; w2: [D, F] (``down_proj.weight``); x's dtype.
+        w13: [2F, D] from :func:`interleave_gate_up`; w2: [D, F] (``down_proj.weight``); x's dtype.
         activation: "silu" or an :class:`~fuselm.ops.activation.Activation`.
     Returns:
         y: [..., D]. Decode (<= 16 rows) is two weight-streaming launches; prefill is the fused
@@ -287,12 +286,12 @@ def swiglu_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation:
 
 
 class SwiGLUMLP(nn.Module):
-    """A gated MLP on fuselm kernels: ``w13`` [2, F, D] (gate, up) and ``w2`` [D, F] (down)."""
+    """A gated MLP on fuselm kernels: ``w13`` [2F, D] (gate/up interleaved) and ``w2`` [D, F] (down)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: Activation | str = "silu",
                  device=None, dtype=None):
         super().__init__()
-        self.w13 = nn.Parameter(torch.empty(2, intermediate_size, hidden_size, device=device, dtype=dtype))
+        self.w13 = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size, device=device, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(hidden_size, intermediate_size, device=device, dtype=dtype))
         self.activation = Activation.parse(activation)
         bound = hidden_size ** -0.5
@@ -304,7 +303,7 @@ class SwiGLUMLP(nn.Module):
         """From a Hugging Face Llama/Qwen MLP (``gate_proj``, ``up_proj``, ``down_proj``, no bias)."""
         w_gate, w_up, w_down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
         module = cls(w_gate.shape[1], w_gate.shape[0], activation, device="meta")
-        module.w13 = nn.Parameter(pack_gate_up(w_gate, w_up))
+        module.w13 = nn.Parameter(interleave_gate_up(w_gate, w_up))
         module.w2 = nn.Parameter(w_down.detach().contiguous())
         return module
 
@@ -312,4 +311,4 @@ class SwiGLUMLP(nn.Module):
         return swiglu_mlp(x, self.w13, self.w2, self.activation)
 
     def extra_repr(self) -> str:
-        return f"hidden={self.w13.shape[2]}, intermediate={self.w13.shape[1]}, {self.activation}"
+        return f"hidden={self.w13.shape[1]}, intermediate={self.w13.shape[0] // 2}, {self.activation}"
