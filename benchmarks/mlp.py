@@ -48,15 +48,18 @@ def make_weights():
     return wg, wu, interleave_gate_up(wg, wu), w2, torch.cat([wg, wu])
 
 
+SKIPPED: dict[str, str] = {}
+
+
 def runnable(providers: dict) -> dict:
-    """The providers whose first (eager) call succeeds; a failure is printed, not fatal."""
+    """The providers whose first (eager) call succeeds; a failure is recorded in SKIPPED."""
     ok = {}
     for name, fn in providers.items():
         try:
             fn()
             ok[name] = fn
         except Exception as error:  # e.g. a comparison library that rejects a shape
-            print(f"  {name} skipped: {str(error).splitlines()[0][:120]}")
+            SKIPPED[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
     return ok
 
 
@@ -185,6 +188,7 @@ def main(argv=None) -> int:
         result["mlp"].append({"m": m, "ms": ms})
         print("mlp", m, {k: round(v, 4) for k, v in ms.items()}, flush=True)
     result["training_m4096"] = training_step(4096, w13, w2, w_cat)
+    result["skipped"] = SKIPPED
     (out / "mlp.json").write_text(json.dumps(result, indent=1))
     text = render(result)
     (out / "mlp.md").write_text(text)
@@ -227,8 +231,15 @@ def render(r) -> str:
         lines.append(f"| {row['m']} | " + " | ".join(f"{t[n]:.4f}" if n in t else "-" for n in names)
                      + f" | {t['eager cuBLAS MLP'] / fus:.2f} | " + (f"{liger / fus:.2f}" if liger else "-")
                      + f" | {100 * floor / fus:.0f}% |")
-    lines += ["", "## Training step (forward + backward) at M=4096", "", "| provider | ms | peak GB |", "|---|---|---|"]
-    lines += [f"| {k} | {v['ms']:.3f} | {v['peak_gb']:.2f} |" for k, v in r["training_m4096"].items()]
+    lines += ["", "## Training step (forward + backward) at M=4096", "",
+              "Peak: extra memory during one forward + backward. Saved: memory a forward holds until its",
+              "backward (the activations kept per layer in a model), output included.", "",
+              "| provider | ms | peak GB | saved GB |", "|---|---|---|---|"]
+    lines += [f"| {k} | {v['ms']:.3f} | {v['peak_gb']:.2f} | {v.get('saved_gb', float('nan')):.3f} |"
+              for k, v in r["training_m4096"].items()]
+    if r.get("skipped"):
+        lines += ["", "Providers that failed their first call (not timed):", ""]
+        lines += [f"- {k}: `{v}`" for k, v in r["skipped"].items()]
     if "sweep" in r:
         lines += ["", "## Tile sweep", "", "| kernel | M | config | ms | rate |", "|---|---|---|---|---|"]
         for s in r["sweep"]:

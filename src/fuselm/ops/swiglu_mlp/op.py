@@ -124,10 +124,14 @@ def _gemm_swiglu_grads(x, w13, dh, act: Activation):
 
 
 def _swiglu_mlp_grads(x, w13, w2, dy, act: Activation):
-    """(dx, dw13, dw2) of ``swiglu_mlp`` for upstream dy [M, D]."""
+    """(dx, dw13, dw2) of ``swiglu_mlp`` for upstream dy [M, D]. Intermediates are dropped as
+    soon as they are used: the peak is dh + d_gate_up + h, [M, 4F] in all."""
     dh = dy @ w2
     d_gu, h = _gemm_swiglu_backward(x, w13, dh, act, want_h=True)
-    return d_gu @ w13, d_gu.T @ x, dy.T @ h
+    del dh
+    dw2 = dy.T @ h
+    del h
+    return d_gu @ w13, d_gu.T @ x, dw2
 
 
 # ----------------------------------------------------------------------------- checked host functions
