@@ -1,0 +1,237 @@
+"""Swap-FFN: a recurrent-memory FFN block run by C cores on every token (``shared/swap_ffn_spec.md``).
+
+Per token, each of the C cores takes its own affine view of the token, then n_events times:
+a router decides (hard) whether to swap the core's activation with one of its 4 memory banks
+and which one; then k_ffn FFN steps (RMSNorm, SwiGLU MLP; the weights are shared by all
+cores). A learned pooling over cores, a low-rank collapse and a decoder give the token's delta.
+
+This file is the reference: plain PyTorch, exactly the spec, differentiable through the values
+(the swap and bank decisions are hard). Parameter and state names are the spec's.
+
+Rounding: every op in the model dtype as eager PyTorch would run it; the norms and the softmax
+reduce in fp32 (RMSNorm rounds like HF Llama: ``weight * x_normed.to(dtype)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fuselm.ops.rms_norm.naive import rms_norm_ref
+
+N_BANKS = 4  # fixed: the stream map packs 4 lanes x 2 bits into a uint8
+IDENTITY_STREAM_MAP = 0xE4  # lanes (0, 1, 2, 3)
+IMPLS = ("reference", "fused", "auto")
+
+
+@dataclass(frozen=True)
+class SwapFFNConfig:
+    """Swap-FFN sizes; the defaults are the seed config."""
+
+    d_model: int = 1024
+    d_ff: int = 4096
+    n_cores: int = 512
+    n_events: int = 8
+    k_ffn: int = 2
+    d_router: int = 64
+    n_banks: int = N_BANKS
+    d_core_embed: int = 32
+    collapse_k: int = 8
+    collapse_r: int = 224
+    collapse_silu: bool = True
+    ffn_residual: bool = False
+    eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.n_banks != N_BANKS:
+            raise ValueError(f"n_banks: fixed at {N_BANKS} (the stream map packs 4 lanes in a uint8), got {self.n_banks}")
+        for name in ("d_model", "d_ff", "n_cores", "n_events", "k_ffn", "d_router", "d_core_embed", "collapse_k", "collapse_r"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (0 if name in ("n_events", "k_ffn") else 1):
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+
+    def flops_per_token(self) -> int:
+        """Matrix FLOPs of one token step: router and FFN GEMMs over all cores."""
+        c, d = self.n_cores, self.d_model
+        return self.n_events * (2 * c * d * self.d_router + self.k_ffn * c * 3 * 2 * d * self.d_ff)
+
+
+@dataclass
+class SwapFFNState:
+    """Carried across tokens, per batch row: ``ram`` [B, C, 4, D] (model dtype) and
+    ``stream_map`` [B, C] uint8 (lane i = (stream_map >> 2i) & 3 is the physical bank logical
+    bank i names; logical 0 is the most recently used)."""
+
+    ram: torch.Tensor
+    stream_map: torch.Tensor
+
+    def clone(self) -> "SwapFFNState":
+        return SwapFFNState(self.ram.clone(), self.stream_map.clone())
+
+
+# ----------------------------------------------------------------------------- stream map lanes
+def unpack_lanes(stream_map: torch.Tensor) -> torch.Tensor:
+    """[..., 4] int64 physical bank per logical bank, from the packed uint8 map."""
+    shifts = torch.arange(0, 2 * N_BANKS, 2, device=stream_map.device)
+    return (stream_map[..., None].long() >> shifts) & 3
+
+
+def pack_lanes(lanes: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`unpack_lanes`: [..., 4] lanes -> uint8 map."""
+    shifts = torch.arange(0, 2 * N_BANKS, 2, device=lanes.device)
+    return (lanes.long() << shifts).sum(-1).to(torch.uint8)
+
+
+def move_to_front(lanes: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Lanes after using logical bank ``s``: new lane 0 is lanes[s], lanes 1..s are the old lanes
+    0..s-1 (shifted down by one), lanes past s are unchanged. lanes [..., 4], s [...]."""
+    i = torch.arange(N_BANKS, device=lanes.device)
+    s = s[..., None]
+    source = torch.where(i == 0, s, torch.where(i <= s, i - 1, i))  # which old lane lands in lane i
+    return torch.gather(lanes, -1, source)
+
+
+# ----------------------------------------------------------------------------- the module
+class SwapFFN(nn.Module):
+    """Swap-FFN block. ``forward(x, state=None, impl="auto", inplace=False)`` -> ``(y, state)``.
+
+    x: [B, T, D] or [B, D] (one token); y has x's shape. ``state`` None starts from
+    ``init_state(B)``. The state passed in is left as it was unless ``inplace=True`` (decode
+    engines update it in place to stay allocation-free); the returned state is the new one.
+    """
+
+    def __init__(self, config: SwapFFNConfig = SwapFFNConfig(), device=None, dtype=None):
+        super().__init__()
+        self.config = cfg = config
+        kw = {"device": device, "dtype": dtype}
+        e, d, r = cfg.d_core_embed, cfg.d_model, cfg.d_router
+        self.core_embed = nn.Embedding(cfg.n_cores, e, **kw)
+        self.core_scale = nn.Linear(e, d, **kw)
+        self.core_shift = nn.Linear(e, d, **kw)
+        self.core_alpha = nn.Linear(e, cfg.collapse_k, **kw)
+        self.router_norm = _Weight(d, **kw)
+        self.router_w = nn.Parameter(torch.randn(r, d, **kw) * d**-0.5)
+        self.router_swap_w = nn.Parameter(torch.randn(r, **kw) * r**-0.5)
+        self.router_swap_b = nn.Parameter(torch.zeros(1, **kw))
+        self.bank_w = nn.Parameter(torch.randn(r, N_BANKS, **kw) * r**-0.5)
+        self.bank_b = nn.Parameter(torch.zeros(N_BANKS, **kw))
+        self.norm = _Weight(d, **kw)
+        self.w1 = nn.Linear(d, cfg.d_ff, bias=False, **kw)
+        self.w3 = nn.Linear(d, cfg.d_ff, bias=False, **kw)
+        self.w2 = nn.Linear(cfg.d_ff, d, bias=False, **kw)
+        self.collapse_basis = nn.Parameter(torch.randn(cfg.collapse_k, cfg.collapse_r, d, **kw) * d**-0.5)
+        self.collapse_decoder = nn.Parameter(torch.randn(d, cfg.collapse_r, **kw) * cfg.collapse_r**-0.5)
+
+    # ------------------------------------------------------------------ state
+    def init_state(self, batch: int) -> SwapFFNState:
+        """Zero banks and identity stream maps for ``batch`` rows."""
+        cfg, p = self.config, self.w1.weight
+        return SwapFFNState(
+            ram=torch.zeros(batch, cfg.n_cores, N_BANKS, cfg.d_model, device=p.device, dtype=p.dtype),
+            stream_map=torch.full((batch, cfg.n_cores), IDENTITY_STREAM_MAP, device=p.device, dtype=torch.uint8),
+        )
+
+    def check_state(self, state: SwapFFNState, batch: int) -> None:
+        """ValueError/TypeError for a state of the wrong shape, dtype or device, or a stream map
+        whose lanes are not a permutation of the 4 banks (reads the map: one host sync)."""
+        cfg, p = self.config, self.w1.weight
+        if not isinstance(state, SwapFFNState):
+            raise TypeError(f"state: expected a SwapFFNState (from init_state), got {type(state).__name__}")
+        expected = {"ram": ((batch, cfg.n_cores, N_BANKS, cfg.d_model), p.dtype),
+                    "stream_map": ((batch, cfg.n_cores), torch.uint8)}
+        for name, (shape, dtype) in expected.items():
+            t = getattr(state, name)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                raise ValueError(f"state.{name}: expected shape {shape}, got {tuple(getattr(t, 'shape', ()))}")
+            if t.dtype != dtype:
+                raise TypeError(f"state.{name}: expected dtype {dtype}, got {t.dtype}")
+            if t.device != p.device:
+                raise ValueError(f"state.{name}: on {t.device}, the module is on {p.device}")
+        lanes = unpack_lanes(state.stream_map)
+        if not bool((lanes.sort(-1).values == torch.arange(N_BANKS, device=lanes.device)).all()):
+            raise ValueError("state.stream_map: lanes are not a permutation of the 4 banks")
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, state: SwapFFNState | None = None, impl: str = "auto", inplace: bool = False):
+        if impl not in IMPLS:
+            raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+        cfg, p = self.config, self.w1.weight
+        if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3):
+            raise ValueError(f"x: expected [B, T, D] or [B, D], got {getattr(x, 'shape', type(x).__name__)}")
+        if x.shape[-1] != cfg.d_model:
+            raise ValueError(f"x: last dim {x.shape[-1]} does not match d_model {cfg.d_model}")
+        if x.dtype != p.dtype:
+            raise TypeError(f"x: dtype {x.dtype} does not match the module's {p.dtype}")
+        if x.device != p.device:
+            raise ValueError(f"x: on {x.device}, the module is on {p.device}")
+        if impl == "fused":  # "auto" is the reference until the fused path exists
+            raise NotImplementedError("impl='fused': the fused Swap-FFN decode path is not built yet; use 'reference'")
+        tokens = x if x.dim() == 3 else x[:, None, :]
+        batch = tokens.shape[0]
+        if state is None:
+            state = self.init_state(batch)
+        else:
+            self.check_state(state, batch)
+        ram, stream_map = state.ram, state.stream_map
+        outputs = []
+        for t in range(tokens.shape[1]):
+            y, ram, stream_map = self.reference_step(tokens[:, t], ram, stream_map)
+            outputs.append(y)
+        y = torch.stack(outputs, dim=1)
+        if inplace:
+            with torch.no_grad():
+                state.ram.copy_(ram)
+                state.stream_map.copy_(stream_map)
+            new_state = state
+        else:
+            new_state = SwapFFNState(ram, stream_map)
+        return (y if x.dim() == 3 else y[:, 0]), new_state
+
+    def core_params(self):
+        """(core_scale [C, D], core_shift [C, D], core_alpha [C, K] fp32): per-core tables."""
+        emb = self.core_embed.weight
+        core_alpha = torch.softmax(self.core_alpha(emb).float(), dim=-1)
+        return 1.0 + self.core_scale(emb), self.core_shift(emb), core_alpha
+
+    def reference_step(self, x_tok: torch.Tensor, ram: torch.Tensor, stream_map: torch.Tensor):
+        """One token, x_tok [B, D] -> (y [B, D], ram, stream_map), new tensors (inputs untouched)."""
+        cfg = self.config
+        core_scale, core_shift, core_alpha = self.core_params()
+        x = x_tok[:, None, :] * core_scale + core_shift  # [B, C, D]
+        lanes = unpack_lanes(stream_map)  # [B, C, 4]
+        for _ in range(cfg.n_events):
+            z = rms_norm_ref(x, self.router_norm.weight, cfg.eps) @ self.router_w.T  # [B, C, R]
+            gate = torch.sigmoid(z @ self.router_swap_w + self.router_swap_b) > 0.5  # [B, C]
+            s = torch.argmax(z @ self.bank_w + self.bank_b, dim=-1)  # logical bank, first max wins
+            p = torch.gather(lanes, -1, s[..., None])  # physical bank [B, C, 1]
+            index = p[..., None].expand(-1, -1, 1, cfg.d_model)
+            bank = torch.gather(ram, 2, index).squeeze(2)
+            x_old = x
+            x = torch.where(gate[..., None], bank, x)
+            written = (F.one_hot(p.squeeze(-1), N_BANKS).bool() & gate[..., None])[..., None]  # [B, C, 4, 1]
+            ram = torch.where(written, x_old[:, :, None, :], ram)
+            lanes = torch.where(gate[..., None], move_to_front(lanes, s), lanes)
+            for _ in range(cfg.k_ffn):
+                h = rms_norm_ref(x, self.norm.weight, cfg.eps)
+                f = self.w2(F.silu(self.w1(h)) * self.w3(h))
+                x = x + f if cfg.ffn_residual else f
+        return self.collapse(x_tok, x, core_alpha), ram, pack_lanes(lanes)
+
+    def collapse(self, x_tok: torch.Tensor, x: torch.Tensor, core_alpha: torch.Tensor) -> torch.Tensor:
+        """y = x_tok + decoder(silu?(basis(pool over cores of x))); x [B, C, D] after the last event."""
+        pooled = torch.einsum("bcd,ck->bkd", x, core_alpha.to(x.dtype))  # [B, K, D]
+        code = torch.einsum("bkd,krd->br", pooled, self.collapse_basis)  # [B, Rc]
+        if self.config.collapse_silu:
+            code = F.silu(code)
+        return x_tok + code @ self.collapse_decoder.T
+
+
+class _Weight(nn.Module):
+    """A bare ``weight`` parameter (ones), so state_dict names read ``router_norm.weight``."""
+
+    def __init__(self, size: int, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype))

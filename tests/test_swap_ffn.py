@@ -1,0 +1,138 @@
+"""Swap-FFN reference against its spec (shared/swap_ffn_spec.md), on tiny configs."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import DEVICE
+from fuselm import SwapFFN, SwapFFNConfig, SwapFFNState
+from fuselm.models.swap_ffn import IDENTITY_STREAM_MAP, move_to_front, pack_lanes, unpack_lanes
+
+TINY = SwapFFNConfig(d_model=16, d_ff=24, n_cores=6, n_events=3, k_ffn=2, d_router=8, d_core_embed=4,
+                     collapse_k=3, collapse_r=5)
+
+
+def tiny(**overrides) -> SwapFFN:
+    torch.manual_seed(0)
+    cfg = SwapFFNConfig(**{**TINY.__dict__, **overrides})
+    return SwapFFN(cfg, device=DEVICE, dtype=torch.float32)
+
+
+def test_state_dict_names_are_the_spec():
+    names = set(tiny().state_dict())
+    assert names == {
+        "core_embed.weight", "core_scale.weight", "core_scale.bias", "core_shift.weight", "core_shift.bias",
+        "core_alpha.weight", "core_alpha.bias", "router_norm.weight", "router_w", "router_swap_w", "router_swap_b",
+        "bank_w", "bank_b", "norm.weight", "w1.weight", "w3.weight", "w2.weight", "collapse_basis", "collapse_decoder",
+    }
+
+
+def test_initial_state():
+    state = tiny().init_state(3)
+    assert state.ram.shape == (3, 6, 4, 16) and state.ram.dtype == torch.float32 and not state.ram.any()
+    assert state.stream_map.shape == (3, 6) and state.stream_map.dtype == torch.uint8
+    assert torch.all(state.stream_map == IDENTITY_STREAM_MAP)
+    assert torch.equal(unpack_lanes(state.stream_map[0, 0]), torch.arange(4, device=DEVICE))
+
+
+def test_lanes_pack_and_move_to_front():
+    perms = torch.tensor(list(itertools.permutations(range(4))), device=DEVICE)
+    assert torch.equal(unpack_lanes(pack_lanes(perms)), perms)
+    lanes = torch.tensor([[2, 0, 3, 1]] * 4, device=DEVICE)
+    moved = move_to_front(lanes, torch.arange(4, device=DEVICE))
+    assert moved.tolist() == [[2, 0, 3, 1], [0, 2, 3, 1], [3, 2, 0, 1], [1, 2, 0, 3]]
+
+
+def test_stream_map_stays_a_permutation_and_both_decisions_occur():
+    module = tiny()
+    x = torch.randn(2, 5, 16, device=DEVICE) * 3
+    _, state = module(x)
+    lanes = unpack_lanes(state.stream_map)
+    assert torch.equal(lanes.sort(-1).values, torch.arange(4, device=DEVICE).expand_as(lanes))
+    assert (state.stream_map != IDENTITY_STREAM_MAP).any(), "no core ever swapped: the test would be vacuous"
+    assert (state.ram == 0).all(-1).any(), "every bank was written: no core ever kept its activation"
+
+
+def test_multi_token_equals_token_by_token():
+    module = tiny()
+    x = torch.randn(2, 4, 16, device=DEVICE)
+    y_all, state_all = module(x)
+    state = None
+    for t in range(4):
+        y_t, state = module(x[:, t], state)
+        torch.testing.assert_close(y_t, y_all[:, t], rtol=0, atol=0)
+    assert torch.equal(state.ram, state_all.ram) and torch.equal(state.stream_map, state_all.stream_map)
+
+
+def test_state_untouched_unless_inplace():
+    module = tiny()
+    x = torch.randn(1, 2, 16, device=DEVICE)
+    state = module.init_state(1)
+    _, new_state = module(x, state)
+    assert not state.ram.any() and torch.all(state.stream_map == IDENTITY_STREAM_MAP)
+    returned = module(x, state, inplace=True)[1]
+    assert returned is state
+    assert torch.equal(state.ram, new_state.ram) and torch.equal(state.stream_map, new_state.stream_map)
+
+
+@pytest.mark.parametrize("ffn_residual", [False, True])
+def test_ffn_residual(ffn_residual):
+    """With w2 = 0 the FFN output is 0: x is replaced by 0 (no residual) or kept (residual)."""
+    module = tiny(ffn_residual=ffn_residual, n_events=1)
+    with torch.no_grad():
+        module.w2.weight.zero_()
+    x_tok = torch.randn(2, 16, device=DEVICE)
+    y, _ = module(x_tok)
+    if ffn_residual:
+        assert not torch.allclose(y, x_tok)
+    else:
+        torch.testing.assert_close(y, x_tok, rtol=0, atol=0)  # x = 0 after the FFN: delta = silu(0) = 0
+
+
+@pytest.mark.parametrize("collapse_silu", [True, False])
+def test_collapse(collapse_silu):
+    module = tiny(collapse_silu=collapse_silu)
+    x_tok, x = torch.randn(2, 16, device=DEVICE), torch.randn(2, 6, 16, device=DEVICE)
+    _, _, core_alpha = module.core_params()
+    code = torch.zeros(2, 5, device=DEVICE)
+    for c in range(6):  # the spec's einsums, written as loops
+        for k in range(3):
+            code += core_alpha[c, k] * (module.collapse_basis[k] @ x[:, c].T).T
+    code = F.silu(code) if collapse_silu else code
+    torch.testing.assert_close(module.collapse(x_tok, x, core_alpha), x_tok + code @ module.collapse_decoder.T)
+
+
+def test_gradients_flow_through_the_values():
+    module = tiny()
+    y, _ = module(torch.randn(2, 3, 16, device=DEVICE))
+    y.square().sum().backward()
+    params = dict(module.named_parameters())
+    for name in ("w1.weight", "w3.weight", "w2.weight", "collapse_basis", "core_embed.weight", "norm.weight"):
+        assert params[name].grad.abs().sum() > 0, name
+    for name in ("router_w", "router_swap_w", "bank_w"):  # they only feed the hard decisions
+        assert params[name].grad is None, name
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda m, x, s: m(x[..., :8], s), ValueError, "x: last dim 8"),
+    (lambda m, x, s: m(x.double(), s), TypeError, "x: dtype"),
+    (lambda m, x, s: m(x[0, 0], s), ValueError, "x: expected"),
+    (lambda m, x, s: m(x, SwapFFNState(s.ram[:, :3], s.stream_map)), ValueError, "state.ram: expected shape"),
+    (lambda m, x, s: m(x, SwapFFNState(s.ram.half(), s.stream_map)), TypeError, "state.ram: expected dtype"),
+    (lambda m, x, s: m(x, SwapFFNState(s.ram, s.stream_map.long())), TypeError, "state.stream_map: expected dtype"),
+    (lambda m, x, s: m(x, SwapFFNState(s.ram.to("meta"), s.stream_map)), ValueError, "state.ram: on meta"),
+    (lambda m, x, s: m(x, SwapFFNState(s.ram, torch.zeros_like(s.stream_map))), ValueError, "not a permutation"),
+    (lambda m, x, s: m(x, (s.ram, s.stream_map)), TypeError, "state: expected a SwapFFNState"),
+    (lambda m, x, s: m(x, s, impl="triton"), ValueError, "impl"),
+    (lambda m, x, s: m(x, s, impl="fused"), NotImplementedError, "fused"),
+])
+def test_bad_input_leaves_state_intact(change, error, match):
+    module = tiny()
+    state = module.init_state(2)
+    module(torch.randn(2, 2, 16, device=DEVICE), state, inplace=True)  # a non-trivial state
+    before = state.clone()
+    with pytest.raises(error, match=match):
+        change(module, torch.randn(2, 3, 16, device=DEVICE), state)
+    assert torch.equal(state.ram, before.ram) and torch.equal(state.stream_map, before.stream_map)
