@@ -1,6 +1,6 @@
 """fuselm: fused Triton kernels for gated-MLP language models."""
 
-from fuselm.models.swap_ffn import SwapFFN, SwapFFNConfig, SwapFFNState
+from fuselm.models.swap_ffn import SwapFFN, SwapFFNConfig, SwapFFNDecoder, SwapFFNState
 from fuselm.ops.activation import Activation
 from fuselm.ops.rms_norm import RMSNorm, add_rms_norm, rms_norm
 from fuselm.ops.silu_mul import SiLUMul, silu_mul
@@ -10,5 +10,5 @@ __version__ = "0.1.0"
 __all__ = [
     "Activation", "SiLUMul", "silu_mul", "RMSNorm", "rms_norm", "add_rms_norm",
     "SwiGLUMLP", "gemm_swiglu", "swiglu_mlp", "interleave_gate_up", "deinterleave_gate_up",
-    "SwapFFN", "SwapFFNConfig", "SwapFFNState",
+    "SwapFFN", "SwapFFNConfig", "SwapFFNState", "SwapFFNDecoder",
 ]

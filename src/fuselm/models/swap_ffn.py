@@ -5,11 +5,16 @@ a router decides (hard) whether to swap the core's activation with one of its 4 
 and which one; then k_ffn FFN steps (RMSNorm, SwiGLU MLP; the weights are shared by all
 cores). A learned pooling over cores, a low-rank collapse and a decoder give the token's delta.
 
-This file is the reference: plain PyTorch, exactly the spec, differentiable through the values
-(the swap and bank decisions are hard). Parameter and state names are the spec's.
-
-Rounding: every op in the model dtype as eager PyTorch would run it; the norms and the softmax
-reduce in fp32 (RMSNorm rounds like HF Llama: ``weight * x_normed.to(dtype)``).
+Two paths compute it:
+- ``reference_step``: plain PyTorch, exactly the spec, differentiable through the values (the
+  swap and bank decisions are hard). Every op in the model dtype as eager PyTorch would run it;
+  the norms and the softmax reduce in fp32 (RMSNorm rounds like HF Llama).
+- ``FusedSwapFFN`` (inference, Triton): the cores are the M dimension of every matrix product,
+  so each weight tile is read once per tile of cores. Per event: one router kernel (router GEMM,
+  decisions, bank swap, write-back, lane update, in place), then per FFN step the fused gate/up
+  GEMM with SwiGLU and the RMSNorm folded in, and a cuBLAS down GEMM into x. The collapse pools
+  over cores first. ``SwapFFNDecoder`` captures a whole token step in one CUDA graph.
+Parameter and state names are the spec's.
 """
 
 from __future__ import annotations
@@ -20,7 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fuselm.ops.activation import Activation
 from fuselm.ops.rms_norm.naive import rms_norm_ref
+from fuselm.ops.swap_ffn.kernels import swap_router
+from fuselm.ops.swiglu_mlp.kernels import gemm_swiglu_kernel
+from fuselm.ops.swiglu_mlp.op import interleave_gate_up
+from fuselm.runtime import use_triton
 
 N_BANKS = 4  # fixed: the stream map packs 4 lanes x 2 bits into a uint8
 IDENTITY_STREAM_MAP = 0xE4  # lanes (0, 1, 2, 3)
@@ -167,19 +177,27 @@ class SwapFFN(nn.Module):
             raise TypeError(f"x: dtype {x.dtype} does not match the module's {p.dtype}")
         if x.device != p.device:
             raise ValueError(f"x: on {x.device}, the module is on {p.device}")
-        if impl == "fused":  # "auto" is the reference until the fused path exists
-            raise NotImplementedError("impl='fused': the fused Swap-FFN decode path is not built yet; use 'reference'")
+        fused = impl == "fused" or (impl == "auto" and x.is_cuda)
+        if fused and not use_triton(x):
+            raise ValueError("impl='fused' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter)")
         tokens = x if x.dim() == 3 else x[:, None, :]
         batch = tokens.shape[0]
         if state is None:
             state = self.init_state(batch)
         else:
             self.check_state(state, batch)
-        ram, stream_map = state.ram, state.stream_map
         outputs = []
-        for t in range(tokens.shape[1]):
-            y, ram, stream_map = self.reference_step(tokens[:, t], ram, stream_map)
-            outputs.append(y)
+        if fused:
+            with torch.no_grad():
+                ram, stream_map = state.ram.clone(), state.stream_map.clone()
+                runner = FusedSwapFFN(self, batch)
+                for t in range(tokens.shape[1]):
+                    outputs.append(runner.step(tokens[:, t], ram, stream_map).clone())
+        else:
+            ram, stream_map = state.ram, state.stream_map
+            for t in range(tokens.shape[1]):
+                y, ram, stream_map = self.reference_step(tokens[:, t], ram, stream_map)
+                outputs.append(y)
         y = torch.stack(outputs, dim=1)
         if inplace:
             with torch.no_grad():
@@ -227,6 +245,105 @@ class SwapFFN(nn.Module):
         if self.config.collapse_silu:
             code = F.silu(code)
         return x_tok + code @ self.collapse_decoder.T
+
+
+class FusedSwapFFN:
+    """The fused inference path for one batch size: weights re-laid once, work buffers owned.
+
+    ``step(x_tok, ram, stream_map)`` runs one token, updating ``ram``/``stream_map`` in place,
+    and returns y [B, D] in an owned buffer (overwritten by the next step). No allocation and no
+    host sync inside a step, so it can be captured in a CUDA graph. Re-create it after the
+    module's weights change.
+    """
+
+    def __init__(self, module: SwapFFN, batch: int):
+        cfg = self.config = module.config
+        with torch.no_grad():
+            core_scale, core_shift, core_alpha = module.core_params()
+            dtype = core_scale.dtype
+            self.core_scale, self.core_shift = core_scale.contiguous(), core_shift.contiguous()
+            self.core_alpha_t = core_alpha.to(dtype).T.contiguous()  # [K, C]
+            norm_w = module.norm.weight
+            # RMSNorm weight folded into the gate/up columns: rms(x) @ W.T = rstd * (x @ (W * w).T).
+            self.w13 = interleave_gate_up(module.w1.weight * norm_w, module.w3.weight * norm_w).contiguous()
+            self.w2_t = module.w2.weight.detach().T  # [F, D] view: x = h @ w2.T
+            self.router = tuple(t.detach().contiguous() for t in (
+                module.router_norm.weight, module.router_w, module.router_swap_w, module.router_swap_b,
+                module.bank_w, module.bank_b))
+            # collapse: code = pooled [B, K*D] @ basis [K*D, Rc]
+            self.basis = module.collapse_basis.detach().permute(0, 2, 1).reshape(-1, cfg.collapse_r).contiguous()
+            self.decoder_t = module.collapse_decoder.detach().T  # [Rc, D]
+        device = core_scale.device
+        rows = batch * cfg.n_cores
+        self.x = torch.empty(rows, cfg.d_model, device=device, dtype=dtype)
+        self.h = torch.empty(rows, cfg.d_ff, device=device, dtype=dtype)
+        self.f = torch.empty(rows, cfg.d_model, device=device, dtype=dtype) if cfg.ffn_residual else None
+        self.code = torch.empty(batch, cfg.collapse_r, device=device, dtype=dtype)
+        self.y = torch.empty(batch, cfg.d_model, device=device, dtype=dtype)
+        self.batch = batch
+
+    def step(self, x_tok: torch.Tensor, ram: torch.Tensor, stream_map: torch.Tensor) -> torch.Tensor:
+        cfg, x = self.config, self.x
+        C, D = cfg.n_cores, cfg.d_model
+        torch.addcmul(self.core_shift, x_tok[:, None, :], self.core_scale, out=x.view(self.batch, C, D))
+        ram_rows, map_rows = ram.view(-1, 4, D), stream_map.view(-1)
+        for _ in range(cfg.n_events):
+            swap_router(x, ram_rows, map_rows, *self.router, cfg.eps)
+            for _ in range(cfg.k_ffn):
+                gemm_swiglu_kernel(x, self.w13, _SILU, self.h, rms_eps=cfg.eps)
+                if cfg.ffn_residual:
+                    torch.mm(self.h, self.w2_t, out=self.f)
+                    x.add_(self.f)
+                else:
+                    torch.mm(self.h, self.w2_t, out=x)
+        pooled = torch.matmul(self.core_alpha_t, x.view(self.batch, C, D))  # [B, K, D]: pool over cores first
+        torch.mm(pooled.view(self.batch, -1), self.basis, out=self.code)
+        code = torch.nn.functional.silu(self.code, inplace=True) if cfg.collapse_silu else self.code
+        return torch.addmm(x_tok, code, self.decoder_t, out=self.y)
+
+
+_SILU = Activation()
+
+
+class SwapFFNDecoder:
+    """Decode with the fused path, one CUDA graph launch per token step.
+
+    Owns the state (``self.state``, updated in place; ``module.init_state`` unless one is given)
+    and static buffers; ``step(x_tok [B, D])`` returns y [B, D] in a static buffer that the next
+    step overwrites. Without CUDA (the interpreter) it runs the same step without a graph.
+    """
+
+    def __init__(self, module: SwapFFN, batch: int, state: SwapFFNState | None = None):
+        self.module = module
+        if state is not None:
+            module.check_state(state, batch)
+        self.state = state if state is not None else module.init_state(batch)
+        self.runner = FusedSwapFFN(module, batch)
+        self.x_tok = torch.zeros(batch, module.config.d_model, device=self.runner.x.device, dtype=self.runner.x.dtype)
+        self.graph = None
+        if self.x_tok.is_cuda:
+            saved = self.state.clone()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # compile the kernels outside the capture
+                self.runner.step(self.x_tok, self.state.ram, self.state.stream_map)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.y = self.runner.step(self.x_tok, self.state.ram, self.state.stream_map)
+            self.state.ram.copy_(saved.ram)
+            self.state.stream_map.copy_(saved.stream_map)
+
+    @torch.no_grad()
+    def step(self, x_tok: torch.Tensor) -> torch.Tensor:
+        if x_tok.shape != self.x_tok.shape or x_tok.dtype != self.x_tok.dtype:
+            raise ValueError(f"x_tok: expected {tuple(self.x_tok.shape)} {self.x_tok.dtype}, got "
+                             f"{tuple(x_tok.shape)} {x_tok.dtype}")
+        self.x_tok.copy_(x_tok)
+        if self.graph is None:
+            return self.runner.step(self.x_tok, self.state.ram, self.state.stream_map)
+        self.graph.replay()
+        return self.y
 
 
 class _Weight(nn.Module):

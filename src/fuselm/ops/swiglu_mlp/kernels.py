@@ -43,9 +43,9 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 def _gemm_swiglu_kernel(
     x_ptr, w_ptr, dh_ptr, out_ptr, h_ptr,
     M, F, D, stride_xm, stride_wn, stride_dhm, stride_om, stride_hm,
-    limit, alpha,
+    limit, alpha, eps,
     ACT: tl.constexpr, BACKWARD: tl.constexpr, STORE_H: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    RMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Grouped tile order: GROUP_M row blocks walk the same weight columns while they sit in L2.
     pid = tl.program_id(0)
@@ -65,6 +65,7 @@ def _gemm_swiglu_kernel(
     x_ptrs = x_ptr + (rows % M).to(tl.int64)[:, None] * stride_xm + k[None, :]
     w_ptrs = w_ptr + (wrows % (2 * F)).to(tl.int64)[None, :] * stride_wn + k[:, None]  # [BLOCK_K, 2 BLOCK_N] of w13.T
     acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         if EVEN_K:
             xt = tl.load(x_ptrs)
@@ -74,9 +75,18 @@ def _gemm_swiglu_kernel(
             xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
         acc = _dot(xt, w, acc, IEEE)
+        if RMS:
+            xf = xt.to(tl.float32)
+            sum_sq += tl.sum(xf * xf, axis=1)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     g, u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+    if RMS:
+        # RMSNorm folded in: rms(x) @ W.T = rstd * (x @ (W * norm_weight).T), the norm weight
+        # already multiplied into w13's columns by the caller.
+        rstd = tl.rsqrt(sum_sq / D + eps)[:, None]
+        g = g * rstd
+        u = u * rstd
 
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < F)[None, :]
@@ -184,8 +194,10 @@ def gemv_config(arch: int, dtype: torch.dtype, swiglu: bool) -> GemvConfig:
 
 
 # ----------------------------------------------------------------------------- host launchers
-def gemm_swiglu_kernel(x, w13, act: Activation, out, dh=None, h=None, config: GemmConfig | None = None):
-    """Forward (dh None): out = h [M, F]. Backward: out = d_gate_up [M, 2F], and h if given."""
+def gemm_swiglu_kernel(x, w13, act: Activation, out, dh=None, h=None, config: GemmConfig | None = None,
+                       rms_eps: float | None = None):
+    """Forward (dh None): out = h [M, F]. Backward: out = d_gate_up [M, 2F], and h if given.
+    ``rms_eps``: forward only, RMSNorm of x folded in (w13 must carry the norm weight)."""
     M, D = x.shape
     F = w13.shape[0] // 2
     cfg = config or gemm_config(arch_major(x.device), x.dtype)
@@ -195,9 +207,9 @@ def gemm_swiglu_kernel(x, w13, act: Activation, out, dh=None, h=None, config: Ge
         x, w13, dh if backward else x, out, h if h is not None else out,
         M, F, D, x.stride(0), w13.stride(0),
         dh.stride(0) if backward else 0, out.stride(0), h.stride(0) if h is not None else 0,
-        act.kernel_limit, float(act.alpha),
+        act.kernel_limit, float(act.alpha), 0.0 if rms_eps is None else float(rms_eps),
         ACT=act.code, BACKWARD=backward, STORE_H=h is not None, IEEE=x.dtype == torch.float32,
-        EVEN_K=D % cfg.block_k == 0,
+        EVEN_K=D % cfg.block_k == 0, RMS=rms_eps is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
