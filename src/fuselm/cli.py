@@ -2,6 +2,9 @@
 
     fuselm demo      run every op on fresh random inputs against its float64 reference and print
                      a table: op, shape, dtype, backend, relative error, time per call.
+    fuselm swapffn   Swap-FFN at the seed config: tokens/s of the reference (eager and
+                     torch.compile) and the fused path (eager and one CUDA graph per token),
+                     kernels per token, and fused-vs-reference parity (GPU).
 """
 
 from __future__ import annotations
@@ -77,10 +80,101 @@ def demo(args) -> int:
     return 0 if worst < 2e-2 else 1
 
 
+def _kernels_per_call(fn) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def _matrix_tflops(bench) -> float:
+    """bf16 8192^3 torch.mm rate on random data, TFLOP/s."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / bench(lambda: a @ a) / 1e9
+
+
+def swapffn(args) -> int:
+    import json
+
+    import triton
+
+    from fuselm.models.swap_ffn import FusedSwapFFN, SwapFFN, SwapFFNConfig, SwapFFNDecoder
+
+    if not torch.cuda.is_available():
+        print("fuselm swapffn times the GPU paths; no CUDA device here. The CPU tests cover parity.")
+        return 0
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")  # noqa: E731
+    matrix_tflops = _matrix_tflops(bench)
+    cfg = SwapFFNConfig()
+    torch.manual_seed(0)
+    module = SwapFFN(cfg, device="cuda", dtype=torch.bfloat16).eval()
+    print(f"Swap-FFN seed config on {torch.cuda.get_device_name()}, bf16; {cfg.flops_per_token() / 1e9:.1f} GFLOP "
+          f"per token; bf16 mm measured {matrix_tflops:.0f} TFLOP/s\n")
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "matrix_tflops": matrix_tflops, "flops_per_token": cfg.flops_per_token(), "batches": {}}
+    for batch in args.batch:
+        floor_ms = batch * cfg.flops_per_token() / matrix_tflops / 1e9
+        x = torch.randn(batch, cfg.d_model, device="cuda", dtype=torch.bfloat16)
+        state = module.init_state(batch)
+        rows = {}
+        with torch.no_grad():
+            rows["reference, eager"] = bench(lambda: module.reference_step(x, state.ram, state.stream_map))
+            if args.compile:
+                for mode in ("default", "reduce-overhead"):
+                    step = torch.compile(module.reference_step, mode=mode)
+                    start = time.perf_counter()
+                    for _ in range(3):
+                        step(x, state.ram, state.stream_map)
+                    torch.cuda.synchronize()
+                    print(f"  torch.compile mode={mode}: compiled and warmed in {time.perf_counter() - start:.0f} s")
+                    rows[f"reference, torch.compile {mode}"] = bench(lambda: step(x, state.ram, state.stream_map))
+            fused = FusedSwapFFN(module, batch)
+            ram, stream_map = state.ram.clone(), state.stream_map.clone()
+            rows["fused, eager launches"] = bench(lambda: fused.step(x, ram, stream_map))
+            decoder = SwapFFNDecoder(module, batch)
+            rows["fused, one CUDA graph"] = bench(lambda: decoder.step(x))
+            kernels = _kernels_per_call(lambda: decoder.step(x))
+            # parity over a few tokens, state carried
+            ref_state, dec = None, SwapFFNDecoder(module, batch)
+            agree, errors = [], []
+            for _ in range(args.parity_tokens):
+                tok = torch.randn(batch, cfg.d_model, device="cuda", dtype=torch.bfloat16)
+                y_ref, ref_state = module(tok, ref_state, impl="reference")
+                y_fused = dec.step(tok)
+                agree.append((ref_state.stream_map == dec.state.stream_map).float().mean().item())
+                errors.append(rel_err(y_fused, y_ref))
+        best_compile = min((v for k, v in rows.items() if "compile" in k), default=None)
+        graph_ms = rows["fused, one CUDA graph"]
+        results["batches"][batch] = {"ms_per_step": rows, "floor_ms": floor_ms, "kernels_per_step": kernels,
+                                     "graph_launches_per_step": 1, "decision_agreement": agree, "rel_err": errors}
+        print(f"batch {batch}: compute floor {floor_ms:.3f} ms per step")
+        print("| path | ms per step | tokens/s | vs eager reference |\n|---|---|---|---|")
+        for name, ms in rows.items():
+            print(f"| {name} | {ms:.3f} | {batch * 1e3 / ms:.0f} | {rows['reference, eager'] / ms:.1f}x |")
+        print(f"fused graph: {100 * floor_ms / graph_ms:.0f}% of the compute floor"
+              + (f", {best_compile / graph_ms:.2f}x the best torch.compile" if best_compile else "")
+              + f"; {kernels} kernels in 1 graph launch per step")
+        print(f"parity (bf16): stream-map agreement per token {[f'{a:.4f}' for a in agree]}, "
+              f"y rel err {[f'{e:.2e}' for e in errors]}\n", flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "swap_ffn.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
+    from pathlib import Path
+
     parser = argparse.ArgumentParser(prog="fuselm", description="fused Triton kernels for gated-MLP LMs")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("demo", help="every op vs its reference: error and time table").set_defaults(run=demo)
+    swap = commands.add_parser("swapffn", help="Swap-FFN seed config: tokens/s, kernels per token, parity")
+    swap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    swap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                      help="also time torch.compile of the reference (slow to compile)")
+    swap.add_argument("--parity-tokens", type=int, default=4)
+    swap.add_argument("--out", type=Path, default=None, help="write swap_ffn.json here")
+    swap.set_defaults(run=swapffn)
     args = parser.parse_args(argv)
     return args.run(args)
 
