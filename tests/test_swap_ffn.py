@@ -179,18 +179,29 @@ def test_fused_needs_cuda_or_the_interpreter(monkeypatch):
         module(torch.randn(1, 16, device=DEVICE), impl="fused")
 
 
+def test_router_agreement_is_total_in_fp32():
+    module = tiny(**FUSED_CFG)
+    state = module.init_state(2)
+    _, state = module(torch.randn(2, 2, 32, device=DEVICE), state, impl="reference")
+    assert module.router_agreement(torch.randn(2, 32, device=DEVICE), state.ram, state.stream_map) == 1.0
+
+
 @pytest.mark.gpu
 @pytest.mark.large
 def test_seed_config_bf16_decision_agreement():
-    """bf16: decisions may flip at rounding boundaries; agreement >= 99% and the error is reported."""
+    """bf16: the router kernel decides as the reference on the reference's own state (>= 99% of
+    decisions; a rounding-boundary logit can flip). Free-running agreement is reported: one
+    flip changes a core's whole future, so it decays over tokens."""
     torch.manual_seed(0)
     module = SwapFFN(SwapFFNConfig(), device="cuda", dtype=torch.bfloat16)
     x = torch.randn(1, 4, 1024, device="cuda", dtype=torch.bfloat16)
-    agree = []
     ref_state = fused_state = None
     for t in range(4):
+        if ref_state is not None:
+            agreement = module.router_agreement(x[:, t], ref_state.ram, ref_state.stream_map)
+            print(f"token {t}: router decisions agreeing {agreement:.4f}")
+            assert agreement >= 0.99
         y_ref, ref_state = module(x[:, t], ref_state, impl="reference")
         y_fused, fused_state = module(x[:, t], fused_state, impl="fused")
-        agree.append((ref_state.stream_map == fused_state.stream_map).float().mean().item())
-    print(f"stream-map agreement per token {agree}, y rel err {rel_err(y_fused, y_ref):.3e}")
-    assert min(agree) >= 0.99
+        free = (ref_state.stream_map == fused_state.stream_map).float().mean().item()
+        print(f"token {t}: free-running stream-map agreement {free:.4f}, y rel err {rel_err(y_fused, y_ref):.3e}")

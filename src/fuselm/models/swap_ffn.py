@@ -177,7 +177,9 @@ class SwapFFN(nn.Module):
             raise TypeError(f"x: dtype {x.dtype} does not match the module's {p.dtype}")
         if x.device != p.device:
             raise ValueError(f"x: on {x.device}, the module is on {p.device}")
-        fused = impl == "fused" or (impl == "auto" and x.is_cuda)
+        # auto: the fused path for inference on the GPU; the reference when autograd must record.
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(q.requires_grad for q in self.parameters()))
+        fused = impl == "fused" or (impl == "auto" and x.is_cuda and not needs_grad)
         if fused and not use_triton(x):
             raise ValueError("impl='fused' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter)")
         tokens = x if x.dim() == 3 else x[:, None, :]
@@ -221,22 +223,52 @@ class SwapFFN(nn.Module):
         x = x_tok[:, None, :] * core_scale + core_shift  # [B, C, D]
         lanes = unpack_lanes(stream_map)  # [B, C, 4]
         for _ in range(cfg.n_events):
-            z = rms_norm_ref(x, self.router_norm.weight, cfg.eps) @ self.router_w.T  # [B, C, R]
-            gate = torch.sigmoid(z @ self.router_swap_w + self.router_swap_b) > 0.5  # [B, C]
-            s = torch.argmax(z @ self.bank_w + self.bank_b, dim=-1)  # logical bank, first max wins
-            p = torch.gather(lanes, -1, s[..., None])  # physical bank [B, C, 1]
-            index = p[..., None].expand(-1, -1, 1, cfg.d_model)
-            bank = torch.gather(ram, 2, index).squeeze(2)
-            x_old = x
-            x = torch.where(gate[..., None], bank, x)
-            written = (F.one_hot(p.squeeze(-1), N_BANKS).bool() & gate[..., None])[..., None]  # [B, C, 4, 1]
-            ram = torch.where(written, x_old[:, :, None, :], ram)
-            lanes = torch.where(gate[..., None], move_to_front(lanes, s), lanes)
-            for _ in range(cfg.k_ffn):
-                h = rms_norm_ref(x, self.norm.weight, cfg.eps)
-                f = self.w2(F.silu(self.w1(h)) * self.w3(h))
-                x = x + f if cfg.ffn_residual else f
+            x, ram, lanes = self.reference_swap(x, ram, lanes)
+            x = self.reference_ffn(x)
         return self.collapse(x_tok, x, core_alpha), ram, pack_lanes(lanes)
+
+    def reference_swap(self, x, ram, lanes):
+        """The swap of one event: router, hard decisions, bank swap, lane update."""
+        cfg = self.config
+        z = rms_norm_ref(x, self.router_norm.weight, cfg.eps) @ self.router_w.T  # [B, C, R]
+        gate = torch.sigmoid(z @ self.router_swap_w + self.router_swap_b) > 0.5  # [B, C]
+        s = torch.argmax(z @ self.bank_w + self.bank_b, dim=-1)  # logical bank, first max wins
+        p = torch.gather(lanes, -1, s[..., None])  # physical bank [B, C, 1]
+        bank = torch.gather(ram, 2, p[..., None].expand(-1, -1, 1, cfg.d_model)).squeeze(2)
+        written = (F.one_hot(p.squeeze(-1), N_BANKS).bool() & gate[..., None])[..., None]  # [B, C, 4, 1]
+        ram = torch.where(written, x[:, :, None, :], ram)
+        x = torch.where(gate[..., None], bank, x)
+        return x, ram, torch.where(gate[..., None], move_to_front(lanes, s), lanes)
+
+    def reference_ffn(self, x):
+        """The k_ffn FFN steps of one event."""
+        for _ in range(self.config.k_ffn):
+            h = rms_norm_ref(x, self.norm.weight, self.config.eps)
+            f = self.w2(F.silu(self.w1(h)) * self.w3(h))
+            x = x + f if self.config.ffn_residual else f
+        return x
+
+    @torch.no_grad()
+    def router_agreement(self, x_tok: torch.Tensor, ram: torch.Tensor, stream_map: torch.Tensor) -> float:
+        """Fraction of (row, event) swap decisions in which the fused router kernel, run on the
+        reference's own state before each event, decides as the reference does (gate, and the
+        bank where it swaps). Free-running paths diverge after any flip, so this is the measure
+        of the kernel itself. Returns the fraction over one token."""
+        cfg = self.config
+        core_scale, core_shift, _ = self.core_params()
+        x = x_tok[:, None, :] * core_scale + core_shift
+        lanes = unpack_lanes(stream_map)
+        router = (self.router_norm.weight, self.router_w, self.router_swap_w, self.router_swap_b, self.bank_w, self.bank_b)
+        agree = total = 0
+        for _ in range(cfg.n_events):
+            xk, ramk, mapk = x.contiguous().clone(), ram.contiguous().clone(), pack_lanes(lanes).contiguous()
+            swap_router(xk.view(-1, cfg.d_model), ramk.view(-1, N_BANKS, cfg.d_model), mapk.view(-1), *router, cfg.eps)
+            x_next, ram, lanes_next = self.reference_swap(x, ram, lanes)
+            same = (mapk == pack_lanes(lanes_next)) & torch.eq(xk, x_next).all(-1)
+            agree += int(same.sum())
+            total += same.numel()
+            x, lanes = self.reference_ffn(x_next), lanes_next
+        return agree / total
 
     def collapse(self, x_tok: torch.Tensor, x: torch.Tensor, core_alpha: torch.Tensor) -> torch.Tensor:
         """y = x_tok + decoder(silu?(basis(pool over cores of x))); x [B, C, D] after the last event."""
