@@ -111,6 +111,9 @@ class SwapFFN(nn.Module):
     x: [B, T, D] or [B, D] (one token); y has x's shape. ``state`` None starts from
     ``init_state(B)``. The state passed in is left as it was unless ``inplace=True`` (decode
     engines update it in place to stay allocation-free); the returned state is the new one.
+    impl: "reference" (plain PyTorch, differentiable), "fused" (Triton, inference: CUDA, or the
+    CPU interpreter), "auto" (fused on CUDA when autograd need not record, e.g. under
+    ``torch.no_grad()``; otherwise the reference). For decode loops use ``SwapFFNDecoder``.
     """
 
     def __init__(self, config: SwapFFNConfig = SwapFFNConfig(), device=None, dtype=None):
