@@ -23,7 +23,7 @@ import triton
 from fuselm import gemm_swiglu, interleave_gate_up, silu_mul, swiglu_mlp
 from fuselm.ops.activation import Activation
 from fuselm.ops.swiglu_mlp.kernels import GemmConfig, GemvConfig, decode_gemv_kernel, gemm_swiglu_kernel
-from timing import bench, copy_bandwidth, graph_bench
+from timing import results_dir, bench, copy_bandwidth, graph_bench
 
 try:
     from liger_kernel.ops.mlp import LigerMLPFunction
@@ -174,8 +174,7 @@ def main(argv=None) -> int:
         print("benchmarks/mlp.py needs a CUDA device; nothing timed.")
         return 0
     gpu = torch.cuda.get_device_name()
-    out = args.out or Path(__file__).parent / "results" / gpu.replace(" ", "_")
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir(args.out)
     copy_tbps, tflops = copy_bandwidth(), matrix_rate()
     wg, wu, w13, w2, w_cat = make_weights()
     result = {"meta": {"gpu": gpu, "date": datetime.date.today().isoformat(), "torch": torch.__version__,

@@ -30,7 +30,7 @@ import triton
 
 import fuselm
 from fuselm import add_rms_norm, rms_norm, silu_mul
-from timing import bench, capture, capture_stream, copy_bandwidth, graph_bench, host_us
+from timing import results_dir, bench, capture, capture_stream, copy_bandwidth, graph_bench, host_us
 
 try:
     from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
@@ -250,8 +250,7 @@ def main(argv=None) -> int:
         print("benchmarks/ops.py needs a CUDA device; nothing timed.")
         return 0
     gpu = torch.cuda.get_device_name()
-    out = args.out or Path(__file__).parent / "results" / gpu.replace(" ", "_")
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir(args.out)
     meta = {
         "gpu": gpu, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
         "triton": triton.__version__, "fuselm": fuselm.__version__,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 import triton
@@ -63,3 +64,10 @@ def copy_bandwidth(dtype=torch.bfloat16) -> float:
     dst = torch.empty_like(src)
     ms = bench(lambda: dst.copy_(src))
     return 2 * src.numel() * src.element_size() / ms / 1e9
+
+
+def results_dir(out: Path | None) -> Path:
+    """``out``, or benchmarks/results/<gpu name>/; created."""
+    out = out or Path(__file__).parent / "results" / torch.cuda.get_device_name().replace(" ", "_")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
