@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from fuselm import Activation, add_rms_norm, rms_norm, silu_mul
+from fuselm import Activation, add_rms_norm, gemm_swiglu, interleave_gate_up, rms_norm, silu_mul, swiglu_mlp
 from fuselm.ops.activation import gate_factor_ref, up_factor_ref
 from fuselm.runtime import INTERPRET
 from fuselm.testing import rel_err
@@ -57,6 +57,16 @@ def _demo_cases(device: str, dtype: torch.dtype, rows: int, hidden: int, inter: 
     s64 = x.double() + residual.double()
     exact = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + weight.double())
     yield "add_rms_norm[zero-centered]", x.shape, (lambda: add_rms_norm(x, residual, weight, 1e-6, 1.0)[0]), exact
+
+    if dtype == torch.bfloat16 and device == "cpu":
+        return  # the interpreter's bf16 tl.dot is wrong (triton issue 11584): matrix ops on the GPU only
+    w_gate, w_up = randn(inter, hidden, scale=hidden**-0.5), randn(inter, hidden, scale=hidden**-0.5)
+    w13, w2 = interleave_gate_up(w_gate, w_up), randn(hidden, inter, scale=inter**-0.5)
+    h64 = gate_factor_ref(x.double() @ w_gate.double().T, Activation()) * (x.double() @ w_up.double().T)
+    yield "gemm_swiglu", (rows, inter), (lambda: gemm_swiglu(x, w13)), h64
+    yield "swiglu_mlp", x.shape, (lambda: swiglu_mlp(x, w13, w2)), h64 @ w2.double().T
+    x1 = x[:1]
+    yield "swiglu_mlp (decode, 1 row)", x1.shape, (lambda: swiglu_mlp(x1, w13, w2)), h64[:1] @ w2.double().T
 
 
 def demo(args) -> int:
