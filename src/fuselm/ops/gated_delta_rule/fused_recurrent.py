@@ -1,0 +1,221 @@
+"""Fused recurrent gated delta rule: decode (T = 1) and short spans (speculative verification).
+
+One launch. A program owns one (sequence, value head) pair and a BLOCK_V slice of the value
+dim, keeps its [K, BLOCK_V] slice of the fp32 state in registers and walks the tokens:
+    S *= exp(g_t);  u = beta_t (v_t - S^T k_t);  S += k_t u^T;  o_t = scale S^T q_t
+(the recurrence of ``naive.py``). Optional in-kernel pieces, each a constexpr:
+- gates from the raw projections: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b);
+- q/k l2-normalisation (x * rsqrt(sum(x^2) + 1e-6));
+- a state pool: ``state_indices`` [N] names each sequence's slot in ``initial_state`` [P, HV, K, V];
+  the state is read from and written back to that slot in place, and a negative index (a padded
+  row) reads a zero state and writes no state.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselm.ops.gated_delta_rule.naive import gates_from_projections, recurrent_gated_delta_rule_ref
+from fuselm.runtime import check_same_device, check_tensor, use_triton
+
+
+@triton.jit
+def _fused_recurrent_gdr_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
+    o_ptr, h0_ptr, ht_ptr, cu_seqlens_ptr, state_indices_ptr,
+    scale, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    VARLEN: tl.constexpr, INDEXED: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_n = tl.program_id(1) // HV
+    i_hv = tl.program_id(1) % HV
+    i_h = i_hv // (HV // H)
+    if VARLEN:
+        bos = tl.load(cu_seqlens_ptr + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens_ptr + i_n + 1).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+    kk = tl.arange(0, BLOCK_K)
+    vv = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok = kk < K
+    v_ok = vv < V
+    state_offs = i_hv * K * V + kk[:, None] * V + vv[None, :]
+    if INDEXED:
+        slot = tl.load(state_indices_ptr + i_n).to(tl.int64)
+        rows = tl.where(slot >= 0, K, 0)  # a padded row (negative slot) reads and writes no state
+    else:
+        slot = i_n.to(tl.int64)
+        rows = K
+    state_mask = (kk < rows)[:, None] & v_ok[None, :]
+    S = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    if HAS_H0:
+        S = tl.load(h0_ptr + slot * HV * K * V + state_offs, mask=state_mask, other=0.0).to(tl.float32)
+    if RAW_GATES:
+        neg_A = -tl.exp(tl.load(A_log_ptr + i_hv).to(tl.float32))
+        dt_bias = tl.load(dt_bias_ptr + i_hv).to(tl.float32)
+    for t in range(bos, eos):
+        q = tl.load(q_ptr + (t * H + i_h) * K + kk, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + (t * H + i_h) * K + kk, mask=k_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + (t * HV + i_hv) * V + vv, mask=v_ok, other=0.0).to(tl.float32)
+        if L2NORM:
+            q = q * tl.rsqrt(tl.sum(q * q) + 1e-6)
+            k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+        if RAW_GATES:
+            x = tl.load(a_ptr + t * HV + i_hv).to(tl.float32) + dt_bias
+            softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+            g = neg_A * softplus
+            beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + t * HV + i_hv).to(tl.float32)))
+        else:
+            g = tl.load(g_ptr + t * HV + i_hv).to(tl.float32)
+            beta = tl.load(beta_ptr + t * HV + i_hv).to(tl.float32)
+        S = S * tl.exp(g)
+        u = beta * (v - tl.sum(S * k[:, None], axis=0))
+        S = S + k[:, None] * u[None, :]
+        o = scale * tl.sum(S * q[:, None], axis=0)
+        tl.store(o_ptr + (t * HV + i_hv) * V + vv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+    if STORE_HT:
+        tl.store(ht_ptr + slot * HV * K * V + state_offs, S, mask=state_mask)
+
+
+# Value columns per program: 32 keeps a 128 x 32 fp32 state slice at 32 registers per thread
+# over 4 warps, and gives 4 programs per (sequence, head) at V = 128. Not yet tuned on the GPU.
+BLOCK_V = 32
+
+
+def _check(q, k, v, g, beta, raw, initial_state, cu_seqlens, state_indices):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected [B, T, heads, dim], got shape {tuple(t.shape)}")
+    if k.shape != q.shape:
+        raise ValueError(f"k: shape {tuple(k.shape)} does not match q {tuple(q.shape)}")
+    B, T, H, _ = q.shape
+    if v.shape[:2] != (B, T):
+        raise ValueError(f"v: leading dims {tuple(v.shape[:2])} do not match q's (B, T) = {(B, T)}")
+    HV = v.shape[2]
+    if HV % H:
+        raise ValueError(f"v: {HV} value heads is not a multiple of the {H} q/k heads")
+    gate_args = {"a": raw[0], "b": raw[1]} if raw else {"g": g, "beta": beta}
+    for name, t in gate_args.items():
+        if t is None:
+            raise ValueError(f"{name}: required (pass g and beta, or A_log, a, dt_bias and b)")
+        check_tensor(name, t)
+        if t.shape != (B, T, HV):
+            raise ValueError(f"{name}: expected [B, T, HV] = {(B, T, HV)}, got {tuple(t.shape)}")
+    if raw:
+        for name, t in (("A_log", raw[2]), ("dt_bias", raw[3])):
+            check_tensor(name, t)
+            if t.shape != (HV,):
+                raise ValueError(f"{name}: expected [HV] = ({HV},), got {tuple(t.shape)}")
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens: a packed batch must have B = 1, got B = {B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.numel() < 2:
+            raise ValueError("cu_seqlens: expected a 1-D int32/int64 tensor [N + 1]")
+        capturing = cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and not bool((cu_seqlens[1:] >= cu_seqlens[:-1]).all() and cu_seqlens[0] == 0
+                                      and cu_seqlens[-1] == T):
+            raise ValueError(f"cu_seqlens: must start at 0, never decrease and end at T = {T}")
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor) or initial_state.dtype != torch.float32:
+            raise TypeError("initial_state: expected an fp32 tensor [N, HV, K, V]")
+        rows = initial_state.shape[0] if state_indices is not None else N
+        if initial_state.shape != (rows, HV, q.shape[3], v.shape[3]) or not initial_state.is_contiguous():
+            raise ValueError(f"initial_state: expected a contiguous [{'P' if state_indices is not None else N}, "
+                             f"{HV}, {q.shape[3]}, {v.shape[3]}] tensor, got {tuple(initial_state.shape)}")
+    if state_indices is not None:
+        if initial_state is None:
+            raise ValueError("state_indices: needs initial_state, the state pool they index")
+        if state_indices.shape != (N,) or state_indices.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"state_indices: expected int32/int64 [N] = ({N},), got {tuple(state_indices.shape)}")
+    check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                      state_indices=state_indices)
+    return N
+
+
+def fused_recurrent_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None = None, beta: torch.Tensor | None = None,
+    scale: float | None = None, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False, cu_seqlens: torch.Tensor | None = None, *,
+    A_log: torch.Tensor | None = None, a: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+    b: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
+):
+    """Gated delta rule, token by token, in one launch (keyword names as flash-linear-attention's).
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, HV, V], HV a multiple of H.
+        g, beta: [B, T, HV] log-decay (<= 0) and write strength; or leave them None and pass the
+            raw projections ``A_log`` [HV], ``a`` [B, T, HV], ``dt_bias`` [HV], ``b`` [B, T, HV]
+            (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), computed in the kernel).
+        scale: on q; default K ** -0.5.
+        initial_state: fp32 [N, HV, K, V]; with ``state_indices``, a pool [P, HV, K, V].
+        output_final_state: also return the final state (new [N, HV, K, V] tensor).
+        use_qk_l2norm_in_kernel: l2-normalise q and k per head first.
+        cu_seqlens: [N + 1] offsets of N packed sequences (B = 1); no host sync while a CUDA
+            graph is being captured (the offsets are then trusted).
+        state_indices: int [N] slot of each sequence in the pool; the pool is updated in place
+            and returned as the final state; a negative slot (a padded row) starts from zero and
+            writes no state.
+    Returns:
+        (o [B, T, HV, V] in v's dtype, final_state or None).
+    """
+    raw = None if A_log is None and a is None and dt_bias is None and b is None else (a, b, A_log, dt_bias)
+    if raw is not None and (g is not None or beta is not None):
+        raise ValueError("g, beta: pass either g and beta, or the raw projections A_log, a, dt_bias, b")
+    if raw is not None and any(t is None for t in raw):
+        raise ValueError("A_log, a, dt_bias, b: the raw-projection gates need all four")
+    N = _check(q, k, v, g, beta, raw, initial_state, cu_seqlens, state_indices)
+    if not use_triton(q):
+        return _reference_path(q, k, v, g, beta, raw, scale, initial_state, output_final_state,
+                               use_qk_l2norm_in_kernel, cu_seqlens, state_indices)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    gate_tensors = [t.contiguous() for t in raw] if raw else [g.contiguous(), beta.contiguous()]
+    o = torch.empty_like(v)
+    if state_indices is not None:
+        final = initial_state
+    elif output_final_state:
+        final = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
+    else:
+        final = None
+    if o.numel() == 0 and final is None:
+        return o, None
+    dummy = q
+    a_, b_, A_log_, dt_bias_ = gate_tensors if raw else (dummy,) * 4
+    g_, beta_ = (dummy, dummy) if raw else gate_tensors
+    block_v = min(BLOCK_V, triton.next_power_of_2(V))
+    _fused_recurrent_gdr_kernel[(triton.cdiv(V, block_v), N * HV)](
+        q, k, v, g_, beta_, a_, b_, A_log_, dt_bias_,
+        o, initial_state if initial_state is not None else dummy, final if final is not None else dummy,
+        cu_seqlens if cu_seqlens is not None else dummy, state_indices if state_indices is not None else dummy,
+        float(K**-0.5 if scale is None else scale), T,
+        H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
+        RAW_GATES=raw is not None, L2NORM=use_qk_l2norm_in_kernel, HAS_H0=initial_state is not None,
+        STORE_HT=final is not None, VARLEN=cu_seqlens is not None, INDEXED=state_indices is not None,
+        num_warps=4,
+    )
+    return o, (final if (output_final_state or state_indices is not None) else None)
+
+
+def _reference_path(q, k, v, g, beta, raw, scale, initial_state, output_final_state, l2, cu_seqlens, state_indices):
+    """The CPU fallback (no interpreter): the reference, with the pool semantics of the kernel."""
+    if raw is not None:
+        a, b, A_log, dt_bias = raw
+        g, beta = gates_from_projections(A_log, a, dt_bias, b)
+    h0 = initial_state
+    if state_indices is not None:
+        valid = state_indices >= 0
+        h0 = torch.where(valid[:, None, None, None], initial_state[state_indices.clamp(min=0).long()], 0.0)
+    o, final = recurrent_gated_delta_rule_ref(q, k, v, g, beta, scale, h0, True, l2, cu_seqlens)
+    if state_indices is not None:
+        initial_state[state_indices[valid].long()] = final[valid]
+        return o, initial_state
+    return o, final if output_final_state else None

@@ -1,0 +1,157 @@
+"""Gated delta rule: the fused recurrent (decode) kernel against the fp32 recurrent reference."""
+
+import pytest
+import torch
+
+from conftest import DEVICE, ON_GPU
+from fuselm.ops.gated_delta_rule import (
+    fused_recurrent_gated_delta_rule, gates_from_projections, recurrent_gated_delta_rule_ref,
+)
+
+# RMSE(out - ref) / RMS(ref), the issue's measure.
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 5e-3}
+DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if ON_GPU else [])
+
+
+def rel_rmse(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+
+
+def inputs(B, T, H, HV, K, V, dtype=torch.float32, decay="mixed"):
+    q, k = (torch.randn(B, T, H, K, device=DEVICE).to(dtype) for _ in range(2))
+    v = torch.randn(B, T, HV, V, device=DEVICE).to(dtype)
+    g = {"mixed": -torch.rand(B, T, HV, device=DEVICE) * 2, "strong": -10 + torch.rand(B, T, HV, device=DEVICE) * 0.5,
+         "none": torch.zeros(B, T, HV, device=DEVICE)}[decay]
+    beta = torch.rand(B, T, HV, device=DEVICE)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T, H, HV, K, V", [(1, 1, 1, 64, 64), (15, 2, 4, 100, 64), (65, 1, 2, 128, 100), (64, 4, 4, 64, 128)])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_matches_recurrent_reference(T, H, HV, K, V, with_state, dtype):
+    q, k, v, g, beta = inputs(2, T, H, HV, K, V, dtype)
+    h0 = torch.randn(2, HV, K, V, device=DEVICE) if with_state else None
+    o, ht = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                             use_qk_l2norm_in_kernel=True)
+    o_ref, ht_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                   use_qk_l2norm_in_kernel=True)
+    assert rel_rmse(o, o_ref) <= TOL[dtype] and rel_rmse(ht, ht_ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("decay", ["strong", "none"])
+def test_strong_and_no_decay(decay):
+    q, k, v, g, beta = inputs(1, 20, 2, 2, 64, 64, decay=decay)
+    o, ht = fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=0.3, output_final_state=True,
+                                             use_qk_l2norm_in_kernel=True)
+    o_ref, ht_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, scale=0.3, output_final_state=True,
+                                                   use_qk_l2norm_in_kernel=True)
+    assert torch.isfinite(o).all() and rel_rmse(o, o_ref) <= 1e-4 and rel_rmse(ht, ht_ref) <= 1e-4
+
+
+def test_varlen_equals_separate_sequences():
+    lengths = [5, 1, 12]
+    cu = torch.tensor([0, 5, 6, 18], device=DEVICE, dtype=torch.int32)
+    q, k, v, g, beta = inputs(1, sum(lengths), 2, 4, 64, 64)
+    h0 = torch.randn(3, 4, 64, 64, device=DEVICE)
+    o, ht = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    for n, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        o_n, ht_n = recurrent_gated_delta_rule_ref(q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end],
+                                                   beta[:, start:end], initial_state=h0[n:n + 1], output_final_state=True)
+        assert rel_rmse(o[:, start:end], o_n) <= 1e-4 and rel_rmse(ht[n:n + 1], ht_n) <= 1e-4
+
+
+def test_raw_projection_gates_equal_precomputed_gates():
+    q, k, v, _, _ = inputs(2, 3, 1, 2, 64, 64)
+    A_log, dt_bias = torch.randn(2, device=DEVICE), torch.randn(2, device=DEVICE)
+    a, b = torch.randn(2, 3, 2, device=DEVICE) * 5, torch.randn(2, 3, 2, device=DEVICE)
+    a[0, 0, 0] = 30.0  # softplus's linear branch
+    g, beta = gates_from_projections(A_log, a, dt_bias, b)
+    o_raw, _ = fused_recurrent_gated_delta_rule(q, k, v, A_log=A_log, a=a, dt_bias=dt_bias, b=b)
+    o, _ = fused_recurrent_gated_delta_rule(q, k, v, g, beta)
+    assert rel_rmse(o_raw, o) <= 1e-5
+
+
+def test_state_pool_in_place_and_padded_rows():
+    """Decode from a state pool: slots 3 and 0 are read and written in place; the padded row
+    (slot -1) starts from zero and writes nothing; other slots are untouched."""
+    q, k, v, g, beta = inputs(3, 1, 2, 2, 64, 64)
+    pool = torch.randn(5, 2, 64, 64, device=DEVICE)
+    before = pool.clone()
+    slots = torch.tensor([3, -1, 0], device=DEVICE, dtype=torch.int32)
+    o, final = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=pool, state_indices=slots)
+    assert final is pool
+    h0 = torch.stack([before[3], torch.zeros_like(before[0]), before[0]])
+    o_ref, ht_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert rel_rmse(o, o_ref) <= 1e-4
+    assert rel_rmse(pool[3], ht_ref[0]) <= 1e-4 and rel_rmse(pool[0], ht_ref[2]) <= 1e-4
+    for untouched in (1, 2, 4):
+        assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_decode_after_prefill_equals_one_long_run():
+    q, k, v, g, beta = inputs(1, 10, 2, 2, 64, 64)
+    _, h = fused_recurrent_gated_delta_rule(q[:, :7], k[:, :7], v[:, :7], g[:, :7], beta[:, :7], output_final_state=True)
+    outs = []
+    for t in range(7, 10):
+        o_t, h = fused_recurrent_gated_delta_rule(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
+                                                  beta[:, t:t + 1], initial_state=h, output_final_state=True)
+        outs.append(o_t)
+    o_all, h_all = fused_recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+    assert rel_rmse(torch.cat(outs, 1), o_all[:, 7:]) <= 1e-5 and rel_rmse(h, h_all) <= 1e-5
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda a: {**a, "v": a["v"][:, :, :3]}, ValueError, "not a multiple"),
+    (lambda a: {**a, "g": a["g"][..., :1]}, ValueError, r"g: expected \[B, T, HV\]"),
+    (lambda a: {**a, "beta": a["beta"][:, :1]}, ValueError, r"beta: expected \[B, T, HV\]"),
+    (lambda a: {**a, "cu_seqlens": torch.tensor([0, 2, 4], device=DEVICE)}, ValueError, "B = 1"),
+    (lambda a: {**{n: t[:1] if isinstance(t, torch.Tensor) else t for n, t in a.items()},
+                "cu_seqlens": torch.tensor([0, 3, 1, 4], device=DEVICE)}, ValueError, "never decrease"),
+    (lambda a: {**a, "initial_state": torch.zeros(2, 4, 64, 64, device=DEVICE, dtype=torch.float16)}, TypeError, "fp32"),
+    (lambda a: {**a, "initial_state": torch.zeros(3, 4, 64, 64, device=DEVICE)}, ValueError, "initial_state: expected"),
+    (lambda a: {**a, "state_indices": torch.tensor([0, 1], device=DEVICE)}, ValueError, "needs initial_state"),
+    (lambda a: {**a, "A_log": torch.zeros(4, device=DEVICE)}, ValueError, "either g and beta"),
+    (lambda a: {**a, "k": a["k"][..., :32]}, ValueError, "k: shape"),
+])
+def test_bad_input(change, error, match):
+    q, k, v, g, beta = inputs(2, 4, 2, 4, 64, 64)
+    args = change({"q": q, "k": k, "v": v, "g": g, "beta": beta})
+    with pytest.raises(error, match=match):
+        fused_recurrent_gated_delta_rule(**args)
+
+
+def test_cpu_without_interpreter_uses_reference(monkeypatch):
+    import fuselm.ops.gated_delta_rule.fused_recurrent as fr
+
+    monkeypatch.setattr(fr, "use_triton", lambda t: False)
+    q, k, v, g, beta = (t.cpu() for t in inputs(2, 3, 1, 2, 64, 64))
+    pool = torch.randn(4, 2, 64, 64)
+    expected_pool = pool.clone()
+    slots = torch.tensor([2, -1])
+    o, _ = fr.fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=pool, state_indices=slots)
+    h0 = torch.stack([expected_pool[2], torch.zeros(2, 64, 64)])
+    o_ref, ht_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert torch.allclose(o, o_ref) and torch.allclose(pool[2], ht_ref[0]) and torch.equal(pool[3], expected_pool[3])
+
+
+@pytest.mark.gpu
+@pytest.mark.large
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_long_sequence_and_decode_graph(dtype):
+    """T = 500 against the reference; B=1 HV=32 K=V=128 decode captured in a CUDA graph."""
+    q, k, v, g, beta = inputs(1, 500, 4, 8, 128, 128, dtype)
+    o, ht = fused_recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_ref, ht_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert rel_rmse(o, o_ref) <= 5e-3 and rel_rmse(ht, ht_ref) <= 5e-3
+    q, k, v, g, beta = inputs(1, 1, 16, 32, 128, 128, dtype)
+    pool = torch.randn(4, 32, 128, 128, device=DEVICE)
+    slots = torch.tensor([2], device=DEVICE, dtype=torch.int32)
+    expected = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=pool[2:3].clone(), output_final_state=True)
+    fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=pool.clone(), state_indices=slots)  # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, _ = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=pool, state_indices=slots)
+    graph.replay()
+    assert rel_rmse(o, expected[0]) <= 5e-3 and rel_rmse(pool[2], expected[1][0]) <= 5e-3
