@@ -5,7 +5,7 @@ import torch
 
 from conftest import DEVICE, ON_GPU
 from fuselm.ops.gated_delta_rule import (
-    fused_recurrent_gated_delta_rule, gates_from_projections, recurrent_gated_delta_rule_ref,
+    chunk_gated_delta_rule_ref, fused_recurrent_gated_delta_rule, gates_from_projections, recurrent_gated_delta_rule_ref,
 )
 
 # RMSE(out - ref) / RMS(ref), the issue's measure.
@@ -155,3 +155,26 @@ def test_long_sequence_and_decode_graph(dtype):
         o, _ = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=pool, state_indices=slots)
     graph.replay()
     assert rel_rmse(o, expected[0]) <= 5e-3 and rel_rmse(pool[2], expected[1][0]) <= 5e-3
+
+
+# ----------------------------------------------------------------------------- chunked reference
+@pytest.mark.parametrize("T", [1, 15, 63, 64, 65, 200])
+@pytest.mark.parametrize("decay", ["mixed", "strong", "none"])
+def test_chunked_reference_equals_recurrence(T, decay):
+    """The chunk algorithm (WY form, the kernels' ground truth) against the token recurrence, in
+    fp32 on the CPU: chunk boundaries (63, 64, 65), strong decay (g near -10), no decay."""
+    q, k, v, g, beta = (t.cpu() for t in inputs(2, T, 2, 4, 64, 100, decay=decay))
+    h0 = torch.randn(2, 4, 64, 100)
+    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_c, ht_c = chunk_gated_delta_rule_ref(q, k, v, g, beta, **args)
+    o_r, ht_r = recurrent_gated_delta_rule_ref(q, k, v, g, beta, **args)
+    assert torch.isfinite(o_c).all()
+    assert rel_rmse(o_c, o_r) <= 1e-4 and rel_rmse(ht_c, ht_r) <= 1e-4
+
+
+def test_chunked_reference_varlen():
+    cu = torch.tensor([0, 70, 71, 130])
+    q, k, v, g, beta = (t.cpu() for t in inputs(1, 130, 1, 2, 64, 64))
+    o_c, ht_c = chunk_gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu)
+    o_r, ht_r = recurrent_gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu)
+    assert rel_rmse(o_c, o_r) <= 1e-4 and rel_rmse(ht_c, ht_r) <= 1e-4

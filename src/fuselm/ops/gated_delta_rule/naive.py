@@ -61,3 +61,55 @@ def recurrent_gated_delta_rule_ref(
         finals.append(S)
     final = torch.stack(finals) if output_final_state else None
     return o.to(v.dtype), final
+
+
+def chunk_gated_delta_rule_ref(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size: int = 64,
+):
+    """The chunked algorithm in fp32, the ground truth for the chunked kernels.
+
+    Within a chunk of C tokens (G = cumulative sum of g from the chunk start, Gamma_ij =
+    exp(G_i - G_j) for j <= i, never a division by exp(G)): with the state S0 at the chunk start,
+    the new values N (nu_i = beta_i (v_i - e^{g_i} S_{i-1}^T k_i)) solve
+        (I + strictly_lower(diag(beta) (K K^T * Gamma))) N = diag(beta) (V - diag(e^G) K S0),
+    i.e. N = U - W S0 with U = T diag(beta) V, W = T diag(beta) diag(e^G) K, T the inverse. Then
+        O     = scale ((Q * e^G) S0 + lower(Q K^T * Gamma) N)      (lower: diagonal included)
+        S_end = e^{G_C} S0 + (K * e^{G_C - G})^T N.
+    Same arguments and returns as ``recurrent_gated_delta_rule_ref``.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    scale = K**-0.5 if scale is None else scale
+    qf, kf = q.float(), k.float()
+    if use_qk_l2norm_in_kernel:
+        qf, kf = l2norm(qf), l2norm(kf)
+    group = HV // H
+    qf, kf = qf.repeat_interleave(group, dim=2), kf.repeat_interleave(group, dim=2)
+    vf, gf, bf = v.float(), g.float(), beta.float()
+    if cu_seqlens is None:
+        spans = [(n, 0, T) for n in range(B)]
+    else:
+        bounds = cu_seqlens.tolist()
+        spans = [(0, bounds[n], bounds[n + 1]) for n in range(len(bounds) - 1)]
+    o = torch.zeros(B, T, HV, V, dtype=torch.float32, device=q.device)
+    finals = []
+    for n, (row, start, end) in enumerate(spans):
+        S = (initial_state[n].float().clone() if initial_state is not None
+             else torch.zeros(HV, K, V, dtype=torch.float32, device=q.device))
+        for c0 in range(start, end, chunk_size):
+            c1 = min(c0 + chunk_size, end)
+            Q, Kc, Vc = (x[row, c0:c1].transpose(0, 1) for x in (qf, kf, vf))  # [HV, C, *]
+            G = gf[row, c0:c1].transpose(0, 1).cumsum(-1)  # [HV, C]
+            Bt = bf[row, c0:c1].transpose(0, 1)
+            C = c1 - c0
+            lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+            gamma = torch.exp(torch.where(lower, G[:, :, None] - G[:, None, :], float("-inf")))  # [HV, C, C]
+            A = torch.eye(C, device=q.device) + (Bt[:, :, None] * (Kc @ Kc.transpose(1, 2)) * gamma).tril(-1)
+            rhs = Bt[:, :, None] * (Vc - torch.exp(G)[:, :, None] * (Kc @ S))
+            Nv = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)  # [HV, C, V]
+            o[row, c0:c1] = (scale * ((Q * torch.exp(G)[:, :, None]) @ S + ((Q @ Kc.transpose(1, 2)) * gamma) @ Nv)).transpose(0, 1)
+            S = torch.exp(G[:, -1])[:, None, None] * S + (Kc * torch.exp(G[:, -1:] - G)[:, :, None]).transpose(1, 2) @ Nv
+        finals.append(S)
+    final = torch.stack(finals) if output_final_state else None
+    return o.to(v.dtype), final
