@@ -178,3 +178,11 @@ def test_chunked_reference_varlen():
     o_c, ht_c = chunk_gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu)
     o_r, ht_r = recurrent_gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu)
     assert rel_rmse(o_c, o_r) <= 1e-4 and rel_rmse(ht_c, ht_r) <= 1e-4
+
+
+def test_backward_raises_a_clear_error():
+    q, k, v, g, beta = inputs(1, 3, 1, 1, 64, 64)
+    q.requires_grad_(True)
+    o, _ = fused_recurrent_gated_delta_rule(q, k, v, g, beta)
+    with pytest.raises(NotImplementedError, match="no backward"):
+        o.sum().backward()

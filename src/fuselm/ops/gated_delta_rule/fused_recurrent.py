@@ -172,6 +172,13 @@ def fused_recurrent_gated_delta_rule(
     if raw is not None and any(t is None for t in raw):
         raise ValueError("A_log, a, dt_bias, b: the raw-projection gates need all four")
     N = _check(q, k, v, g, beta, raw, initial_state, cu_seqlens, state_indices)
+    inputs = [t for t in (q, k, v, g, beta, *(raw or ())) if t is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        o, final = fused_recurrent_gated_delta_rule(
+            *(t.detach() if isinstance(t, torch.Tensor) else t for t in (q, k, v, g, beta)), scale, initial_state,
+            output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, state_indices=state_indices,
+            **({} if raw is None else dict(zip(("a", "b", "A_log", "dt_bias"), (t.detach() for t in raw)))))
+        return _NoBackward.apply(o, *inputs), final
     if not use_triton(q):
         return _reference_path(q, k, v, g, beta, raw, scale, initial_state, output_final_state,
                                use_qk_l2norm_in_kernel, cu_seqlens, state_indices)
@@ -219,3 +226,16 @@ def _reference_path(q, k, v, g, beta, raw, scale, initial_state, output_final_st
         initial_state[state_indices[valid].long()] = final[valid]
         return o, initial_state
     return o, final if output_final_state else None
+
+
+class _NoBackward(torch.autograd.Function):
+    """Marks the output as part of the graph so that a backward through it fails clearly."""
+
+    @staticmethod
+    def forward(ctx, o, *inputs):
+        return o.view_as(o)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("fused_recurrent_gated_delta_rule has no backward (inference kernel); "
+                                  "train with recurrent_gated_delta_rule_ref")
