@@ -27,20 +27,16 @@ def gates_from_projections(A_log, a, dt_bias, b):
     return g, torch.sigmoid(b.float())
 
 
-def recurrent_gated_delta_rule_ref(
-    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-    use_qk_l2norm_in_kernel=False, cu_seqlens=None,
-):
-    """Token-by-token recurrence in fp32. Returns (o [B, T, HV, V] in v's dtype, final_state
-    [N, HV, K, V] fp32 or None)."""
+def _run_sequences(run_sequence, q, k, v, g, beta, scale, initial_state, output_final_state, l2, cu_seqlens):
+    """Shared driver of the references: fp32 inputs per value head, then ``run_sequence(S, q, k,
+    v, g, beta, scale) -> (o, S)`` on each sequence ([L, HV, *] slices, S [HV, K, V])."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     scale = K**-0.5 if scale is None else scale
     qf, kf = q.float(), k.float()
-    if use_qk_l2norm_in_kernel:
+    if l2:
         qf, kf = l2norm(qf), l2norm(kf)
-    group = HV // H
-    qf, kf = qf.repeat_interleave(group, dim=2), kf.repeat_interleave(group, dim=2)  # [B, T, HV, K]
+    qf, kf = qf.repeat_interleave(HV // H, dim=2), kf.repeat_interleave(HV // H, dim=2)  # [B, T, HV, K]
     vf, gf, bf = v.float(), g.float(), beta.float()
     if cu_seqlens is None:
         spans = [(n, 0, T) for n in range(B)]
@@ -52,15 +48,47 @@ def recurrent_gated_delta_rule_ref(
     for n, (row, start, end) in enumerate(spans):
         S = (initial_state[n].float().clone() if initial_state is not None
              else torch.zeros(HV, K, V, dtype=torch.float32, device=q.device))
-        for t in range(start, end):
-            S = S * torch.exp(gf[row, t])[:, None, None]
-            kt = kf[row, t]  # [HV, K]
-            u = (vf[row, t] - torch.einsum("hkv,hk->hv", S, kt)) * bf[row, t][:, None]
-            S = S + kt[:, :, None] * u[:, None, :]
-            o[row, t] = scale * torch.einsum("hkv,hk->hv", S, qf[row, t])
+        o[row, start:end], S = run_sequence(S, *(x[row, start:end] for x in (qf, kf, vf, gf, bf)), scale)
         finals.append(S)
-    final = torch.stack(finals) if output_final_state else None
-    return o.to(v.dtype), final
+    return o.to(v.dtype), (torch.stack(finals) if output_final_state else None)
+
+
+def _recurrent_sequence(S, q, k, v, g, beta, scale):
+    o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    for t in range(q.shape[0]):
+        S = S * torch.exp(g[t])[:, None, None]
+        u = (v[t] - torch.einsum("hkv,hk->hv", S, k[t])) * beta[t][:, None]
+        S = S + k[t][:, :, None] * u[:, None, :]
+        o[t] = scale * torch.einsum("hkv,hk->hv", S, q[t])
+    return o, S
+
+
+def recurrent_gated_delta_rule_ref(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, cu_seqlens=None,
+):
+    """Token-by-token recurrence in fp32. Returns (o [B, T, HV, V] in v's dtype, final_state
+    [N, HV, K, V] fp32 or None)."""
+    return _run_sequences(_recurrent_sequence, q, k, v, g, beta, scale, initial_state, output_final_state,
+                          use_qk_l2norm_in_kernel, cu_seqlens)
+
+
+def _chunked_sequence(S, q, k, v, g, beta, scale, chunk_size=64):
+    o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    for c0 in range(0, q.shape[0], chunk_size):
+        Q, Kc, Vc = (x[c0:c0 + chunk_size].transpose(0, 1) for x in (q, k, v))  # [HV, C, *]
+        G = g[c0:c0 + chunk_size].transpose(0, 1).cumsum(-1)  # [HV, C]
+        Bt = beta[c0:c0 + chunk_size].transpose(0, 1)
+        C = G.shape[1]
+        lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        gamma = torch.exp(torch.where(lower, G[:, :, None] - G[:, None, :], float("-inf")))  # [HV, C, C]
+        A = torch.eye(C, device=q.device) + (Bt[:, :, None] * (Kc @ Kc.transpose(1, 2)) * gamma).tril(-1)
+        rhs = Bt[:, :, None] * (Vc - torch.exp(G)[:, :, None] * (Kc @ S))
+        N = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)  # [HV, C, V]
+        o[c0:c0 + chunk_size] = (scale * ((Q * torch.exp(G)[:, :, None]) @ S
+                                          + ((Q @ Kc.transpose(1, 2)) * gamma) @ N)).transpose(0, 1)
+        S = torch.exp(G[:, -1])[:, None, None] * S + (Kc * torch.exp(G[:, -1:] - G)[:, :, None]).transpose(1, 2) @ N
+    return o, S
 
 
 def chunk_gated_delta_rule_ref(
@@ -78,38 +106,5 @@ def chunk_gated_delta_rule_ref(
         S_end = e^{G_C} S0 + (K * e^{G_C - G})^T N.
     Same arguments and returns as ``recurrent_gated_delta_rule_ref``.
     """
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    scale = K**-0.5 if scale is None else scale
-    qf, kf = q.float(), k.float()
-    if use_qk_l2norm_in_kernel:
-        qf, kf = l2norm(qf), l2norm(kf)
-    group = HV // H
-    qf, kf = qf.repeat_interleave(group, dim=2), kf.repeat_interleave(group, dim=2)
-    vf, gf, bf = v.float(), g.float(), beta.float()
-    if cu_seqlens is None:
-        spans = [(n, 0, T) for n in range(B)]
-    else:
-        bounds = cu_seqlens.tolist()
-        spans = [(0, bounds[n], bounds[n + 1]) for n in range(len(bounds) - 1)]
-    o = torch.zeros(B, T, HV, V, dtype=torch.float32, device=q.device)
-    finals = []
-    for n, (row, start, end) in enumerate(spans):
-        S = (initial_state[n].float().clone() if initial_state is not None
-             else torch.zeros(HV, K, V, dtype=torch.float32, device=q.device))
-        for c0 in range(start, end, chunk_size):
-            c1 = min(c0 + chunk_size, end)
-            Q, Kc, Vc = (x[row, c0:c1].transpose(0, 1) for x in (qf, kf, vf))  # [HV, C, *]
-            G = gf[row, c0:c1].transpose(0, 1).cumsum(-1)  # [HV, C]
-            Bt = bf[row, c0:c1].transpose(0, 1)
-            C = c1 - c0
-            lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-            gamma = torch.exp(torch.where(lower, G[:, :, None] - G[:, None, :], float("-inf")))  # [HV, C, C]
-            A = torch.eye(C, device=q.device) + (Bt[:, :, None] * (Kc @ Kc.transpose(1, 2)) * gamma).tril(-1)
-            rhs = Bt[:, :, None] * (Vc - torch.exp(G)[:, :, None] * (Kc @ S))
-            Nv = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)  # [HV, C, V]
-            o[row, c0:c1] = (scale * ((Q * torch.exp(G)[:, :, None]) @ S + ((Q @ Kc.transpose(1, 2)) * gamma) @ Nv)).transpose(0, 1)
-            S = torch.exp(G[:, -1])[:, None, None] * S + (Kc * torch.exp(G[:, -1:] - G)[:, :, None]).transpose(1, 2) @ Nv
-        finals.append(S)
-    final = torch.stack(finals) if output_final_state else None
-    return o.to(v.dtype), final
+    return _run_sequences(lambda *a: _chunked_sequence(*a, chunk_size=chunk_size), q, k, v, g, beta, scale,
+                          initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
