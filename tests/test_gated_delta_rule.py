@@ -5,7 +5,8 @@ import torch
 
 from conftest import DEVICE, ON_GPU
 from fuselm.ops.gated_delta_rule import (
-    chunk_gated_delta_rule_ref, fused_recurrent_gated_delta_rule, gates_from_projections, recurrent_gated_delta_rule_ref,
+    chunk_gated_delta_rule, chunk_gated_delta_rule_ref, fused_recurrent_gated_delta_rule, gates_from_projections,
+    recurrent_gated_delta_rule_ref,
 )
 
 # RMSE(out - ref) / RMS(ref), the measure.
@@ -186,3 +187,53 @@ def test_backward_raises_a_clear_error():
     o, _ = fused_recurrent_gated_delta_rule(q, k, v, g, beta)
     with pytest.raises(NotImplementedError, match="no backward"):
         o.sum().backward()
+
+
+# ----------------------------------------------------------------------------- chunked kernels
+@pytest.mark.parametrize("T, H, HV, K, V, decay", [
+    (1, 1, 1, 64, 64, "mixed"), (15, 2, 4, 100, 64, "mixed"), (63, 1, 2, 64, 128, "strong"),
+    (64, 2, 2, 128, 100, "none"), (65, 1, 2, 64, 64, "mixed"),
+])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunked_kernels_match_recurrence(T, H, HV, K, V, decay, with_state):
+    q, k, v, g, beta = inputs(2, T, H, HV, K, V, decay=decay)
+    h0 = torch.randn(2, HV, K, V, device=DEVICE) if with_state else None
+    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, ht = chunk_gated_delta_rule(q, k, v, g, beta, **args)
+    o_ref, ht_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, **args)
+    assert torch.isfinite(o).all()
+    assert rel_rmse(o, o_ref) <= 1e-4 and rel_rmse(ht, ht_ref) <= 1e-4
+
+
+def test_chunked_kernels_varlen_and_prefill_then_decode():
+    cu = torch.tensor([0, 70, 71, 100], device=DEVICE, dtype=torch.int32)
+    q, k, v, g, beta = inputs(1, 100, 2, 2, 64, 64)
+    h0 = torch.randn(3, 2, 64, 64, device=DEVICE)
+    o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    o_ref, ht_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                   cu_seqlens=cu)
+    assert rel_rmse(o, o_ref) <= 1e-4 and rel_rmse(ht, ht_ref) <= 1e-4
+    # prefill 68 tokens of the first sequence, then decode 2: equals one prefill of 70
+    s = slice(0, 68)
+    _, h = chunk_gated_delta_rule(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], initial_state=h0[:1],
+                                  output_final_state=True)
+    o_dec, h = fused_recurrent_gated_delta_rule(q[:, 68:70], k[:, 68:70], v[:, 68:70], g[:, 68:70], beta[:, 68:70],
+                                                initial_state=h, output_final_state=True)
+    assert rel_rmse(o_dec, o_ref[:, 68:70]) <= 1e-4 and rel_rmse(h, ht_ref[:1]) <= 1e-4
+
+
+def test_chunked_backward_raises_a_clear_error():
+    q, k, v, g, beta = inputs(1, 3, 1, 1, 64, 64)
+    o, _ = chunk_gated_delta_rule(q.requires_grad_(True), k, v, g, beta)
+    with pytest.raises(NotImplementedError, match="no backward"):
+        o.sum().backward()
+
+
+@pytest.mark.gpu
+@pytest.mark.large
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chunked_kernels_bf16_long(dtype):
+    q, k, v, g, beta = inputs(2, 500, 4, 8, 128, 128, dtype)
+    o, ht = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_ref, ht_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert rel_rmse(o, o_ref) <= 5e-3 and rel_rmse(ht, ht_ref) <= 5e-3

@@ -2,7 +2,7 @@
 
 from fuselm.models.swap_ffn import SwapFFN, SwapFFNConfig, SwapFFNDecoder, SwapFFNState
 from fuselm.ops.activation import Activation
-from fuselm.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from fuselm.ops.rms_norm import RMSNorm, add_rms_norm, rms_norm
 from fuselm.ops.silu_mul import SiLUMul, silu_mul
 from fuselm.ops.swiglu_mlp import SwiGLUMLP, gemm_swiglu, interleave_gate_up, swiglu_mlp, deinterleave_gate_up
@@ -12,5 +12,5 @@ __all__ = [
     "Activation", "SiLUMul", "silu_mul", "RMSNorm", "rms_norm", "add_rms_norm",
     "SwiGLUMLP", "gemm_swiglu", "swiglu_mlp", "interleave_gate_up", "deinterleave_gate_up",
     "SwapFFN", "SwapFFNConfig", "SwapFFNState", "SwapFFNDecoder",
-    "fused_recurrent_gated_delta_rule",
+    "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
 ]
