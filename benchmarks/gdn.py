@@ -13,6 +13,7 @@ import argparse
 import datetime
 import json
 import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -39,12 +40,12 @@ def make(B, T, H, HV, K=128, V=128):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/gdn.py needs a CUDA device; nothing timed.")
         return 0
-    out = results_dir(args.out and __import__("pathlib").Path(args.out))
+    out = results_dir(args.out)
     copy = copy_bandwidth()
     rows = []
     for B, T, H in [(1, 512, 16), (1, 2048, 16), (1, 8192, 16), (1, 32768, 16), (4, 2048, 16)]:
