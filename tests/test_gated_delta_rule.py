@@ -140,12 +140,20 @@ def test_cpu_without_interpreter_uses_reference(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.large
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_long_sequence_and_decode_graph(dtype):
-    """T = 500 against the reference; B=1 HV=32 K=V=128 decode captured in a CUDA graph."""
-    q, k, v, g, beta = inputs(1, 500, 4, 8, 128, 128, dtype)
-    o, ht = fused_recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+@pytest.mark.parametrize("kernel", ["fused_recurrent", "chunk"])
+def test_long_sequence_half_precision(kernel, dtype):
+    """T = 500, two sequences, GQA, against the fp32 recurrence."""
+    fn = {"fused_recurrent": fused_recurrent_gated_delta_rule, "chunk": chunk_gated_delta_rule}[kernel]
+    q, k, v, g, beta = inputs(2, 500, 4, 8, 128, 128, dtype)
+    o, ht = fn(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
     o_ref, ht_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
     assert rel_rmse(o, o_ref) <= 5e-3 and rel_rmse(ht, ht_ref) <= 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_from_a_state_pool_in_a_cuda_graph(dtype):
+    """B=1 HV=32 K=V=128 decode captured in a CUDA graph, state read and written in its pool slot."""
     q, k, v, g, beta = inputs(1, 1, 16, 32, 128, 128, dtype)
     pool = torch.randn(4, 32, 128, 128, device=DEVICE)
     slots = torch.tensor([2], device=DEVICE, dtype=torch.int32)
@@ -227,13 +235,3 @@ def test_chunked_backward_raises_a_clear_error():
     o, _ = chunk_gated_delta_rule(q.requires_grad_(True), k, v, g, beta)
     with pytest.raises(NotImplementedError, match="no backward"):
         o.sum().backward()
-
-
-@pytest.mark.gpu
-@pytest.mark.large
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_chunked_kernels_bf16_long(dtype):
-    q, k, v, g, beta = inputs(2, 500, 4, 8, 128, 128, dtype)
-    o, ht = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o_ref, ht_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    assert rel_rmse(o, o_ref) <= 5e-3 and rel_rmse(ht, ht_ref) <= 5e-3
