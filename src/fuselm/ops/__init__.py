@@ -1,3 +1,6 @@
-"""fuselm ops: one folder per op, ``naive.py`` (the plain-PyTorch reference) beside ``kernels.py``
-(Triton kernels and host launchers) and ``op.py`` (argument checks, torch.library registration,
-autograd, public function, nn.Module)."""
+"""fuselm ops: one folder per op. ``naive.py`` holds the plain-PyTorch reference beside the
+Triton code: ``kernels.py`` (kernels and host launchers) with ``op.py`` (argument checks, autograd,
+torch.library registration, public function, nn.Module) for the single-entry ops; one file per
+public entry point where an op has several (``gated_delta_rule/chunk.py``,
+``gated_delta_rule/fused_recurrent.py``). ``swap_ffn/`` holds only the kernel its model
+(``fuselm/models/swap_ffn.py``) launches."""
