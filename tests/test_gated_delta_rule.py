@@ -115,6 +115,9 @@ def test_decode_after_prefill_equals_one_long_run():
     (lambda a: {**a, "state_indices": torch.tensor([0, 1], device=DEVICE)}, ValueError, "needs initial_state"),
     (lambda a: {**a, "A_log": torch.zeros(4, device=DEVICE)}, ValueError, "either g and beta"),
     (lambda a: {**a, "k": a["k"][..., :32]}, ValueError, "k: shape"),
+    (lambda a: {n: t for n, t in a.items() if n not in ("g", "beta")} | {
+        "A_log": torch.zeros(4, device="meta"), "dt_bias": torch.zeros(4, device=DEVICE),
+        "a": torch.zeros(2, 4, 4, device=DEVICE), "b": torch.zeros(2, 4, 4, device=DEVICE)}, ValueError, "A_log on meta"),
 ])
 def test_bad_input(change, error, match):
     q, k, v, g, beta = inputs(2, 4, 2, 4, 64, 64)

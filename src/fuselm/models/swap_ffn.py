@@ -30,7 +30,7 @@ from fuselm.ops.rms_norm.naive import rms_norm_ref
 from fuselm.ops.swap_ffn.kernels import swap_router
 from fuselm.ops.swiglu_mlp.kernels import gemm_swiglu_kernel
 from fuselm.ops.swiglu_mlp.op import interleave_gate_up
-from fuselm.runtime import use_triton
+from fuselm.runtime import needs_autograd, use_triton
 
 N_BANKS = 4  # fixed: the stream map packs 4 lanes x 2 bits into a uint8
 IDENTITY_STREAM_MAP = 0xE4  # lanes (0, 1, 2, 3)
@@ -181,8 +181,7 @@ class SwapFFN(nn.Module):
         if x.device != p.device:
             raise ValueError(f"x: on {x.device}, the module is on {p.device}")
         # auto: the fused path for inference on the GPU; the reference when autograd must record.
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(q.requires_grad for q in self.parameters()))
-        fused = impl == "fused" or (impl == "auto" and x.is_cuda and not needs_grad)
+        fused = impl == "fused" or (impl == "auto" and x.is_cuda and not needs_autograd(x, *self.parameters()))
         if fused and not use_triton(x):
             raise ValueError("impl='fused' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter)")
         tokens = x if x.dim() == 3 else x[:, None, :]

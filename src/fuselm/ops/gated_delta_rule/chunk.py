@@ -20,7 +20,7 @@ import triton.language as tl
 
 from fuselm.ops.gated_delta_rule.fused_recurrent import _check, _NoBackward
 from fuselm.ops.gated_delta_rule.naive import chunk_gated_delta_rule_ref
-from fuselm.runtime import use_triton
+from fuselm.runtime import needs_autograd, use_triton
 
 CHUNK = 64  # tokens per chunk (BT)
 
@@ -188,7 +188,7 @@ def chunk_gated_delta_rule(
     N = _check(q, k, v, g, beta, None, initial_state, cu_seqlens, None)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     args = (q, k, v, g, beta)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in args):
+    if needs_autograd(*args):
         o, final = chunk_gated_delta_rule(*(t.detach() for t in args), scale, initial_state, output_final_state,
                                           use_qk_l2norm_in_kernel, cu_seqlens)
         return _NoBackward.apply(o, *args), final

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.gated_delta_rule.naive import gates_from_projections, recurrent_gated_delta_rule_ref
-from fuselm.runtime import check_same_device, check_tensor, use_triton
+from fuselm.runtime import check_same_device, check_tensor, needs_autograd, use_triton
 
 
 @triton.jit
@@ -135,8 +135,9 @@ def _check(q, k, v, g, beta, raw, initial_state, cu_seqlens, state_indices):
             raise ValueError("state_indices: needs initial_state, the state pool they index")
         if state_indices.shape != (N,) or state_indices.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"state_indices: expected int32/int64 [N] = ({N},), got {tuple(state_indices.shape)}")
-    check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                      state_indices=state_indices)
+    a, b, A_log, dt_bias = raw if raw else (None,) * 4
+    check_same_device(q=q, k=k, v=v, g=g, beta=beta, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+                      initial_state=initial_state, cu_seqlens=cu_seqlens, state_indices=state_indices)
     return N
 
 
@@ -173,7 +174,7 @@ def fused_recurrent_gated_delta_rule(
         raise ValueError("A_log, a, dt_bias, b: the raw-projection gates need all four")
     N = _check(q, k, v, g, beta, raw, initial_state, cu_seqlens, state_indices)
     inputs = [t for t in (q, k, v, g, beta, *(raw or ())) if t is not None]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+    if needs_autograd(*inputs):
         o, final = fused_recurrent_gated_delta_rule(
             *(t.detach() if isinstance(t, torch.Tensor) else t for t in (q, k, v, g, beta)), scale, initial_state,
             output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, state_indices=state_indices,
