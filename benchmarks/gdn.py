@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -18,8 +19,9 @@ from pathlib import Path
 import torch
 import triton
 
-from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-from timing import bench, copy_bandwidth, graph_bench, results_dir
+from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent, fused_recurrent_gated_delta_rule
+from fuselm.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_kernels
+from timing import bench, capture, copy_bandwidth, graph_bench, results_dir
 
 try:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
@@ -28,6 +30,13 @@ except ImportError:
     fla_chunk = fla_recurrent = None
 
 DT = torch.bfloat16
+GRAPH_CALLS = 20  # decode calls per captured graph for the per-call GPU time
+default_geometry = (fused_recurrent.BLOCK_V, fused_recurrent.NUM_WARPS)
+
+
+def rel_rmse(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
 
 
 def make(B, T, H, HV, K=128, V=128):
@@ -50,17 +59,24 @@ def main(argv=None) -> int:
     rows = []
     for B, T, H in [(1, 512, 16), (1, 2048, 16), (1, 8192, 16), (1, 32768, 16), (4, 2048, 16)]:
         q, k, v, g, beta = make(B, T, H, H)
-        fns = {"fuselm": lambda: chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True,
-                                                        use_qk_l2norm_in_kernel=True)}
+        args = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+        fns = {"fuselm": lambda: chunk_gated_delta_rule(q, k, v, g, beta, **args)}
+        for block_v in (16, 32, 64):  # the recurrence's value-column split, swept
+            fns[f"fuselm BV{block_v}"] = lambda bv=block_v: chunk_gated_delta_rule_kernels(
+                *(t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)), 128**-0.5, None, True, True,
+                torch.arange(0, (B + 1) * T, T, device="cuda", dtype=torch.int32), block_v=bv)
         if fla_chunk is not None:
-            fns["fla"] = lambda: fla_chunk(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
-        ms = {}
+            fns["fla"] = lambda: fla_chunk(q, k, v, g, beta, **args)
+        ms, err = {}, {}
         for name, fn in fns.items():
             try:
                 ms[name] = bench(fn)
             except Exception as error:  # recorded, not fatal
                 ms[name + " error"] = str(error).splitlines()[0][:120]
-        rows.append({"case": f"chunk B{B} T{T} H{H}", "ms": ms})
+        if fla_chunk is not None:  # agreement of the two implementations, o and final state
+            (o, s), (o_fla, s_fla) = fns["fuselm"](), fns["fla"]()
+            err = {"o": rel_rmse(o, o_fla), "final_state": rel_rmse(s, s_fla)}
+        rows.append({"case": f"chunk B{B} T{T} H{H}", "ms": ms, "rel_rmse_vs_fla": err})
         print(rows[-1], flush=True)
     for B in (1, 32):
         q, k, v, g, beta = make(B, 1, 16, 32)
@@ -73,9 +89,15 @@ def main(argv=None) -> int:
         ms = {}
         for name, fn in fns.items():
             ms[name + " as called"] = bench(fn)
-            ms[name + " graph"] = graph_bench(fn)
+            ms[name + " graph"] = graph_bench(fn)  # one call per replay (the anchors' measure)
+            ms[name + " graph per call"] = bench(capture(fn, calls=GRAPH_CALLS).replay) / GRAPH_CALLS
+        sweep = {}
+        for block_v, warps in itertools.product((8, 16, 32, 64), (1, 2, 4, 8)):
+            fused_recurrent.BLOCK_V, fused_recurrent.NUM_WARPS = block_v, warps
+            sweep[f"BV{block_v} w{warps}"] = bench(capture(fns["fuselm"], calls=GRAPH_CALLS).replay) / GRAPH_CALLS
+        fused_recurrent.BLOCK_V, fused_recurrent.NUM_WARPS = default_geometry
         state_bytes = 2 * state.numel() * 4
-        rows.append({"case": f"decode B{B} HV32 K=V=128", "ms": ms,
+        rows.append({"case": f"decode B{B} HV32 K=V=128", "ms": ms, "geometry_sweep_ms_per_call": sweep,
                      "state_tbps": {n: state_bytes / t / 1e9 for n, t in ms.items() if "graph" in n}})
         print(rows[-1], flush=True)
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "torch": torch.__version__,

@@ -83,9 +83,11 @@ def _fused_recurrent_gdr_kernel(
         tl.store(ht_ptr + slot * HV * K * V + state_offs, S, mask=state_mask)
 
 
-# Value columns per program: 32 keeps a 128 x 32 fp32 state slice at 32 registers per thread
-# over 4 warps, and gives 4 programs per (sequence, head) at V = 128. Not yet tuned on the GPU.
+# Value columns and warps per program: 32 keeps a 128 x 32 fp32 state slice at 32 registers per
+# thread over 4 warps, and gives 4 programs per (sequence, head) at V = 128. benchmarks/gdn.py
+# sweeps both (decode_sweep in gdn.json).
 BLOCK_V = 32
+NUM_WARPS = 4
 
 
 def _check(q, k, v, g, beta, raw, initial_state, cu_seqlens, state_indices):
@@ -208,7 +210,7 @@ def fused_recurrent_gated_delta_rule(
         H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
         RAW_GATES=raw is not None, L2NORM=use_qk_l2norm_in_kernel, HAS_H0=initial_state is not None,
         STORE_HT=final is not None, VARLEN=cu_seqlens is not None, INDEXED=state_indices is not None,
-        num_warps=4,
+        num_warps=NUM_WARPS,
     )
     return o, (final if (output_final_state or state_indices is not None) else None)
 
