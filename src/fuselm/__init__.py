@@ -1,5 +1,6 @@
 """fuselm: fused Triton kernels for gated-MLP language models."""
 
+from fuselm.models.qwen35 import Qwen35, Qwen35Cache, Qwen35Config
 from fuselm.models.swap_ffn import SwapFFN, SwapFFNConfig, SwapFFNDecoder, SwapFFNState
 from fuselm.ops.activation import Activation
 from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
@@ -13,4 +14,5 @@ __all__ = [
     "SwiGLUMLP", "gemm_swiglu", "swiglu_mlp", "interleave_gate_up", "deinterleave_gate_up",
     "SwapFFN", "SwapFFNConfig", "SwapFFNState", "SwapFFNDecoder",
     "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
+    "Qwen35", "Qwen35Config", "Qwen35Cache",
 ]
