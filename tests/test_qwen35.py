@@ -112,6 +112,7 @@ def test_config_from_hf_variants(models):
     hf, model = models
     assert model.config == Qwen35Config.from_hf(hf.config.to_dict())  # config.json contents
     assert model.config.rotary_dim == 8 and model.config.layer_types == tuple(LAYER_TYPES)
+    assert Qwen35.from_hf(hf).to(torch.float16).inv_freq.dtype == torch.float32  # RoPE frequencies stay fp32
     nested = Qwen3_5Config(text_config={**TINY}, tie_word_embeddings=True)  # the multimodal config
     from_nested = Qwen35Config.from_hf(nested)
     assert from_nested.tie_word_embeddings and from_nested.hidden_size == 64 and from_nested.layer_types == tuple(LAYER_TYPES)

@@ -14,7 +14,7 @@ Architecture (HF ``transformers/models/qwen3_5/modeling_qwen3_5.py``):
   full attention (``full_attention``); ``mlp`` is SwiGLU through ``swiglu_mlp``.
 
 Numerics: fp32 everywhere reproduces HF to summation order (the tests hold 1e-3 absolute on the
-logits; measured ~1e-6). In bf16/fp16 every op rounds where HF's eager op rounds, with these
+logits; measured <= 1.1e-5 on the tiny test model). In bf16/fp16 every op rounds where HF's eager op rounds, with these
 exceptions: ``swiglu_mlp`` keeps the gate/up products in fp32 until the activation (HF rounds
 them first), the fused projections are single GEMMs over concatenated weights (same products,
 per-column results as HF's separate GEMMs up to the BLAS's blocking), and the decode kernel takes
@@ -134,7 +134,7 @@ class Qwen35Config:
     def from_hf(cls, config) -> "Qwen35Config":
         """From an HF ``Qwen3_5TextConfig``, a multimodal ``Qwen3_5Config`` (its ``text_config``),
         or either as a dict (the contents of ``config.json``)."""
-        top = config if isinstance(config, dict) else config.to_dict()
+        top = config if isinstance(config, dict) else getattr(config, "to_dict", lambda: None)()
         if not isinstance(top, dict):
             raise TypeError(f"config: expected an HF config or a dict, got {type(config).__name__}")
         text = top.get("text_config") or top
@@ -506,7 +506,8 @@ class Qwen35(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, t) for t in config.layer_types)
         self.norm = _param(config.hidden_size)
         self.lm_head = None if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size)
-        self.register_buffer("inv_freq", rotary_inv_freq(config), persistent=False)
+        # fp32 always (a plain attribute, so ``model.to(dtype)`` cannot round it); follows the device.
+        self.inv_freq = rotary_inv_freq(config)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -519,6 +520,11 @@ class Qwen35(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def _rotary(self, positions: torch.Tensor):
+        if self.inv_freq.device != positions.device:  # metadata only (graph-safe after the first call)
+            self.inv_freq = self.inv_freq.to(positions.device)
+        return rotary_cos_sin(positions, self.inv_freq, self.dtype)
 
     def new_cache(self, max_batch: int, max_len: int) -> Qwen35Cache:
         """A cache for up to ``max_batch`` rows of ``max_len`` tokens (prompt + generated)."""
@@ -551,7 +557,7 @@ class Qwen35(nn.Module):
             token_mask = torch.arange(T, device=device)[None, :] < lengths_dev[:, None]
             cu_seqlens = F.pad(torch.cumsum(lengths_dev, 0), (1, 0)).to(torch.int32)
             input_ids = input_ids.masked_fill(~token_mask, 0)  # padding ids may be anything
-        cos, sin = rotary_cos_sin(torch.arange(T, device=device), self.inv_freq, self.dtype)
+        cos, sin = self._rotary(torch.arange(T, device=device))
         step = _PrefillStep(lengths_dev, token_mask, cu_seqlens, cos[None, :, None], sin[None, :, None])
         cache.lengths.zero_()
         cache.active.zero_()
@@ -592,14 +598,17 @@ class Qwen35(nn.Module):
         """One token per cache row: ``token_ids`` [max_batch] int64 at position ``cache.lengths``;
         returns logits [max_batch, vocab] and advances the active rows' lengths by one.
 
-        CUDA-graph-safe: no host sync, no data-dependent shape or allocation; its inputs are
+        CUDA-graph-safe: no host sync, no data-dependent shape (its temporaries have fixed shapes, so
+        a graph's private memory pool serves them on replay); its inputs are
         ``token_ids`` and the cache tensors (``lengths``, ``active`` and the per-layer state),
         all updated in place. Inactive rows write no recurrent or conv state and put their K/V in
         the scratch column; their logits are meaningless. The caller keeps every active row's
         length < ``cache.max_len`` (``generate`` checks it before it starts).
         """
+        if token_ids.shape != (cache.max_batch,):  # metadata only: no sync
+            raise ValueError(f"token_ids: expected [max_batch] = ({cache.max_batch},), got {tuple(token_ids.shape)}")
         positions = cache.lengths
-        cos, sin = rotary_cos_sin(positions, self.inv_freq, self.dtype)  # [max_batch, rotary_dim]
+        cos, sin = self._rotary(positions)  # [max_batch, rotary_dim]
         write_column = torch.where(cache.active, positions.clamp(max=cache.max_len), cache.max_len)
         step = _DecodeStep(
             active=cache.active, cos=cos[:, None, None], sin=sin[:, None, None], write_column=write_column,
@@ -800,7 +809,6 @@ class Qwen35(nn.Module):
         device = embed.device if device is None else torch.device(device)
         model = cls(config)
         model.load_state_dict(relayout_hf_weights(config, tensors, dtype, device), strict=True, assign=True)
-        model.inv_freq = model.inv_freq.to(device)
         return model.eval()
 
 
