@@ -17,7 +17,7 @@ from fuselm import Qwen35, Qwen35Config
 from fuselm.models.qwen35 import sample_next_tokens
 
 transformers = pytest.importorskip("transformers")
-from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
+from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig  # noqa: E402
 
 LOGIT_TOL = 1e-3  # issue 6: max abs logit difference vs HF, fp32
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
@@ -204,11 +204,27 @@ def test_from_pretrained_round_trip(models, tmp_path):
     assert torch.equal(loaded.to(DEVICE)(ids), model(ids))
 
 
-def test_from_pretrained_multimodal_checkpoint_with_tied_embeddings(tmp_path):
+def test_from_hf_multimodal_model(models):
+    """A live Qwen3_5ForConditionalGeneration (tiny vision tower) holding the text model's weights:
+    from_hf takes its text_config and its model.language_model.* tensors, skips model.visual.*."""
+    hf, model = models
+    config = Qwen3_5Config(text_config=dict(TINY), vision_config=dict(depth=1, hidden_size=32, intermediate_size=64,
+                                                                       num_heads=2, out_hidden_size=64))
+    multimodal = Qwen3_5ForConditionalGeneration(config).to(DEVICE).eval()
+    result = multimodal.load_state_dict({k.replace("model.", "model.language_model.", 1): v
+                                         for k, v in hf.state_dict().items()}, strict=False)
+    assert not result.unexpected_keys and all(k.startswith("model.visual.") for k in result.missing_keys)
+    ids = prompt(1, 9, seed=9)
+    with torch.no_grad():
+        ref = multimodal(input_ids=ids).logits
+    assert (Qwen35.from_hf(multimodal)(ids) - ref).abs().max() <= LOGIT_TOL
+
+
+def test_from_pretrained_multimodal_checkpoint_with_tied_embeddings_and_attention_bias(tmp_path):
     """A Qwen3_5ForConditionalGeneration-style directory: nested text_config, the top-level tie
     flag, text weights under model.language_model., vision and MTP tensors to skip."""
     from safetensors.torch import save_file
-    hf = tiny_hf_model(seed=7, tie_word_embeddings=True)
+    hf = tiny_hf_model(seed=7, tie_word_embeddings=True, attention_bias=True)
     text = {k: v for k, v in hf.config.to_dict().items() if k != "tie_word_embeddings"}
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "qwen3_5", "tie_word_embeddings": True, "text_config": text, "vision_config": {"depth": 1}}))
@@ -218,7 +234,7 @@ def test_from_pretrained_multimodal_checkpoint_with_tied_embeddings(tmp_path):
     state["mtp.fc.weight"] = torch.zeros(2, 2)
     save_file(state, tmp_path / "model.safetensors")
     model = Qwen35.from_pretrained(tmp_path, device=DEVICE)
-    assert model.config.tie_word_embeddings and model.lm_head is None
+    assert model.config.tie_word_embeddings and model.lm_head is None and model.config.attention_bias
     ids = prompt(1, 9, seed=8)
     with torch.no_grad():
         ref = hf(ids).logits
