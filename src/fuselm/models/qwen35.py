@@ -230,6 +230,17 @@ class Qwen35Cache:
     def max_batch(self) -> int:
         return self.lengths.shape[0]
 
+    def first_rows(self, rows: int) -> "Qwen35Cache":
+        """A cache of rows 0 .. rows-1 that shares this one's memory (every tensor a leading-dim
+        view, so contiguous and at the same addresses): a decode step on it reads and writes
+        exactly those rows. The engine captures one CUDA graph per batch size on such views."""
+        if not isinstance(rows, int) or isinstance(rows, bool) or not 1 <= rows <= self.max_batch:
+            raise ValueError(f"rows: expected an int in [1, {self.max_batch}], got {rows!r}")
+        layers = [AttentionCache(layer.key[:rows], layer.value[:rows]) if isinstance(layer, AttentionCache)
+                  else DeltaNetCache(layer.conv[:rows], layer.recurrent[:rows]) for layer in self.layers]
+        return Qwen35Cache(self.config, self.max_len, self.lengths[:rows], self.active[:rows], layers,
+                           self.slots[:rows], self.columns)
+
 
 @dataclass
 class _PrefillStep:

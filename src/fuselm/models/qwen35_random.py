@@ -1,0 +1,83 @@
+"""Built-in Qwen3.5 configs and seeded random weights (nothing to download).
+
+- ``tiny_config()``: a 4-layer Qwen3.5-architecture model (DeltaNet, attention, DeltaNet,
+  attention; GQA in both mixers) small enough for the Triton interpreter on a CPU;
+- ``config_9b()``: HF ``Qwen3_5TextConfig()`` defaults (the 9B text model);
+- ``random_qwen35(config, ...)``: a ``Qwen35`` with seeded random weights made directly on the
+  device in the model dtype (9B parameters in bf16 never pass through a CPU fp32 copy);
+- ``randomize_hf_weights_(hf_model, ...)``: the same scheme on a live HF model, for parity runs.
+
+Scheme (as ``tests/test_qwen35.py``): HF's own init gives near-zero logits, which would let a
+parity check pass for a broken model, so every weight moves away from its init value:
+embeddings N(0, 1); every matrix N(0, fan_in^-1/2) (unit-variance outputs; the depthwise conv's
+fan-in is its kernel width); decay rates A_log ~ U(-1, 1) (exp(A_log) in [0.37, 2.7]); the
+DeltaNet's plain RMSNorm weight N(1, 0.3); zero-centered norm weights, dt_bias and biases
+N(0, 0.3). Our fused layout (stacked projections, interleaved gate/up) stacks rows that share a
+fan-in, so drawing directly in it gives the same distribution as drawing HF's tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fuselm.models.qwen35 import Qwen35, Qwen35Config
+
+TINY_LAYER_TYPES = ("linear_attention", "full_attention", "linear_attention", "full_attention")
+
+
+def tiny_config(vocab_size: int = 512) -> Qwen35Config:
+    """The built-in default of ``fuselm generate`` / ``fuselm audit``: hidden 64, 4 layers."""
+    return Qwen35Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4,
+                        linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=1,
+                        linear_num_value_heads=2, layer_types=TINY_LAYER_TYPES)
+
+
+def config_9b() -> Qwen35Config:
+    """HF ``Qwen3_5TextConfig()`` defaults: 32 layers (every 4th full attention), hidden 4096,
+    vocab 248320. The fields are this package's defaults, which are HF's; the HF object is used
+    when transformers is installed so the two cannot drift apart."""
+    try:
+        from transformers import Qwen3_5TextConfig
+    except ImportError:
+        return Qwen35Config()
+    return Qwen35Config.from_hf(Qwen3_5TextConfig())
+
+
+def _fill_random_(name: str, weight: torch.Tensor, generator: torch.Generator) -> None:
+    """One weight in place by the module docstring's scheme; ``name`` in HF's or our naming."""
+    if name.endswith("A_log"):
+        weight.uniform_(-1.0, 1.0, generator=generator)
+    elif name.endswith(("linear_attn.norm.weight", "mixer.norm")) and weight.dim() == 1:
+        weight.normal_(1.0, 0.3, generator=generator)
+    elif "embed_tokens" in name:
+        weight.normal_(0.0, 1.0, generator=generator)
+    elif weight.dim() >= 2:
+        weight.normal_(0.0, weight[0].numel() ** -0.5, generator=generator)
+    else:
+        weight.normal_(0.0, 0.3, generator=generator)
+
+
+@torch.no_grad()
+def random_qwen35(config: Qwen35Config, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0) -> Qwen35:
+    """A ``Qwen35`` with seeded random weights, each drawn on ``device`` in ``dtype``."""
+    device = torch.device(device)
+    generator = torch.Generator(device).manual_seed(seed)
+    model = Qwen35(config)
+    weights = {}
+    for name, meta in model.named_parameters():
+        weight = torch.empty(meta.shape, dtype=dtype, device=device)
+        _fill_random_(name, weight, generator)
+        weights[name] = weight
+    model.load_state_dict(weights, strict=True, assign=True)
+    return model.eval()
+
+
+@torch.no_grad()
+def randomize_hf_weights_(hf_model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Overwrite every parameter of a live HF Qwen3.5 model by the same scheme, in place."""
+    parameters = list(hf_model.named_parameters())
+    generator = torch.Generator(parameters[0][1].device).manual_seed(seed)
+    for name, weight in parameters:
+        _fill_random_(name, weight, generator)
+    return hf_model
