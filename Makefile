@@ -1,4 +1,5 @@
-# make demo : every op vs its reference (and, on a GPU, the quick benchmark)
+# make demo : every op vs its reference (and, on a GPU, the quick benchmark), then Qwen3.5 generation
+#             through the engine and its audit (tiny built-in model: kernels, graph launches, HF parity)
 # make test : the test suite (CPU: Triton interpreter; GPU: kernels on the device)
 # Both first install into .venv: on a CPU machine torch is the CPU build (torch==2.13.0); on a
 # CUDA machine the venv sees the system's CUDA torch and triton.
@@ -22,6 +23,8 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(RUN_ENV) $(PY) -m fuselm demo
 	$(if $(HAS_GPU),$(PY) benchmarks/ops.py --quick)
+	$(RUN_ENV) $(PY) -m fuselm generate
+	$(RUN_ENV) $(PY) -m fuselm audit
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests

@@ -307,3 +307,13 @@ class Engine:
         result.update(requests=requests, batch_size=batch, steps_profiled=steps, graphs=self.use_graphs,
                       sync_debug_error=sync_error)
         return result
+
+
+def decode_weight_bytes(model: Qwen35) -> int:
+    """Bytes of weights one decode step reads: every parameter, except that the embedding table
+    contributes one row per token (counted as zero here) unless it is also the LM head (tied).
+    The weight-bandwidth floor of a step is this over the device's copy bandwidth."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:
+        total -= model.embed_tokens.numel() * model.embed_tokens.element_size()
+    return total

@@ -81,3 +81,29 @@ def randomize_hf_weights_(hf_model: torch.nn.Module, seed: int = 0) -> torch.nn.
     for name, weight in parameters:
         _fill_random_(name, weight, generator)
     return hf_model
+
+
+def to_hf_config(config: Qwen35Config):
+    """The HF ``Qwen3_5TextConfig`` of ``config`` (the inverse of ``Qwen35Config.from_hf``)."""
+    from dataclasses import asdict
+
+    from transformers import Qwen3_5TextConfig
+
+    fields = asdict(config)
+    rope = {"rope_type": "default", "rope_theta": fields.pop("rope_theta"),
+            "partial_rotary_factor": fields.pop("partial_rotary_factor")}
+    fields["layer_types"] = list(fields["layer_types"])
+    if isinstance(fields["eos_token_id"], tuple):
+        fields["eos_token_id"] = list(fields["eos_token_id"])
+    return Qwen3_5TextConfig(**fields, rope_parameters=rope)
+
+
+@torch.no_grad()
+def random_hf_qwen35(config: Qwen35Config, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0):
+    """An HF ``Qwen3_5ForCausalLM`` of ``config`` built on ``device`` in ``dtype`` (no fp32 CPU
+    copy first), its weights drawn by ``randomize_hf_weights_``."""
+    from transformers import Qwen3_5ForCausalLM
+
+    with torch.device(device):
+        hf_model = Qwen3_5ForCausalLM._from_config(to_hf_config(config), dtype=dtype)
+    return randomize_hf_weights_(hf_model, seed).eval()
