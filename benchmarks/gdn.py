@@ -1,10 +1,13 @@
 """Gated DeltaNet kernels against flash-linear-attention (fla-core), bf16, in one run.
 
-    python benchmarks/gdn.py [--out DIR]
+    python benchmarks/gdn.py --cases chunk --out DIR; python benchmarks/gdn.py --cases decode --out DIR
 
-Chunked prefill (GPU time, do_bench median) over a T sweep at B=1 H=16 K=V=128 and at B=4
-T=2048; decode (T=1, HV=32, K=V=128) as called from Python and replayed in a CUDA graph, with the
-state's read+write bandwidth. Writes ``gdn.md`` and ``gdn.json``.
+Chunked prefill over a T sweep at B=1 H=16 K=V=128 and at B=4 T=2048: as called and as GPU time
+(CUDA-graph replay), agreement with fla (rel. RMSE of o and final state), fuselm's time per
+kernel (torch.profiler) and, at T >= 8192, a sweep of the recurrence's geometry. Decode (T=1,
+HV=32, K=V=128): as called, one call per graph replay, and per call of 20 in one graph, with the
+state's read+write bandwidth, and a sweep of the decode kernel's geometry. Writes (merges into)
+``gdn.md`` and ``gdn.json``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 import triton
 
 from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent, fused_recurrent_gated_delta_rule
-from fuselm.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_kernels
+from fuselm.ops.gated_delta_rule import chunk
 from timing import bench, capture, copy_bandwidth, graph_bench, results_dir
 
 try:
@@ -32,6 +35,18 @@ except ImportError:
 DT = torch.bfloat16
 GRAPH_CALLS = 20  # decode calls per captured graph for the per-call GPU time
 default_geometry = (fused_recurrent.BLOCK_V, fused_recurrent.NUM_WARPS)
+default_recurrence = (chunk.RECURRENCE_WARPS, chunk.RECURRENCE_STAGES)
+
+
+def kernel_breakdown(fn, calls: int = 5) -> dict:
+    """GPU microseconds per call of each kernel ``fn`` launches (torch.profiler)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key[:60]: round(e.device_time_total / calls, 1) for e in prof.key_averages() if e.device_time_total > 0}
 
 
 def rel_rmse(out, ref):
@@ -50,6 +65,12 @@ def make(B, T, H, HV, K=128, V=128):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--cases", default="chunk,decode", help="comma-separated subset of chunk,decode")
+    # fla-core 0.6.0's fused_recurrent faulted (illegal address) at B=32 whenever other fla calls
+    # (its B=1 decode, or its chunk kernels) ran before it in the same process (four H100 runs;
+    # fuselm's own B=32 timings completed each time). So: B=32 first, and decode in its own
+    # process: `gdn.py --cases chunk; gdn.py --cases decode` (the second merges into gdn.json).
+    parser.add_argument("--decode-batches", default="32,1")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/gdn.py needs a CUDA device; nothing timed.")
@@ -57,28 +78,34 @@ def main(argv=None) -> int:
     out = results_dir(args.out)
     copy = copy_bandwidth()
     rows = []
-    for B, T, H in [(1, 512, 16), (1, 2048, 16), (1, 8192, 16), (1, 32768, 16), (4, 2048, 16)]:
+    chunk_cases = [(1, 512, 16), (1, 2048, 16), (1, 8192, 16), (1, 32768, 16), (4, 2048, 16)]
+    for B, T, H in chunk_cases if "chunk" in args.cases else []:
         q, k, v, g, beta = make(B, T, H, H)
-        args = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
-        fns = {"fuselm": lambda: chunk_gated_delta_rule(q, k, v, g, beta, **args)}
-        for block_v in (16, 32, 64):  # the recurrence's value-column split, swept
-            fns[f"fuselm BV{block_v}"] = lambda bv=block_v: chunk_gated_delta_rule_kernels(
-                *(t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)), 128**-0.5, None, True, True,
-                torch.arange(0, (B + 1) * T, T, device="cuda", dtype=torch.int32), block_v=bv)
+        kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+        fns = {"fuselm": lambda: chunk_gated_delta_rule(q, k, v, g, beta, **kw)}
         if fla_chunk is not None:
-            fns["fla"] = lambda: fla_chunk(q, k, v, g, beta, **args)
-        ms, err = {}, {}
+            fns["fla"] = lambda: fla_chunk(q, k, v, g, beta, **kw)
+        ms, err, sweep = {}, {}, {}
         for name, fn in fns.items():
             try:
                 ms[name] = bench(fn)
+                ms[name + " graph"] = graph_bench(fn)  # GPU time without the host: replayed from a CUDA graph
             except Exception as error:  # recorded, not fatal
                 ms[name + " error"] = str(error).splitlines()[0][:120]
         if fla_chunk is not None:  # agreement of the two implementations, o and final state
             (o, s), (o_fla, s_fla) = fns["fuselm"](), fns["fla"]()
             err = {"o": rel_rmse(o, o_fla), "final_state": rel_rmse(s, s_fla)}
-        rows.append({"case": f"chunk B{B} T{T} H{H}", "ms": ms, "rel_rmse_vs_fla": err})
+        if T >= 8192:  # the recurrence's geometry, in GPU time
+            packed = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
+            for block_v, warps, stages in itertools.product((16, 32, 64), (4, 8), (2, 3, 4)):
+                chunk.RECURRENCE_WARPS, chunk.RECURRENCE_STAGES = warps, stages
+                sweep[f"BV{block_v} w{warps} s{stages}"] = graph_bench(lambda: chunk.chunk_gated_delta_rule_kernels(
+                    *packed, 128**-0.5, None, True, True, seq_len=T, block_v=block_v))
+            chunk.RECURRENCE_WARPS, chunk.RECURRENCE_STAGES = default_recurrence
+        rows.append({"case": f"chunk B{B} T{T} H{H}", "ms": ms, "rel_rmse_vs_fla": err,
+                     "kernels_us": kernel_breakdown(fns["fuselm"]), "recurrence_sweep_ms": sweep})
         print(rows[-1], flush=True)
-    for B in (1, 32):
+    for B in map(int, args.decode_batches.split(",")) if "decode" in args.cases else []:
         q, k, v, g, beta = make(B, 1, 16, 32)
         state = torch.randn(B, 32, 128, 128, device="cuda")
         fns = {"fuselm": lambda: fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state,
@@ -89,12 +116,17 @@ def main(argv=None) -> int:
         ms = {}
         for name, fn in fns.items():
             ms[name + " as called"] = bench(fn)
+            print(B, name, "as called", ms[name + " as called"], flush=True)
             ms[name + " graph"] = graph_bench(fn)  # one call per replay (the anchors' measure)
+            print(B, name, "graph", ms[name + " graph"], flush=True)
             ms[name + " graph per call"] = bench(capture(fn, calls=GRAPH_CALLS).replay) / GRAPH_CALLS
+            print(B, name, "per call", ms[name + " graph per call"], flush=True)
         sweep = {}
-        for block_v, warps in itertools.product((8, 16, 32, 64), (1, 2, 4, 8)):
+        for block_v, warps in itertools.product((8, 16, 32), (1, 2, 4)):
             fused_recurrent.BLOCK_V, fused_recurrent.NUM_WARPS = block_v, warps
             sweep[f"BV{block_v} w{warps}"] = bench(capture(fns["fuselm"], calls=GRAPH_CALLS).replay) / GRAPH_CALLS
+            torch.cuda.synchronize()
+            print(B, block_v, warps, sweep[f"BV{block_v} w{warps}"], flush=True)
         fused_recurrent.BLOCK_V, fused_recurrent.NUM_WARPS = default_geometry
         state_bytes = 2 * state.numel() * 4
         rows.append({"case": f"decode B{B} HV32 K=V=128", "ms": ms, "geometry_sweep_ms_per_call": sweep,
@@ -102,11 +134,15 @@ def main(argv=None) -> int:
         print(rows[-1], flush=True)
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "triton": triton.__version__, "copy_tbps": copy, "command": "python " + " ".join(sys.argv)}
-    (out / "gdn.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = [f"# Gated DeltaNet vs fla-core, bf16: {meta['gpu']}", "",
-             f"{meta['date']}; torch {meta['torch']}, triton {meta['triton']}; copy {copy:.2f} TB/s. "
-             f"Command: `{meta['command']}`. do_bench medians in ms (chunk: as called, "
-             "host time hidden at these sizes; decode: as called and CUDA-graph replay).", "", "| case | times (ms) |", "|---|---|"]
+    previous = json.loads((out / "gdn.json").read_text()) if (out / "gdn.json").exists() else {"rows": [], "runs": []}
+    runs = [r for r in previous.get("runs", []) if r["cases"] != args.cases] + [dict(meta, cases=args.cases)]
+    rows = [r for r in previous["rows"] if r["case"].split()[0] not in args.cases.split(",")] + rows
+    (out / "gdn.json").write_text(json.dumps({"meta": meta, "runs": runs, "rows": rows}, indent=1))
+    lines = [f"# Gated DeltaNet vs fla-core, bf16: {meta['gpu']}", ""]
+    lines += [f"- {r['cases']}: {r['date']}; torch {r['torch']}, triton {r['triton']}; copy {r['copy_tbps']:.2f} TB/s; "
+              f"`{r['command']}`" for r in runs]
+    lines += ["", "do_bench medians in ms: as called, and GPU time replayed from a CUDA graph (decode: one call "
+              f"per replay, and per call of {GRAPH_CALLS} captured in one graph).", "", "| case | times (ms) |", "|---|---|"]
     lines += [f"| {r['case']} | " + ", ".join(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}"
                                             for k, v in r["ms"].items()) + " |" for r in rows]
     (out / "gdn.md").write_text("\n".join(lines) + "\n")

@@ -210,6 +210,23 @@ def test_chunked_matches_recurrence(impl, T, H, HV, K, V, decay, with_state):
     assert rel_rmse(o, o_ref) <= 1e-4 and rel_rmse(ht, ht_ref) <= 1e-4
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunked_kernels_repeated_keys(dtype):
+    """The worst case for the chunk inverse: every key the same (or alternating in sign), beta = 1,
+    no decay, so (I + A) has unit entries below the diagonal and its inverse's Neumann terms grow
+    combinatorially; the kernels must still match the recurrence. fp32: the usual 1e-4. Half:
+    1e-2, twice the issue's bar for random inputs; W, U and N rounded to 16 bits, with every
+    key alike, put the state at 0.4-0.6% on the H100 (0.25% fp16 in the interpreter)."""
+    q, k, v, g, beta = inputs(1, 64, 1, 1, 64, 64, dtype, decay="none")
+    beta = torch.ones_like(beta)
+    for keys in (k[:, :1].expand_as(k).contiguous(), torch.cat([k[:, ::2], -k[:, ::2]], 1)):
+        args = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+        o, ht = chunk_gated_delta_rule(q, keys, v, g, beta, **args)
+        o_ref, ht_ref = recurrent_gated_delta_rule_ref(q, keys, v, g, beta, **args)
+        tol = 1e-4 if dtype == torch.float32 else 1e-2
+        assert rel_rmse(o, o_ref) <= tol and rel_rmse(ht, ht_ref) <= tol
+
+
 def test_chunked_kernels_varlen_and_prefill_then_decode():
     cu = torch.tensor([0, 70, 71, 100], device=DEVICE, dtype=torch.int32)
     q, k, v, g, beta = inputs(1, 100, 2, 2, 64, 64)

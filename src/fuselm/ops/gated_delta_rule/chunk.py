@@ -1,5 +1,5 @@
 """Chunked gated delta rule (prefill): the algorithm of ``naive.chunk_gated_delta_rule_ref`` in
-two Triton kernels, tensor-core dots throughout, fp32 accumulation.
+three Triton kernels, tensor-core dots throughout, fp32 accumulation.
 
 Per chunk of BT = 64 tokens, with G = cumsum(g) from the chunk start, Gamma_ij = exp(G_i - G_j)
 (j <= i; an exponent <= 0, never a division by a cumulative decay) and the state S0 at its start:
@@ -7,19 +7,21 @@ Per chunk of BT = 64 tokens, with G = cumsum(g) from the chunk start, Gamma_ij =
     U = T diag(beta) V,   W = T diag(beta e^G) K        (the WY form: new values N = U - W S0)
     O = (Q e^G scale) S0 + lower(Q K^T * Gamma scale) N,  S_end = e^{G_C} S0 + (K e^{G_C - G})^T N.
 
-1. ``_chunk_prepare_kernel``: one program per (chunk, value head), all chunks in parallel. Writes
-   G (fp32), U, W and Aqk = lower(Q K^T * Gamma) scale (in the input dtype). T is built from
-   16 x 16 blocks: each diagonal block inverted by forward substitution (16 steps), the blocks
-   below it by T_ab = -T_aa sum_{b <= c < a} A_ac T_cb (fp32; tf32 dots for half inputs).
-2. ``_chunk_recurrence_kernel``: one program per (sequence, value head, BV value columns),
-   walking its sequence's chunks with S [K, BV] (fp32) on chip; everything it loads is
-   independent of S, so the loads of chunk c + 1 overlap the dots of chunk c.
+1. ``_chunk_prepare_kernel``, one program per (chunk, value head), all chunks in parallel: writes
+   G (fp32), U, W, Kd = K e^{G_C - G} and Aqk = lower(Q K^T * Gamma) scale. T is inverted in
+   fp32 (tf32 dots for half inputs): the four 16 x 16 diagonal blocks by forward substitution
+   together, the rest by a block Neumann product (``_invert_unit_lower``).
+2. ``_chunk_recurrence_kernel``, one program per (sequence, value head, BV value columns): the
+   only sequential part, two dependent dots per chunk with S [K, BV] (fp32) on chip; it writes
+   each chunk's starting state h[c] and N. Its loads do not depend on S, so they are pipelined.
+3. ``_chunk_output_kernel``, one program per (chunk, value head, value block), in parallel:
+   O = (Q e^G scale) h[c] + Aqk N.
 
-Numerics (as flash-linear-attention's chunk kernel): the products with K, V, W, U, Q and S take
-operands in the input dtype (S and N rounded to it) and accumulate in fp32; the state, G and the
-block inverse stay in fp32. fp32 inputs use ieee fp32 dots throughout.
-A batch of equal-length rows runs as one packed sequence of B rows (cu_seqlens = 0, T, 2T, ...);
-the chunk table for packed sequences is built on the device (no host sync).
+Numerics (as flash-linear-attention's chunk kernels): products with K, V, W, U, Q, h and N take
+operands in the input dtype (h and N rounded to it) and accumulate in fp32; the carried state, G
+and the block inverse stay fp32. fp32 inputs use ieee fp32 dots throughout.
+A batch of B equal-length rows runs as B packed sequences whose chunk spans the kernels compute;
+for variable lengths the chunk table is built on the device from cu_seqlens (no host sync).
 """
 
 from __future__ import annotations
@@ -68,59 +70,73 @@ def _load_vec(ptr, t0, n_rows, HV, i_hv, BT: tl.constexpr):
 
 
 @triton.jit
-def _a_block(k_a, k_b, G_a, G_b, beta_a, n_a, n_b, SUB: tl.constexpr, P: tl.constexpr, DIAGONAL: tl.constexpr):
-    """Block (a, b) of A = strictly_lower(diag(beta) (K K^T * Gamma)): n_a / n_b valid rows (fp32)."""
-    rows = tl.arange(0, SUB)
-    keep = (rows < n_a)[:, None] & (rows < n_b)[None, :]
-    if DIAGONAL:
-        keep = keep & (rows[:, None] > rows[None, :])
-    decay = tl.exp(tl.where(keep, G_a[:, None] - G_b[None, :], float("-inf")))
-    return beta_a[:, None] * _mm(k_a, tl.trans(k_b), P) * decay
-
-
-@triton.jit
-def _invert_unit_lower(A, SUB: tl.constexpr):
-    """(I + A)^-1 for a strictly lower [SUB, SUB] A, by forward substitution, fp32."""
-    rows = tl.arange(0, SUB)
-    T = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    for i in range(1, SUB):  # row i of T from the finished rows j < i: T_i = e_i - sum_j A_ij T_j
-        a_i = tl.sum(tl.where(rows[:, None] == i, A, 0.0), axis=0)
-        T = tl.where(rows[:, None] == i, T - tl.sum(a_i[:, None] * T, axis=0)[None, :], T)
-    return T
-
-
-@triton.jit
-def _store_block(ptr, x, t0, n_rows, stride, col0, n_cols, BC: tl.constexpr, SUB: tl.constexpr):
-    r = tl.arange(0, SUB)
+def _store_block(ptr, x, t0, n_rows, stride, col0, n_cols, BC: tl.constexpr, BR: tl.constexpr):
+    r = tl.arange(0, BR)
     c = tl.arange(0, BC)
     mask = (r < n_rows)[:, None] & (c < n_cols)[None, :]
     tl.store(ptr + (t0 + r).to(tl.int64)[:, None] * stride + col0 + c[None, :], x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _store_inverse_times(y_ptr, X0, X1, X2, X3, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33,
-                         t0, n, stride, col0, n_cols, BC: tl.constexpr, SUB: tl.constexpr, P: tl.constexpr):
-    """Y = T X, block row by block row (X given as four SUB-row blocks in the dot dtype)."""
-    dt = X0.dtype
-    _store_block(y_ptr, _mm(T00.to(dt), X0, P), t0, n, stride, col0, n_cols, BC, SUB)
-    _store_block(y_ptr, _mm(T10.to(dt), X0, P) + _mm(T11.to(dt), X1, P), t0 + SUB, n - SUB, stride, col0, n_cols, BC, SUB)
-    _store_block(y_ptr, _mm(T20.to(dt), X0, P) + _mm(T21.to(dt), X1, P) + _mm(T22.to(dt), X2, P),
-                 t0 + 2 * SUB, n - 2 * SUB, stride, col0, n_cols, BC, SUB)
-    _store_block(y_ptr, _mm(T30.to(dt), X0, P) + _mm(T31.to(dt), X1, P) + _mm(T32.to(dt), X2, P)
-                 + _mm(T33.to(dt), X3, P), t0 + 3 * SUB, n - 3 * SUB, stride, col0, n_cols, BC, SUB)
+def _invert_unit_lower(A, BT: tl.constexpr, SUB: tl.constexpr, P: tl.constexpr):
+    """(I + A)^-1 for a strictly lower [BT, BT] A, in fp32.
+
+    Split A = A_D + A_L (SUB x SUB diagonal blocks, strictly block-lower rest). The diagonal
+    blocks are inverted together by forward substitution (SUB steps on [NB, SUB, SUB]), giving
+    D = (I + A_D)^-1; then with M = D A_L (strictly block lower, M^NB = 0 for NB = BT / SUB = 4)
+        (I + A)^-1 = (I + M)^-1 D = (I - M)(I + M^2) D,
+    the same sum of products as block forward substitution, in four BT x BT dots."""
+    NB: tl.constexpr = BT // SUB
+    rows = tl.arange(0, BT)
+    same_block = (rows // SUB)[:, None] == (rows // SUB)[None, :]
+    A3 = tl.sum(tl.reshape(tl.where(same_block, A, 0.0), [NB, SUB, NB, SUB]), axis=2)  # the diagonal blocks
+    r = tl.arange(0, SUB)
+    is_row = r[None, :, None]
+    T3 = tl.zeros([NB, SUB, SUB], dtype=tl.float32) + tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :]
+    for i in range(1, SUB):  # row i of every block from its finished rows j < i: T_i = e_i - sum_j A_ij T_j
+        a_i = tl.sum(tl.where(is_row == i, A3, 0.0), axis=1)  # [NB, SUB]
+        T3 = tl.where(is_row == i, T3 - tl.sum(a_i[:, :, None] * T3, axis=1)[:, None, :], T3)
+    b = tl.arange(0, NB)
+    D = tl.reshape(tl.where((b[:, None] == b[None, :])[:, None, :, None], T3[:, :, None, :], 0.0), [BT, BT])
+    M = _mm(D, tl.where(same_block, 0.0, A), P)
+    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    return _mm(_mm(eye - M, eye + _mm(M, M, P), P), D, P)
+
+
+@triton.jit
+def _chunk_span(i_c, chunk_start_ptr, chunk_len_ptr, seq_len, BT: tl.constexpr, EQUAL: tl.constexpr):
+    """(first token, length) of chunk slot i_c: from the device chunk table, or, for sequences of
+    equal length seq_len (EQUAL), computed here."""
+    if EQUAL:
+        per_seq = tl.cdiv(seq_len, BT)
+        start = (i_c // per_seq) * seq_len + (i_c % per_seq) * BT
+        return start.to(tl.int64), tl.minimum(seq_len - (i_c % per_seq) * BT, BT)
+    else:
+        return tl.load(chunk_start_ptr + i_c).to(tl.int64), tl.load(chunk_len_ptr + i_c)
+
+
+@triton.jit
+def _sequence_span(i_n, cu_seqlens_ptr, first_chunk_ptr, seq_len, BT: tl.constexpr, EQUAL: tl.constexpr):
+    """(first token, end token, first chunk slot) of sequence i_n."""
+    if EQUAL:
+        bos = i_n.to(tl.int64) * seq_len
+        return bos, bos + seq_len, i_n.to(tl.int64) * tl.cdiv(seq_len, BT)
+    else:
+        bos = tl.load(cu_seqlens_ptr + i_n).to(tl.int64)
+        return bos, tl.load(cu_seqlens_ptr + i_n + 1).to(tl.int64), tl.load(first_chunk_ptr + i_n).to(tl.int64)
 
 
 @triton.jit
 def _chunk_prepare_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, G_ptr, u_ptr, w_ptr, aqk_ptr, chunk_start_ptr, chunk_len_ptr, scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, G_ptr, u_ptr, w_ptr, kd_ptr, aqk_ptr, chunk_start_ptr, chunk_len_ptr,
+    seq_len, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, P: tl.constexpr,
+    EQUAL: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
-    t0 = tl.load(chunk_start_ptr + i_c).to(tl.int64)
-    n = tl.load(chunk_len_ptr + i_c)  # 0 for a padding slot: nothing to do
+    t0, n = _chunk_span(i_c, chunk_start_ptr, chunk_len_ptr, seq_len, BT, EQUAL)  # n = 0: a padding slot
     if n > 0:
         dt = k_ptr.dtype.element_ty
         rows = tl.arange(0, BT)
@@ -135,103 +151,87 @@ def _chunk_prepare_kernel(
         aqk = _mm(q.to(dt), tl.trans(k.to(dt)), P) * gamma * scale
         tl.store(aqk_ptr + ((t0 + rows) * HV + i_hv).to(tl.int64)[:, None] * BT + rows[None, :],
                  aqk.to(aqk_ptr.dtype.element_ty), mask=row_ok[:, None])
-        tl.debug_barrier()  # G is re-read below, in SUB-row blocks, by other threads of this program
-        # the same rows in four SUB-row blocks (block a: rows a*SUB ..; n - a*SUB of them valid)
-        n0, n1, n2, n3 = n, n - SUB, n - 2 * SUB, n - 3 * SUB
-        k0 = _load_keys(k_ptr, t0, n0, H * K, i_h * K, K, SUB, BK, L2NORM)
-        k1 = _load_keys(k_ptr, t0 + SUB, n1, H * K, i_h * K, K, SUB, BK, L2NORM)
-        k2 = _load_keys(k_ptr, t0 + 2 * SUB, n2, H * K, i_h * K, K, SUB, BK, L2NORM)
-        k3 = _load_keys(k_ptr, t0 + 3 * SUB, n3, H * K, i_h * K, K, SUB, BK, L2NORM)
-        G0 = _load_vec(G_ptr, t0, n0, HV, i_hv, SUB)
-        G1 = _load_vec(G_ptr, t0 + SUB, n1, HV, i_hv, SUB)
-        G2 = _load_vec(G_ptr, t0 + 2 * SUB, n2, HV, i_hv, SUB)
-        G3 = _load_vec(G_ptr, t0 + 3 * SUB, n3, HV, i_hv, SUB)
-        b0 = _load_vec(beta_ptr, t0, n0, HV, i_hv, SUB)
-        b1 = _load_vec(beta_ptr, t0 + SUB, n1, HV, i_hv, SUB)
-        b2 = _load_vec(beta_ptr, t0 + 2 * SUB, n2, HV, i_hv, SUB)
-        b3 = _load_vec(beta_ptr, t0 + 3 * SUB, n3, HV, i_hv, SUB)
-        kd0, kd1, kd2, kd3 = k0.to(dt), k1.to(dt), k2.to(dt), k3.to(dt)
-        # T = (I + A)^-1: diagonal blocks by substitution, then T_ab = -T_aa sum_{b <= c < a} A_ac T_cb
-        T00 = _invert_unit_lower(_a_block(kd0, kd0, G0, G0, b0, n0, n0, SUB, P, True), SUB)
-        T11 = _invert_unit_lower(_a_block(kd1, kd1, G1, G1, b1, n1, n1, SUB, P, True), SUB)
-        T22 = _invert_unit_lower(_a_block(kd2, kd2, G2, G2, b2, n2, n2, SUB, P, True), SUB)
-        T33 = _invert_unit_lower(_a_block(kd3, kd3, G3, G3, b3, n3, n3, SUB, P, True), SUB)
-        A10 = _a_block(kd1, kd0, G1, G0, b1, n1, n0, SUB, P, False)
-        A20 = _a_block(kd2, kd0, G2, G0, b2, n2, n0, SUB, P, False)
-        A21 = _a_block(kd2, kd1, G2, G1, b2, n2, n1, SUB, P, False)
-        A30 = _a_block(kd3, kd0, G3, G0, b3, n3, n0, SUB, P, False)
-        A31 = _a_block(kd3, kd1, G3, G1, b3, n3, n1, SUB, P, False)
-        A32 = _a_block(kd3, kd2, G3, G2, b3, n3, n2, SUB, P, False)
-        T10 = -_mm(T11, _mm(A10, T00, P), P)
-        T21 = -_mm(T22, _mm(A21, T11, P), P)
-        T20 = -_mm(T22, _mm(A20, T00, P) + _mm(A21, T10, P), P)
-        T32 = -_mm(T33, _mm(A32, T22, P), P)
-        T31 = -_mm(T33, _mm(A31, T11, P) + _mm(A32, T21, P), P)
-        T30 = -_mm(T33, _mm(A30, T00, P) + _mm(A31, T10, P) + _mm(A32, T20, P), P)
-        # W = T diag(beta e^G) K
-        _store_inverse_times(w_ptr, (k0 * (b0 * tl.exp(G0))[:, None]).to(dt), (k1 * (b1 * tl.exp(G1))[:, None]).to(dt),
-                             (k2 * (b2 * tl.exp(G2))[:, None]).to(dt), (k3 * (b3 * tl.exp(G3))[:, None]).to(dt),
-                             T00, T10, T11, T20, T21, T22, T30, T31, T32, T33,
-                             t0, n, HV * K, i_hv * K, K, BK, SUB, P)
-        # U = T diag(beta) V
-        v0 = _load_rows(v_ptr, t0, n0, HV * V, i_hv * V, V, SUB, BV).to(tl.float32)
-        v1 = _load_rows(v_ptr, t0 + SUB, n1, HV * V, i_hv * V, V, SUB, BV).to(tl.float32)
-        v2 = _load_rows(v_ptr, t0 + 2 * SUB, n2, HV * V, i_hv * V, V, SUB, BV).to(tl.float32)
-        v3 = _load_rows(v_ptr, t0 + 3 * SUB, n3, HV * V, i_hv * V, V, SUB, BV).to(tl.float32)
-        _store_inverse_times(u_ptr, (v0 * b0[:, None]).to(dt), (v1 * b1[:, None]).to(dt), (v2 * b2[:, None]).to(dt),
-                             (v3 * b3[:, None]).to(dt), T00, T10, T11, T20, T21, T22, T30, T31, T32, T33,
-                             t0, n, HV * V, i_hv * V, V, BV, SUB, P)
+        # the keys as the state update reads them: K e^{G_C - G}
+        G_last = tl.sum(tl.where(rows == n - 1, G, 0.0), axis=0)
+        _store_block(kd_ptr, k * tl.where(row_ok, tl.exp(G_last - G), 0.0)[:, None], t0, n, HV * K, i_hv * K, K, BK, BT)
+        # T = (I + A)^-1, A = strictly_lower(diag(beta) (K K^T * Gamma)); then U and W
+        beta = _load_vec(beta_ptr, t0, n, HV, i_hv, BT)
+        A = tl.where(rows[:, None] > rows[None, :], beta[:, None] * _mm(k.to(dt), tl.trans(k.to(dt)), P) * gamma, 0.0)
+        T = _invert_unit_lower(A, BT, SUB, P).to(dt)
+        v = _load_rows(v_ptr, t0, n, HV * V, i_hv * V, V, BT, BV).to(tl.float32)
+        _store_block(u_ptr, _mm(T, (v * beta[:, None]).to(dt), P), t0, n, HV * V, i_hv * V, V, BV, BT)
+        _store_block(w_ptr, _mm(T, (k * (beta * tl.exp(G))[:, None]).to(dt), P), t0, n, HV * K, i_hv * K, K, BK, BT)
 
 
 @triton.jit
 def _chunk_recurrence_kernel(
-    q_ptr, k_ptr, u_ptr, w_ptr, aqk_ptr, G_ptr, o_ptr, h0_ptr, ht_ptr, cu_seqlens_ptr, scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, P: tl.constexpr,
+    u_ptr, w_ptr, kd_ptr, G_ptr, h_ptr, new_v_ptr, h0_ptr, ht_ptr, cu_seqlens_ptr, first_chunk_ptr, seq_len,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, P: tl.constexpr, EQUAL: tl.constexpr,
 ):
+    """Per chunk: h[c] = S (input dtype), N = U - W S (stored), S = e^{G_C} S + Kd^T N."""
     i_v = tl.program_id(0)
     i_n = tl.program_id(1) // HV
     i_hv = tl.program_id(1) % HV
-    i_h = i_hv // (HV // H)
     v0 = i_v * BV
-    dt = k_ptr.dtype.element_ty
-    bos = tl.load(cu_seqlens_ptr + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens_ptr + i_n + 1).to(tl.int64)
+    dt = w_ptr.dtype.element_ty
+    bos, eos, first_chunk = _sequence_span(i_n, cu_seqlens_ptr, first_chunk_ptr, seq_len, BT, EQUAL)
     rows = tl.arange(0, BT)
     ck = tl.arange(0, BK)
     cv = v0 + tl.arange(0, BV)
     state_mask = (ck < K)[:, None] & (cv < V)[None, :]
-    state_offs = ((i_n * HV + i_hv) * K + ck)[:, None].to(tl.int64) * V + cv[None, :]
+    state_offs = (i_hv * K + ck)[:, None] * V + cv[None, :]
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
-        S = tl.load(h0_ptr + state_offs, mask=state_mask, other=0.0)
+        S = tl.load(h0_ptr + i_n.to(tl.int64) * HV * K * V + state_offs, mask=state_mask, other=0.0)
     for i_c in tl.range(0, tl.cdiv(eos - bos, BT)):
         t0 = bos + i_c * BT
         n = tl.minimum(eos - t0, BT)
         row_ok = rows < n
-        q = _load_keys(q_ptr, t0, n, H * K, i_h * K, K, BT, BK, L2NORM)
-        k = _load_keys(k_ptr, t0, n, H * K, i_h * K, K, BT, BK, L2NORM)
         w = _load_rows(w_ptr, t0, n, HV * K, i_hv * K, K, BT, BK)
+        kd = _load_rows(kd_ptr, t0, n, HV * K, i_hv * K, K, BT, BK)
         u = _load_rows(u_ptr, t0, n, HV * V, i_hv * V + v0, V - v0, BT, BV).to(tl.float32)
-        aqk = _load_rows(aqk_ptr, t0, n, HV * BT, i_hv * BT, BT, BT, BT)
-        G = tl.load(G_ptr + (t0 + rows) * HV + i_hv, mask=row_ok, other=0.0)
         G_last = tl.load(G_ptr + (t0 + n - 1) * HV + i_hv)
-        q_decayed = (q * (tl.exp(G) * scale)[:, None]).to(dt)
-        k_decayed = (k * tl.where(row_ok, tl.exp(G_last - G), 0.0)[:, None]).to(dt)
         S_in = S.to(dt)
-        new_v = (u - _mm(w, S_in, P)).to(dt)  # N = U - W S0
-        o = _mm(q_decayed, S_in, P) + _mm(aqk, new_v, P)
-        tl.store(o_ptr + ((t0 + rows) * HV + i_hv).to(tl.int64)[:, None] * V + cv[None, :],
-                 o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (cv < V)[None, :])
-        S = tl.exp(G_last) * S + _mm(tl.trans(k_decayed), new_v, P)
+        tl.store(h_ptr + (first_chunk + i_c) * HV * K * V + state_offs, S_in, mask=state_mask)
+        new_v = (u - _mm(w, S_in, P)).to(dt)
+        tl.store(new_v_ptr + ((t0 + rows) * HV + i_hv)[:, None] * V + cv[None, :], new_v,
+                 mask=row_ok[:, None] & (cv < V)[None, :])
+        S = tl.exp(G_last) * S + _mm(tl.trans(kd), new_v, P)
     if STORE_HT:
-        tl.store(ht_ptr + state_offs, S, mask=state_mask)
+        tl.store(ht_ptr + i_n.to(tl.int64) * HV * K * V + state_offs, S, mask=state_mask)
+
+
+@triton.jit
+def _chunk_output_kernel(
+    q_ptr, G_ptr, aqk_ptr, h_ptr, new_v_ptr, o_ptr, chunk_start_ptr, chunk_len_ptr, seq_len, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, P: tl.constexpr, EQUAL: tl.constexpr,
+):
+    """O = (Q e^G scale) h[c] + Aqk N, every chunk in parallel."""
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    v0 = tl.program_id(2) * BV
+    i_h = i_hv // (HV // H)
+    t0, n = _chunk_span(i_c, chunk_start_ptr, chunk_len_ptr, seq_len, BT, EQUAL)
+    if n > 0:
+        dt = h_ptr.dtype.element_ty
+        ck = tl.arange(0, BK)
+        cv = v0 + tl.arange(0, BV)
+        q = _load_keys(q_ptr, t0, n, H * K, i_h * K, K, BT, BK, L2NORM)
+        G = _load_vec(G_ptr, t0, n, HV, i_hv, BT)
+        h = tl.load(h_ptr + (i_c * HV + i_hv) * K * V + ck[:, None] * V + cv[None, :],
+                    mask=(ck < K)[:, None] & (cv < V)[None, :], other=0.0)
+        aqk = _load_rows(aqk_ptr, t0, n, HV * BT, i_hv * BT, BT, BT, BT)
+        new_v = _load_rows(new_v_ptr, t0, n, HV * V, i_hv * V + v0, V - v0, BT, BV)
+        o = _mm((q * (tl.exp(G) * scale)[:, None]).to(dt), h, P) + _mm(aqk, new_v, P)
+        _store_block(o_ptr, o, t0, n, HV * V, i_hv * V + v0, V - v0, BV, BT)
 
 
 def chunk_table(cu_seqlens: torch.Tensor, total_tokens: int, chunk: int = CHUNK):
-    """Start token and length of every chunk of every packed sequence, on the device, padded to
-    the host-known bound cdiv(T, chunk) + N slots (padding slots have length 0): no host sync."""
+    """Start token and length of every chunk slot, and each sequence's first slot, on the device:
+    the slots of packed sequences are padded to the host-known bound cdiv(T, chunk) + N (padding
+    slots have length 0), so nothing waits on the host."""
     n_seq = cu_seqlens.numel() - 1
     slots = triton.cdiv(total_tokens, chunk) + n_seq
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
@@ -243,42 +243,62 @@ def chunk_table(cu_seqlens: torch.Tensor, total_tokens: int, chunk: int = CHUNK)
     valid = (slot < (first + chunks)[-1]) & (index < chunks[seq])
     start = cu_seqlens[seq].long() + index * chunk
     length = torch.where(valid, torch.clamp(cu_seqlens[seq + 1].long() - start, max=chunk), 0)
-    return start.contiguous(), length.to(torch.int32).contiguous()
+    return start.contiguous(), length.to(torch.int32).contiguous(), first.contiguous()
 
 
-# Value columns per program of the recurrence: 32 by default, 16 when that leaves SMs idle (the
-# recurrence is a chain of dependent dots: more, narrower programs hide more of its latency).
-# Chosen on the H100 at B=1, H=16, K=V=128, T=8192 (benchmarks/NOTES.md).
+# Recurrence geometry: value columns per program (32, or 16 when that leaves SMs idle: the
+# recurrence is a chain of dependent dots, more programs hide more of its latency), warps and
+# load-pipeline stages. H100 sweep (benchmarks/gdn.py, B1 H16 K=V=128, T 8192 and 32768): BV16,
+# 4 warps, 4 stages best (0.430 / 1.630 ms in all; 3 stages +5%, 2 stages +11%, BV64 +10-15%).
 RECURRENCE_BLOCK_V = 32
+RECURRENCE_WARPS = 4
+RECURRENCE_STAGES = 4
+OUTPUT_BLOCK_V = 64  # value columns per program of the (parallel) output kernel
 
 
-def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, output_final_state, l2, cu_seqlens,
-                                   block_v=None):
-    """Launch both kernels on packed inputs (B = 1, cu_seqlens given). Returns (o, final or None)."""
+def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, output_final_state, l2,
+                                   cu_seqlens=None, seq_len=None, block_v=None):
+    """The three kernels on packed inputs q [1, T, H, K] ...: N sequences given by ``cu_seqlens``,
+    or T / seq_len sequences of ``seq_len`` tokens each. Returns (o, final or None)."""
     _, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    N = cu_seqlens.numel() - 1
+    equal = cu_seqlens is None
+    N = T // seq_len if equal else cu_seqlens.numel() - 1
     BK, BV_full = triton.next_power_of_2(K), triton.next_power_of_2(V)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    G = torch.empty(T, HV, dtype=torch.float32, device=q.device)
-    u = torch.empty(T, HV, V, dtype=q.dtype, device=q.device)
-    w = torch.empty(T, HV, K, dtype=q.dtype, device=q.device)
-    aqk = torch.empty(T, HV, CHUNK, dtype=q.dtype, device=q.device)
-    start, length = chunk_table(cu_seqlens, T)
-    _chunk_prepare_kernel[(start.numel(), HV)](
-        q, k, v, g, beta, G, u, w, aqk, start, length, float(scale),
-        H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=BK, BV=BV_full, L2NORM=l2, P=precision, num_warps=4,
+    dt, device = q.dtype, q.device
+    # fp32 inputs: ieee dots, and no multi-stage load pipeline (its fp32 buffers exceed shared memory)
+    precision, stages = ("ieee", 1) if dt == torch.float32 else ("tf32", RECURRENCE_STAGES)
+    if equal:
+        slots = N * triton.cdiv(seq_len, CHUNK)
+        start = length = first = cu_seqlens = q  # unused (EQUAL): spans computed in the kernels
+    else:
+        start, length, first = chunk_table(cu_seqlens, T)
+        slots, seq_len = start.numel(), 0
+    G = torch.empty(T, HV, dtype=torch.float32, device=device)
+    u, new_v = (torch.empty(T, HV, V, dtype=dt, device=device) for _ in range(2))
+    w, kd = (torch.empty(T, HV, K, dtype=dt, device=device) for _ in range(2))
+    aqk = torch.empty(T, HV, CHUNK, dtype=dt, device=device)
+    h = torch.empty(slots, HV, K, V, dtype=dt, device=device)  # the state at each chunk's start
+    _chunk_prepare_kernel[(slots, HV)](
+        q, k, v, g, beta, G, u, w, kd, aqk, start, length, seq_len, float(scale),
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=BK, BV=BV_full, L2NORM=l2, P=precision, EQUAL=equal, num_warps=4,
     )
-    o = torch.empty_like(v)
-    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
+    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if output_final_state else None
     if block_v is None:
         block_v = min(RECURRENCE_BLOCK_V, BV_full)
-        if q.is_cuda and N * HV * triton.cdiv(V, block_v) < num_sms(q.device):
+        if q.is_cuda and N * HV * triton.cdiv(V, block_v) < num_sms(device):
             block_v = max(16, block_v // 2)
     _chunk_recurrence_kernel[(triton.cdiv(V, block_v), N * HV)](
-        q, k, u, w, aqk, G, o, initial_state if initial_state is not None else G, final if final is not None else G,
-        cu_seqlens, float(scale), H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=block_v,
-        L2NORM=l2, HAS_H0=initial_state is not None, STORE_HT=final is not None, P=precision, num_warps=4,
+        u, w, kd, G, h, new_v, initial_state if initial_state is not None else G, final if final is not None else G,
+        cu_seqlens, first, seq_len, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=block_v,
+        HAS_H0=initial_state is not None, STORE_HT=final is not None, P=precision, EQUAL=equal,
+        num_warps=RECURRENCE_WARPS, num_stages=stages,
+    )
+    o = torch.empty_like(v)
+    out_v = min(OUTPUT_BLOCK_V, BV_full)
+    _chunk_output_kernel[(slots, HV, triton.cdiv(V, out_v))](
+        q, G, aqk, h, new_v, o, start, length, seq_len, float(scale),
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=out_v, L2NORM=l2, P=precision, EQUAL=equal, num_warps=4,
     )
     return o, final
 
@@ -312,11 +332,9 @@ def chunk_gated_delta_rule(
         return chunk_gated_delta_rule_ref(q, k, v, g, beta, scale, initial_state, output_final_state,
                                           use_qk_l2norm_in_kernel, cu_seqlens)
     B, T = q.shape[:2]
-    if cu_seqlens is None:  # B rows of T tokens = one packed sequence of B sequences
-        cu_seqlens = torch.arange(0, (B + 1) * T, T, device=q.device, dtype=torch.int32)
-    packed = [t.reshape(1, B * T, *t.shape[2:]).contiguous() for t in args]
     if N == 0 or B * T == 0:
         return torch.empty_like(v), (initial_state.clone() if output_final_state and initial_state is not None else None)
+    packed = [t.reshape(1, B * T, *t.shape[2:]).contiguous() for t in args]  # B rows of T = B sequences
     o, final = chunk_gated_delta_rule_kernels(*packed, scale, initial_state, output_final_state,
-                                              use_qk_l2norm_in_kernel, cu_seqlens)
+                                              use_qk_l2norm_in_kernel, cu_seqlens, seq_len=T)
     return o.view(v.shape), final
