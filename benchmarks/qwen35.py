@@ -137,8 +137,9 @@ def markdown(meta, ours, hf) -> str:
              f"transformers {meta['transformers']}, fla-core {meta['fla'] or 'not installed'}, "
              f"causal-conv1d {meta['causal_conv1d'] or 'not installed'}).", "",
              f"Random weights, prompt {meta['prompt_len']} random ids, greedy, no eos. fuselm: {meta['new_tokens']} new "
-             f"tokens, best of {meta['repeats']} runs; HF: {hf['new_tokens']} new tokens"
-             + (f" (capped from {meta['new_tokens']}: its per-step rate)" if hf["new_tokens"] < meta["new_tokens"] else "")
+             f"tokens, best of {meta['repeats']} runs; "
+             + ("HF: not run" if hf is None else f"HF: {hf['new_tokens']} new tokens"
+                + (f" (capped from {meta['new_tokens']}: its per-step rate)" if hf["new_tokens"] < meta["new_tokens"] else ""))
              + ". Decode tok/s = batch x decode steps / decode time (the first token comes from prefill).", ""]
     if floor_ms is not None:
         lines += [f"Weight floor: {ours['weight_bytes_per_step'] / 1e9:.2f} GB of weights per decode step / "

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Qwen3.5 engine on the GPU in one call (issue 6, phase 2). Writes at most 7 files to $OUT
+# (default ./gpu_out):
+#   tests.log                  GPU run of tests/test_engine.py + tests/test_qwen35.py (graph replay ==
+#                              eager, one graph launch and no host sync per step, bf16 parity vs HF)
+#   generate.log               `fuselm generate` on the tiny default, then on the 9B config (prompt 512,
+#                              256 new tokens, batch 1): streamed ids, prefill/decode tok/s, % of floor
+#   audit.md, audit.json       `fuselm audit --config 9b`: kernels / graph launches / host syncs per
+#                              decode step, parity vs HF transformers on the same bf16 weights
+#   qwen35.md, qwen35.json     benchmarks/qwen35.py: 9B random bf16, batch 1/8/32 decode and prefill
+#   bench.log                  vs HF transformers (+ fla-core), weight floor, the issue-6 target table
+# Usage: bash scripts/gpu_qwen35.sh [tests] [generate] [audit] [bench]   (default: all four, ~6-8 min
+# on an H100; name a subset to split the run across calls). Comparison libraries (fla-core) come
+# from .whl/ when present, as in scripts/gpu_suite.sh.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+steps=${*:-tests generate audit bench}
+status=0
+has_transformers=1
+python3 -c "import transformers" 2>/dev/null || has_transformers=0
+for step in $steps; do
+  start=$SECONDS
+  case $step in
+    tests)
+      { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+        python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+        python3 -c "import transformers; print('transformers', transformers.__version__)" || echo "transformers: not installed (HF tests skip)"
+      } > "$OUT/tests.log" 2>&1
+      python3 -m pytest -q -p no:cacheprovider --durations=10 tests/test_engine.py tests/test_qwen35.py 2>&1 \
+        | tee -a "$OUT/tests.log" | tail -25 || status=1 ;;
+    generate)
+      { python3 -m fuselm generate && \
+        python3 -m fuselm generate --config 9b --prompt-len 512 --max-new-tokens 256 --batch 1; } 2>&1 \
+        | tee "$OUT/generate.log" | tail -30 || status=1 ;;
+    audit)
+      if [ $has_transformers = 1 ]; then
+        python3 -m fuselm audit --config 9b --batch 8 --prompt-len 64 --max-new-tokens 16 --out "$OUT" 2>&1 | tail -40 || status=1
+      else
+        echo "audit: skipped, transformers is not installed (the parity half needs it)"; status=1
+      fi ;;
+    bench)
+      python3 benchmarks/qwen35.py --out "$OUT" $([ $has_transformers = 1 ] || echo --no-hf) 2>&1 \
+        | tee "$OUT/bench.log" | tail -45 || status=1 ;;
+    *) echo "unknown step $step (expected tests, generate, audit, bench)"; status=1 ;;
+  esac
+  echo "== $step: $((SECONDS - start)) s"
+done
+exit $status
