@@ -149,3 +149,27 @@ def test_one_graph_launch_and_no_host_sync_per_step(model):
     assert graphs["kernels"] >= 2 * model.config.num_hidden_layers  # every layer: mixer + MLP at least
     eager = Engine(model, max_batch=8, max_len=32, use_graphs=False).launch_audit(requests=3, steps=4)
     assert eager["graph_launches"] == 0 and eager["kernel_launches_outside_graphs"] >= graphs["kernels"] / 2
+
+
+# ----------------------------------------------------------------------------- the CLI
+def test_cli_generate_and_audit_on_the_tiny_default(tmp_path, capsys):
+    import json
+
+    from fuselm.cli import main
+
+    pytest.importorskip("transformers")
+    args = ["--prompt-len", "5", "--max-new-tokens", "3", "--batch", "2", "--device", DEVICE, "--dtype", "float32"]
+    assert main(["generate", *args, "--out", str(tmp_path)]) == 0
+    generated = json.loads((tmp_path / "generate.json").read_text())
+    assert len(generated["tokens"]) == 2 and all(len(row) == 3 for row in generated["tokens"])
+    assert generated["decode_steps"] == 2 and generated["prefill_tokens_per_s"] > 0
+    assert main(["audit", *args, "--out", str(tmp_path)]) == 0
+    audited = json.loads((tmp_path / "audit.json").read_text())
+    assert audited["parity_ok"] and audited["parity"]["greedy_agreement"] == 1.0
+    assert audited["parity"]["worst_max_abs"] <= 1e-3 and audited["parity"]["comparable_positions"] == 3
+    if DEVICE == "cuda":  # requests 1 and 2: one graph launch, no host sync per step
+        assert sorted(audited["launches"]) == ["1", "2"] and audited["launches_ok"]
+        assert all(c["graph_launches"] == 1 and c["host_syncs"] == 0 for c in audited["launches"].values())
+    else:
+        assert audited["launches"] == {}
+    assert "greedy agreement" in capsys.readouterr().out
