@@ -145,6 +145,7 @@ class Engine:
         with torch.cuda.stream(side):
             for batch in self.batch_sizes:
                 for _ in range(2):
+                    self.step_column.zero_()  # keeps the history column in range for any max_len
                     self._step_body(batch)
         torch.cuda.current_stream(self.device).wait_stream(side)
         pool = None
