@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 import triton
 
-from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent, fused_recurrent_gated_delta_rule
-from fuselm.ops.gated_delta_rule import chunk
-from timing import bench, capture, copy_bandwidth, graph_bench, results_dir
+from fuselm.ops.gated_delta_rule import chunk, chunk_gated_delta_rule, fused_recurrent, fused_recurrent_gated_delta_rule
+from fuselm.runtime import copy_bandwidth
+from timing import bench, capture, graph_bench, results_dir
 
 try:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk

@@ -23,7 +23,8 @@ import triton
 from fuselm import gemm_swiglu, interleave_gate_up, silu_mul, swiglu_mlp
 from fuselm.ops.activation import Activation
 from fuselm.ops.swiglu_mlp.kernels import GemmConfig, GemvConfig, decode_gemv_kernel, gemm_swiglu_kernel
-from timing import results_dir, bench, copy_bandwidth, graph_bench
+from fuselm.runtime import copy_bandwidth
+from timing import results_dir, bench, graph_bench
 
 try:
     from liger_kernel.ops.mlp import LigerMLPFunction

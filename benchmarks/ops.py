@@ -30,7 +30,8 @@ import triton
 
 import fuselm
 from fuselm import add_rms_norm, rms_norm, silu_mul
-from timing import results_dir, bench, capture, capture_stream, copy_bandwidth, graph_bench, host_us
+from fuselm.runtime import copy_bandwidth
+from timing import results_dir, bench, capture, capture_stream, graph_bench, host_us
 
 try:
     from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction

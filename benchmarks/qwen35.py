@@ -12,7 +12,7 @@ batch + the first token, decode = the remaining steps as graph replays with no h
 between (``Engine.generate`` times both, device-synchronised); best of ``--repeats`` runs. Then
 kernels, graph launches and host syncs per step (``Engine.launch_audit``: torch.profiler).
 Weight floor = bytes of weights a decode step reads (``decode_weight_bytes``) / the measured
-device copy bandwidth (``timing.copy_bandwidth``: read + written bytes per second).
+device copy bandwidth (``fuselm.runtime.copy_bandwidth``: read + written bytes, TB/s).
 
 HF: ``Qwen3_5ForCausalLM`` with the same seeded scheme (its own draws), bf16, built after ours
 is freed (both at 9B do not fit beside each other with room to run), ``generate`` greedy
@@ -38,7 +38,8 @@ import torch
 
 from fuselm.engine import Engine, decode_weight_bytes
 from fuselm.models.qwen35_random import config_9b, random_hf_qwen35, random_qwen35, tiny_config
-from timing import copy_bandwidth, results_dir
+from fuselm.runtime import copy_bandwidth
+from timing import results_dir
 
 TARGET_BATCH1_TOKENS_PER_S = 155.0  # issue 6, H100
 TARGET_PERCENT_OF_FLOOR = 82.0
@@ -143,7 +144,7 @@ def markdown(meta, ours, hf) -> str:
              + ". Decode tok/s = batch x decode steps / decode time (the first token comes from prefill).", ""]
     if floor_ms is not None:
         lines += [f"Weight floor: {ours['weight_bytes_per_step'] / 1e9:.2f} GB of weights per decode step / "
-                  f"{meta['copy_bandwidth'] / 1e12:.2f} TB/s measured copy bandwidth = {floor_ms:.3f} ms per step "
+                  f"{meta['copy_tbps']:.2f} TB/s measured copy bandwidth = {floor_ms:.3f} ms per step "
                   f"({1e3 / floor_ms:.1f} tok/s at batch 1).", ""]
     lines += ["## Decode", "",
               "| batch | fuselm tok/s | ms/step | % of weight floor | HF tok/s | HF ms/step | fuselm / HF | kernels per "
@@ -215,11 +216,11 @@ def main(argv=None) -> int:
             "fla": package_version("fla-core", "flash-linear-attention"), "causal_conv1d": package_version("causal-conv1d"),
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats}
     if device.type == "cuda":
-        meta["copy_bandwidth"] = copy_bandwidth()
+        meta["copy_tbps"] = copy_bandwidth()
     started = time.perf_counter()
     ours = run_fuselm(config, args, device)
     if device.type == "cuda":
-        meta["weight_floor_ms_per_step"] = ours["weight_bytes_per_step"] / meta["copy_bandwidth"] * 1e3
+        meta["weight_floor_ms_per_step"] = ours["weight_bytes_per_step"] / (meta["copy_tbps"] * 1e12) * 1e3
     hf = run_hf(config, args, device) if args.hf else None
     meta["total_s"] = time.perf_counter() - started
     text = markdown(meta, ours, hf)

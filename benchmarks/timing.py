@@ -58,14 +58,6 @@ def host_us(fn, calls: int = 200) -> float:
     return sorted(samples)[2]
 
 
-def copy_bandwidth(dtype=torch.bfloat16) -> float:
-    """Device-to-device copy of 512 MiB, bytes read + written per second (TB/s)."""
-    src = torch.randn(256 * 1024 * 1024, device="cuda", dtype=dtype)
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
-    return 2 * src.numel() * src.element_size() / ms / 1e9
-
-
 def results_dir(out: Path | None) -> Path:
     """``out``, or benchmarks/results/<gpu name>/; created."""
     out = out or Path(__file__).parent / "results" / torch.cuda.get_device_name().replace(" ", "_")

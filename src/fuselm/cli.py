@@ -22,7 +22,7 @@ import torch
 
 from fuselm import Activation, add_rms_norm, gemm_swiglu, interleave_gate_up, rms_norm, silu_mul, swiglu_mlp
 from fuselm.ops.activation import gate_factor_ref, up_factor_ref
-from fuselm.runtime import INTERPRET
+from fuselm.runtime import INTERPRET, copy_bandwidth
 from fuselm.testing import rel_err
 
 
@@ -230,16 +230,6 @@ def _check_sizes(args) -> None:
             raise SystemExit(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
 
 
-def _copy_bandwidth(device) -> float:
-    """Device-to-device copy of 512 MiB, bytes read + written per second (as benchmarks/timing.py)."""
-    import triton
-
-    source = torch.empty(256 * 1024 * 1024, device=device, dtype=torch.bfloat16)
-    target = torch.empty_like(source)
-    ms = triton.testing.do_bench(lambda: target.copy_(source), warmup=25, rep=100, return_mode="median")
-    return 2 * source.numel() * source.element_size() / ms / 1e-3
-
-
 def _write_outputs(out, name: str, results: dict, markdown: str) -> None:
     import json
 
@@ -314,7 +304,7 @@ def generate(args) -> int:
              f"| decode | {result.decode_steps} steps x {args.batch} rows in {1e3 * result.decode_seconds:.1f} ms: "
              f"{decode_tps:,.1f} tok/s ({step_ms:.3f} ms/step) |"]
     if device.type == "cuda":
-        bandwidth = _copy_bandwidth(device)
+        bandwidth = copy_bandwidth(device) * 1e12  # bytes/s
         floor_ms = weight_bytes / bandwidth * 1e3
         results.update(copy_bandwidth_bytes_per_s=bandwidth, weight_floor_ms_per_step=floor_ms,
                        weight_floor_tokens_per_s=args.batch * 1e3 / floor_ms,

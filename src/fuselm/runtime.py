@@ -45,6 +45,18 @@ def num_sms(device: torch.device) -> int:
     return _device_properties(index).multi_processor_count
 
 
+def copy_bandwidth(device: torch.device | str = "cuda", dtype=torch.bfloat16) -> float:
+    """Measured device-to-device copy of 512 MiB on a CUDA ``device``: bytes read + written per
+    second, in TB/s (do_bench median after warm-up) - the ceiling bandwidth-bound kernels and
+    the decode weight floors are quoted against."""
+    import triton
+
+    source = torch.randn(256 * 1024 * 1024, device=device, dtype=dtype)
+    target = torch.empty_like(source)
+    ms = triton.testing.do_bench(lambda: target.copy_(source), warmup=25, rep=100, return_mode="median")
+    return 2 * source.numel() * source.element_size() / ms / 1e9
+
+
 # ----------------------------------------------------------------------------- argument checks
 def check_tensor(name: str, t, dtypes=KERNEL_DTYPES) -> None:
     """TypeError unless ``t`` is a tensor of one of ``dtypes``."""
