@@ -24,6 +24,7 @@ import triton
 
 from fuselm.ops.gated_delta_rule import chunk, chunk_gated_delta_rule, fused_recurrent, fused_recurrent_gated_delta_rule
 from fuselm.runtime import copy_bandwidth
+from fuselm.testing import rel_err
 from timing import bench, capture, graph_bench, results_dir
 
 try:
@@ -47,11 +48,6 @@ def kernel_breakdown(fn, calls: int = 5) -> dict:
             fn()
         torch.cuda.synchronize()
     return {e.key[:60]: round(e.device_time_total / calls, 1) for e in prof.key_averages() if e.device_time_total > 0}
-
-
-def rel_rmse(out, ref):
-    out, ref = out.double(), ref.double()
-    return ((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
 
 
 def make(B, T, H, HV, K=128, V=128):
@@ -94,7 +90,7 @@ def main(argv=None) -> int:
                 ms[name + " error"] = str(error).splitlines()[0][:120]
         if fla_chunk is not None:  # agreement of the two implementations, o and final state
             (o, s), (o_fla, s_fla) = fns["fuselm"](), fns["fla"]()
-            err = {"o": rel_rmse(o, o_fla), "final_state": rel_rmse(s, s_fla)}
+            err = {"o": rel_err(o, o_fla), "final_state": rel_err(s, s_fla)}
         if T >= 8192:  # the recurrence's geometry, in GPU time
             packed = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
             for block_v, warps, stages in itertools.product((16, 32, 64), (4, 8), (2, 3, 4)):

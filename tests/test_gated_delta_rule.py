@@ -8,15 +8,11 @@ from fuselm.ops.gated_delta_rule import (
     chunk_gated_delta_rule, chunk_gated_delta_rule_ref, fused_recurrent_gated_delta_rule, gates_from_projections,
     recurrent_gated_delta_rule_ref,
 )
+from fuselm.testing import rel_err
 
-# RMSE(out - ref) / RMS(ref), the measure.
+# RMSE(out - ref) / RMS(ref), the measure: rel_err's ||out - ref|| / ||ref||.
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 5e-3}
 DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if ON_GPU else [])
-
-
-def rel_rmse(out, ref):
-    out, ref = out.double(), ref.double()
-    return ((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
 
 
 def inputs(B, T, H, HV, K, V, dtype=torch.float32, decay="mixed"):
@@ -38,7 +34,7 @@ def test_matches_recurrent_reference(T, H, HV, K, V, with_state, dtype):
                                              use_qk_l2norm_in_kernel=True)
     o_ref, ht_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                                    use_qk_l2norm_in_kernel=True)
-    assert rel_rmse(o, o_ref) <= TOL[dtype] and rel_rmse(ht, ht_ref) <= TOL[dtype]
+    assert rel_err(o, o_ref) <= TOL[dtype] and rel_err(ht, ht_ref) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("decay", ["strong", "none"])
@@ -48,7 +44,7 @@ def test_strong_and_no_decay(decay):
                                              use_qk_l2norm_in_kernel=True)
     o_ref, ht_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, scale=0.3, output_final_state=True,
                                                    use_qk_l2norm_in_kernel=True)
-    assert torch.isfinite(o).all() and rel_rmse(o, o_ref) <= 1e-4 and rel_rmse(ht, ht_ref) <= 1e-4
+    assert torch.isfinite(o).all() and rel_err(o, o_ref) <= 1e-4 and rel_err(ht, ht_ref) <= 1e-4
 
 
 def test_varlen_equals_separate_sequences():
@@ -60,7 +56,7 @@ def test_varlen_equals_separate_sequences():
     for n, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         o_n, ht_n = recurrent_gated_delta_rule_ref(q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end],
                                                    beta[:, start:end], initial_state=h0[n:n + 1], output_final_state=True)
-        assert rel_rmse(o[:, start:end], o_n) <= 1e-4 and rel_rmse(ht[n:n + 1], ht_n) <= 1e-4
+        assert rel_err(o[:, start:end], o_n) <= 1e-4 and rel_err(ht[n:n + 1], ht_n) <= 1e-4
 
 
 def test_raw_projection_gates_equal_precomputed_gates():
@@ -71,7 +67,7 @@ def test_raw_projection_gates_equal_precomputed_gates():
     g, beta = gates_from_projections(A_log, a, dt_bias, b)
     o_raw, _ = fused_recurrent_gated_delta_rule(q, k, v, A_log=A_log, a=a, dt_bias=dt_bias, b=b)
     o, _ = fused_recurrent_gated_delta_rule(q, k, v, g, beta)
-    assert rel_rmse(o_raw, o) <= 1e-5
+    assert rel_err(o_raw, o) <= 1e-5
 
 
 def test_state_pool_in_place_and_padded_rows():
@@ -85,8 +81,8 @@ def test_state_pool_in_place_and_padded_rows():
     assert final is pool
     h0 = torch.stack([before[3], torch.zeros_like(before[0]), before[0]])
     o_ref, ht_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    assert rel_rmse(o, o_ref) <= 1e-4
-    assert rel_rmse(pool[3], ht_ref[0]) <= 1e-4 and rel_rmse(pool[0], ht_ref[2]) <= 1e-4
+    assert rel_err(o, o_ref) <= 1e-4
+    assert rel_err(pool[3], ht_ref[0]) <= 1e-4 and rel_err(pool[0], ht_ref[2]) <= 1e-4
     for untouched in (1, 2, 4):
         assert torch.equal(pool[untouched], before[untouched])
 
@@ -100,7 +96,7 @@ def test_decode_after_prefill_equals_one_long_run():
                                                   beta[:, t:t + 1], initial_state=h, output_final_state=True)
         outs.append(o_t)
     o_all, h_all = fused_recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
-    assert rel_rmse(torch.cat(outs, 1), o_all[:, 7:]) <= 1e-5 and rel_rmse(h, h_all) <= 1e-5
+    assert rel_err(torch.cat(outs, 1), o_all[:, 7:]) <= 1e-5 and rel_err(h, h_all) <= 1e-5
 
 
 @pytest.mark.parametrize("change, error, match", [
@@ -150,7 +146,7 @@ def test_long_sequence_half_precision(kernel, dtype):
     q, k, v, g, beta = inputs(2, 500, 4, 8, 128, 128, dtype)
     o, ht = fn(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
     o_ref, ht_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    assert rel_rmse(o, o_ref) <= 5e-3 and rel_rmse(ht, ht_ref) <= 5e-3
+    assert rel_err(o, o_ref) <= 5e-3 and rel_err(ht, ht_ref) <= 5e-3
 
 
 @pytest.mark.gpu
@@ -166,7 +162,7 @@ def test_decode_from_a_state_pool_in_a_cuda_graph(dtype):
     with torch.cuda.graph(graph):
         o, _ = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=pool, state_indices=slots)
     graph.replay()
-    assert rel_rmse(o, expected[0]) <= 5e-3 and rel_rmse(pool[2], expected[1][0]) <= 5e-3
+    assert rel_err(o, expected[0]) <= 5e-3 and rel_err(pool[2], expected[1][0]) <= 5e-3
 
 
 # ----------------------------------------------------------------------------- chunked reference
@@ -175,7 +171,7 @@ def test_chunked_reference_varlen():
     q, k, v, g, beta = (t.cpu() for t in inputs(1, 130, 1, 2, 64, 64))
     o_c, ht_c = chunk_gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu)
     o_r, ht_r = recurrent_gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu)
-    assert rel_rmse(o_c, o_r) <= 1e-4 and rel_rmse(ht_c, ht_r) <= 1e-4
+    assert rel_err(o_c, o_r) <= 1e-4 and rel_err(ht_c, ht_r) <= 1e-4
 
 
 def test_backward_raises_a_clear_error():
@@ -207,7 +203,7 @@ def test_chunked_matches_recurrence(impl, T, H, HV, K, V, decay, with_state):
     o, ht = fn(q, k, v, g, beta, **args)
     o_ref, ht_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, **args)
     assert torch.isfinite(o).all()
-    assert rel_rmse(o, o_ref) <= 1e-4 and rel_rmse(ht, ht_ref) <= 1e-4
+    assert rel_err(o, o_ref) <= 1e-4 and rel_err(ht, ht_ref) <= 1e-4
 
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.bfloat16])
@@ -225,7 +221,7 @@ def test_chunked_kernels_repeated_keys(dtype):
         o, ht = chunk_gated_delta_rule(q, keys, v, g, beta, **args)
         o_ref, ht_ref = recurrent_gated_delta_rule_ref(q, keys, v, g, beta, **args)
         tol = 1e-4 if dtype == torch.float32 else 1e-2
-        assert rel_rmse(o, o_ref) <= tol and rel_rmse(ht, ht_ref) <= tol
+        assert rel_err(o, o_ref) <= tol and rel_err(ht, ht_ref) <= tol
 
 
 def test_chunked_kernels_varlen_and_prefill_then_decode():
@@ -235,14 +231,14 @@ def test_chunked_kernels_varlen_and_prefill_then_decode():
     o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
     o_ref, ht_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                                    cu_seqlens=cu)
-    assert rel_rmse(o, o_ref) <= 1e-4 and rel_rmse(ht, ht_ref) <= 1e-4
+    assert rel_err(o, o_ref) <= 1e-4 and rel_err(ht, ht_ref) <= 1e-4
     # prefill 68 tokens of the first sequence, then decode 2: equals one prefill of 70
     s = slice(0, 68)
     _, h = chunk_gated_delta_rule(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], initial_state=h0[:1],
                                   output_final_state=True)
     o_dec, h = fused_recurrent_gated_delta_rule(q[:, 68:70], k[:, 68:70], v[:, 68:70], g[:, 68:70], beta[:, 68:70],
                                                 initial_state=h, output_final_state=True)
-    assert rel_rmse(o_dec, o_ref[:, 68:70]) <= 1e-4 and rel_rmse(h, ht_ref[:1]) <= 1e-4
+    assert rel_err(o_dec, o_ref[:, 68:70]) <= 1e-4 and rel_err(h, ht_ref[:1]) <= 1e-4
 
 
 def test_chunked_backward_raises_a_clear_error():
