@@ -13,14 +13,7 @@
 # on an H100; name a subset to split the run across calls). Comparison libraries (fla-core) come
 # from .whl/ when present, as in scripts/gpu_suite.sh.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+source "$(dirname "$0")/gpu_env.sh"
 steps=${*:-tests generate audit bench}
 status=0
 has_transformers=1

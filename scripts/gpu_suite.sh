@@ -4,14 +4,7 @@
 # when present. Usage: bash scripts/gpu_suite.sh [--sweep]  (--sweep: the MLP tile sweep too;
 # the elementwise geometry sweep is `python3 benchmarks/sweep.py --out DIR`)
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+source "$(dirname "$0")/gpu_env.sh"
 # Writes tests.log, host_overhead.md, ops.{md,json,png}, mlp.{md,json,png}, swap_ffn.{log,json}.
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/tests.log"
