@@ -1,0 +1,4 @@
+from fuselm.ops.attention_decode.naive import apply_rotary_ref, qk_norm_rope_kv_write_ref
+from fuselm.ops.attention_decode.op import qk_norm_rope_kv_write
+
+__all__ = ["qk_norm_rope_kv_write", "qk_norm_rope_kv_write_ref", "apply_rotary_ref"]

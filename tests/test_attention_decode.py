@@ -1,0 +1,202 @@
+"""qk_norm_rope_kv_write (gated-attention decode prep) against the PyTorch composition the model
+runs: bit-exact (torch.equal) in fp32, fp16 and bf16 (no tl.dot, so bf16 is exact in the
+interpreter too), caches written only at each row's write column."""
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import DEVICE
+from fuselm.models.qwen35 import GatedAttention, Qwen35Config, apply_rotary, rotary_cos_sin
+from fuselm.ops.attention_decode import apply_rotary_ref, qk_norm_rope_kv_write, qk_norm_rope_kv_write_ref
+from helpers import ELEMENTWISE_DTYPES
+
+EPS = 1e-6
+
+
+def make_inputs(B, num_heads, num_kv_heads, head_dim, rotary_dim, dtype, *, max_batch, L, qkv_layout="3d",
+                cos_layout="2d", seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=DEVICE, dtype=dtype)
+
+    P = 2 * num_heads * head_dim + 2 * num_kv_heads * head_dim
+    if qkv_layout == "3d":
+        qkv = rand(B, 1, P, scale=2.0)
+    else:  # [B, P] with a row stride: a column slice of a wider buffer
+        qkv = rand(B, P + 24, scale=2.0)[:, 8:8 + P]
+    positions = torch.randint(0, 5000, (B,), generator=g).to(DEVICE)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)).to(DEVICE)
+    cos, sin = rotary_cos_sin(positions, inv_freq, dtype)  # [B, rotary_dim], the model's rounding
+    if cos_layout == "4d":  # the model's _DecodeStep layout [B, 1, 1, rotary_dim]
+        cos, sin = cos[:, None, None], sin[:, None, None]
+    elif cos_layout == "strided":  # [B, rotary_dim] with a row stride
+        cos = torch.cat([cos, cos], -1)[:, :rotary_dim]
+        sin = torch.cat([sin, sin], -1)[:, rotary_dim:]
+    key_cache = rand(max_batch, num_kv_heads, L, head_dim)
+    value_cache = rand(max_batch, num_kv_heads, L, head_dim)
+    write_column = torch.randperm(L, generator=g)[:B].to(DEVICE)
+    return dict(qkv=qkv, q_norm_weight=rand(head_dim, scale=0.3), k_norm_weight=rand(head_dim, scale=0.3),
+                cos=cos, sin=sin, key_cache=key_cache, value_cache=value_cache, write_column=write_column)
+
+
+def run_both(inputs, num_heads, num_kv_heads, head_dim, q_out=None):
+    kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=EPS)
+    ref_in = dict(inputs, key_cache=inputs["key_cache"].clone(), value_cache=inputs["value_cache"].clone())
+    out_in = dict(inputs, key_cache=inputs["key_cache"].clone(), value_cache=inputs["value_cache"].clone())
+    q_ref = qk_norm_rope_kv_write_ref(**ref_in, **kw)
+    q = qk_norm_rope_kv_write(**out_in, **kw, q_out=q_out)
+    return q, q_ref, out_in, ref_in
+
+
+CONFIGS = [  # B, num_heads, num_kv_heads, head_dim, rotary_dim
+    (3, 4, 2, 16, 4),
+    (1, 4, 1, 32, 8),
+    (3, 4, 1, 32, 8),
+    (3, 4, 2, 24, 6),  # head_dim not a power of two (masked columns), odd half
+    (1, 4, 2, 16, 16),  # full rotary
+    (3, 16, 4, 256, 64),  # Qwen3.5 9B attention (partial_rotary_factor 0.25)
+]
+
+
+@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES, ids=str)
+@pytest.mark.parametrize("B, num_heads, num_kv_heads, head_dim, rotary_dim", CONFIGS)
+def test_bit_exact_against_reference(B, num_heads, num_kv_heads, head_dim, rotary_dim, dtype):
+    max_batch, L = B + 2, 9
+    inputs = make_inputs(B, num_heads, num_kv_heads, head_dim, rotary_dim, dtype, max_batch=max_batch, L=L)
+    key_before, value_before = inputs["key_cache"].clone(), inputs["value_cache"].clone()
+    qkv_before = inputs["qkv"].clone()
+    q_out = torch.full((B, num_heads, 1, head_dim), float("nan"), device=DEVICE, dtype=dtype)
+    q, q_ref, out, ref = run_both(inputs, num_heads, num_kv_heads, head_dim, q_out=q_out)
+    assert q is q_out and q.shape == (B, num_heads, 1, head_dim) and q.is_contiguous()
+    assert torch.equal(q, q_ref)
+    assert torch.equal(inputs["qkv"], qkv_before)  # nothing written to the projection (the gate half is a view of it)
+    assert torch.equal(out["key_cache"], ref["key_cache"])
+    assert torch.equal(out["value_cache"], ref["value_cache"])
+    # Only (row r, column write_column[r]) changed; rows >= B and other columns are untouched.
+    written = torch.zeros(max_batch, L, dtype=torch.bool, device=DEVICE)
+    written[torch.arange(B, device=DEVICE), inputs["write_column"]] = True
+    for cache, before in ((out["key_cache"], key_before), (out["value_cache"], value_before)):
+        untouched = ~written[:, None, :, None].expand_as(cache)
+        assert torch.equal(cache[untouched], before[untouched])
+    # v is copied unchanged; k is not the raw projection (normed and rotated).
+    rows = torch.arange(B, device=DEVICE)
+    P_kv = num_kv_heads * head_dim
+    v_raw = inputs["qkv"].reshape(B, -1)[:, -P_kv:].reshape(B, num_kv_heads, head_dim)
+    assert torch.equal(out["value_cache"][rows, :, inputs["write_column"]], v_raw)
+
+
+@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES, ids=str)
+@pytest.mark.parametrize("qkv_layout, cos_layout", [("2d", "4d"), ("2d", "strided"), ("3d", "strided")])
+def test_strided_layouts(qkv_layout, cos_layout, dtype):
+    B, nH, nKV, hd, rot = 3, 4, 2, 16, 4
+    inputs = make_inputs(B, nH, nKV, hd, rot, dtype, max_batch=4, L=6, qkv_layout=qkv_layout, cos_layout=cos_layout,
+                         seed=1)
+    # A cache that is a leading-rows view of a bigger one (as Qwen35Cache.first_rows) with a padded L.
+    inputs["key_cache"] = torch.randn(6, nKV, 8, hd, device=DEVICE).to(dtype)[:4, :, 1:7]
+    inputs["value_cache"] = torch.randn(6, nKV, 8, hd, device=DEVICE).to(dtype)[:4, :, 1:7]
+    q, q_ref, out, ref = run_both(inputs, nH, nKV, hd)
+    assert q.is_contiguous() and torch.equal(q, q_ref)
+    assert torch.equal(out["key_cache"], ref["key_cache"]) and torch.equal(out["value_cache"], ref["value_cache"])
+
+
+def test_reference_rotary_is_the_models():
+    x = torch.randn(3, 1, 4, 16, device=DEVICE).to(torch.bfloat16)
+    cos, sin = (t.to(torch.bfloat16)[:, None, None] for t in rotary_cos_sin(
+        torch.tensor([0, 7, 4000], device=DEVICE), torch.rand(2, device=DEVICE), torch.float32))
+    assert torch.equal(apply_rotary_ref(x, cos, sin), apply_rotary(x, cos, sin))
+
+
+@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES, ids=str)
+def test_matches_the_models_gated_attention_path(dtype):
+    """Against ``GatedAttention._project`` + the KV write of ``decode`` themselves: an identity
+    qkv_proj makes the projection the given qkv exactly."""
+    nH, nKV, hd, B = 4, 2, 32, 3
+    config = Qwen35Config(hidden_size=2 * nH * hd + 2 * nKV * hd, num_attention_heads=nH, num_key_value_heads=nKV,
+                          head_dim=hd, num_hidden_layers=4)
+    attention = GatedAttention(config)
+    inputs = make_inputs(B, nH, nKV, hd, hd // 4, dtype, max_batch=B + 1, L=7, cos_layout="4d", seed=2)
+    attention.qkv_proj = nn.Parameter(torch.eye(config.hidden_size, device=DEVICE, dtype=dtype), requires_grad=False)
+    attention.q_norm = nn.Parameter(inputs["q_norm_weight"], requires_grad=False)
+    attention.k_norm = nn.Parameter(inputs["k_norm_weight"], requires_grad=False)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the identity GEMM must be exact in fp32 on a GPU
+    try:
+        q_model, k, v, _ = attention._project(inputs["qkv"], inputs["cos"], inputs["sin"])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    key_model, value_model = inputs["key_cache"].clone(), inputs["value_cache"].clone()
+    rows, columns = torch.arange(B, device=DEVICE), inputs["write_column"]
+    key_model[rows, :, columns] = k[:, :, 0]
+    value_model[rows, :, columns] = v[:, :, 0]
+    q = qk_norm_rope_kv_write(**inputs, num_heads=nH, num_kv_heads=nKV, head_dim=hd, eps=config.rms_norm_eps)
+    assert torch.equal(q, q_model)
+    assert torch.equal(inputs["key_cache"], key_model) and torch.equal(inputs["value_cache"], value_model)
+
+
+def test_batch_of_zero_rows():
+    inputs = make_inputs(1, 4, 2, 16, 4, torch.float32, max_batch=2, L=3)
+    inputs["qkv"], inputs["cos"], inputs["sin"] = inputs["qkv"][:0], inputs["cos"][:0], inputs["sin"][:0]
+    inputs["write_column"] = inputs["write_column"][:0]
+    before = inputs["key_cache"].clone()
+    q = qk_norm_rope_kv_write(**inputs, num_heads=4, num_kv_heads=2, head_dim=16, eps=EPS)
+    assert q.shape == (0, 4, 1, 16) and torch.equal(inputs["key_cache"], before)
+
+
+def _bad(**changes):
+    B, nH, nKV, hd = 2, 4, 2, 16
+    inputs = make_inputs(B, nH, nKV, hd, 4, torch.float32, max_batch=3, L=5)
+    kw = dict(num_heads=nH, num_kv_heads=nKV, head_dim=hd, eps=EPS)
+    for name, value in changes.items():
+        (kw if name in kw or name == "q_out" else inputs)[name] = value(inputs) if callable(value) else value
+    return lambda: qk_norm_rope_kv_write(**inputs, **kw)
+
+
+f32 = dict(device=DEVICE, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (_bad(qkv=lambda i: i["qkv"][..., :-1]), ValueError, "qkv: expected"),
+    (_bad(qkv=lambda i: i["qkv"].expand(2, 2, -1)), ValueError, "qkv: expected"),
+    (_bad(qkv=lambda i: i["qkv"].to(torch.float16)), TypeError, "cos: dtype"),
+    (_bad(qkv=lambda i: i["qkv"].to(torch.float64)), TypeError, "qkv: dtype float64"),
+    (_bad(qkv=[1.0]), TypeError, "qkv: expected a torch.Tensor"),
+    (_bad(q_norm_weight=torch.zeros(15, **f32)), ValueError, "q_norm_weight: expected"),
+    (_bad(k_norm_weight=torch.zeros(1, 16, **f32)), ValueError, "k_norm_weight: expected"),
+    (_bad(cos=lambda i: i["cos"][:1]), ValueError, "cos: expected"),
+    (_bad(sin=lambda i: i["sin"][:, :2]), ValueError, "sin: shape"),
+    (_bad(cos=lambda i: i["cos"].to(torch.float16)), TypeError, "cos: dtype"),
+    (_bad(cos=torch.zeros(2, 3, **f32), sin=torch.zeros(2, 3, **f32)), ValueError, "cos: rotary_dim .* even"),
+    (_bad(cos=torch.zeros(2, 18, **f32), sin=torch.zeros(2, 18, **f32)), ValueError, "cos: rotary_dim 18 exceeds"),
+    (_bad(key_cache=torch.zeros(1, 2, 5, 16, **f32)), ValueError, "key_cache: expected"),
+    (_bad(key_cache=torch.zeros(3, 1, 5, 16, **f32)), ValueError, "key_cache: expected"),
+    (_bad(value_cache=torch.zeros(3, 2, 4, 16, **f32)), ValueError, "value_cache: shape"),
+    (_bad(value_cache=torch.zeros(3, 2, 5, 16, device=DEVICE, dtype=torch.float16)), TypeError, "value_cache: dtype"),
+    (_bad(key_cache=torch.zeros(3, 2, 16, 5, **f32).transpose(-1, -2)), ValueError, "key_cache: the last dim"),
+    (_bad(write_column=torch.zeros(2, device=DEVICE, dtype=torch.float32)), ValueError, "write_column: expected"),
+    (_bad(write_column=torch.zeros(3, device=DEVICE, dtype=torch.int64)), ValueError, "write_column: expected"),
+    (_bad(write_column=[0, 1]), TypeError, "write_column: expected a torch.Tensor"),
+    (_bad(write_column=torch.tensor([0, 5], device=DEVICE)), ValueError, r"write_column: every column must be in \[0"),
+    (_bad(num_heads=0), ValueError, "num_heads"),
+    (_bad(num_kv_heads=2.0), ValueError, "num_kv_heads"),
+    (_bad(head_dim=8), ValueError, "qkv: expected"),
+    (_bad(eps=-1.0), ValueError, "eps"),
+    (_bad(q_out=torch.zeros(2, 4, 16, 1, **f32)), ValueError, "q_out: expected"),
+    (_bad(q_out=torch.zeros(2, 4, 1, 16, device=DEVICE, dtype=torch.float16)), TypeError, "q_out: dtype"),
+    (_bad(q_out=torch.zeros(4, 2, 1, 16, **f32).transpose(0, 1)), ValueError, "q_out: must be contiguous"),
+    (_bad(q_out=torch.zeros(2, 4, 1, 16, device="meta")), ValueError, "one device"),
+])
+def test_bad_input_names_the_argument(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_failed_call_writes_nothing():
+    inputs = make_inputs(2, 4, 2, 16, 4, torch.float32, max_batch=3, L=5)
+    before = inputs["key_cache"].clone()
+    q_out = torch.full((2, 4, 1, 16), 7.0, **f32)
+    with pytest.raises(ValueError):
+        qk_norm_rope_kv_write(**dict(inputs, write_column=torch.tensor([0, 9], device=DEVICE)), num_heads=4,
+                              num_kv_heads=2, head_dim=16, eps=EPS, q_out=q_out)
+    assert torch.equal(inputs["key_cache"], before) and bool((q_out == 7.0).all())
