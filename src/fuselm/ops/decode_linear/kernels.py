@@ -1,0 +1,207 @@
+"""Triton kernel for ``decode_linear``: a weight-streaming GEMV (M <= 16 tokens) with an
+elementwise prologue applied to the input rows on the fly.
+
+Shapes: x, gate [M, K] (row strides free, unit column stride); weight [N, K] (nn.Linear layout,
+unit column stride); norm_weight [HEAD_DIM]; out [M, N] (row stride free, unit column stride).
+
+Design (as ``_decode_gemv_kernel`` in ``fuselm/ops/swiglu_mlp/kernels.py``): a program owns
+BLOCK_N output features and streams their weight rows once, as the wide operand of the dot
+(out.T = W_tile @ a.T, the token dimension padded to BLOCK_M = 16), so the weight bytes are read
+exactly once and dominate the traffic. At each K step the program loads the [BLOCK_K, 16] tile of
+x.T (and gate.T), computes the prologue's ``a`` tile in fp32 registers, rounds it to the input
+dtype (the contract's rounding, also the dot's operand type) and feeds it to the dot. Every
+program recomputes the prologue of the whole input: M * K elements, L2-resident and small next to
+its BLOCK_N * K weight elements.
+
+``gated_rms_norm`` needs each head's sum of squares inside one K tile: BLOCK_K is a multiple of
+HEAD_DIM (a power of two), the tile is viewed as [BLOCK_K / HEAD_DIM, HEAD_DIM, 16] and reduced
+over the middle axis. The host launcher only takes this path when the config allows it
+(``fused_prologue_ok``); otherwise the op computes the prologue in PyTorch and runs the plain kernel.
+
+Numerics: the prologue in fp32 with the roundings of ``naive.py``; the dot accumulates in fp32
+(ieee for fp32 inputs) and the result is rounded once to the output dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselm.runtime import arch_major
+
+# Prologue codes, as the constexpr the kernel takes.
+PROLOGUE_NONE = 0
+PROLOGUE_SIGMOID_GATE = 1
+PROLOGUE_GATED_RMS_NORM = 2
+PROLOGUE_CODES = {None: PROLOGUE_NONE, "sigmoid_gate": PROLOGUE_SIGMOID_GATE, "gated_rms_norm": PROLOGUE_GATED_RMS_NORM}
+
+# Tokens per launch: the dot's token dimension is padded to this (the smallest MMA N tile).
+DECODE_MAX_M = 16
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _decode_linear_kernel(
+    x_ptr, g_ptr, nw_ptr, w_ptr, out_ptr,
+    M, N, K, stride_xm, stride_gm, stride_wn, stride_om, eps,
+    PROLOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    dt = x_ptr.dtype.element_ty
+    wrows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)  # tokens, padded to BLOCK_M
+    k = tl.arange(0, BLOCK_K)
+    # Out-of-range weight rows wrap to valid ones (never stored): no row mask on the weight.
+    w_ptrs = w_ptr + (wrows % N).to(tl.int64)[:, None] * stride_wn + k[None, :]  # [BLOCK_N, BLOCK_K]
+    rows64 = rows.to(tl.int64)[None, :]
+    x_ptrs = x_ptr + rows64 * stride_xm + k[:, None]  # [BLOCK_K, BLOCK_M] of x.T
+    g_ptrs = g_ptr + rows64 * stride_gm + k[:, None]
+    row_ok = (rows < M)[None, :]
+    if PROLOGUE == 2:
+        # Each tile starts on a head boundary (BLOCK_K % HEAD_DIM == 0): one load of the norm weight.
+        nw = tl.load(nw_ptr + k % HEAD_DIM).to(tl.float32)[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            ok = row_ok
+            w = tl.load(w_ptrs)
+        else:
+            ok = row_ok & (k < K - k0)[:, None]
+            w = tl.load(w_ptrs, mask=(k < K - k0)[None, :], other=0.0)
+        xt = tl.load(x_ptrs, mask=ok, other=0.0)
+        if PROLOGUE == 1:
+            # s = round(sigmoid(gate)); a = round(x * s)
+            gf = tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32)
+            s = (1.0 / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32)
+            xt = (xt.to(tl.float32) * s).to(dt)
+        elif PROLOGUE == 2:
+            # r = rsqrt(mean(x^2 over the head) + eps); n1 = round(x r); n2 = round(w n1);
+            # a = round(n2 silu(z)). Masked entries (padding rows, the K tail) are zeros, whose
+            # r may be inf (eps = 0): they are forced back to 0 before the dot.
+            xf = xt.to(tl.float32)
+            zf = tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32)
+            x3 = tl.reshape(xf, [BLOCK_K // HEAD_DIM, HEAD_DIM, BLOCK_M])
+            r = tl.rsqrt(tl.sum(x3 * x3, axis=1) / HEAD_DIM + eps)  # [heads, BLOCK_M]
+            n1 = tl.reshape((x3 * r[:, None, :]).to(dt), [BLOCK_K, BLOCK_M]).to(tl.float32)
+            n2 = (nw * n1).to(dt).to(tl.float32)
+            a = (n2 * (zf / (1.0 + tl.exp(-zf)))).to(dt)
+            xt = tl.where(ok, a, 0.0).to(dt)
+        acc = _dot(w, xt, acc, IEEE)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (cols < N)[:, None] & row_ok
+    tl.store(out_ptr + rows64 * stride_om + cols[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------- tuning config
+@dataclass(frozen=True)
+class DecodeLinearConfig:
+    """block_n: output features (weight rows) per program; block_k: the K step; num_warps,
+    num_stages: as Triton's launch options. block_n and block_k powers of two >= 16."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Starting values, NOT yet swept for this kernel. Hopper (sm_90), 16-bit: those of swiglu_mlp's
+# down-projection GEMV (the same [N, K] weight stream; its H100 sweep at M = 1 and 16 picked
+# 32 features x 512, 4 warps, 3 stages, benchmarks/results/mlp.md). The prologue adds fp32 work
+# on the [BLOCK_K, 16] input tile per K step and is recomputed by each of the N / BLOCK_N
+# programs, so the best BLOCK_N may be larger here, mostly at M = 16. To tune: sweep with
+# ``decode_linear(..., config=DecodeLinearConfig(...))`` and replace these constants.
+HOPPER_BLOCK_N = 32
+HOPPER_BLOCK_K = 512
+HOPPER_NUM_WARPS = 4
+HOPPER_NUM_STAGES = 3
+# fp32: half the K step and 3 stages (shared memory per stage doubles with the element size), as
+# gemv_config does.
+FP32_BLOCK_K_DIVISOR = 2
+FP32_NUM_STAGES = 3
+# Other GPUs: the Hopper values (untuned).
+# The Triton interpreter (arch 0, the CPU test suite): small tiles, so that the tests' odd shapes
+# have several programs and a K tail.
+INTERPRET_BLOCK_N = 16
+INTERPRET_BLOCK_K = 64
+# gated_rms_norm: BLOCK_K is raised to head_dim when head_dim is larger (a whole head per tile),
+# up to this; larger heads take the unfused path.
+MAX_FUSED_HEAD_DIM = 1024
+
+
+@functools.lru_cache(maxsize=128)
+def decode_linear_config(arch: int, dtype: torch.dtype, prologue: str | None = None,
+                         head_dim: int | None = None) -> DecodeLinearConfig:
+    """The launch config for compute capability major ``arch`` (0 = interpreter) and ``dtype``.
+    For ``gated_rms_norm`` BLOCK_K is a multiple of ``head_dim`` whenever the fused path can
+    take it (power-of-two head_dim <= MAX_FUSED_HEAD_DIM)."""
+    if arch == 0:
+        cfg = DecodeLinearConfig(INTERPRET_BLOCK_N, INTERPRET_BLOCK_K, 4, 1)
+    else:
+        cfg = DecodeLinearConfig(HOPPER_BLOCK_N, HOPPER_BLOCK_K, HOPPER_NUM_WARPS, HOPPER_NUM_STAGES)
+        if dtype == torch.float32:
+            cfg = DecodeLinearConfig(cfg.block_n, cfg.block_k // FP32_BLOCK_K_DIVISOR, cfg.num_warps, FP32_NUM_STAGES)
+    if prologue == "gated_rms_norm" and head_dim is not None and _pow2(head_dim) and head_dim <= MAX_FUSED_HEAD_DIM:
+        cfg = DecodeLinearConfig(cfg.block_n, max(cfg.block_k, head_dim), cfg.num_warps, cfg.num_stages)
+    return cfg
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def check_config(cfg) -> DecodeLinearConfig:
+    """ValueError naming ``config`` unless it is a usable DecodeLinearConfig."""
+    if not isinstance(cfg, DecodeLinearConfig):
+        raise TypeError(f"config: expected a DecodeLinearConfig, got {type(cfg).__name__}")
+    for name in ("block_n", "block_k"):
+        value = getattr(cfg, name)
+        if not (isinstance(value, int) and _pow2(value) and value >= 16):
+            raise ValueError(f"config: {name} must be a power of two >= 16, got {value!r}")
+    if not (isinstance(cfg.num_warps, int) and _pow2(cfg.num_warps) and cfg.num_warps <= 32):
+        raise ValueError(f"config: num_warps must be a power of two <= 32, got {cfg.num_warps!r}")
+    if not (isinstance(cfg.num_stages, int) and cfg.num_stages >= 1):
+        raise ValueError(f"config: num_stages must be an int >= 1, got {cfg.num_stages!r}")
+    return cfg
+
+
+def fused_prologue_ok(prologue: str | None, head_dim: int | None, cfg: DecodeLinearConfig) -> bool:
+    """Whether the kernel can apply ``prologue`` itself under ``cfg``: always, except
+    gated_rms_norm, which needs whole heads per K tile (power-of-two head_dim dividing BLOCK_K)."""
+    if prologue != "gated_rms_norm":
+        return True
+    return _pow2(head_dim) and cfg.block_k % head_dim == 0
+
+
+# ----------------------------------------------------------------------------- host launcher
+def decode_linear_kernel(x, weight, out, prologue: str | None = None, gate=None, norm_weight=None,
+                         eps: float = 1e-6, head_dim: int | None = None,
+                         config: DecodeLinearConfig | None = None):
+    """out [M, N] = prologue(x) @ weight.T for x (and gate) [M, K], M <= DECODE_MAX_M, weight
+    [N, K]; all with unit column stride. No checks (``op.py`` does them); no allocation, no sync.
+    The caller makes sure ``fused_prologue_ok(prologue, head_dim, config)``."""
+    M, K = x.shape
+    N = weight.shape[0]
+    cfg = config or decode_linear_config(arch_major(x.device), x.dtype, prologue, head_dim)
+    code = PROLOGUE_CODES[prologue]
+    _decode_linear_kernel[(triton.cdiv(N, cfg.block_n),)](
+        x, gate if gate is not None else x, norm_weight if norm_weight is not None else x, weight, out,
+        M, N, K, x.stride(0), gate.stride(0) if gate is not None else 0, weight.stride(0), out.stride(0), float(eps),
+        PROLOGUE=code, HEAD_DIM=head_dim if code == PROLOGUE_GATED_RMS_NORM else 1,
+        IEEE=x.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0,
+        BLOCK_M=DECODE_MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out

@@ -1,0 +1,167 @@
+"""``decode_linear``: a decode-time linear layer (<= 16 tokens) with a fused elementwise prologue.
+
+    y = prologue(x) @ weight.T        x, gate [..., K]; weight [N, K]; y [..., N] in x's dtype
+
+Paths:
+- M = prod(x.shape[:-1]) <= 16 on a Triton device: one launch of ``_decode_linear_kernel``, which
+  streams the weight once and applies the prologue to the input tile in registers.
+  ``gated_rms_norm`` with a head_dim the kernel cannot tile (not a power of two, or not dividing
+  the config's BLOCK_K, e.g. under an overriding ``config``): the prologue in PyTorch
+  (``naive.py``, one temporary [M, K]), then the same kernel without a prologue.
+- M > 16: this is a decode-only op; the prologue in PyTorch, then ``torch.mm`` (cuBLAS).
+- CPU without the Triton interpreter: the reference ``decode_linear_ref``.
+
+Numerics (all paths): the prologue's roundings of ``naive.py``, an fp32 accumulator, one
+rounding of y to x's dtype (the cuBLAS path follows torch's matmul settings, e.g. TF32).
+
+CUDA-graph safe: only metadata checks, no host sync, and with ``out`` given the kernel path
+allocates nothing (inputs whose rows cannot be viewed with a unit column stride are copied, as
+``fuselm.runtime.as_rows`` does). Inference only: no autograd.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fuselm.ops.decode_linear.kernels import (
+    DECODE_MAX_M, PROLOGUE_CODES, DecodeLinearConfig, check_config, decode_linear_config, decode_linear_kernel,
+    fused_prologue_ok,
+)
+from fuselm.ops.decode_linear.naive import decode_linear_ref, prologue_ref
+from fuselm.runtime import (
+    KERNEL_DTYPES, arch_major, as_rows, check_finite_float, check_match, check_same_device, check_tensor,
+    needs_autograd, use_triton,
+)
+
+
+def _check(x, weight, prologue, gate, norm_weight, eps, head_dim, out, config):
+    """All argument checks (metadata only); returns (eps, head_dim, out shape)."""
+    check_tensor("x", x)
+    check_tensor("weight", weight)
+    if x.dim() == 0:
+        raise ValueError("x: must have at least one dimension, [..., K]")
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        raise ValueError(f"x: the last dim must be contiguous (stride 1), got strides {tuple(x.stride())}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight: expected [N, K] (nn.Linear layout), got shape {tuple(weight.shape)}")
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"weight: in-features {weight.shape[1]} do not match x's last dim {x.shape[-1]}")
+    if weight.stride(-1) != 1 and weight.shape[1] > 1:
+        raise ValueError("weight: rows must be contiguous (last-dim stride 1); pass weight.contiguous() once at load")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight: dtype {weight.dtype} does not match x {x.dtype}")
+    if prologue not in PROLOGUE_CODES:
+        raise ValueError(f"prologue: expected None, 'sigmoid_gate' or 'gated_rms_norm', got {prologue!r}")
+
+    if prologue is None:
+        if gate is not None:
+            raise ValueError("gate: only used with a prologue ('sigmoid_gate' or 'gated_rms_norm'); prologue is None")
+    else:
+        if gate is None:
+            raise ValueError(f"gate: required with prologue={prologue!r}")
+        check_tensor("gate", gate)
+        check_match("gate", gate, "x", x)
+        if gate.stride(-1) != 1 and gate.shape[-1] > 1:
+            raise ValueError(f"gate: the last dim must be contiguous (stride 1), got strides {tuple(gate.stride())}")
+
+    if prologue == "gated_rms_norm":
+        if norm_weight is None:
+            raise ValueError("norm_weight: required with prologue='gated_rms_norm'")
+        if head_dim is None:
+            raise ValueError("head_dim: required with prologue='gated_rms_norm'")
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+            raise ValueError(f"head_dim: expected a positive int, got {head_dim!r}")
+        if x.shape[-1] % head_dim:
+            raise ValueError(f"head_dim: {head_dim} does not divide x's last dim K = {x.shape[-1]}")
+        check_tensor("norm_weight", norm_weight)
+        if norm_weight.dtype not in (x.dtype, torch.float32):
+            raise TypeError(f"norm_weight: dtype {norm_weight.dtype} must be x's ({x.dtype}) or float32")
+        if norm_weight.shape != (head_dim,):
+            raise ValueError(f"norm_weight: expected shape ({head_dim},) = (head_dim,), got {tuple(norm_weight.shape)}")
+        if norm_weight.stride(0) != 1 and head_dim > 1:
+            raise ValueError("norm_weight: must be contiguous")
+        eps = check_finite_float("eps", eps, nonnegative=True)
+    else:
+        if norm_weight is not None:
+            raise ValueError(f"norm_weight: only used with prologue='gated_rms_norm', got prologue={prologue!r}")
+        if head_dim is not None:
+            raise ValueError(f"head_dim: only used with prologue='gated_rms_norm', got prologue={prologue!r}")
+        eps = 0.0
+
+    out_shape = (*x.shape[:-1], weight.shape[0])
+    if out is not None:
+        check_tensor("out", out, KERNEL_DTYPES)
+        if tuple(out.shape) != out_shape:
+            raise ValueError(f"out: shape {tuple(out.shape)} does not match the output {out_shape} = (*x.shape[:-1], N)")
+        if out.dtype != x.dtype:
+            raise TypeError(f"out: dtype {out.dtype} does not match x {x.dtype}")
+        if not out.is_contiguous():
+            raise ValueError("out: must be contiguous")
+    check_same_device(x=x, weight=weight, gate=gate, norm_weight=norm_weight, out=out)
+    for name, t in (("x", x), ("weight", weight), ("gate", gate), ("norm_weight", norm_weight)):
+        if t is not None and needs_autograd(t):
+            raise ValueError(f"{name}: requires grad, but decode_linear is inference-only (no autograd); "
+                             "call it under torch.no_grad()")
+    if config is not None:
+        check_config(config)
+    return eps, head_dim, out_shape
+
+
+def decode_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    prologue: str | None = None,
+    gate: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    head_dim: int | None = None,
+    out: torch.Tensor | None = None,
+    config: DecodeLinearConfig | None = None,
+) -> torch.Tensor:
+    """``prologue(x) @ weight.T`` for decode: the weight is streamed once, the prologue fused.
+
+    Args:
+        x: [..., K] fp16/bf16/fp32, at most 16 rows in all for the fused kernel (more run the
+            prologue in PyTorch, then cuBLAS). Rows may be strided (e.g. a ``proj.split`` view);
+            the last dim must be contiguous.
+        weight: [N, K] (nn.Linear layout) in x's dtype, rows contiguous.
+        prologue: None (y = x @ weight.T); ``"sigmoid_gate"``: a = x * sigmoid(gate) (Qwen3.5
+            gated attention before o_proj); ``"gated_rms_norm"``: HF ``Qwen3_5RMSNormGated`` per
+            head of ``head_dim`` columns with z = gate (Gated DeltaNet before out_proj). The
+            roundings are PyTorch eager's: see ``fuselm/ops/decode_linear/naive.py``.
+        gate: [..., K] like x (its own row stride), required iff a prologue is set.
+        norm_weight: [head_dim], x's dtype or fp32 (gated_rms_norm only).
+        eps: the RMSNorm epsilon (gated_rms_norm only).
+        head_dim: columns per head, dividing K (gated_rms_norm only; fused for powers of two).
+        out: optional contiguous [..., N] buffer in x's dtype, fully overwritten (must not
+            overlap the inputs); with it the kernel path allocates nothing.
+        config: a :class:`DecodeLinearConfig` overriding ``decode_linear_config`` (tuning).
+    Returns:
+        y: [..., N] in x's dtype (``out`` when given).
+    """
+    eps, head_dim, out_shape = _check(x, weight, prologue, gate, norm_weight, eps, head_dim, out, config)
+    if out is None:
+        out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    N, K = weight.shape
+    M = math.prod(x.shape[:-1])
+    out2 = out.view(M, N)
+
+    if not use_triton(x):
+        return out.copy_(decode_linear_ref(x, weight, prologue, gate, norm_weight, eps, head_dim))
+    x2 = as_rows("x", x)
+    gate2 = as_rows("gate", gate) if gate is not None else None
+    if M > DECODE_MAX_M:
+        a = prologue_ref(x2, prologue, gate2, norm_weight, eps, head_dim)
+        return torch.mm(a, weight.T, out=out2).view(out_shape)
+
+    cfg = config or decode_linear_config(arch_major(x.device), x.dtype, prologue, head_dim)
+    if not fused_prologue_ok(prologue, head_dim, cfg):
+        x2 = prologue_ref(x2, prologue, gate2, norm_weight, eps, head_dim)
+        prologue, gate2, norm_weight, head_dim = None, None, None, None
+    decode_linear_kernel(x2, weight, out2, prologue, gate2, norm_weight, eps, head_dim, cfg)
+    return out

@@ -1,0 +1,292 @@
+"""decode_linear: the weight-streaming GEMV with a fused prologue (Triton interpreter on a CPU)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import DEVICE, ON_GPU
+from helpers import TOL_VS_CONTRACT, randn
+from fuselm.models.qwen35 import GatedAttention, GatedDeltaNet
+from fuselm.models.qwen35_random import tiny_config
+from fuselm.ops.decode_linear import (
+    DecodeLinearConfig, decode_linear, decode_linear_config, decode_linear_ref, gated_rms_norm_ref, sigmoid_gate_ref,
+)
+from fuselm.ops.rms_norm import rms_norm, rms_norm_ref
+from fuselm.testing import assert_close, poisoned_like
+
+# Matrix kernel: bf16 only on the GPU (the interpreter's bf16 tl.dot is wrong, triton 11584).
+DTYPES = [torch.float32, torch.float16]
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1.5e-2}
+N = 100  # not a multiple of BLOCK_N
+# (prologue, K, head_dim); K is not a multiple of the interpreter's BLOCK_K (64)
+CASES = [(None, 200, None), ("sigmoid_gate", 200, None), ("gated_rms_norm", 96, 32), ("gated_rms_norm", 96, 16)]
+CASE_IDS = ["plain", "sigmoid_gate", "gated_rms_norm_hd32", "gated_rms_norm_hd16"]
+
+
+def make_inputs(m, k, dtype, prologue, head_dim, lead=(), n=N):
+    """x and gate as strided row views of one wider projection (as ``proj.split(...)`` gives)."""
+    proj = randn(*lead, m, 2 * k + 8, dtype=dtype)
+    x, gate, _ = proj.split([k, k, 8], dim=-1)
+    weight = randn(n, k, dtype=dtype, scale=k ** -0.5)
+    norm_weight = (randn(head_dim) * 0.3 + 1.0).to(dtype) if head_dim else None
+    kwargs = dict(prologue=prologue, gate=gate if prologue else None, norm_weight=norm_weight, head_dim=head_dim)
+    return x, weight, kwargs
+
+
+def exact(x, weight, kwargs):
+    """The exact function: the reference in float64 (every rounding a no-op)."""
+    f64 = {key: v.double() if isinstance(v, torch.Tensor) else v for key, v in kwargs.items()}
+    return decode_linear_ref(x.double(), weight.double(), **f64)
+
+
+def contract(x, weight, kwargs):
+    return decode_linear_ref(x, weight, **kwargs)
+
+
+def ulp_flips(a, b):
+    """(largest difference in units of the last place, count of differing entries) of two 16-bit
+    tensors; +0 and -0 count as equal (the kernel's accumulator adds to +0)."""
+    same = a == b
+    ulps = torch.where(same, 0, (a.view(torch.int16).int() - b.view(torch.int16).int()).abs())
+    return ulps.max().item(), (~same).sum().item()
+
+
+# ----------------------------------------------------------------------------- accuracy
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_matches_exact_and_contract(m, dtype, case):
+    prologue, k, head_dim = case
+    x, weight, kwargs = make_inputs(m, k, dtype, prologue, head_dim)
+    assert x.stride(0) != k and (kwargs["gate"] is None or kwargs["gate"].stride(0) != k)  # strided rows
+    out = poisoned_like(torch.empty(m, N, dtype=dtype, device=DEVICE))
+    y = decode_linear(x, weight, out=out, **kwargs)
+    assert y is out
+    assert not y.isnan().any(), "an element of out was not written"
+    assert_close(y, exact(x, weight, kwargs), TOL[dtype], "y")
+    assert_close(y, contract(x, weight, kwargs), TOL_VS_CONTRACT[dtype], "y vs contract")
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_leading_dims_and_vector(case):
+    prologue, k, head_dim = case
+    x, weight, kwargs = make_inputs(3, k, torch.float32, prologue, head_dim, lead=(2,))  # [2, 3, K]: M = 6
+    y = decode_linear(x, weight, **kwargs)
+    assert y.shape == (2, 3, N)
+    assert_close(y, exact(x, weight, kwargs), TOL[torch.float32], "y [2, 3, N]")
+    one = {key: v[0, 0] if isinstance(v, torch.Tensor) and v.dim() == 3 else v for key, v in kwargs.items()}
+    y1 = decode_linear(x[0, 0], weight, **one)  # x [K] -> y [N]
+    assert y1.shape == (N,)
+    assert_close(y1, exact(x[0, 0], weight, one), TOL[torch.float32], "y [N]")
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_more_than_16_rows_uses_the_reference_prologue_and_matmul(dtype, case):
+    prologue, k, head_dim = case
+    x, weight, kwargs = make_inputs(17, k, dtype, prologue, head_dim)
+    y = decode_linear(x, weight, out=poisoned_like(torch.empty(17, N, dtype=dtype, device=DEVICE)), **kwargs)
+    assert not y.isnan().any()
+    assert_close(y, exact(x, weight, kwargs), TOL[dtype], "y (M = 17)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim, config", [
+    (24, None),                                   # not a power of two: prologue in PyTorch, plain kernel
+    (32, DecodeLinearConfig(16, 16, 4, 1)),       # BLOCK_K < head_dim: unfused as well
+    (32, DecodeLinearConfig(32, 32, 4, 1)),       # one head per K tile, fused
+    (16, DecodeLinearConfig(64, 128, 2, 2)),      # one K tile (96 < 128), 2 programs, fused
+], ids=["hd24", "hd32-bk16-unfused", "hd32-bk32", "hd16-bk128"])
+def test_gated_rms_norm_head_dims_and_config_override(dtype, head_dim, config):
+    x, weight, kwargs = make_inputs(5, 96, dtype, "gated_rms_norm", head_dim)
+    y = decode_linear(x, weight, config=config, out=poisoned_like(torch.empty(5, N, dtype=dtype, device=DEVICE)), **kwargs)
+    assert not y.isnan().any()
+    assert_close(y, exact(x, weight, kwargs), TOL[dtype], "y")
+    assert_close(y, contract(x, weight, kwargs), TOL_VS_CONTRACT[dtype], "y vs contract")
+
+
+def test_default_config_tiles_whole_heads():
+    for arch in (0, 9):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            for head_dim in (16, 64, 128, 256, 512):
+                cfg = decode_linear_config(arch, dtype, "gated_rms_norm", head_dim)
+                assert cfg.block_k % head_dim == 0, (arch, dtype, head_dim, cfg)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's 1 / sqrt(0)
+def test_zero_heads_with_zero_eps_stay_finite_in_padding():
+    """eps = 0: a zero head gives 0 * inf = NaN in the reference, and the padding rows / K tail
+    (also zeros) must not spread NaN into the other outputs."""
+    x, weight, kwargs = make_inputs(3, 96, torch.float32, "gated_rms_norm", 32)
+    y = decode_linear(x, weight, eps=0.0, **kwargs)
+    assert_close(y, exact(x, weight, {**kwargs, "eps": 0.0}), TOL[torch.float32], "y (eps = 0)")
+    x = x.clone()
+    x[1, :32] = 0.0  # a zero head in row 1: NaN there, as the reference
+    y = decode_linear(x, weight, eps=0.0, **kwargs)
+    assert y[1].isnan().all() and not y[[0, 2]].isnan().any()
+
+
+def test_empty():
+    x, weight, kwargs = make_inputs(0, 96, torch.float32, "gated_rms_norm", 32)
+    assert decode_linear(x, weight, **kwargs).shape == (0, N)
+    x, weight, kwargs = make_inputs(2, 96, torch.float32, None, None, n=0)
+    assert decode_linear(x, weight, **kwargs).shape == (2, 0)
+
+
+# ----------------------------------------------------------------------------- bit-exactness vs the model
+def test_prologues_bit_exact_with_the_model_formulas_fp16():
+    """The references reproduce the model's eager formulas bit for bit; the kernel's prologue
+    (read back through an identity weight: y = a exactly) equals the model's current code path
+    (``fuselm.ops.rms_norm`` kernel, then silu gating) up to rare 1-ulp flips where the two
+    kernels sum a head's squares in different orders."""
+    dtype = torch.float16
+    for head_dim, heads in ((32, 3), (128, 2)):
+        k = head_dim * heads
+        o, z = randn(16, heads, head_dim, dtype=dtype, scale=3.0), randn(16, heads, head_dim, dtype=dtype, scale=2.0)
+        w = randn(head_dim, dtype=dtype)
+        model_ref = (rms_norm_ref(o, w, 1e-6, 0.0).float() * F.silu(z.float())).to(dtype).flatten(-2)
+        model_op = (rms_norm(o, w, 1e-6, 0.0).float() * F.silu(z.float())).to(dtype).flatten(-2)
+        naive = gated_rms_norm_ref(o.flatten(-2), z.flatten(-2), w, 1e-6, head_dim)
+        assert torch.equal(naive, model_ref)
+        eye = torch.eye(k, dtype=dtype, device=DEVICE)
+        fused = decode_linear(o.flatten(-2), eye, prologue="gated_rms_norm", gate=z.flatten(-2), norm_weight=w,
+                              eps=1e-6, head_dim=head_dim)
+        worst, flips = ulp_flips(fused, model_op)
+        assert worst <= 1 and flips <= max(2, fused.numel() // 500), (head_dim, worst, flips)
+
+    x, gate = randn(16, 200, dtype=dtype, scale=2.0), randn(16, 200, dtype=dtype, scale=3.0)
+    eager = x * torch.sigmoid(gate)
+    assert torch.equal(sigmoid_gate_ref(x, gate), eager)
+    fused = decode_linear(x, torch.eye(200, dtype=dtype, device=DEVICE), prologue="sigmoid_gate", gate=gate)
+    worst, flips = ulp_flips(fused, eager)
+    assert worst <= 1 and flips <= max(2, fused.numel() // 500), (worst, flips)
+
+
+def _module(cls, dtype):
+    module = cls(tiny_config())
+    for name, p in module.named_parameters():
+        fill = randn(*p.shape, dtype=dtype) * 0.3 + (1.0 if name == "norm" else 0.0)
+        setattr(module, name, nn.Parameter(fill.to(dtype), requires_grad=False))
+    return module
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_the_model_output_projections(dtype):
+    """``GatedDeltaNet._output`` and ``GatedAttention._output`` (decode layouts: B rows, T = 1,
+    z a strided view of the in-projection) as one decode_linear call each."""
+    B = 3
+    dn = _module(GatedDeltaNet, dtype)
+    proj = randn(B, 1, dn.conv_dim + dn.value_dim + 2 * dn.num_v_heads, dtype=dtype)
+    _, z, _, _ = proj.split([dn.conv_dim, dn.value_dim, dn.num_v_heads, dn.num_v_heads], dim=-1)
+    z = z.unflatten(-1, (dn.num_v_heads, dn.head_v_dim))
+    o = randn(B, 1, dn.num_v_heads, dn.head_v_dim, dtype=dtype)
+    y = decode_linear(o.flatten(-2), dn.out_proj, prologue="gated_rms_norm", gate=z.flatten(-2), norm_weight=dn.norm,
+                      eps=dn.eps, head_dim=dn.head_v_dim)
+    assert_close(y, dn._output(o, z), TOL[dtype], "GatedDeltaNet out_proj")
+    if dtype == torch.float16:  # identity out_proj: y is the prologue itself, vs the model's code path
+        dn.out_proj = nn.Parameter(torch.eye(dn.value_dim, dtype=dtype, device=DEVICE), requires_grad=False)
+        y = decode_linear(o.flatten(-2), dn.out_proj, prologue="gated_rms_norm", gate=z.flatten(-2),
+                          norm_weight=dn.norm, eps=dn.eps, head_dim=dn.head_v_dim)
+        worst, flips = ulp_flips(y, dn._output(o, z))
+        assert worst <= 1 and flips <= 2, (worst, flips)
+
+    at = _module(GatedAttention, dtype)
+    attn = randn(B, at.num_heads, 1, at.head_dim, dtype=dtype)
+    gate = randn(B, 1, at.q_size, dtype=dtype)[..., at.head_dim:at.head_dim + at.num_heads * at.head_dim]
+    y = decode_linear(attn.transpose(1, 2).flatten(2), at.o_proj, prologue="sigmoid_gate", gate=gate)
+    assert_close(y, at._output(attn, gate), TOL[dtype], "GatedAttention o_proj")
+
+
+# ----------------------------------------------------------------------------- bad input
+def _bad_cases():
+    x, w, kw = make_inputs(2, 96, torch.float32, "gated_rms_norm", 32)
+    g, nw = kw["gate"], kw["norm_weight"]
+    gk = dict(prologue="gated_rms_norm", gate=g, norm_weight=nw, head_dim=32)
+    return [
+        ("x", TypeError, dict(x=x.double(), weight=w)),
+        ("x", TypeError, dict(x=[1.0], weight=w)),
+        ("x", ValueError, dict(x=torch.tensor(1.0, device=DEVICE), weight=w)),
+        ("x", ValueError, dict(x=x.t().contiguous().t(), weight=w)),
+        ("weight", ValueError, dict(x=x, weight=w[0])),
+        ("weight", ValueError, dict(x=x, weight=w[:, :64])),
+        ("weight", ValueError, dict(x=x, weight=randn(96, N).t())),
+        ("weight", TypeError, dict(x=x, weight=w.half())),
+        ("prologue", ValueError, dict(x=x, weight=w, prologue="silu", gate=g)),
+        ("gate", ValueError, dict(x=x, weight=w, prologue="sigmoid_gate")),
+        ("gate", ValueError, dict(x=x, weight=w, gate=g)),
+        ("gate", ValueError, dict(x=x, weight=w, prologue="sigmoid_gate", gate=g[:1])),
+        ("gate", TypeError, dict(x=x, weight=w, prologue="sigmoid_gate", gate=g.half())),
+        ("norm_weight", ValueError, dict(x=x, weight=w, **{**gk, "norm_weight": None})),
+        ("norm_weight", ValueError, dict(x=x, weight=w, **{**gk, "norm_weight": nw[:16]})),
+        ("norm_weight", TypeError, dict(x=x, weight=w, **{**gk, "norm_weight": nw.half()})),
+        ("norm_weight", ValueError, dict(x=x, weight=w, prologue="sigmoid_gate", gate=g, norm_weight=nw)),
+        ("head_dim", ValueError, dict(x=x, weight=w, **{**gk, "head_dim": None})),
+        ("head_dim", ValueError, dict(x=x, weight=w, **{**gk, "head_dim": 40, "norm_weight": randn(40)})),
+        ("head_dim", ValueError, dict(x=x, weight=w, **{**gk, "head_dim": 0})),
+        ("head_dim", ValueError, dict(x=x, weight=w, head_dim=32)),
+        ("eps", ValueError, dict(x=x, weight=w, **gk, eps=-1.0)),
+        ("eps", ValueError, dict(x=x, weight=w, **gk, eps=float("nan"))),
+        ("out", ValueError, dict(x=x, weight=w, out=torch.empty(2, N + 1, device=DEVICE))),
+        ("out", TypeError, dict(x=x, weight=w, out=torch.empty(2, N, device=DEVICE, dtype=torch.float16))),
+        ("out", ValueError, dict(x=x, weight=w, out=torch.empty(N, 2, device=DEVICE).t())),
+        ("config", TypeError, dict(x=x, weight=w, config=(16, 64, 4, 1))),
+        ("config", ValueError, dict(x=x, weight=w, config=DecodeLinearConfig(24, 64, 4, 1))),
+        ("x", ValueError, dict(x=x.clone().requires_grad_(True), weight=w)),
+    ] + ([("tensors must be on one device", ValueError, dict(x=x, weight=w.cpu()))] if ON_GPU else [])
+
+
+@pytest.mark.parametrize("name, error, kwargs", _bad_cases(),
+                         ids=[f"{i}-{c[0].split()[0]}" for i, c in enumerate(_bad_cases())])
+def test_bad_input(name, error, kwargs):
+    x, weight = kwargs.pop("x"), kwargs.pop("weight")
+    with pytest.raises(error, match=name):
+        decode_linear(x, weight, **kwargs)
+
+
+def test_fp32_norm_weight_is_accepted():
+    x, weight, kwargs = make_inputs(2, 96, torch.float16, "gated_rms_norm", 32)
+    kwargs["norm_weight"] = kwargs["norm_weight"].float()
+    y = decode_linear(x, weight, **kwargs)
+    assert_close(y, contract(x, weight, kwargs), TOL_VS_CONTRACT[torch.float16], "y")
+
+
+# ----------------------------------------------------------------------------- GPU only
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_bf16_on_gpu(m, case):
+    prologue, k, head_dim = case
+    x, weight, kwargs = make_inputs(m, k, torch.bfloat16, prologue, head_dim)
+    y = decode_linear(x, weight, out=poisoned_like(torch.empty(m, N, dtype=torch.bfloat16, device=DEVICE)), **kwargs)
+    assert not y.isnan().any()
+    assert_close(y, exact(x, weight, kwargs), TOL[torch.bfloat16], "y")
+    assert_close(y, contract(x, weight, kwargs), TOL_VS_CONTRACT[torch.bfloat16], "y vs contract")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prologue, head_dim", [(None, None), ("sigmoid_gate", None), ("gated_rms_norm", 128)])
+@pytest.mark.parametrize("m", [1, 16])
+def test_qwen35_9b_shapes_on_gpu(m, prologue, head_dim):
+    x, weight, kwargs = make_inputs(m, 4096, torch.bfloat16, prologue, head_dim, n=4096)
+    y = decode_linear(x, weight, **kwargs)
+    assert_close(y, exact(x, weight, kwargs), TOL[torch.bfloat16], "y")
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_without_allocation():
+    x, weight, kwargs = make_inputs(4, 256, torch.bfloat16, "gated_rms_norm", 128, n=512)
+    out = torch.empty(4, 512, dtype=torch.bfloat16, device=DEVICE)
+    decode_linear(x, weight, out=out, **kwargs)  # compile outside the capture
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    decode_linear(x, weight, out=out, **kwargs)
+    assert torch.cuda.memory_allocated() == before
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_linear(x, weight, out=out, **kwargs)
+    x.copy_(randn(*x.shape, dtype=torch.bfloat16))
+    kwargs["gate"].copy_(randn(*x.shape, dtype=torch.bfloat16))
+    out.fill_(float("nan"))
+    graph.replay()
+    assert_close(out, contract(x, weight, kwargs), TOL_VS_CONTRACT[torch.bfloat16], "replayed y")
