@@ -22,7 +22,7 @@ Bit-exactness with the PyTorch path (which runs fuselm's rms_norm kernel for the
   count (``_forward_geometry``), so a head's sum of squares is reduced in the same order;
 - ``a + s`` is ``libdevice.add_rn`` on a GPU: a rounded add the compiler cannot contract into an
   FMA with the products (an fp32 model would otherwise round once where PyTorch rounds twice);
-- the Triton interpreter converts fp32 to bf16 by truncation (fuselm.testing / tests/helpers.py):
+- the Triton interpreter converts fp32 to bf16 by truncation (checked on triton 3.9; tests/helpers.py):
   the norm keeps the plain conversion (as the rms_norm kernel does, also in the interpreter),
   while the rotary roundings, which are PyTorch ops in the model, round to nearest even by
   integer arithmetic under the interpreter (``EMULATE_BF16_RNE``).
