@@ -224,6 +224,25 @@ def test_chunked_kernels_repeated_keys(dtype):
         assert rel_err(o, o_ref) <= tol and rel_err(ht, ht_ref) <= tol
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chunked_one_token_after_a_long_prompt_on_poisoned_memory(dtype):
+    """The Qwen3.5-9B head shapes, a 64-token call and then 1-token calls, with the allocator's
+    free memory filled with NaN before each: every buffer the kernels read must have been written.
+    (Regression: triton 3.6 specialised seq_len == 1 into a recurrence build that read
+    uninitialised memory: NaN final states, or an illegal address in the engine.)"""
+    for B, T in ((1, 64), (1, 1), (3, 1), (2, 2)):
+        q, k, v, g, beta = inputs(B, T, 16, 32, 128, 128, dtype)
+        # NaN in the allocator's large pool (256 MB) and small pool (blocks of <= 1 MB), then freed
+        poison = [torch.full((64 << 20,), float("nan"), device=DEVICE)]
+        poison += [torch.full((1 << 18,), float("nan"), device=DEVICE) for _ in range(64)]
+        del poison
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        o_ref, ht_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True,
+                                                       use_qk_l2norm_in_kernel=True)
+        assert rel_err(o, o_ref) <= 5e-3 and rel_err(ht, ht_ref) <= 5e-3, (B, T)
+
+
 def test_chunked_kernels_varlen_and_prefill_then_decode():
     cu = torch.tensor([0, 70, 71, 100], device=DEVICE, dtype=torch.int32)
     q, k, v, g, beta = inputs(1, 100, 2, 2, 64, 64)

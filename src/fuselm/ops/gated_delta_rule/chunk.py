@@ -126,7 +126,7 @@ def _sequence_span(i_n, cu_seqlens_ptr, first_chunk_ptr, seq_len, BT: tl.constex
         return bos, tl.load(cu_seqlens_ptr + i_n + 1).to(tl.int64), tl.load(first_chunk_ptr + i_n).to(tl.int64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len"])
 def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, G_ptr, u_ptr, w_ptr, kd_ptr, aqk_ptr, chunk_start_ptr, chunk_len_ptr,
     seq_len, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -163,7 +163,7 @@ def _chunk_prepare_kernel(
         _store_block(w_ptr, _mm(T, (k * (beta * tl.exp(G))[:, None]).to(dt), P), t0, n, HV * K, i_hv * K, K, BK, BT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len"])
 def _chunk_recurrence_kernel(
     u_ptr, w_ptr, kd_ptr, G_ptr, h_ptr, new_v_ptr, h0_ptr, ht_ptr, cu_seqlens_ptr, first_chunk_ptr, seq_len,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -202,7 +202,7 @@ def _chunk_recurrence_kernel(
         tl.store(ht_ptr + i_n.to(tl.int64) * HV * K * V + state_offs, S, mask=state_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len"])
 def _chunk_output_kernel(
     q_ptr, G_ptr, aqk_ptr, h_ptr, new_v_ptr, o_ptr, chunk_start_ptr, chunk_len_ptr, seq_len, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -246,6 +246,10 @@ def chunk_table(cu_seqlens: torch.Tensor, total_tokens: int, chunk: int = CHUNK)
     return start.contiguous(), length.to(torch.int32).contiguous(), first.contiguous()
 
 
+# seq_len is never specialised (do_not_specialize): triton 3.6 specialises an int argument equal to 1
+# as a constant, and that build of the recurrence (trip count folded to 1, 4-stage pipeline) leaves
+# its final state reading uninitialised memory (NaN, or an illegal address; compute-sanitizer
+# initcheck, H100) for a one-token batch. One build serves every length instead.
 # Recurrence geometry: value columns per program (32, or 16 when that leaves SMs idle: the
 # recurrence is a chain of dependent dots, more programs hide more of its latency), warps and
 # load-pipeline stages. H100 sweep (benchmarks/gdn.py, B1 H16 K=V=128, T 8192 and 32768): BV16,
@@ -266,7 +270,9 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
     N = T // seq_len if equal else cu_seqlens.numel() - 1
     BK, BV_full = triton.next_power_of_2(K), triton.next_power_of_2(V)
     dt, device = q.dtype, q.device
-    # fp32 inputs: ieee dots, and no multi-stage load pipeline (its fp32 buffers exceed shared memory)
+    # fp32 inputs: ieee dots, and no multi-stage load pipeline (its fp32 buffers exceed shared memory).
+    # 16-bit inputs keep >= 2 stages: with 1 stage triton 3.6 miscompiles the recurrence (an
+    # out-of-bounds shared-memory read, compute-sanitizer, H100).
     precision, stages = ("ieee", 1) if dt == torch.float32 else ("tf32", RECURRENCE_STAGES)
     if equal:
         slots = N * triton.cdiv(seq_len, CHUNK)
