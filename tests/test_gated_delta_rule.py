@@ -265,3 +265,63 @@ def test_chunked_backward_raises_a_clear_error():
     o, _ = chunk_gated_delta_rule(q.requires_grad_(True), k, v, g, beta)
     with pytest.raises(NotImplementedError, match="no backward"):
         o.sum().backward()
+
+
+# ----------------------------------------------------------------------------- the model's decode step
+def decode_step_inputs(N, H, HV, K, V, KW, pool, dtype, seed=0):
+    torch.manual_seed(seed)
+    conv_dim = 2 * H * K + HV * V
+    proj = torch.randn(N, conv_dim + HV * V + 2 * HV + 5, device=DEVICE).to(dtype)[:, 3:-2]  # strided rows
+    conv_state = torch.randn(N, conv_dim, KW, device=DEVICE).to(dtype)
+    conv_weight = (torch.randn(conv_dim, 1, KW, device=DEVICE) * 0.5).to(dtype)
+    A_log, dt_bias = torch.randn(HV, device=DEVICE).to(dtype), torch.randn(HV, device=DEVICE).to(dtype)
+    state = torch.randn(pool, HV, K, V, device=DEVICE)
+    return proj, conv_state, conv_weight, A_log, dt_bias, state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else []))
+@pytest.mark.parametrize("H, HV, K, V", [(2, 4, 16, 32), (1, 2, 24, 40)])
+def test_decode_step_matches_reference_over_steps(H, HV, K, V, dtype):
+    """Conv (circular state) + gates + l2-norm + recurrence, three tokens: o, the state pool and the
+    conv state equal the reference's; the inactive row (slot -1) writes nothing."""
+    from fuselm.ops.gated_delta_rule import gated_delta_rule_decode_step, gated_delta_rule_decode_step_ref
+    proj, conv_state, conv_weight, A_log, dt_bias, state = decode_step_inputs(3, H, HV, K, V, 4, 5, dtype)
+    slots = torch.tensor([3, -1, 0], device=DEVICE, dtype=torch.int32)
+    positions = torch.tensor([0, 5, 2], device=DEVICE)
+    ref_conv, ref_state = conv_state.clone(), state.clone()
+    untouched_conv, untouched_pool = conv_state[1].clone(), state[[1, 2, 4]].clone()
+    out = torch.full((3, HV, V), float("nan"), device=DEVICE, dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    for step in range(3):
+        proj.normal_()
+        heads = dict(num_k_heads=H, head_k_dim=K, num_v_heads=HV, head_v_dim=V)
+        o = gated_delta_rule_decode_step(proj, conv_state, conv_weight, A_log, dt_bias, state, slots, positions,
+                                         out=out, **heads)
+        o_ref = gated_delta_rule_decode_step_ref(proj, ref_conv, conv_weight, A_log, dt_bias, ref_state, slots,
+                                                 positions, H, K, HV, V)
+        assert o is out
+        assert rel_err(o[[0, 2]], o_ref[[0, 2]]) <= tol, step
+        assert rel_err(state, ref_state) <= tol and torch.equal(conv_state, ref_conv), step
+        positions += 1
+    assert torch.equal(conv_state[1], untouched_conv) and torch.equal(state[[1, 2, 4]], untouched_pool)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda a: a.update(proj=a["proj"][:, :-1]), ValueError, "proj"),
+    (lambda a: a.update(conv_state=a["conv_state"][..., :3]), ValueError, "conv_state"),
+    (lambda a: a.update(state=a["state"].half()), ValueError, "state"),
+    (lambda a: a.update(positions=a["positions"].float()), TypeError, "positions"),
+    (lambda a: a.update(state_slots=a["state_slots"][:2]), ValueError, "state_slots"),
+    (lambda a: a.update(A_log=a["A_log"][:1]), ValueError, "A_log"),
+])
+def test_decode_step_bad_input(change, error, match):
+    from fuselm.ops.gated_delta_rule import gated_delta_rule_decode_step
+    proj, conv_state, conv_weight, A_log, dt_bias, state = decode_step_inputs(3, 2, 4, 16, 32, 4, 5, torch.float32)
+    args = dict(proj=proj, conv_state=conv_state, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias, state=state,
+                state_slots=torch.tensor([0, 1, 2], device=DEVICE), positions=torch.zeros(3, dtype=torch.long,
+                                                                                             device=DEVICE))
+    change(args)
+    before = state.clone()
+    with pytest.raises(error, match=match):
+        gated_delta_rule_decode_step(**args, num_k_heads=2, head_k_dim=16, num_v_heads=4, head_v_dim=32)
+    assert torch.equal(state, before)

@@ -44,7 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from fuselm.ops.attention_decode import qk_norm_rope_kv_write
+from fuselm.ops.decode_linear import decode_linear
+from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_decode_step
 from fuselm.ops.rms_norm import add_rms_norm, rms_norm
 from fuselm.ops.swiglu_mlp import interleave_gate_up, swiglu_mlp
 
@@ -181,8 +183,10 @@ class AttentionCache:
 
 @dataclass
 class DeltaNetCache:
-    """State of one Gated DeltaNet layer: the last ``kernel - 1`` conv inputs per row
-    [max_batch, conv_dim, kernel - 1] (model dtype) and the delta-rule state pool
+    """State of one Gated DeltaNet layer: the conv inputs per row [max_batch, conv_dim, kernel]
+    (model dtype), circular: column j holds the input at the latest position p with p % kernel == j
+    (zeros for positions before the prompt), so a decode step reads the previous kernel - 1 inputs
+    and writes one column (``gated_delta_rule_decode_step``); and the delta-rule state pool
     [max_batch, value_heads, key_head_dim, value_head_dim] (fp32, updated in place)."""
 
     conv: torch.Tensor
@@ -217,7 +221,7 @@ class Qwen35Cache:
                                              torch.zeros(shape, dtype=dtype, device=device)))
             else:
                 layers.append(DeltaNetCache(
-                    torch.zeros(max_batch, config.linear_conv_dim, config.linear_conv_kernel_dim - 1,
+                    torch.zeros(max_batch, config.linear_conv_dim, config.linear_conv_kernel_dim,
                                 dtype=dtype, device=device),
                     torch.zeros(max_batch, config.linear_num_value_heads, config.linear_key_head_dim,
                                 config.linear_value_head_dim, dtype=torch.float32, device=device)))
@@ -257,13 +261,12 @@ class _PrefillStep:
 class _DecodeStep:
     """What every layer needs for one token per cache row; all device tensors of static shape."""
 
-    active: torch.Tensor  # [max_batch] bool
     cos: torch.Tensor  # [max_batch, 1, 1, rotary_dim]
     sin: torch.Tensor
     write_column: torch.Tensor  # [max_batch] int64: the token's KV column (max_len for inactive rows)
     key_mask: torch.Tensor  # [max_batch, 1, 1, max_len + 1] bool: columns the token attends to
     state_slots: torch.Tensor  # [max_batch] int32: pool slot, -1 for inactive rows (no state write)
-    rows: torch.Tensor  # [max_batch] int64: arange, the row index of the KV write
+    positions: torch.Tensor  # [max_batch] int64: the token's position (= cache.lengths before the step)
 
 
 # ============================================================================ rotary embedding
@@ -352,10 +355,12 @@ class GatedDeltaNet(nn.Module):
         channels_first = qkv.transpose(1, 2)  # [B, conv_dim, T]
         conv_out = F.silu(F.conv1d(channels_first, self.conv_weight, padding=self.kernel_size - 1,
                                    groups=self.conv_dim)[..., :T]).transpose(1, 2)
-        # Conv state = the last kernel - 1 real inputs of each row (zeros before the prompt).
-        history = F.pad(channels_first, (self.kernel_size - 1, 0))
-        columns = step.lengths[:, None] + torch.arange(self.kernel_size - 1, device=x.device)
-        cache.conv[:B] = history.gather(2, columns[:, None, :].expand(B, self.conv_dim, -1))
+        # Conv state: the inputs at positions L - kernel .. L - 1 of a row of L real tokens (zeros
+        # before the prompt) in their circular columns, position % kernel.
+        history = F.pad(channels_first, (self.kernel_size, 0))  # history[..., p + kernel] = input p
+        positions = step.lengths[:, None] + torch.arange(-self.kernel_size, 0, device=x.device)  # [B, kernel]
+        inputs = history.gather(2, (positions + self.kernel_size)[:, None, :].expand(B, self.conv_dim, -1))
+        cache.conv[:B].scatter_(2, (positions % self.kernel_size)[:, None, :].expand(B, self.conv_dim, -1), inputs)
 
         q, k, v = self._split_heads(conv_out)
         # HF: g = -exp(A_log) * softplus(a + dt_bias) in fp32; beta = sigmoid(b) in the model dtype.
@@ -373,19 +378,18 @@ class GatedDeltaNet(nn.Module):
         return self._output(o, z)
 
     def decode(self, x: torch.Tensor, cache: DeltaNetCache, step: _DecodeStep) -> torch.Tensor:
-        qkv, z, b, a = self._project(x)  # x [max_batch, 1, D]
-        # Conv over the cached kernel - 1 inputs and this one (HF causal_conv1d_update); the window
-        # minus its oldest column is the new state, kept only for active rows.
-        window = torch.cat([cache.conv, qkv.transpose(1, 2)], dim=-1)  # [max_batch, conv_dim, kernel]
-        conv_out = F.silu(F.conv1d(window, self.conv_weight, groups=self.conv_dim)).transpose(1, 2)
-        cache.conv.copy_(torch.where(step.active[:, None, None], window[..., 1:], cache.conv))
-        q, k, v = self._split_heads(conv_out)
-        # Gates from the raw projections in the kernel (fp32); the state pool is read and written in
-        # place at each row's slot; slot -1 (inactive row) reads zeros and writes nothing.
-        o, _ = fused_recurrent_gated_delta_rule(
-            q, k, v, scale=self.head_k_dim ** -0.5, initial_state=cache.recurrent, use_qk_l2norm_in_kernel=True,
-            A_log=self.A_log, a=a, dt_bias=self.dt_bias, b=b, state_indices=step.state_slots)
-        return self._output(o, z)
+        """Three launches: in_proj; conv update + gates + l2-norm + recurrence on the state pool
+        (slot -1, an inactive row, reads zeros and writes no state); gated RMSNorm fused into
+        out_proj (``decode_linear``). Same math and roundings as ``prefill`` / HF."""
+        proj = F.linear(x, self.in_proj)[:, 0]  # x [max_batch, 1, D] -> [max_batch, P]
+        o = gated_delta_rule_decode_step(
+            proj, cache.conv, self.conv_weight, self.A_log, self.dt_bias, cache.recurrent, step.state_slots,
+            step.positions, num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim,
+            num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim)
+        z = proj[:, self.conv_dim:self.conv_dim + self.value_dim]
+        y = decode_linear(o.flatten(1), self.out_proj, prologue="gated_rms_norm", gate=z, norm_weight=self.norm,
+                          eps=self.eps, head_dim=self.head_v_dim)
+        return y[:, None]
 
 
 # ============================================================================ gated full attention
@@ -442,14 +446,22 @@ class GatedAttention(nn.Module):
         return self._output(attn, gate)
 
     def decode(self, x: torch.Tensor, cache: AttentionCache, step: _DecodeStep) -> torch.Tensor:
-        q, k, v, gate = self._project(x, step.cos, step.sin)  # x [max_batch, 1, D]
-        # KV write by index (graph-safe): row r's token goes to column write_column[r].
-        cache.key[step.rows, :, step.write_column] = k[:, :, 0]
-        cache.value[step.rows, :, step.write_column] = v[:, :, 0]
-        # Attention over the whole static cache, masked to each row's columns 0 .. position.
+        """qkv GEMM; q/k norm + RoPE + the K/V write at column write_column[r] of each row r in one
+        launch (``qk_norm_rope_kv_write``, the roundings of ``_project``); SDPA over the whole
+        static cache, masked to each row's columns 0 .. position; the sigmoid gate fused into
+        o_proj (``decode_linear``)."""
+        B = x.shape[0]
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # x [max_batch, 1, D]
+        q = qk_norm_rope_kv_write(qkv, self.q_norm, self.k_norm, step.cos, step.sin, cache.key, cache.value,
+                                  step.write_column, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                                  head_dim=self.head_dim, eps=self.eps)
         attn = F.scaled_dot_product_attention(q, cache.key, cache.value, attn_mask=step.key_mask, scale=self.scale,
-                                              enable_gqa=True)
-        return self._output(attn, gate)
+                                              enable_gqa=True)  # [B, heads, 1, head_dim]
+        gate = qkv[:, 0, :self.q_size].view(B, self.num_heads, 2, self.head_dim)[:, :, 1].reshape(B, -1)
+        y = decode_linear(attn.reshape(B, -1), self.o_proj, prologue="sigmoid_gate", gate=gate)
+        if self.o_bias is not None:
+            y = y + self.o_bias
+        return y[:, None]
 
 
 # ============================================================================ decoder layer
@@ -622,9 +634,9 @@ class Qwen35(nn.Module):
         cos, sin = self._rotary(positions)  # [max_batch, rotary_dim]
         write_column = torch.where(cache.active, positions.clamp(max=cache.max_len), cache.max_len)
         step = _DecodeStep(
-            active=cache.active, cos=cos[:, None, None], sin=sin[:, None, None], write_column=write_column,
+            cos=cos[:, None, None], sin=sin[:, None, None], write_column=write_column,
             key_mask=(cache.columns[None, :] <= write_column[:, None])[:, None, None, :],
-            state_slots=torch.where(cache.active, cache.slots, -1), rows=cache.slots.long())
+            state_slots=torch.where(cache.active, cache.slots, -1), positions=positions)
         token_ids = torch.where(cache.active, token_ids, 0)  # an inactive row's id may be anything
         hidden = self._layers(F.embedding(token_ids[:, None], self.embed_tokens),
                               lambda mixer, x, i: mixer.decode(x, cache.layers[i], step))

@@ -1,0 +1,178 @@
+"""One decode token of a Qwen3.5 Gated DeltaNet layer, from its input projection to the recurrence
+output, in one launch: causal depthwise conv update + SiLU, q/k l2-norm, gates from the raw
+projections, and the gated delta rule on a state pool (``fused_recurrent.py``'s math).
+
+Inputs per row n (one token each), with key heads H x K, value heads HV x V, conv kernel KW:
+- ``proj`` [N, P], the layer's in_proj output, columns (HF's in_proj_qkv, in_proj_z, in_proj_b,
+  in_proj_a): x = (q, k, v) [conv_dim = 2 H K + HV V], z [HV V] (unused here), b [HV], a [HV].
+- ``conv_state`` [N, conv_dim, KW], circular: column j holds the input at the latest position p
+  with p % KW == j. The token at position t (``positions[n]``) convolves the inputs at t - KW + 1
+  .. t - 1 (columns (t + 1 .. t + KW - 1) % KW) with x, then writes x to column t % KW. No
+  program reads the column it writes, so the many programs of a row share the state without a
+  race, and nothing shifts.
+- ``state`` [P, HV, K, V] fp32 pool, row n's slot ``state_slots[n]``; a negative slot (an inactive
+  row) reads zeros and writes neither the state nor the conv state.
+
+Numerics (as HF's torch path): conv accumulated in fp32 and rounded to the model dtype (F.conv1d),
+SiLU in fp32 rounded again; g = -exp(A_log) softplus(a + dt_bias) in fp32; beta = sigmoid(b)
+rounded to the model dtype (HF's ``b.sigmoid()``); the recurrence in fp32; o rounded once.
+
+Grid: (V / BLOCK_V, N * HV); the programs of one value head recompute the q/k conv of their key
+head (2 K channels x KW taps: a few hundred bytes); the first of them writes its conv state.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselm.ops.gated_delta_rule.fused_recurrent import BLOCK_V, NUM_WARPS
+from fuselm.ops.gated_delta_rule.naive import gated_delta_rule_decode_step_ref
+from fuselm.runtime import check_same_device, check_tensor, use_triton
+
+
+@triton.jit
+def _causal_conv_silu(proj, conv, conv_w_ptr, ch, mask, position, KW: tl.constexpr):
+    """(silu(conv) in fp32 after the model-dtype roundings, the current input x) for channels ch."""
+    x = tl.load(proj + ch, mask=mask, other=0.0)
+    acc = x.to(tl.float32) * tl.load(conv_w_ptr + ch * KW + (KW - 1), mask=mask, other=0.0).to(tl.float32)
+    for i in tl.static_range(KW - 1):  # tap i reads the input at position - (KW - 1) + i
+        column = (position + 1 + i) % KW
+        history = tl.load(conv + ch * KW + column, mask=mask, other=0.0).to(tl.float32)
+        acc += history * tl.load(conv_w_ptr + ch * KW + i, mask=mask, other=0.0).to(tl.float32)
+    c = acc.to(x.dtype).to(tl.float32)
+    return (c * tl.sigmoid(c)).to(x.dtype).to(tl.float32), x
+
+
+@triton.jit
+def _decode_step_kernel(
+    proj_ptr, conv_ptr, conv_w_ptr, A_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, positions_ptr, o_ptr,
+    stride_proj, stride_conv, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KW: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_n = tl.program_id(1) // HV
+    i_hv = tl.program_id(1) % HV
+    i_h = i_hv // (HV // H)
+    KEY_DIM: tl.constexpr = H * K
+    CONV_DIM: tl.constexpr = 2 * H * K + HV * V
+    kk = tl.arange(0, BLOCK_K)
+    vv = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok = kk < K
+    v_ok = vv < V
+    slot = tl.load(slots_ptr + i_n).to(tl.int64)
+    active = slot >= 0
+    position = tl.load(positions_ptr + i_n)
+    proj = proj_ptr + i_n.to(tl.int64) * stride_proj
+    conv = conv_ptr + i_n.to(tl.int64) * stride_conv
+
+    q_ch = i_h * K + kk
+    k_ch = KEY_DIM + i_h * K + kk
+    v_ch = 2 * KEY_DIM + i_hv * V + vv
+    q, x_q = _causal_conv_silu(proj, conv, conv_w_ptr, q_ch, k_ok, position, KW)
+    k, x_k = _causal_conv_silu(proj, conv, conv_w_ptr, k_ch, k_ok, position, KW)
+    v, x_v = _causal_conv_silu(proj, conv, conv_w_ptr, v_ch, v_ok, position, KW)
+    q = q * tl.rsqrt(tl.sum(q * q) + 1e-6)
+    k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+
+    b = tl.load(proj + CONV_DIM + HV * V + i_hv)
+    a = tl.load(proj + CONV_DIM + HV * V + HV + i_hv).to(tl.float32) + tl.load(dt_bias_ptr + i_hv).to(tl.float32)
+    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
+    g = -tl.exp(tl.load(A_log_ptr + i_hv).to(tl.float32)) * softplus
+    beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
+
+    state_offs = i_hv * K * V + kk[:, None] * V + vv[None, :]
+    state_mask = (kk < tl.where(active, K, 0))[:, None] & v_ok[None, :]
+    S = tl.load(state_ptr + slot * HV * K * V + state_offs, mask=state_mask, other=0.0)
+    S = S * tl.exp(g)
+    u = beta * (v - tl.sum(S * k[:, None], axis=0))
+    S = S + k[:, None] * u[None, :]
+    o = scale * tl.sum(S * q[:, None], axis=0)
+    tl.store(o_ptr + (i_n * HV + i_hv).to(tl.int64) * V + vv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+    tl.store(state_ptr + slot * HV * K * V + state_offs, S, mask=state_mask)
+
+    # this token's input, for the next KW - 1 tokens (masks as index bounds: a scalar condition
+    # folded into the bound, as for the state rows above)
+    column = position % KW
+    tl.store(conv + v_ch * KW + column, x_v, mask=vv < tl.where(active, V, 0))
+    writes_qk = active & (i_hv % (HV // H) == 0) & (i_v == 0)  # the first program of the key head
+    tl.store(conv + q_ch * KW + column, x_q, mask=kk < tl.where(writes_qk, K, 0))
+    tl.store(conv + k_ch * KW + column, x_k, mask=kk < tl.where(writes_qk, K, 0))
+
+
+def _check(proj, conv_state, conv_weight, A_log, dt_bias, state, state_slots, positions, H, K, HV, V):
+    for name, t in (("proj", proj), ("conv_state", conv_state), ("conv_weight", conv_weight), ("A_log", A_log),
+                    ("dt_bias", dt_bias), ("state", state)):
+        check_tensor(name, t)
+    for name, t in (("state_slots", state_slots), ("positions", positions)):
+        check_tensor(name, t, (torch.int32, torch.int64))
+    conv_dim = 2 * H * K + HV * V
+    if HV % H:
+        raise ValueError(f"num_v_heads: {HV} is not a multiple of num_k_heads {H}")
+    if proj.dim() != 2 or proj.shape[1] != conv_dim + HV * V + 2 * HV or proj.stride(1) != 1:
+        raise ValueError(f"proj: expected [N, {conv_dim + HV * V + 2 * HV}] (qkv, z, b, a) with contiguous rows, "
+                         f"got {tuple(proj.shape)}")
+    N = proj.shape[0]
+    if conv_weight.dim() != 3 or conv_weight.shape[:2] != (conv_dim, 1) or not conv_weight.is_contiguous():
+        raise ValueError(f"conv_weight: expected a contiguous [{conv_dim}, 1, kernel], got {tuple(conv_weight.shape)}")
+    KW = conv_weight.shape[2]
+    if conv_state.shape != (N, conv_dim, KW) or conv_state.stride()[1:] != (KW, 1) or conv_state.dtype != proj.dtype:
+        raise ValueError(f"conv_state: expected [N, conv_dim, kernel] = {(N, conv_dim, KW)} in {proj.dtype} with "
+                         f"contiguous rows, got {tuple(conv_state.shape)} {conv_state.dtype}")
+    if conv_weight.dtype != proj.dtype:
+        raise TypeError(f"conv_weight: dtype {conv_weight.dtype} differs from proj's {proj.dtype}")
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if t.shape != (HV,):
+            raise ValueError(f"{name}: expected [HV] = ({HV},), got {tuple(t.shape)}")
+    if state.dtype != torch.float32 or state.dim() != 4 or state.shape[1:] != (HV, K, V) or not state.is_contiguous():
+        raise ValueError(f"state: expected a contiguous fp32 pool [P, {HV}, {K}, {V}], got {tuple(state.shape)} "
+                         f"{state.dtype}")
+    for name, t in (("state_slots", state_slots), ("positions", positions)):
+        if t.shape != (N,):
+            raise ValueError(f"{name}: expected [N] = ({N},), got {tuple(t.shape)}")
+    check_same_device(proj=proj, conv_state=conv_state, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias,
+                      state=state, state_slots=state_slots, positions=positions)
+
+
+def gated_delta_rule_decode_step(
+    proj: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
+    dt_bias: torch.Tensor, state: torch.Tensor, state_slots: torch.Tensor, positions: torch.Tensor, *,
+    num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int, scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One token per row through the conv, the gates and the gated delta rule (see the module doc).
+
+    Args:
+        proj: [N, conv_dim + HV V + 2 HV] in_proj output (rows may be strided).
+        conv_state: [N, conv_dim, kernel] circular conv state, updated in place (active rows).
+        conv_weight: [conv_dim, 1, kernel]; A_log, dt_bias: [HV].
+        state: fp32 pool [P, HV, K, V], updated in place at ``state_slots`` (negative: inactive row).
+        positions: [N] int, each row's token position (the conv state's clock).
+        scale: on q; default K ** -0.5.
+        out: optional [N, HV, V] output (no allocation: CUDA-graph friendly).
+    Returns:
+        o [N, HV, V] in proj's dtype. No host sync; no backward (inference only).
+    """
+    H, K, HV, V = num_k_heads, head_k_dim, num_v_heads, head_v_dim
+    _check(proj, conv_state, conv_weight, A_log, dt_bias, state, state_slots, positions, H, K, HV, V)
+    N = proj.shape[0]
+    scale = K ** -0.5 if scale is None else float(scale)
+    if out is None:
+        out = torch.empty(N, HV, V, dtype=proj.dtype, device=proj.device)
+    elif out.shape != (N, HV, V) or out.dtype != proj.dtype or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous [{N}, {HV}, {V}] {proj.dtype} tensor")
+    if not use_triton(proj):
+        return out.copy_(gated_delta_rule_decode_step_ref(proj, conv_state, conv_weight, A_log, dt_bias, state,
+                                                          state_slots, positions, H, K, HV, V, scale))
+    if N == 0:
+        return out
+    block_v = min(BLOCK_V, triton.next_power_of_2(V))
+    _decode_step_kernel[(triton.cdiv(V, block_v), N * HV)](
+        proj, conv_state, conv_weight, A_log, dt_bias, state, state_slots, positions, out,
+        proj.stride(0), conv_state.stride(0), scale,
+        H=H, HV=HV, K=K, V=V, KW=conv_weight.shape[2], BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
+        num_warps=NUM_WARPS,
+    )
+    return out
