@@ -7,15 +7,15 @@ unit column stride); norm_weight [HEAD_DIM]; out [M, N] (row stride free, unit c
 Design (as ``_decode_gemv_kernel`` in ``fuselm/ops/swiglu_mlp/kernels.py``): a program owns
 BLOCK_N output features and streams their weight rows once, as the wide operand of the dot
 (out.T = W_tile @ a.T, the token dimension padded to BLOCK_M = 16), so the weight bytes are read
-exactly once and dominate the traffic. At each K step the program loads the [BLOCK_K, 16] tile of
-x.T (and gate.T), computes the prologue's ``a`` tile in fp32 registers, rounds it to the input
+exactly once and dominate the traffic. At each K step the program loads the [16, BLOCK_K] tile of
+x (and gate), computes the prologue's ``a`` tile in fp32 registers, rounds it to the input
 dtype (the contract's rounding, also the dot's operand type) and feeds it to the dot. Every
 program recomputes the prologue of the whole input: M * K elements, L2-resident and small next to
 its BLOCK_N * K weight elements.
 
 ``gated_rms_norm`` needs each head's sum of squares inside one K tile: BLOCK_K is a multiple of
-HEAD_DIM (a power of two), the tile is viewed as [BLOCK_K / HEAD_DIM, HEAD_DIM, 16] and reduced
-over the middle axis. The host launcher only takes this path when the config allows it
+HEAD_DIM (a power of two), the tile is viewed as [16, BLOCK_K / HEAD_DIM, HEAD_DIM] and reduced
+over the last axis. The host launcher only takes this path when the config allows it
 (``fused_prologue_ok``); otherwise the op computes the prologue in PyTorch and runs the plain kernel.
 
 Numerics: the prologue in fp32 with the roundings of ``naive.py``; the dot accumulates in fp32
@@ -63,20 +63,22 @@ def _decode_linear_kernel(
     k = tl.arange(0, BLOCK_K)
     # Out-of-range weight rows wrap to valid ones (never stored): no row mask on the weight.
     w_ptrs = w_ptr + (wrows % N).to(tl.int64)[:, None] * stride_wn + k[None, :]  # [BLOCK_N, BLOCK_K]
-    rows64 = rows.to(tl.int64)[None, :]
-    x_ptrs = x_ptr + rows64 * stride_xm + k[:, None]  # [BLOCK_K, BLOCK_M] of x.T
-    g_ptrs = g_ptr + rows64 * stride_gm + k[:, None]
-    row_ok = (rows < M)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    # x and gate tiles [BLOCK_M, BLOCK_K] as stored (row-major: loads coalesced along K); the dot
+    # takes their transpose.
+    x_ptrs = x_ptr + rows64 * stride_xm + k[None, :]
+    g_ptrs = g_ptr + rows64 * stride_gm + k[None, :]
+    row_ok = (rows < M)[:, None]
     if PROLOGUE == 2:
         # Each tile starts on a head boundary (BLOCK_K % HEAD_DIM == 0): one load of the norm weight.
-        nw = tl.load(nw_ptr + k % HEAD_DIM).to(tl.float32)[:, None]
+        nw = tl.load(nw_ptr + k % HEAD_DIM).to(tl.float32)[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             ok = row_ok
             w = tl.load(w_ptrs)
         else:
-            ok = row_ok & (k < K - k0)[:, None]
+            ok = row_ok & (k < K - k0)[None, :]
             w = tl.load(w_ptrs, mask=(k < K - k0)[None, :], other=0.0)
         xt = tl.load(x_ptrs, mask=ok, other=0.0)
         if PROLOGUE == 1:
@@ -90,20 +92,21 @@ def _decode_linear_kernel(
             # r may be inf (eps = 0): they are forced back to 0 before the dot.
             xf = xt.to(tl.float32)
             zf = tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32)
-            x3 = tl.reshape(xf, [BLOCK_K // HEAD_DIM, HEAD_DIM, BLOCK_M])
-            r = tl.rsqrt(tl.sum(x3 * x3, axis=1) / HEAD_DIM + eps)  # [heads, BLOCK_M]
-            n1 = tl.reshape((x3 * r[:, None, :]).to(dt), [BLOCK_K, BLOCK_M]).to(tl.float32)
+            x3 = tl.reshape(xf, [BLOCK_M, BLOCK_K // HEAD_DIM, HEAD_DIM])
+            r = tl.rsqrt(tl.sum(x3 * x3, axis=2) / HEAD_DIM + eps)  # [BLOCK_M, heads]
+            n1 = tl.reshape((x3 * r[:, :, None]).to(dt), [BLOCK_M, BLOCK_K]).to(tl.float32)
             n2 = (nw * n1).to(dt).to(tl.float32)
             a = (n2 * (zf / (1.0 + tl.exp(-zf)))).to(dt)
             xt = tl.where(ok, a, 0.0).to(dt)
-        acc = _dot(w, xt, acc, IEEE)
+        acc = _dot(w, tl.trans(xt), acc, IEEE)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
 
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (cols < N)[:, None] & row_ok
-    tl.store(out_ptr + rows64 * stride_om + cols[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    mask = (cols < N)[:, None] & (rows < M)[None, :]
+    tl.store(out_ptr + rows.to(tl.int64)[None, :] * stride_om + cols[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 # ----------------------------------------------------------------------------- tuning config
