@@ -120,16 +120,17 @@ class DecodeLinearConfig:
     num_stages: int
 
 
-# Starting values, NOT yet swept for this kernel. Hopper (sm_90), 16-bit: those of swiglu_mlp's
-# down-projection GEMV (the same [N, K] weight stream; its H100 sweep at M = 1 and 16 picked
-# 32 features x 512, 4 warps, 3 stages, benchmarks/results/mlp.md). The prologue adds fp32 work
-# on the [BLOCK_K, 16] input tile per K step and is recomputed by each of the N / BLOCK_N
-# programs, so the best BLOCK_N may be larger here, mostly at M = 16. To tune: sweep with
-# ``decode_linear(..., config=DecodeLinearConfig(...))`` and replace these constants.
+# Hopper (sm_90), 16-bit: H100 sweep at the Qwen3.5-9B output projections (N = K = 4096, bf16,
+# M = 1 / 8 / 16, 20 calls per CUDA graph; scratch sweep of 2026-11-22, NOTES.md entry 16):
+# BLOCK_N 16/32/64 x BLOCK_K 128/256/512 x 3/4/6 stages. Best, as % of copy bandwidth on the
+# weight: plain 77% (32 x 256, 4 stages; cuBLAS 66-70%), gated_rms_norm 71% / 51% / 53% (32 x 256,
+# 4 stages), sigmoid_gate 57% / 55% / 55% with 64 features per program (fewer programs recompute
+# the prologue). The previous 32 x 512 x 3 fell to 26-27% at M = 8 with a prologue.
 HOPPER_BLOCK_N = 32
-HOPPER_BLOCK_K = 512
+HOPPER_BLOCK_N_SIGMOID_GATE = 64
+HOPPER_BLOCK_K = 256
 HOPPER_NUM_WARPS = 4
-HOPPER_NUM_STAGES = 3
+HOPPER_NUM_STAGES = 4
 # fp32: half the K step and 3 stages (shared memory per stage doubles with the element size), as
 # gemv_config does.
 FP32_BLOCK_K_DIVISOR = 2
@@ -153,7 +154,8 @@ def decode_linear_config(arch: int, dtype: torch.dtype, prologue: str | None = N
     if arch == 0:
         cfg = DecodeLinearConfig(INTERPRET_BLOCK_N, INTERPRET_BLOCK_K, 4, 1)
     else:
-        cfg = DecodeLinearConfig(HOPPER_BLOCK_N, HOPPER_BLOCK_K, HOPPER_NUM_WARPS, HOPPER_NUM_STAGES)
+        block_n = HOPPER_BLOCK_N_SIGMOID_GATE if prologue == "sigmoid_gate" else HOPPER_BLOCK_N
+        cfg = DecodeLinearConfig(block_n, HOPPER_BLOCK_K, HOPPER_NUM_WARPS, HOPPER_NUM_STAGES)
         if dtype == torch.float32:
             cfg = DecodeLinearConfig(cfg.block_n, cfg.block_k // FP32_BLOCK_K_DIVISOR, cfg.num_warps, FP32_NUM_STAGES)
     if prologue == "gated_rms_norm" and head_dim is not None and _pow2(head_dim) and head_dim <= MAX_FUSED_HEAD_DIM:
