@@ -34,7 +34,7 @@ for step in $steps; do
         | tee "$OUT/generate.log" | tail -30 || status=1 ;;
     audit)
       if [ $has_transformers = 1 ]; then
-        python3 -m fuselm audit --config 9b --batch 8 --prompt-len 64 --max-new-tokens 16 --out "$OUT" 2>&1 | tail -40 || status=1
+        python3 -m fuselm audit --config 9b --batch 4 --prompt-len 512 --max-new-tokens 65 --out "$OUT" 2>&1 | tail -40 || status=1
       else
         echo "audit: skipped, transformers is not installed (the parity half needs it)"; status=1
       fi ;;

@@ -166,7 +166,8 @@ def test_cli_generate_and_audit_on_the_tiny_default(tmp_path, capsys):
     assert main(["audit", *args, "--out", str(tmp_path)]) == 0
     audited = json.loads((tmp_path / "audit.json").read_text())
     assert audited["parity_ok"] and audited["parity"]["greedy_agreement"] == 1.0
-    assert audited["parity"]["worst_max_abs"] <= 1e-3 and audited["parity"]["comparable_positions"] == 3
+    assert audited["parity"]["worst_max_abs"] <= (1e-3 if DEVICE == "cpu" else 1e-2)
+    assert audited["parity"]["comparable_positions"] == 3 and len(audited["parity"]["teacher_forced"]) == 3
     if DEVICE == "cuda":  # requests 1 and 2: one graph launch, no host sync per step
         assert sorted(audited["launches"]) == ["1", "2"] and audited["launches_ok"]
         assert all(c["graph_launches"] == 1 and c["host_syncs"] == 0 for c in audited["launches"].values())
