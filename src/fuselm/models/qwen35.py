@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fuselm.ops.attention_decode import qk_norm_rope_kv_write
+from fuselm.ops.attention_decode import apply_rotary_ref, qk_norm_rope_kv_write
 from fuselm.ops.decode_linear import decode_linear
 from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_decode_step
 from fuselm.ops.rms_norm import add_rms_norm, rms_norm
@@ -286,16 +286,6 @@ def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF ``apply_rotary_pos_emb`` on the first ``rotary_dim`` dims of x [..., head_dim] (partial
-    rotary, rotate-half pairing), in the model dtype; the rest passes through."""
-    rot = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
-    rotated = x_rot * cos + torch.cat([-x2, x1], dim=-1) * sin
-    return torch.cat([rotated, x_pass], dim=-1)
-
-
 # ============================================================================ Gated DeltaNet
 def _param(*shape) -> nn.Parameter:
     """A weight slot on the meta device; ``Qwen35._load`` assigns the real tensor."""
@@ -424,7 +414,7 @@ class GatedAttention(nn.Module):
         # Zero-centered RMSNorm per head: fp32 statistics, (x_normed * (1 + w)) rounded once.
         q = rms_norm(q, self.q_norm, self.eps, 1.0)
         k = rms_norm(k.view(B, T, self.num_kv_heads, self.head_dim), self.k_norm, self.eps, 1.0)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gate.reshape(B, T, -1)
 

@@ -26,7 +26,7 @@ from fuselm.ops.rms_norm import rms_norm
 def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """HF ``apply_rotary_pos_emb`` on the first ``rotary_dim = cos.shape[-1]`` dims of
     x [..., head_dim] (partial rotary, rotate-half pairing), in the model dtype; the rest passes
-    through. (A copy of ``fuselm.models.qwen35.apply_rotary``; ops do not import models.)"""
+    through. The model's prefill uses it too (``GatedAttention._project``)."""
     rot = cos.shape[-1]
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
