@@ -60,6 +60,16 @@ CONFIGS = [  # B, num_heads, num_kv_heads, head_dim, rotary_dim
 ]
 
 
+def assert_same(out, ref, dtype, head_dim):
+    """Bit-exact, except on a GPU for a head_dim that is not a power of two: the kernel's masked
+    sum of squares reduces in another order than the rms_norm kernel the reference runs (seen on
+    the H100: fp32 ulps at head_dim 24); there within one ulp of the dtype."""
+    if DEVICE == "cuda" and head_dim & (head_dim - 1):
+        torch.testing.assert_close(out, ref, rtol=torch.finfo(dtype).eps, atol=torch.finfo(dtype).eps)
+    else:
+        assert torch.equal(out, ref)
+
+
 @pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES, ids=str)
 @pytest.mark.parametrize("B, num_heads, num_kv_heads, head_dim, rotary_dim", CONFIGS)
 def test_bit_exact_against_reference(B, num_heads, num_kv_heads, head_dim, rotary_dim, dtype):
@@ -70,9 +80,9 @@ def test_bit_exact_against_reference(B, num_heads, num_kv_heads, head_dim, rotar
     q_out = torch.full((B, num_heads, 1, head_dim), float("nan"), device=DEVICE, dtype=dtype)
     q, q_ref, out, ref = run_both(inputs, num_heads, num_kv_heads, head_dim, q_out=q_out)
     assert q is q_out and q.shape == (B, num_heads, 1, head_dim) and q.is_contiguous()
-    assert torch.equal(q, q_ref)
+    assert_same(q, q_ref, dtype, head_dim)
     assert torch.equal(inputs["qkv"], qkv_before)  # nothing written to the projection (the gate half is a view of it)
-    assert torch.equal(out["key_cache"], ref["key_cache"])
+    assert_same(out["key_cache"], ref["key_cache"], dtype, head_dim)
     assert torch.equal(out["value_cache"], ref["value_cache"])
     # Only (row r, column write_column[r]) changed; rows >= B and other columns are untouched.
     written = torch.zeros(max_batch, L, dtype=torch.bool, device=DEVICE)
