@@ -95,7 +95,7 @@ def _qk_norm_rope_kv_write_kernel(
     qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, column_ptr, q_out_ptr,
     stride_qkv, stride_cos, stride_sin,
     stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
-    n_heads, n_kv_heads, n_cols, rot, eps,
+    n_heads, n_kv_heads, n_cols, rot, eps, cache_len,
     Q_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EMULATE_BF16_RNE: tl.constexpr, ADD_RN: tl.constexpr,
 ):
@@ -124,6 +124,8 @@ def _qk_norm_rope_kv_write_kernel(
                               DTYPE, EMULATE_BF16_RNE, ADD_RN, BLOCK_N)
         mask = (heads < n_kv_heads)[:, None] & col_mask[None, :]
         column = tl.load(column_ptr + row).to(tl.int64)
+        # a column outside [0, L) writes nothing (the host checks it only where that costs no sync)
+        mask = mask & (cols < tl.where((column >= 0) & (column < cache_len), n_cols, 0))[None, :]
         h = heads.to(tl.int64)[:, None]
         tl.store(k_cache_ptr + row * stride_kb + h * stride_kh + column * stride_kl + cols[None, :], out, mask=mask)
         v = tl.load(v_src + h * n_cols + cols[None, :], mask=mask, other=0.0)
@@ -145,7 +147,7 @@ def qk_norm_rope_kv_write_kernel(qkv, q_norm_weight, k_norm_weight, cos, sin, ke
         qkv.stride(0), cos.stride(0), sin.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        num_heads, num_kv_heads, head_dim, cos.shape[-1], eps,
+        num_heads, num_kv_heads, head_dim, cos.shape[-1], eps, key_cache.shape[2],
         Q_TILES=q_tiles, BLOCK_M=block_m, BLOCK_N=block_n,
         EMULATE_BF16_RNE=INTERPRET and qkv.dtype == torch.bfloat16, ADD_RN=not INTERPRET, num_warps=num_warps,
     )
