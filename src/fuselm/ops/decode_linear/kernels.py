@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselm.ops.swiglu_mlp.kernels import DECODE_MAX_M, _dot  # the same token padding and dot
 from fuselm.runtime import arch_major
 
 # Prologue codes, as the constexpr the kernel takes.
@@ -39,15 +40,6 @@ PROLOGUE_SIGMOID_GATE = 1
 PROLOGUE_GATED_RMS_NORM = 2
 PROLOGUE_CODES = {None: PROLOGUE_NONE, "sigmoid_gate": PROLOGUE_SIGMOID_GATE, "gated_rms_norm": PROLOGUE_GATED_RMS_NORM}
 
-# Tokens per launch: the dot's token dimension is padded to this (the smallest MMA N tile).
-DECODE_MAX_M = 16
-
-
-@triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
 
 
 @triton.jit
