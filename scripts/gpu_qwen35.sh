@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Qwen3.5 engine on the GPU in one call (issue 6, phase 2). Writes at most 7 files to $OUT
+# Qwen3.5 engine on the GPU in one call (issue 6, phase 2). Writes at most 9 files to $OUT
 # (default ./gpu_out):
 #   tests.log                  GPU run of tests/test_engine.py + tests/test_qwen35.py (graph replay ==
 #                              eager, one graph launch and no host sync per step, bf16 parity vs HF)
@@ -7,6 +7,7 @@
 #                              256 new tokens, batch 1): streamed ids, prefill/decode tok/s, % of floor
 #   audit.md, audit.json       `fuselm audit --config 9b`: kernels / graph launches / host syncs per
 #                              decode step, parity vs HF transformers on the same bf16 weights
+#   audit_hf_init.{md,json}    the same with HF's own weight initialisation (--weights hf-init)
 #   qwen35.md, qwen35.json     benchmarks/qwen35.py: 9B random bf16, batch 1/8/32 decode and prefill
 #   bench.log                  vs HF transformers (+ fla-core), weight floor, the issue-6 target table
 # Usage: bash scripts/gpu_qwen35.sh [tests] [generate] [audit] [bench]   (default: all four, ~6-8 min
@@ -34,7 +35,10 @@ for step in $steps; do
         | tee "$OUT/generate.log" | tail -30 || status=1 ;;
     audit)
       if [ $has_transformers = 1 ]; then
-        python3 -m fuselm audit --config 9b --batch 4 --prompt-len 512 --max-new-tokens 65 --out "$OUT" 2>&1 | tail -40 || status=1
+        for weights in spread hf-init; do
+          python3 -m fuselm audit --config 9b --batch 4 --prompt-len 512 --max-new-tokens 65 --weights $weights \
+            --out "$OUT" 2>&1 | tail -40 || status=1
+        done
       else
         echo "audit: skipped, transformers is not installed (the parity half needs it)"; status=1
       fi ;;

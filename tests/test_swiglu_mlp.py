@@ -22,9 +22,15 @@ def weights(dtype, d=D, f=F):
     return w13, randn(d, f, dtype=dtype, scale=f ** -0.5)
 
 
-def exact_h(x, w13, act):
+def exact_h(x, w13, act, dtype):
+    """float64 act(G) * U with G, U = x @ w_gate.T, x @ w_up.T rounded to ``dtype`` first, as the
+    contract (and HF's gate_proj / up_proj) rounds them; straight-through, so autograd's gradients
+    pass the rounding unchanged while a clamp's mask sees the rounded values."""
     x = x.double()
-    return gate_factor_ref(x @ w13[0::2].double().T, act) * up_factor_ref(x @ w13[1::2].double().T, act)
+    g, u = x @ w13[0::2].double().T, x @ w13[1::2].double().T
+    g = g + (g.to(dtype).double() - g).detach()
+    u = u + (u.to(dtype).double() - u).detach()
+    return gate_factor_ref(g, act) * up_factor_ref(u, act)
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
@@ -35,11 +41,11 @@ def test_gemm_swiglu_and_mlp_forward(m, dtype, act):
     w13, w2 = weights(dtype)
     h = gemm_swiglu_forward(x, w13, act, out=poisoned_like(torch.empty(m, F, dtype=dtype, device=DEVICE)))
     assert not h.isnan().any(), "an element of h was not written"
-    assert_close(h, exact_h(x, w13, act), TOL[dtype], "h")
+    assert_close(h, exact_h(x, w13, act, dtype), TOL[dtype], "h")
     assert_close(h, gemm_swiglu_ref(x, w13, act), TOL[dtype], "h vs contract")
     y = swiglu_mlp_forward(x, w13, w2, act, out=poisoned_like(x))
     assert not y.isnan().any(), "an element of y was not written"
-    assert_close(y, exact_h(x, w13, act) @ w2.double().T, TOL[dtype], "y")
+    assert_close(y, exact_h(x, w13, act, dtype) @ w2.double().T, TOL[dtype], "y")
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
@@ -52,7 +58,7 @@ def test_gradients_match_autograd_of_the_reference(m, dtype, act):
     leaves = [t.clone().requires_grad_(True) for t in (x, w13, w2)]
     swiglu_mlp(*leaves, act).backward(dy)
     exact = [t.double().requires_grad_(True) for t in (x, w13, w2)]
-    (exact_h(exact[0], exact[1], act) @ exact[2].T).backward(dy.double())
+    (exact_h(exact[0], exact[1], act, dtype) @ exact[2].T).backward(dy.double())
     for name, got, want in zip(("dx", "dw13", "dw2"), leaves, exact):
         assert_close(got.grad, want.grad, TOL[dtype] * 2, name)
     # gemm_swiglu alone
@@ -60,7 +66,7 @@ def test_gradients_match_autograd_of_the_reference(m, dtype, act):
     leaves = [t.clone().requires_grad_(True) for t in (x, w13)]
     gemm_swiglu(*leaves, act).backward(dh)
     exact = [t.double().requires_grad_(True) for t in (x, w13)]
-    exact_h(*exact, act).backward(dh.double())
+    exact_h(*exact, act, dtype).backward(dh.double())
     for name, got, want in zip(("dx", "dw13"), leaves, exact):
         assert_close(got.grad, want.grad, TOL[dtype] * 2, name)
 
@@ -146,9 +152,9 @@ def test_llama8b_mlp_bf16(m):
     w13, w2 = weights(torch.bfloat16, d, f)
     x = randn(m, d, dtype=torch.bfloat16)
     h = gemm_swiglu_forward(x, w13, out=poisoned_like(torch.empty(m, f, dtype=torch.bfloat16, device=DEVICE)))
-    assert_close(h, exact_h(x, w13, Activation()), 1e-2, "h")
+    assert_close(h, exact_h(x, w13, Activation(), torch.bfloat16), 1e-2, "h")
     y = swiglu_mlp_forward(x, w13, w2, out=poisoned_like(x))
-    assert_close(y, exact_h(x, w13, Activation()) @ w2.double().T, 1e-2, "y")
+    assert_close(y, exact_h(x, w13, Activation(), torch.bfloat16) @ w2.double().T, 1e-2, "y")
 
 
 @pytest.mark.gpu

@@ -391,8 +391,8 @@ def audit(args) -> int:
         description = f"checkpoint {args.checkpoint}"
     else:
         config, name = _model_config(args)
-        hf_model = random_hf_qwen35(config, dtype=dtype, device=device, seed=args.seed)
-        description = f"{name}, random weights (seed {args.seed})"
+        hf_model = random_hf_qwen35(config, dtype=dtype, device=device, seed=args.seed, weights=args.weights)
+        description = f"{name}, random weights ({args.weights}, seed {args.seed})"
     model = Qwen35.from_hf(hf_model)  # the same weights, re-laid
     on_gpu = device.type == "cuda"
     gpu = torch.cuda.get_device_name(device) if on_gpu else "CPU"
@@ -453,7 +453,8 @@ def audit(args) -> int:
     results["launches_ok"] = launches_ok
     markdown = "\n".join(lines) + "\n"
     print("\n" + markdown)
-    _write_outputs(args.out, "audit", results, markdown)
+    _write_outputs(args.out, "audit" if args.weights == "spread" else f"audit_{args.weights.replace('-', '_')}",
+                   results, markdown)
     return 0 if parity_ok and launches_ok else 1
 
 
@@ -495,6 +496,9 @@ def main(argv=None) -> int:
     gen.set_defaults(run=generate)
     aud = commands.add_parser("audit", help="Qwen3.5 engine: kernels/graph launches/host syncs per step, HF parity")
     model_arguments(aud, 16, 8, 2)
+    aud.add_argument("--weights", default="spread", choices=("spread", "hf-init"),
+                     help="random weights: 'spread' (every weight away from its init: fuselm.models.qwen35_random) "
+                          "or HF's own initialisation; writes audit.json / audit_hf_init.json")
     aud.set_defaults(run=audit)
     args = parser.parse_args(argv)
     return args.run(args)

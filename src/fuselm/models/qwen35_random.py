@@ -98,12 +98,21 @@ def to_hf_config(config: Qwen35Config):
     return Qwen3_5TextConfig(**fields, rope_parameters=rope)
 
 
+WEIGHT_SCHEMES = ("spread", "hf-init")
+
+
 @torch.no_grad()
-def random_hf_qwen35(config: Qwen35Config, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0):
+def random_hf_qwen35(config: Qwen35Config, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0,
+                     weights: str = "spread"):
     """An HF ``Qwen3_5ForCausalLM`` of ``config`` built on ``device`` in ``dtype`` (no fp32 CPU
-    copy first), its weights drawn by ``randomize_hf_weights_``."""
+    copy first). ``weights``: "spread", drawn by ``randomize_hf_weights_`` (the module
+    docstring's scheme); "hf-init", HF's own initialisation (``_init_weights``: N(0, 0.02)
+    matrices and embeddings, zero-centered norms at 0, ...) under ``torch.manual_seed(seed)``."""
     from transformers import Qwen3_5ForCausalLM
 
+    if weights not in WEIGHT_SCHEMES:
+        raise ValueError(f"weights: expected one of {WEIGHT_SCHEMES}, got {weights!r}")
+    torch.manual_seed(seed)
     with torch.device(device):
         hf_model = Qwen3_5ForCausalLM._from_config(to_hf_config(config), dtype=dtype)
-    return randomize_hf_weights_(hf_model, seed).eval()
+    return (randomize_hf_weights_(hf_model, seed) if weights == "spread" else hf_model).eval()

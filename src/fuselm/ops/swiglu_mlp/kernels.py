@@ -9,7 +9,8 @@ w13, and accumulates one fp32 [BLOCK_M, 2 * BLOCK_N] product over the K loop (on
 tile is read from shared memory once per k-step). Interleaving puts each gate column next to its
 up column, so the epilogue splits the accumulator into G and U within each thread's registers
 (the MMA accumulator holds adjacent column pairs). The [M, 2F] product never reaches memory.
-Forward epilogue: h = round(round(gate_factor(G)) * up_factor(U)). Backward epilogue
+Forward epilogue: h = round(round(gate_factor(round(G))) * up_factor(round(U))), G and U rounded
+to the input dtype first as an unfused GEMM would write them. Backward epilogue
 (BACKWARD): loads dh and writes d_gate_up [M, 2F] in w13's interleaved column order, and h when
 STORE_H, recomputing G and U instead of saving them.
 
@@ -87,6 +88,10 @@ def _gemm_swiglu_kernel(
         rstd = tl.rsqrt(sum_sq / D + eps)[:, None]
         g = g * rstd
         u = u * rstd
+    # G and U rounded to the input dtype before the activation, as an unfused GEMM writes them
+    # (HF's gate_proj / up_proj, vLLM's merged projection): the fused path then rounds where they do.
+    g = g.to(x_ptr.dtype.element_ty).to(tl.float32)
+    u = u.to(x_ptr.dtype.element_ty).to(tl.float32)
 
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < F)[None, :]
@@ -140,6 +145,8 @@ def _decode_gemv_kernel(
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if SWIGLU:
         g, u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_N, 2, BLOCK_M]), (0, 2, 1)))
+        g = g.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as in _gemm_swiglu_kernel
+        u = u.to(out_ptr.dtype.element_ty).to(tl.float32)
         a = gate_factor(g, ACT, limit, alpha).to(out_ptr.dtype.element_ty).to(tl.float32)
         acc = a * up_factor(u, ACT, limit)
     mask = (cols < N)[:, None] & row_ok

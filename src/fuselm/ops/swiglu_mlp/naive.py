@@ -4,10 +4,11 @@ Weight layout: ``w13`` is [2F, D] with the gate and up projections' rows interle
 is gate row f, row 2f + 1 is up row f (nn.Linear layout [out_features, in_features];
 ``interleave_gate_up`` builds it). ``w2`` is the down projection, [D, F].
 
-Numerics contract of the fused path: the gate and up GEMMs accumulate in fp32 and are *not*
-rounded before the activation (HF rounds them to the model dtype first); the activation then
-follows the SwiGLU contract of ``fuselm.ops.activation`` (gate factor rounded to the input dtype,
-times the up factor, one final rounding).
+Numerics contract of the fused path: the gate and up GEMMs accumulate in fp32 and are rounded
+to the input dtype, as HF's gate_proj / up_proj outputs are (so the fused MLP matches HF Llama /
+Qwen3.5 and vLLM's merged projection up to summation order); the activation then follows the
+SwiGLU contract of ``fuselm.ops.activation`` (gate factor rounded to the input dtype, times the
+up factor, one final rounding).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ def gemm_swiglu_ref(x: torch.Tensor, w13: torch.Tensor, act: Activation = Activa
     """``act(x @ w_gate.T) * (x @ w_up.T)`` per the contract above: [..., D] -> [..., F]."""
     work = _work(x)
     xw = x.to(work)
-    g = xw @ w13[0::2].to(work).T
-    u = xw @ w13[1::2].to(work).T
+    g = (xw @ w13[0::2].to(work).T).to(x.dtype).to(work)
+    u = (xw @ w13[1::2].to(work).T).to(x.dtype).to(work)
     a = gate_factor_ref(g, act).to(x.dtype).to(work)
     return (a * up_factor_ref(u, act)).to(x.dtype)
 
@@ -42,8 +43,8 @@ def gemm_swiglu_backward_ref(x, w13, dh, act: Activation = Activation()):
     pre-activations, in fp32."""
     work = _work(x)
     xw = x.to(work)
-    g = xw @ w13[0::2].to(work).T
-    u = xw @ w13[1::2].to(work).T
+    g = (xw @ w13[0::2].to(work).T).to(x.dtype).to(work)
+    u = (xw @ w13[1::2].to(work).T).to(x.dtype).to(work)
     dh = dh.to(work)
     c = g if act.kind == "silu" else torch.clamp(g, max=act.limit)
     s = torch.sigmoid(act.alpha * c)
