@@ -4,7 +4,7 @@
 
 Chunked prefill over a T sweep at B=1 H=16 K=V=128 and at B=4 T=2048: as called and as GPU time
 (CUDA-graph replay), agreement with fla (rel. RMSE of o and final state), fuselm's time per
-kernel (torch.profiler) and, at T >= 8192, a sweep of the recurrence's geometry. Decode (T=1,
+kernel (torch.profiler) and, at T >= 8192, a sweep of the kernels' geometry. Decode (T=1,
 HV=32, K=V=128): as called, one call per graph replay, and per call of 20 in one graph, with the
 state's read+write bandwidth, and a sweep of the decode kernel's geometry. Writes (merges into)
 ``gdn.md`` and ``gdn.json``.
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 
 from fuselm.ops.gated_delta_rule import chunk, chunk_gated_delta_rule, fused_recurrent, fused_recurrent_gated_delta_rule
 from fuselm.runtime import copy_bandwidth
@@ -37,6 +38,7 @@ DT = torch.bfloat16
 GRAPH_CALLS = 20  # decode calls per captured graph for the per-call GPU time
 default_geometry = (fused_recurrent.BLOCK_V, fused_recurrent.NUM_WARPS)
 default_recurrence = (chunk.RECURRENCE_WARPS, chunk.RECURRENCE_STAGES)
+default_parallel = (chunk.PREPARE_WARPS, chunk.OUTPUT_WARPS, chunk.OUTPUT_BLOCK_V)
 
 
 def kernel_breakdown(fn, calls: int = 5) -> dict:
@@ -48,6 +50,12 @@ def kernel_breakdown(fn, calls: int = 5) -> dict:
             fn()
         torch.cuda.synchronize()
     return {e.key[:60]: round(e.device_time_total / calls, 1) for e in prof.key_averages() if e.device_time_total > 0}
+
+
+@triton.jit
+def _one_store(ptr):
+    """The smallest kernel: its time per call in a graph is the launch floor any decode kernel pays."""
+    tl.store(ptr, 0.0)
 
 
 def make(B, T, H, HV, K=128, V=128):
@@ -98,6 +106,12 @@ def main(argv=None) -> int:
                 sweep[f"BV{block_v} w{warps} s{stages}"] = graph_bench(lambda: chunk.chunk_gated_delta_rule_kernels(
                     *packed, 128**-0.5, None, True, True, seq_len=T, block_v=block_v))
             chunk.RECURRENCE_WARPS, chunk.RECURRENCE_STAGES = default_recurrence
+            # the parallel kernels' geometry: prepare warps, output warps and value columns
+            for prepare_warps, output_warps, output_v in itertools.product((4, 8), (4, 8), (64, 128)):
+                chunk.PREPARE_WARPS, chunk.OUTPUT_WARPS, chunk.OUTPUT_BLOCK_V = prepare_warps, output_warps, output_v
+                sweep[f"prepare w{prepare_warps} output w{output_warps} BV{output_v}"] = graph_bench(
+                    lambda: chunk.chunk_gated_delta_rule_kernels(*packed, 128**-0.5, None, True, True, seq_len=T))
+            chunk.PREPARE_WARPS, chunk.OUTPUT_WARPS, chunk.OUTPUT_BLOCK_V = default_parallel
         rows.append({"case": f"chunk B{B} T{T} H{H}", "ms": ms, "rel_rmse_vs_fla": err,
                      "kernels_us": kernel_breakdown(fns["fuselm"]), "recurrence_sweep_ms": sweep})
         print(rows[-1], flush=True)
@@ -117,6 +131,9 @@ def main(argv=None) -> int:
             print(B, name, "graph", ms[name + " graph"], flush=True)
             ms[name + " graph per call"] = bench(capture(fn, calls=GRAPH_CALLS).replay) / GRAPH_CALLS
             print(B, name, "per call", ms[name + " graph per call"], flush=True)
+        scratch = torch.empty(1, device="cuda")
+        ms["one-store kernel graph per call"] = bench(capture(lambda: _one_store[(1,)](scratch),
+                                                              calls=GRAPH_CALLS).replay) / GRAPH_CALLS
         sweep = {}
         for block_v, warps in itertools.product((8, 16, 32), (1, 2, 4)):
             fused_recurrent.BLOCK_V, fused_recurrent.NUM_WARPS = block_v, warps
@@ -126,7 +143,7 @@ def main(argv=None) -> int:
         fused_recurrent.BLOCK_V, fused_recurrent.NUM_WARPS = default_geometry
         state_bytes = 2 * state.numel() * 4
         rows.append({"case": f"decode B{B} HV32 K=V=128", "ms": ms, "geometry_sweep_ms_per_call": sweep,
-                     "state_tbps": {n: state_bytes / t / 1e9 for n, t in ms.items() if "graph" in n}})
+                     "state_tbps": {n: state_bytes / t / 1e9 for n, t in ms.items() if "graph" in n and "one-store" not in n}})
         print(rows[-1], flush=True)
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "triton": triton.__version__, "copy_tbps": copy, "command": "python " + " ".join(sys.argv)}

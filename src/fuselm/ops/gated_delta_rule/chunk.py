@@ -126,7 +126,7 @@ def _sequence_span(i_n, cu_seqlens_ptr, first_chunk_ptr, seq_len, BT: tl.constex
         return bos, tl.load(cu_seqlens_ptr + i_n + 1).to(tl.int64), tl.load(first_chunk_ptr + i_n).to(tl.int64)
 
 
-@triton.jit(do_not_specialize=["seq_len"])
+@triton.jit
 def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, G_ptr, u_ptr, w_ptr, kd_ptr, aqk_ptr, chunk_start_ptr, chunk_len_ptr,
     seq_len, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -163,7 +163,7 @@ def _chunk_prepare_kernel(
         _store_block(w_ptr, _mm(T, (k * (beta * tl.exp(G))[:, None]).to(dt), P), t0, n, HV * K, i_hv * K, K, BK, BT)
 
 
-@triton.jit(do_not_specialize=["seq_len"])
+@triton.jit
 def _chunk_recurrence_kernel(
     u_ptr, w_ptr, kd_ptr, G_ptr, h_ptr, new_v_ptr, h0_ptr, ht_ptr, cu_seqlens_ptr, first_chunk_ptr, seq_len,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -202,7 +202,7 @@ def _chunk_recurrence_kernel(
         tl.store(ht_ptr + i_n.to(tl.int64) * HV * K * V + state_offs, S, mask=state_mask)
 
 
-@triton.jit(do_not_specialize=["seq_len"])
+@triton.jit
 def _chunk_output_kernel(
     q_ptr, G_ptr, aqk_ptr, h_ptr, new_v_ptr, o_ptr, chunk_start_ptr, chunk_len_ptr, seq_len, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -246,10 +246,11 @@ def chunk_table(cu_seqlens: torch.Tensor, total_tokens: int, chunk: int = CHUNK)
     return start.contiguous(), length.to(torch.int32).contiguous(), first.contiguous()
 
 
-# seq_len is never specialised (do_not_specialize): triton 3.6 specialises an int argument equal to 1
-# as a constant, and that build of the recurrence (trip count folded to 1, 4-stage pipeline) leaves
-# its final state reading uninitialised memory (NaN, or an illegal address; compute-sanitizer
-# initcheck, H100) for a one-token batch. One build serves every length instead.
+# seq_len is never 1 in a launch: triton 3.6 specialises an int argument equal to 1 as a constant,
+# and that build of the recurrence (trip count folded to 1, 4-stage pipeline) leaves its final state
+# reading uninitialised memory (NaN, or an illegal address; compute-sanitizer initcheck, H100). So
+# one-token rows go through the chunk-table path (seq_len 0). Not do_not_specialize: without the
+# specialisation on seq_len the recurrence ran 12-13% slower (H100, T 8192 and 32768, NOTES.md 18).
 # Recurrence geometry: value columns per program (32, or 16 when that leaves SMs idle: the
 # recurrence is a chain of dependent dots, more programs hide more of its latency), warps and
 # load-pipeline stages. H100 sweep (benchmarks/gdn.py, B1 H16 K=V=128, T 8192 and 32768): BV16,
@@ -257,7 +258,11 @@ def chunk_table(cu_seqlens: torch.Tensor, total_tokens: int, chunk: int = CHUNK)
 RECURRENCE_BLOCK_V = 32
 RECURRENCE_WARPS = 4
 RECURRENCE_STAGES = 4
-OUTPUT_BLOCK_V = 64  # value columns per program of the (parallel) output kernel
+# The parallel kernels (H100 sweep, benchmarks/gdn.py, T 8192 and 32768): the output kernel with all
+# 128 value columns per program is 4-5% faster in all than 64; 8 warps for prepare +40%, for output +-1%.
+OUTPUT_BLOCK_V = 128  # value columns per program of the output kernel
+PREPARE_WARPS = 4
+OUTPUT_WARPS = 4
 
 
 def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, output_final_state, l2,
@@ -266,6 +271,8 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
     or T / seq_len sequences of ``seq_len`` tokens each. Returns (o, final or None)."""
     _, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    if cu_seqlens is None and seq_len == 1:  # never launch with seq_len == 1 (see above)
+        cu_seqlens = torch.arange(T + 1, dtype=torch.int32, device=q.device)
     equal = cu_seqlens is None
     N = T // seq_len if equal else cu_seqlens.numel() - 1
     BK, BV_full = triton.next_power_of_2(K), triton.next_power_of_2(V)
@@ -287,7 +294,7 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
     h = torch.empty(slots, HV, K, V, dtype=dt, device=device)  # the state at each chunk's start
     _chunk_prepare_kernel[(slots, HV)](
         q, k, v, g, beta, G, u, w, kd, aqk, start, length, seq_len, float(scale),
-        H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=BK, BV=BV_full, L2NORM=l2, P=precision, EQUAL=equal, num_warps=4,
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=BK, BV=BV_full, L2NORM=l2, P=precision, EQUAL=equal, num_warps=PREPARE_WARPS,
     )
     final = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if output_final_state else None
     if block_v is None:
@@ -304,7 +311,7 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
     out_v = min(OUTPUT_BLOCK_V, BV_full)
     _chunk_output_kernel[(slots, HV, triton.cdiv(V, out_v))](
         q, G, aqk, h, new_v, o, start, length, seq_len, float(scale),
-        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=out_v, L2NORM=l2, P=precision, EQUAL=equal, num_warps=4,
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=out_v, L2NORM=l2, P=precision, EQUAL=equal, num_warps=OUTPUT_WARPS,
     )
     return o, final
 
