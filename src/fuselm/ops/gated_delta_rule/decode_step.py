@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselm.ops.gated_delta_rule.fused_recurrent import BLOCK_V, NUM_WARPS
+from fuselm.ops.gated_delta_rule import fused_recurrent
+from fuselm.ops.gated_delta_rule.fused_recurrent import _gated_delta_step, decode_block_v
 from fuselm.ops.gated_delta_rule.naive import gated_delta_rule_decode_step_ref
 from fuselm.runtime import check_same_device, check_tensor, use_triton
 
@@ -64,6 +65,10 @@ def _decode_step_kernel(
     v_ok = vv < V
     slot = tl.load(slots_ptr + i_n).to(tl.int64)
     active = slot >= 0
+    # the state first: its load is the long one, and nothing below it depends on it until the step
+    state_offs = i_hv * K * V + kk[:, None] * V + vv[None, :]
+    state_mask = (kk < tl.where(active, K, 0))[:, None] & v_ok[None, :]
+    S = tl.load(state_ptr + slot * HV * K * V + state_offs, mask=state_mask, other=0.0)
     position = tl.load(positions_ptr + i_n)
     proj = proj_ptr + i_n.to(tl.int64) * stride_proj
     conv = conv_ptr + i_n.to(tl.int64) * stride_conv
@@ -74,8 +79,6 @@ def _decode_step_kernel(
     q, x_q = _causal_conv_silu(proj, conv, conv_w_ptr, q_ch, k_ok, position, KW)
     k, x_k = _causal_conv_silu(proj, conv, conv_w_ptr, k_ch, k_ok, position, KW)
     v, x_v = _causal_conv_silu(proj, conv, conv_w_ptr, v_ch, v_ok, position, KW)
-    q = q * tl.rsqrt(tl.sum(q * q) + 1e-6)
-    k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
 
     b = tl.load(proj + CONV_DIM + HV * V + i_hv)
     a = tl.load(proj + CONV_DIM + HV * V + HV + i_hv).to(tl.float32) + tl.load(dt_bias_ptr + i_hv).to(tl.float32)
@@ -83,13 +86,7 @@ def _decode_step_kernel(
     g = -tl.exp(tl.load(A_log_ptr + i_hv).to(tl.float32)) * softplus
     beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
 
-    state_offs = i_hv * K * V + kk[:, None] * V + vv[None, :]
-    state_mask = (kk < tl.where(active, K, 0))[:, None] & v_ok[None, :]
-    S = tl.load(state_ptr + slot * HV * K * V + state_offs, mask=state_mask, other=0.0)
-    S = S * tl.exp(g)
-    u = beta * (v - tl.sum(S * k[:, None], axis=0))
-    S = S + k[:, None] * u[None, :]
-    o = scale * tl.sum(S * q[:, None], axis=0)
+    S, o = _gated_delta_step(S, q, k, v, g, beta, scale, True)  # q/k l2-norm in the step
     tl.store(o_ptr + (i_n * HV + i_hv).to(tl.int64) * V + vv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
     tl.store(state_ptr + slot * HV * K * V + state_offs, S, mask=state_mask)
 
@@ -168,11 +165,11 @@ def gated_delta_rule_decode_step(
                                                           state_slots, positions, H, K, HV, V, scale))
     if N == 0:
         return out
-    block_v = min(BLOCK_V, triton.next_power_of_2(V))
+    block_v = decode_block_v(N * HV, V, proj.device)  # the geometry of fused_recurrent's sweep
     _decode_step_kernel[(triton.cdiv(V, block_v), N * HV)](
         proj, conv_state, conv_weight, A_log, dt_bias, state, state_slots, positions, out,
         proj.stride(0), conv_state.stride(0), scale,
         H=H, HV=HV, K=K, V=V, KW=conv_weight.shape[2], BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
-        num_warps=NUM_WARPS,
+        num_warps=fused_recurrent.NUM_WARPS,
     )
     return out

@@ -18,7 +18,30 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.gated_delta_rule.naive import gates_from_projections, recurrent_gated_delta_rule_ref
-from fuselm.runtime import check_same_device, check_tensor, needs_autograd, use_triton
+from fuselm.runtime import check_same_device, check_tensor, needs_autograd, num_sms, use_triton
+
+
+@triton.jit
+def _gated_delta_step(S, q, k, v, g, beta, scale, L2NORM: tl.constexpr):
+    """One token on an fp32 state slice S [K, BV] (q, k [K] and v [BV] in fp32; with L2NORM, q and
+    k are l2-normalised here, x * rsqrt(sum(x^2) + 1e-6)):
+        S' = e^g S + k u^T,   u = beta (v - e^g S^T k),   o = scale S'^T q = scale (e^g S^T q + (k.q) u).
+    Every reduction reads only the loaded q, k and the old S (the norms scale their results), so
+    all five run side by side instead of each waiting for the one before; equal to normalising
+    first and computing o from S' up to fp32 rounding. Returns (S', o)."""
+    decay = tl.exp(g)
+    Sk = tl.sum(S * k[:, None], axis=0)
+    Sq = tl.sum(S * q[:, None], axis=0)
+    kq = tl.sum(k * q)
+    if L2NORM:
+        rk = tl.rsqrt(tl.sum(k * k) + 1e-6)
+        rq = tl.rsqrt(tl.sum(q * q) + 1e-6)
+    else:
+        rk = 1.0
+        rq = 1.0
+    u = beta * (v - (decay * rk) * Sk)
+    o = scale * ((decay * rq) * Sq + (rk * rq * kq) * u)
+    return S * decay + (k * rk)[:, None] * u[None, :], o
 
 
 @triton.jit
@@ -63,9 +86,6 @@ def _fused_recurrent_gdr_kernel(
         q = tl.load(q_ptr + (t * H + i_h) * K + kk, mask=k_ok, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + (t * H + i_h) * K + kk, mask=k_ok, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + (t * HV + i_hv) * V + vv, mask=v_ok, other=0.0).to(tl.float32)
-        if L2NORM:
-            q = q * tl.rsqrt(tl.sum(q * q) + 1e-6)
-            k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
         if RAW_GATES:
             x = tl.load(a_ptr + t * HV + i_hv).to(tl.float32) + dt_bias
             softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
@@ -74,20 +94,27 @@ def _fused_recurrent_gdr_kernel(
         else:
             g = tl.load(g_ptr + t * HV + i_hv).to(tl.float32)
             beta = tl.load(beta_ptr + t * HV + i_hv).to(tl.float32)
-        S = S * tl.exp(g)
-        u = beta * (v - tl.sum(S * k[:, None], axis=0))
-        S = S + k[:, None] * u[None, :]
-        o = scale * tl.sum(S * q[:, None], axis=0)
+        S, o = _gated_delta_step(S, q, k, v, g, beta, scale, L2NORM)
         tl.store(o_ptr + (t * HV + i_hv) * V + vv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
     if STORE_HT:
         tl.store(ht_ptr + slot * HV * K * V + state_offs, S, mask=state_mask)
 
 
-# Value columns and warps per program: 32 keeps a 128 x 32 fp32 state slice at 32 registers per
-# thread over 4 warps, and gives 4 programs per (sequence, head) at V = 128. benchmarks/gdn.py
-# sweeps both (decode_sweep in gdn.json).
-BLOCK_V = 32
-NUM_WARPS = 4
+# Value columns and warps per program. H100 sweep (benchmarks/gdn.py, HV=32 K=V=128, per call of 20
+# in one graph): 1 warp is best or within 1% at every size; 16 columns when 32 would leave fewer
+# than two programs per SM (B=1: 3.14 vs 3.40 us), else 32 (B=32: 49.4 vs 49.9 us); 8 is 15% slower.
+BLOCK_V = None  # None: decode_block_v decides; benchmarks/gdn.py sets it to sweep
+NUM_WARPS = 1
+
+
+def decode_block_v(programs: int, V: int, device: torch.device) -> int:
+    """Value columns per program for ``programs`` (sequence, value head) pairs of V columns."""
+    if BLOCK_V is not None:
+        return min(BLOCK_V, triton.next_power_of_2(V))
+    block_v = min(32, triton.next_power_of_2(V))
+    if block_v > 16 and device.type == "cuda" and programs * triton.cdiv(V, block_v) < 2 * num_sms(device):
+        block_v //= 2
+    return block_v
 
 
 def _check(q, k, v, g, beta, raw, initial_state, cu_seqlens, state_indices):
@@ -201,7 +228,7 @@ def fused_recurrent_gated_delta_rule(
     dummy = q
     a_, b_, A_log_, dt_bias_ = gate_tensors if raw else (dummy,) * 4
     g_, beta_ = (dummy, dummy) if raw else gate_tensors
-    block_v = min(BLOCK_V, triton.next_power_of_2(V))
+    block_v = decode_block_v(N * HV, V, q.device)
     _fused_recurrent_gdr_kernel[(triton.cdiv(V, block_v), N * HV)](
         q, k, v, g_, beta_, a_, b_, A_log_, dt_bias_,
         o, initial_state if initial_state is not None else dummy, final if final is not None else dummy,
