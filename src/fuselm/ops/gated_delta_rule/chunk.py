@@ -294,7 +294,8 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
     h = torch.empty(slots, HV, K, V, dtype=dt, device=device)  # the state at each chunk's start
     _chunk_prepare_kernel[(slots, HV)](
         q, k, v, g, beta, G, u, w, kd, aqk, start, length, seq_len, float(scale),
-        H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=BK, BV=BV_full, L2NORM=l2, P=precision, EQUAL=equal, num_warps=PREPARE_WARPS,
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=BK, BV=BV_full, L2NORM=l2, P=precision, EQUAL=equal,
+        num_warps=PREPARE_WARPS,
     )
     final = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if output_final_state else None
     if block_v is None:
@@ -311,7 +312,8 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
     out_v = min(OUTPUT_BLOCK_V, BV_full)
     _chunk_output_kernel[(slots, HV, triton.cdiv(V, out_v))](
         q, G, aqk, h, new_v, o, start, length, seq_len, float(scale),
-        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=out_v, L2NORM=l2, P=precision, EQUAL=equal, num_warps=OUTPUT_WARPS,
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=out_v, L2NORM=l2, P=precision, EQUAL=equal,
+        num_warps=OUTPUT_WARPS,
     )
     return o, final
 
