@@ -48,7 +48,7 @@ def mismatch(a, b):
     return (a != b).float().mean().item()
 
 
-def op_agreement(dev, D=4096, F_=12288, M=2048, hd=128, heads=32):
+def op_agreement(dev, D=4096, F_=12288, M=2048, hd=128, heads=32, dtype=torch.bfloat16):
     """fuselm's ops against HF's PyTorch code on identical bf16 inputs: the fraction of output
     elements that differ, and the relative difference."""
     from fuselm.ops.decode_linear import decode_linear
@@ -57,7 +57,7 @@ def op_agreement(dev, D=4096, F_=12288, M=2048, hd=128, heads=32):
     from fuselm.ops.swiglu_mlp.op import gemm_swiglu
 
     gen = torch.Generator(dev).manual_seed(1)
-    bf = torch.bfloat16
+    bf = dtype
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen, device=dev) * scale).to(bf)
@@ -121,7 +121,7 @@ def main():
     results = {"positions": pos}
     results["weights"] = args.weights
     if not args.skip_ops:
-        results["op_agreement"] = op_agreement(dev, 64, 96, 40, 16, 4) if args.tiny else op_agreement(dev)
+        results["op_agreement"] = op_agreement(dev, 64, 96, 40, 16, 4, torch.float16) if args.tiny else op_agreement(dev)
     for name, value in results.get("op_agreement", {}).items():
         print(f"op agreement: {name}: {value:.3g}", flush=True)
     with torch.no_grad():

@@ -10,7 +10,7 @@
 #   audit_hf_init.{md,json}    the same with HF's own weight initialisation (--weights hf-init)
 #   qwen35.md, qwen35.json     benchmarks/qwen35.py: 9B random bf16, batch 1/8/32 decode and prefill
 #   bench.log                  vs HF transformers (+ fla-core), weight floor, the issue-6 target table
-# Usage: bash scripts/gpu_qwen35.sh [tests] [generate] [audit] [bench]   (default: all four, ~6-8 min
+# Usage: bash scripts/gpu_qwen35.sh [tests] [generate] [audit] [bench]   (default: all four, ~8-10 min
 # on an H100; name a subset to split the run across calls). Comparison libraries (fla-core) come
 # from .whl/ when present, as in scripts/gpu_suite.sh.
 set -uo pipefail

@@ -385,6 +385,8 @@ def audit(args) -> int:
     except ImportError:
         raise SystemExit("fuselm audit compares against Hugging Face transformers: pip install transformers") from None
     _check_sizes(args)
+    if args.checkpoint is not None and args.weights != "spread":
+        raise SystemExit("--weights: chooses random weights; it does not apply with --checkpoint")
     device, dtype = _device_and_dtype(args)
     if args.checkpoint is not None:
         hf_model = Qwen3_5ForCausalLM.from_pretrained(args.checkpoint, dtype=dtype).to(device).eval()

@@ -14,11 +14,12 @@ Architecture (HF ``transformers/models/qwen3_5/modeling_qwen3_5.py``):
   full attention (``full_attention``); ``mlp`` is SwiGLU through ``swiglu_mlp``.
 
 Numerics: fp32 everywhere reproduces HF to summation order (the tests hold 1e-3 absolute on the
-logits; measured <= 1.1e-5 on the tiny test model). In bf16/fp16 every op rounds where HF's eager op rounds, with these
-exceptions: ``swiglu_mlp`` keeps the gate/up products in fp32 until the activation (HF rounds
-them first), the fused projections are single GEMMs over concatenated weights (same products,
-per-column results as HF's separate GEMMs up to the BLAS's blocking), and the decode kernel takes
-beta = sigmoid(b) in fp32 (HF rounds ``b.sigmoid()`` to the model dtype).
+logits; measured <= 1.1e-5 on the tiny test model). In bf16/fp16 every op rounds where HF's eager op rounds
+(``swiglu_mlp`` included: its gate/up products are rounded before the activation, as HF's
+projections are); the fused projections are single GEMMs over concatenated weights (same
+products, per-column results as HF's separate GEMMs up to the BLAS's blocking), and the Gated
+DeltaNet kernels round at fla-core's points with their own fp32/tf32 sums (the one bf16
+difference from HF that matters: benchmarks/results/<gpu>/README.md, "Where the gap comes from").
 
 Cache and batching (``Qwen35Cache``): preallocated once per (max_batch, max_len); row r of a
 batch is cache slot r. Prompts of different lengths are RIGHT-padded (``attention_mask`` rows

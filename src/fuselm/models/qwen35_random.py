@@ -107,12 +107,14 @@ def random_hf_qwen35(config: Qwen35Config, dtype: torch.dtype = torch.float32, d
     """An HF ``Qwen3_5ForCausalLM`` of ``config`` built on ``device`` in ``dtype`` (no fp32 CPU
     copy first). ``weights``: "spread", drawn by ``randomize_hf_weights_`` (the module
     docstring's scheme); "hf-init", HF's own initialisation (``_init_weights``: N(0, 0.02)
-    matrices and embeddings, zero-centered norms at 0, ...) under ``torch.manual_seed(seed)``."""
+    matrices and embeddings, zero-centered norms at 0, ...) drawn from torch's global RNG seeded
+    with ``seed`` inside ``torch.random.fork_rng`` (the caller's RNG state is left as it was)."""
     from transformers import Qwen3_5ForCausalLM
 
     if weights not in WEIGHT_SCHEMES:
         raise ValueError(f"weights: expected one of {WEIGHT_SCHEMES}, got {weights!r}")
-    torch.manual_seed(seed)
-    with torch.device(device):
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
+        torch.manual_seed(seed)
         hf_model = Qwen3_5ForCausalLM._from_config(to_hf_config(config), dtype=dtype)
     return (randomize_hf_weights_(hf_model, seed) if weights == "spread" else hf_model).eval()

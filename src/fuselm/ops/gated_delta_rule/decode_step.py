@@ -27,8 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselm.ops.gated_delta_rule import fused_recurrent
-from fuselm.ops.gated_delta_rule.fused_recurrent import _gated_delta_step, decode_block_v
+from fuselm.ops.gated_delta_rule.fused_recurrent import _gated_delta_step, decode_block_v, decode_num_warps
 from fuselm.ops.gated_delta_rule.naive import gated_delta_rule_decode_step_ref
 from fuselm.runtime import check_same_device, check_tensor, use_triton
 
@@ -170,6 +169,6 @@ def gated_delta_rule_decode_step(
         proj, conv_state, conv_weight, A_log, dt_bias, state, state_slots, positions, out,
         proj.stride(0), conv_state.stride(0), scale,
         H=H, HV=HV, K=K, V=V, KW=conv_weight.shape[2], BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
-        num_warps=fused_recurrent.NUM_WARPS,
+        num_warps=decode_num_warps(triton.next_power_of_2(K), block_v),
     )
     return out

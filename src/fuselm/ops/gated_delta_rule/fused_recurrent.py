@@ -104,7 +104,13 @@ def _fused_recurrent_gdr_kernel(
 # in one graph): 1 warp is best or within 1% at every size; 16 columns when 32 would leave fewer
 # than two programs per SM (B=1: 3.14 vs 3.40 us), else 32 (B=32: 49.4 vs 49.9 us); 8 is 15% slower.
 BLOCK_V = None  # None: decode_block_v decides; benchmarks/gdn.py sets it to sweep
-NUM_WARPS = 1
+NUM_WARPS = 1  # at least; decode_num_warps adds warps for wider slices (K > 128)
+
+
+def decode_num_warps(block_k: int, block_v: int) -> int:
+    """NUM_WARPS, raised so a thread holds at most 128 fp32 state values (K = 256 at 32 columns
+    would otherwise spill)."""
+    return max(NUM_WARPS, block_k * block_v // (32 * 128))
 
 
 def decode_block_v(programs: int, V: int, device: torch.device) -> int:
@@ -237,7 +243,7 @@ def fused_recurrent_gated_delta_rule(
         H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
         RAW_GATES=raw is not None, L2NORM=use_qk_l2norm_in_kernel, HAS_H0=initial_state is not None,
         STORE_HT=final is not None, VARLEN=cu_seqlens is not None, INDEXED=state_indices is not None,
-        num_warps=NUM_WARPS,
+        num_warps=decode_num_warps(triton.next_power_of_2(K), block_v),
     )
     return o, (final if (output_final_state or state_indices is not None) else None)
 
