@@ -206,13 +206,12 @@ def main(argv=None) -> int:
         raise SystemExit("--new-tokens and --hf-new-tokens: at least 2 (one decode step)")
     args.batch = sorted(set(args.batch))
     config = config_9b() if args.config == "9b" else tiny_config()
-    import transformers
     import triton
 
     meta = {"config": "9B (HF Qwen3_5TextConfig() defaults)" if args.config == "9b" else "tiny (built-in)",
             "dtype": str(args.dtype)[6:], "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
             "command": "python3 " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
-            "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+            "torch": torch.__version__, "triton": triton.__version__, "transformers": package_version("transformers"),
             "fla": package_version("fla-core", "flash-linear-attention"), "causal_conv1d": package_version("causal-conv1d"),
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats}
     if device.type == "cuda":
@@ -227,7 +226,6 @@ def main(argv=None) -> int:
     print("\n" + text)
     out = results_dir(args.out) if device.type == "cuda" or args.out else None
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
         (out / "qwen35.md").write_text(text)
         (out / "qwen35.json").write_text(json.dumps({"meta": meta, "fuselm": ours, "hf": hf}, indent=1))
         print(f"wrote {out / 'qwen35.md'} and {out / 'qwen35.json'}")

@@ -20,8 +20,10 @@ import torch.nn.functional as F
 
 from fuselm.models import qwen35 as qwen35_module
 from fuselm.models.qwen35 import Qwen35
-from fuselm.models.qwen35_random import config_9b, random_hf_qwen35, tiny_config
+from fuselm.models.qwen35_random import WEIGHT_SCHEMES, config_9b, random_hf_qwen35, tiny_config
 from fuselm.ops.gated_delta_rule.naive import chunk_gated_delta_rule_ref
+# HF's RMSNorm op for op (both rounding modes; add_rms_norm_ref: HF's bf16 residual add first)
+from fuselm.ops.rms_norm.naive import add_rms_norm_ref, rms_norm_ref
 from fuselm.testing import rel_err
 
 POSITIONS = (0, 63, 255, 511)
@@ -29,18 +31,6 @@ POSITIONS = (0, 63, 255, 511)
 
 def cosine(a, b):
     return F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
-
-
-def hf_rms_norm(x, weight, eps, offset):
-    """HF's Qwen3_5RMSNorm (offset 1) / the norm of Qwen3_5RMSNormGated (offset 0), op for op."""
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * (offset + weight.float())).to(x.dtype) if offset else weight * normed.to(x.dtype)
-
-
-def hf_add_rms_norm(x, residual, weight, eps, offset):
-    s = residual + x
-    return hf_rms_norm(s, weight, eps, offset), s
 
 
 def mismatch(a, b):
@@ -64,11 +54,11 @@ def op_agreement(dev, D=4096, F_=12288, M=2048, hd=128, heads=32, dtype=torch.bf
 
     out = {}
     x, r, w = randn(M, D, scale=3), randn(M, D, scale=5), randn(D, scale=0.3)
-    out["rms_norm (zero-centered)"] = mismatch(rms_norm(x, w, 1e-6, 1.0), hf_rms_norm(x, w, 1e-6, 1.0))
+    out["rms_norm (zero-centered)"] = mismatch(rms_norm(x, w, 1e-6, 1.0), rms_norm_ref(x, w, 1e-6, 1.0))
     normed, s = add_rms_norm(x, r, w, 1e-6, 1.0)
     out["add_rms_norm residual"] = mismatch(s, r + x)
-    out["add_rms_norm normed"] = mismatch(normed, hf_rms_norm(r + x, w, 1e-6, 1.0))
-    out["rms_norm (offset 0)"] = mismatch(rms_norm(x, w, 1e-6, 0.0), hf_rms_norm(x, w, 1e-6, 0.0))
+    out["add_rms_norm normed"] = mismatch(normed, rms_norm_ref(r + x, w, 1e-6, 1.0))
+    out["rms_norm (offset 0)"] = mismatch(rms_norm(x, w, 1e-6, 0.0), rms_norm_ref(x, w, 1e-6, 0.0))
     wg, wu, w2 = randn(F_, D, scale=D ** -0.5), randn(F_, D, scale=D ** -0.5), randn(D, F_, scale=F_ ** -0.5)
     w13 = interleave_gate_up(wg, wu)
     for m in (M, 4):
@@ -81,7 +71,7 @@ def op_agreement(dev, D=4096, F_=12288, M=2048, hd=128, heads=32, dtype=torch.bf
         out[f"swiglu_mlp y rel diff, M={m}"] = rel_err(y, y_ref)
     # decode_linear prologues (M = 4): HF's gated RMSNorm + out_proj, and attention's sigmoid gate + o_proj
     o, z, wn, wo = randn(4, heads, hd), randn(4, heads, hd), randn(hd, scale=0.3) + 1, randn(D, heads * hd, scale=0.02)
-    gated = (hf_rms_norm(o, wn, 1e-6, 0.0).float() * F.silu(z.float())).to(bf)
+    gated = (rms_norm_ref(o, wn, 1e-6, 0.0).float() * F.silu(z.float())).to(bf)
     y_hf = F.linear(gated.flatten(1), wo)
     y = decode_linear(o.flatten(1), wo, prologue="gated_rms_norm", gate=z.flatten(1), norm_weight=wn, eps=1e-6,
                       head_dim=hd)
@@ -100,7 +90,7 @@ def op_agreement(dev, D=4096, F_=12288, M=2048, hd=128, heads=32, dtype=torch.bf
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--weights", default="spread", choices=("spread", "hf-init"))
+    parser.add_argument("--weights", default="spread", choices=WEIGHT_SCHEMES)
     parser.add_argument("--skip-ops", action="store_true", help="skip the op-agreement table")
     parser.add_argument("--tiny", action="store_true", help="the tiny config on the CPU (a smoke test of this script)")
     args = parser.parse_args()
@@ -159,7 +149,7 @@ def main():
             """fuselm prefill logits with the components in ``swap`` taken from HF."""
             patched = []
             if "norms" in swap:
-                qwen35_module.rms_norm, qwen35_module.add_rms_norm = hf_rms_norm, hf_add_rms_norm
+                qwen35_module.rms_norm, qwen35_module.add_rms_norm = rms_norm_ref, add_rms_norm_ref
             qwen35_module.chunk_gated_delta_rule = fla_chunk if "gdn_kernel" in swap else capturing_chunk
             qwen35_module.swiglu_mlp = hf_mlp if "mlp" in swap else capturing_mlp
             for i, layer in enumerate(model.layers):

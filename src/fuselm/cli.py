@@ -496,9 +496,11 @@ def main(argv=None) -> int:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--no-stream", dest="stream", action="store_false", help="do not print ids as they come")
     gen.set_defaults(run=generate)
+    from fuselm.models.qwen35_random import WEIGHT_SCHEMES
+
     aud = commands.add_parser("audit", help="Qwen3.5 engine: kernels/graph launches/host syncs per step, HF parity")
     model_arguments(aud, 16, 8, 2)
-    aud.add_argument("--weights", default="spread", choices=("spread", "hf-init"),
+    aud.add_argument("--weights", default="spread", choices=WEIGHT_SCHEMES,
                      help="random weights: 'spread' (every weight away from its init: fuselm.models.qwen35_random) "
                           "or HF's own initialisation; writes audit.json / audit_hf_init.json")
     aud.set_defaults(run=audit)

@@ -228,7 +228,8 @@ class Engine:
 
         start = time.perf_counter()
         self.step_column.zero_()
-        logits = self.model.prefill(input_ids, self.cache, attention_mask)  # rows >= requests become inactive
+        # checked above: the unchecked entry (its checks read the device); rows >= requests become inactive
+        logits = self.model._prefill_last_logits(input_ids, lengths, self.cache)
         report = self._sample_and_record(logits, self.cache.active[:requests], requests)
         step_logits = [logits.clone()] if return_logits else []
         self._sync()

@@ -83,6 +83,13 @@ def check_match(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor, *,
         raise TypeError(f"{name}: dtype {t.dtype} does not match {ref_name} {ref.dtype}")
 
 
+def check_positive_int(name: str, value) -> int:
+    """The argument, if it is an int >= 1 (not a bool); else ValueError."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
 def check_finite_float(name: str, value, *, positive: bool = False, nonnegative: bool = False) -> float:
     """The argument as a float; ValueError if it is not a finite number (of the right sign)."""
     if type(value) is not float:

@@ -48,8 +48,10 @@ from torch import nn
 from fuselm.ops.attention_decode import apply_rotary_ref, qk_norm_rope_kv_write
 from fuselm.ops.decode_linear import decode_linear
 from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_decode_step
+from fuselm.ops.gated_delta_rule.naive import decay_gate
 from fuselm.ops.rms_norm import add_rms_norm, rms_norm
 from fuselm.ops.swiglu_mlp import interleave_gate_up, swiglu_mlp
+from fuselm.runtime import check_positive_int
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
@@ -211,9 +213,8 @@ class Qwen35Cache:
 
     @classmethod
     def allocate(cls, config: Qwen35Config, max_batch: int, max_len: int, dtype, device) -> "Qwen35Cache":
-        for name, value in (("max_batch", max_batch), ("max_len", max_len)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        check_positive_int("max_batch", max_batch)
+        check_positive_int("max_len", max_len)
         layers = []
         for layer_type in config.layer_types:
             if layer_type == FULL_ATTENTION:
@@ -355,7 +356,7 @@ class GatedDeltaNet(nn.Module):
 
         q, k, v = self._split_heads(conv_out)
         # HF: g = -exp(A_log) * softplus(a + dt_bias) in fp32; beta = sigmoid(b) in the model dtype.
-        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+        g = decay_gate(self.A_log, a, self.dt_bias)
         beta = b.sigmoid()
         if step.token_mask is None:
             o, final = chunk_gated_delta_rule(q, k, v, g, beta, self.head_k_dim ** -0.5, None, True, True)

@@ -14,13 +14,9 @@ import torch
 from fuselm.ops.attention_decode.kernels import qk_norm_rope_kv_write_kernel
 from fuselm.ops.attention_decode.naive import qk_norm_rope_kv_write_ref
 from fuselm.ops.rms_norm.kernels import MAX_COLS
-from fuselm.runtime import check_finite_float, check_same_device, check_tensor, use_triton
-
-
-def _positive_int(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return value
+from fuselm.runtime import (
+    check_finite_float, check_match, check_positive_int, check_same_device, check_tensor, use_triton,
+)
 
 
 def _rows(name: str, t: torch.Tensor, B: int) -> torch.Tensor:
@@ -33,9 +29,9 @@ def _rows(name: str, t: torch.Tensor, B: int) -> torch.Tensor:
 
 def _check(qkv, q_norm_weight, k_norm_weight, cos, sin, key_cache, value_cache, write_column,
            num_heads, num_kv_heads, head_dim, eps, q_out):
-    num_heads = _positive_int("num_heads", num_heads)
-    num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
-    head_dim = _positive_int("head_dim", head_dim)
+    num_heads = check_positive_int("num_heads", num_heads)
+    num_kv_heads = check_positive_int("num_kv_heads", num_kv_heads)
+    head_dim = check_positive_int("head_dim", head_dim)
     if head_dim > MAX_COLS:
         raise ValueError(f"head_dim: {head_dim} exceeds the {MAX_COLS} columns a program holds")
     eps = check_finite_float("eps", eps, nonnegative=True)
@@ -61,8 +57,7 @@ def _check(qkv, q_norm_weight, k_norm_weight, cos, sin, key_cache, value_cache, 
     for name, t in (("cos", cos), ("sin", sin)):
         if t.dtype != dtype:
             raise TypeError(f"{name}: dtype {t.dtype} does not match qkv {dtype}")
-    if sin.shape != cos.shape:
-        raise ValueError(f"sin: shape {tuple(sin.shape)} does not match cos {tuple(cos.shape)}")
+    check_match("sin", sin, "cos", cos, dtype=False)
     rotary_dim = cos.shape[-1]
     if rotary_dim % 2:
         raise ValueError(f"cos: rotary_dim (last dim) must be even, got {rotary_dim}")
@@ -76,9 +71,7 @@ def _check(qkv, q_norm_weight, k_norm_weight, cos, sin, key_cache, value_cache, 
             raise TypeError(f"{name}: dtype {c.dtype} does not match qkv {dtype}")
         if c.stride(-1) != 1:
             raise ValueError(f"{name}: the last dim must be contiguous (it is written in place)")
-    if value_cache.shape != key_cache.shape:
-        raise ValueError(f"value_cache: shape {tuple(value_cache.shape)} does not match key_cache "
-                         f"{tuple(key_cache.shape)}")
+    check_match("value_cache", value_cache, "key_cache", key_cache, dtype=False)
     if write_column.shape != (B,) or write_column.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"write_column: expected an int64 (or int32) tensor [B] = ({B},), "
                          f"got {write_column.dtype} {tuple(write_column.shape)}")
@@ -137,10 +130,8 @@ def qk_norm_rope_kv_write(
             return q_out.copy_(qk_norm_rope_kv_write_ref(
                 qkv, q_norm_weight, k_norm_weight, cos, sin, key_cache, value_cache, write_column,
                 num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps))
-    rows = qkv.reshape(B, qkv.shape[-1])  # [B, 1, P] -> [B, P]: a view
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    qkv_norm_weights = [w if w.is_contiguous() else w.contiguous() for w in (q_norm_weight, k_norm_weight)]
+    rows = _rows("qkv", qkv, B)  # [B, 1, P] -> [B, P]: a view
+    qkv_norm_weights = [w.contiguous() for w in (q_norm_weight, k_norm_weight)]
     qk_norm_rope_kv_write_kernel(rows, *qkv_norm_weights, cos, sin, key_cache, value_cache, write_column, q_out,
                                  num_heads, num_kv_heads, head_dim, eps)
     return q_out

@@ -32,7 +32,6 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.swiglu_mlp.kernels import DECODE_MAX_M, _dot  # the same token padding and dot
-from fuselm.runtime import arch_major
 
 # Prologue codes, as the constexpr the kernel takes.
 PROLOGUE_NONE = 0
@@ -184,21 +183,19 @@ def fused_prologue_ok(prologue: str | None, head_dim: int | None, cfg: DecodeLin
 
 # ----------------------------------------------------------------------------- host launcher
 def decode_linear_kernel(x, weight, out, prologue: str | None = None, gate=None, norm_weight=None,
-                         eps: float = 1e-6, head_dim: int | None = None,
-                         config: DecodeLinearConfig | None = None):
+                         eps: float = 1e-6, head_dim: int | None = None, *, config: DecodeLinearConfig):
     """out [M, N] = prologue(x) @ weight.T for x (and gate) [M, K], M <= DECODE_MAX_M, weight
     [N, K]; all with unit column stride. No checks (``op.py`` does them); no allocation, no sync.
     The caller makes sure ``fused_prologue_ok(prologue, head_dim, config)``."""
     M, K = x.shape
     N = weight.shape[0]
-    cfg = config or decode_linear_config(arch_major(x.device), x.dtype, prologue, head_dim)
     code = PROLOGUE_CODES[prologue]
-    _decode_linear_kernel[(triton.cdiv(N, cfg.block_n),)](
+    _decode_linear_kernel[(triton.cdiv(N, config.block_n),)](
         x, gate if gate is not None else x, norm_weight if norm_weight is not None else x, weight, out,
         M, N, K, x.stride(0), gate.stride(0) if gate is not None else 0, weight.stride(0), out.stride(0), float(eps),
         PROLOGUE=code, HEAD_DIM=head_dim if code == PROLOGUE_GATED_RMS_NORM else 1,
-        IEEE=x.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0,
-        BLOCK_M=DECODE_MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        IEEE=x.dtype == torch.float32, EVEN_K=K % config.block_k == 0,
+        BLOCK_M=DECODE_MAX_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

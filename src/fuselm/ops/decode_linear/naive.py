@@ -20,13 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fuselm.ops.rms_norm.naive import rms_norm_ref
+from fuselm.ops.rms_norm.naive import _work_dtype as _work, rms_norm_ref
 
 PROLOGUES = (None, "sigmoid_gate", "gated_rms_norm")
-
-
-def _work(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def sigmoid_gate_ref(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

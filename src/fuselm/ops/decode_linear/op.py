@@ -31,13 +31,14 @@ from fuselm.ops.decode_linear.kernels import (
 )
 from fuselm.ops.decode_linear.naive import decode_linear_ref, prologue_ref
 from fuselm.runtime import (
-    KERNEL_DTYPES, arch_major, as_rows, check_finite_float, check_match, check_same_device, check_tensor,
+    KERNEL_DTYPES, arch_major, as_rows, check_finite_float, check_match, check_positive_int, check_same_device,
+    check_tensor,
     needs_autograd, use_triton,
 )
 
 
 def _check(x, weight, prologue, gate, norm_weight, eps, head_dim, out, config):
-    """All argument checks (metadata only); returns (eps, head_dim, out shape)."""
+    """All argument checks (metadata only); returns (eps, out shape)."""
     check_tensor("x", x)
     check_tensor("weight", weight)
     if x.dim() == 0:
@@ -71,8 +72,7 @@ def _check(x, weight, prologue, gate, norm_weight, eps, head_dim, out, config):
             raise ValueError("norm_weight: required with prologue='gated_rms_norm'")
         if head_dim is None:
             raise ValueError("head_dim: required with prologue='gated_rms_norm'")
-        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
-            raise ValueError(f"head_dim: expected a positive int, got {head_dim!r}")
+        check_positive_int("head_dim", head_dim)
         if x.shape[-1] % head_dim:
             raise ValueError(f"head_dim: {head_dim} does not divide x's last dim K = {x.shape[-1]}")
         check_tensor("norm_weight", norm_weight)
@@ -106,7 +106,7 @@ def _check(x, weight, prologue, gate, norm_weight, eps, head_dim, out, config):
                              "call it under torch.no_grad()")
     if config is not None:
         check_config(config)
-    return eps, head_dim, out_shape
+    return eps, out_shape
 
 
 def decode_linear(
@@ -142,7 +142,7 @@ def decode_linear(
     Returns:
         y: [..., N] in x's dtype (``out`` when given).
     """
-    eps, head_dim, out_shape = _check(x, weight, prologue, gate, norm_weight, eps, head_dim, out, config)
+    eps, out_shape = _check(x, weight, prologue, gate, norm_weight, eps, head_dim, out, config)
     if out is None:
         out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
@@ -163,5 +163,5 @@ def decode_linear(
     if not fused_prologue_ok(prologue, head_dim, cfg):
         x2 = prologue_ref(x2, prologue, gate2, norm_weight, eps, head_dim)
         prologue, gate2, norm_weight, head_dim = None, None, None, None
-    decode_linear_kernel(x2, weight, out2, prologue, gate2, norm_weight, eps, head_dim, cfg)
+    decode_linear_kernel(x2, weight, out2, prologue, gate2, norm_weight, eps, head_dim, config=cfg)
     return out

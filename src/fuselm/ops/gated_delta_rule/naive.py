@@ -20,11 +20,16 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
+def decay_gate(A_log, a, dt_bias):
+    """The log-decay g = -exp(A_log) * softplus(a + dt_bias) in fp32 (Qwen3.5 / FLA); a [..., HV],
+    A_log and dt_bias [HV]."""
+    return -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
+
+
 def gates_from_projections(A_log, a, dt_bias, b):
-    """Qwen3.5 / FLA gates from raw projections: g = -exp(A_log) * softplus(a + dt_bias),
-    beta = sigmoid(b); a, b [B, T, HV], A_log and dt_bias [HV]. In fp32."""
-    g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
-    return g, torch.sigmoid(b.float())
+    """Qwen3.5 / FLA gates from raw projections: g = ``decay_gate``, beta = sigmoid(b); a, b
+    [B, T, HV], A_log and dt_bias [HV]. In fp32."""
+    return decay_gate(A_log, a, dt_bias), torch.sigmoid(b.float())
 
 
 def _run_sequences(run_sequence, q, k, v, g, beta, scale, initial_state, output_final_state, l2, cu_seqlens):
@@ -128,7 +133,7 @@ def gated_delta_rule_decode_step_ref(proj, conv_state, conv_weight, A_log, dt_bi
     window = torch.cat([history, x[:, :, None]], dim=-1)
     conv_out = F.silu(F.conv1d(window, conv_weight, groups=conv_dim))[..., 0]  # [N, conv_dim]
     q, k, v = conv_out.split([H * K, H * K, HV * V], dim=-1)
-    g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
+    g = decay_gate(A_log, a, dt_bias)
     active = state_slots >= 0
     slots = state_slots.long().clamp(min=0)
     h0 = torch.where(active[:, None, None, None], state[slots], 0.0)

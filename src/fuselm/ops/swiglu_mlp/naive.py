@@ -22,12 +22,17 @@ def _work(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _gate_up(xw: torch.Tensor, w13: torch.Tensor, dtype: torch.dtype):
+    """G, U = xw @ w_gate.T, xw @ w_up.T in xw's precision, each rounded to ``dtype`` (the contract)."""
+    work = xw.dtype
+    return ((xw @ w13[i::2].to(work).T).to(dtype).to(work) for i in (0, 1))
+
+
 def gemm_swiglu_ref(x: torch.Tensor, w13: torch.Tensor, act: Activation = Activation()) -> torch.Tensor:
     """``act(x @ w_gate.T) * (x @ w_up.T)`` per the contract above: [..., D] -> [..., F]."""
     work = _work(x)
     xw = x.to(work)
-    g = (xw @ w13[0::2].to(work).T).to(x.dtype).to(work)
-    u = (xw @ w13[1::2].to(work).T).to(x.dtype).to(work)
+    g, u = _gate_up(xw, w13, x.dtype)
     a = gate_factor_ref(g, act).to(x.dtype).to(work)
     return (a * up_factor_ref(u, act)).to(x.dtype)
 
@@ -43,8 +48,7 @@ def gemm_swiglu_backward_ref(x, w13, dh, act: Activation = Activation()):
     pre-activations, in fp32."""
     work = _work(x)
     xw = x.to(work)
-    g = (xw @ w13[0::2].to(work).T).to(x.dtype).to(work)
-    u = (xw @ w13[1::2].to(work).T).to(x.dtype).to(work)
+    g, u = _gate_up(xw, w13, x.dtype)
     dh = dh.to(work)
     c = g if act.kind == "silu" else torch.clamp(g, max=act.limit)
     s = torch.sigmoid(act.alpha * c)
