@@ -5,8 +5,9 @@
 Chunked prefill over a T sweep at B=1 H=16 K=V=128 and at B=4 T=2048: as called and as GPU time
 (CUDA-graph replay), agreement with fla (rel. RMSE of o and final state), fuselm's time per
 kernel (torch.profiler) and, at T >= 8192, a sweep of the kernels' geometry. Decode (T=1,
-HV=32, K=V=128): as called, one call per graph replay, and per call of 20 in one graph (the
-providers alternating, median of 5), with the state's read+write bandwidth, a one-store
+HV=32, K=V=128, with and without programmatic dependent launch): as called (a Python loop of
+calls), one call per graph replay, and per call of 20 in one graph (the providers alternating,
+median of 5), with the state's read+write bandwidth, a one-store
 kernel's time per call (the launch floor) and a sweep of the decode kernel's geometry. Writes
 (merges into) ``gdn.md`` and ``gdn.json``.
 """
@@ -27,7 +28,7 @@ import triton.language as tl
 from fuselm.ops.gated_delta_rule import chunk, chunk_gated_delta_rule, fused_recurrent, fused_recurrent_gated_delta_rule
 from fuselm.runtime import copy_bandwidth
 from fuselm.testing import rel_err
-from timing import bench, capture, graph_bench, results_dir
+from timing import bench, capture, graph_bench, loop_us, results_dir
 
 try:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
@@ -122,28 +123,41 @@ def main(argv=None) -> int:
         state = torch.randn(B, 32, 128, 128, device="cuda")
         fns = {"fuselm": lambda: fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state,
                                                                   output_final_state=True, use_qk_l2norm_in_kernel=True)}
+
+        def without_pdl():  # the same kernel launched plainly (programmatic dependent launch off)
+            fused_recurrent.PDL = False
+            try:
+                return fns["fuselm"]()
+            finally:
+                fused_recurrent.PDL = True
+
+        fns["fuselm no-PDL"] = without_pdl
         if fla_recurrent is not None:
             fns["fla"] = lambda: fla_recurrent(q, k, v, g, beta, initial_state=state, output_final_state=True,
                                                use_qk_l2norm_in_kernel=True)
         ms = {}
         for name, fn in fns.items():
-            ms[name + " as called"] = bench(fn)
-            print(B, name, "as called", ms[name + " as called"], flush=True)
             ms[name + " graph"] = graph_bench(fn)  # one call per replay (the anchors' measure)
             print(B, name, "graph", ms[name + " graph"], flush=True)
-        # Per call of 20 in one graph: the providers alternate, ROUNDS times each, median kept (the
-        # GPU's clocks drift over a run: one measurement each, in a fixed order, favoured the first).
+        # As called (a Python loop of calls, GPU included: do_bench's per-call timing of a host-bound
+        # call swung 7-80 us between rounds), and per call of 20 in one graph: the providers
+        # alternate, ROUNDS times each, medians kept (the GPU's clocks and the host drift over a
+        # run: one measurement each, in a fixed order, favoured or penalised the first).
         graphs = {name: capture(fn, calls=GRAPH_CALLS) for name, fn in fns.items()}
         rounds = {name: [] for name in fns}
+        called = {name: [] for name in fns}
         for _ in range(ROUNDS):
             for name, graph in graphs.items():
+                called[name].append(loop_us(fns[name]) / 1000)
                 rounds[name].append(bench(graph.replay) / GRAPH_CALLS)
-        for name, times in rounds.items():
-            ms[name + " graph per call"] = sorted(times)[len(times) // 2]
-            print(B, name, "per call", times, flush=True)
+        for name in fns:
+            ms[name + " as called"] = sorted(called[name])[len(called[name]) // 2]
+            ms[name + " graph per call"] = sorted(rounds[name])[len(rounds[name]) // 2]
+            print(B, name, "as called", called[name], "per call", rounds[name], flush=True)
         scratch = torch.empty(1, device="cuda")
         ms["one-store kernel graph per call"] = bench(capture(lambda: _one_store[(1,)](scratch),
                                                               calls=GRAPH_CALLS).replay) / GRAPH_CALLS
+        ms["one-store kernel graph"] = graph_bench(lambda: _one_store[(1,)](scratch))  # a graph launch's floor
         sweep = {}
         for block_v, warps in itertools.product((8, 16, 32), (1, 2, 4)):
             fused_recurrent.BLOCK_V, fused_recurrent.NUM_WARPS = block_v, warps
@@ -153,6 +167,7 @@ def main(argv=None) -> int:
         fused_recurrent.BLOCK_V, fused_recurrent.NUM_WARPS = default_geometry
         state_bytes = 2 * state.numel() * 4
         rows.append({"case": f"decode B{B} HV32 K=V=128", "ms": ms, "graph_per_call_rounds_ms": rounds,
+                     "as_called_rounds_ms": called,
                      "geometry_sweep_ms_per_call": sweep,
                      "state_tbps": {n: state_bytes / t / 1e9 for n, t in ms.items() if "graph" in n and "one-store" not in n}})
         print(rows[-1], flush=True)
@@ -166,7 +181,8 @@ def main(argv=None) -> int:
     lines += [f"- {r['cases']}: {r['date']}; torch {r['torch']}, triton {r['triton']}; copy {r['copy_tbps']:.2f} TB/s; "
               f"`{r['command']}`" for r in runs]
     lines += ["", "do_bench medians in ms: as called, and GPU time replayed from a CUDA graph (decode: one call "
-              f"per replay, and per call of {GRAPH_CALLS} captured in one graph).", "", "| case | times (ms) |", "|---|---|"]
+              f"per replay, and per call of {GRAPH_CALLS} captured in one graph; decode as called: a Python loop "
+              "of 200 calls, GPU included, median of 5 alternating rounds).", "", "| case | times (ms) |", "|---|---|"]
     lines += [f"| {r['case']} | " + ", ".join(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}"
                                             for k, v in r["ms"].items()) + " |" for r in rows]
     (out / "gdn.md").write_text("\n".join(lines) + "\n")

@@ -48,10 +48,10 @@ def test_strong_and_no_decay(decay):
 
 
 def test_varlen_equals_separate_sequences():
-    lengths = [5, 1, 12]
-    cu = torch.tensor([0, 5, 6, 18], device=DEVICE, dtype=torch.int32)
+    lengths = [5, 0, 1, 12]  # an empty sequence keeps its state and writes no output
+    cu = torch.tensor([0, 5, 5, 6, 18], device=DEVICE, dtype=torch.int32)
     q, k, v, g, beta = inputs(1, sum(lengths), 2, 4, 64, 64)
-    h0 = torch.randn(3, 4, 64, 64, device=DEVICE)
+    h0 = torch.randn(4, 4, 64, 64, device=DEVICE)
     o, ht = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
     for n, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         o_n, ht_n = recurrent_gated_delta_rule_ref(q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end],
@@ -163,6 +163,32 @@ def test_decode_from_a_state_pool_in_a_cuda_graph(dtype):
         o, _ = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=pool, state_indices=slots)
     graph.replay()
     assert rel_err(o, expected[0]) <= 5e-3 and rel_err(pool[2], expected[1][0]) <= 5e-3
+
+
+@pytest.mark.gpu
+def test_decode_steps_chained_in_one_cuda_graph():
+    """Eight decode steps back to back in one graph, each reading the pool slot the step before
+    wrote (on Hopper their launches overlap: programmatic dependent launch): the recurrence."""
+    q, k, v, g, beta = inputs(1, 8, 16, 32, 128, 128, torch.bfloat16)
+    pool = torch.randn(2, 32, 128, 128, device=DEVICE)
+    slots = torch.tensor([1], device=DEVICE, dtype=torch.int32)
+    o_ref, h_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=pool[1:2].clone(),
+                                                  output_final_state=True, use_qk_l2norm_in_kernel=True)
+    start = pool.clone()
+
+    def step(t):
+        return fused_recurrent_gated_delta_rule(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
+                                                beta[:, t:t + 1], initial_state=pool, state_indices=slots,
+                                                use_qk_l2norm_in_kernel=True)[0]
+
+    step(0)  # compile
+    pool.copy_(start)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [step(t) for t in range(8)]
+    graph.replay()
+    assert rel_err(torch.cat(outs, 1), o_ref) <= 5e-3 and rel_err(pool[1], h_ref[0]) <= 5e-3
+    assert torch.equal(pool[0], start[0])
 
 
 # ----------------------------------------------------------------------------- chunked reference

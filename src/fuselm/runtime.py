@@ -25,6 +25,17 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or (INTERPRET and t.device.type == "cpu")
 
 
+def cdiv(x: int, y: int) -> int:
+    """ceil(x / y) for launch grids. (triton.cdiv and triton.next_power_of_2 are constexpr-function
+    wrappers: a few µs each per host call, paid on every eager launch.)"""
+    return (x + y - 1) // y
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (0 for 0), as triton.next_power_of_2."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 @functools.lru_cache(maxsize=None)
 def _device_properties(index: int):
     return torch.cuda.get_device_properties(index)

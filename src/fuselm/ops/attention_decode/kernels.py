@@ -36,7 +36,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from fuselm.ops.rms_norm.kernels import _forward_geometry
-from fuselm.runtime import INTERPRET
+from fuselm.runtime import INTERPRET, cdiv
 
 
 @triton.jit
@@ -140,8 +140,8 @@ def qk_norm_rope_kv_write_kernel(qkv, q_norm_weight, k_norm_weight, cos, sin, ke
     B = qkv.shape[0]
     # The rms_norm forward kernel's tile (heads per program, padded head_dim) and warp count.
     block_m, block_n, num_warps = _forward_geometry(head_dim)
-    q_tiles = triton.cdiv(num_heads, block_m)
-    kv_tiles = triton.cdiv(num_kv_heads, block_m)
+    q_tiles = cdiv(num_heads, block_m)
+    kv_tiles = cdiv(num_kv_heads, block_m)
     _qk_norm_rope_kv_write_kernel[(B, q_tiles + kv_tiles)](
         qkv, q_norm_weight, k_norm_weight, cos, sin, key_cache, value_cache, write_column, q_out,
         qkv.stride(0), cos.stride(0), sin.stride(0),

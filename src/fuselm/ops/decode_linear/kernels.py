@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.swiglu_mlp.kernels import DECODE_MAX_M, _dot  # the same token padding and dot
+from fuselm.runtime import cdiv
 
 # Prologue codes, as the constexpr the kernel takes.
 PROLOGUE_NONE = 0
@@ -190,7 +191,7 @@ def decode_linear_kernel(x, weight, out, prologue: str | None = None, gate=None,
     M, K = x.shape
     N = weight.shape[0]
     code = PROLOGUE_CODES[prologue]
-    _decode_linear_kernel[(triton.cdiv(N, config.block_n),)](
+    _decode_linear_kernel[(cdiv(N, config.block_n),)](
         x, gate if gate is not None else x, norm_weight if norm_weight is not None else x, weight, out,
         M, N, K, x.stride(0), gate.stride(0) if gate is not None else 0, weight.stride(0), out.stride(0), float(eps),
         PROLOGUE=code, HEAD_DIM=head_dim if code == PROLOGUE_GATED_RMS_NORM else 1,

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from fuselm.ops.gated_delta_rule.fused_recurrent import _check, _NoBackward
 from fuselm.ops.gated_delta_rule.naive import chunk_gated_delta_rule_ref
-from fuselm.runtime import needs_autograd, num_sms, use_triton
+from fuselm.runtime import cdiv, needs_autograd, next_power_of_2, num_sms, use_triton
 
 CHUNK = 64  # tokens per chunk (BT): four 16-row blocks of the inverse, one wgmma-sized M
 SUB = 16  # rows per diagonal block of the inverse (the smallest tensor-core tile)
@@ -233,7 +233,7 @@ def chunk_table(cu_seqlens: torch.Tensor, total_tokens: int, chunk: int = CHUNK)
     the slots of packed sequences are padded to the host-known bound cdiv(T, chunk) + N (padding
     slots have length 0), so nothing waits on the host."""
     n_seq = cu_seqlens.numel() - 1
-    slots = triton.cdiv(total_tokens, chunk) + n_seq
+    slots = cdiv(total_tokens, chunk) + n_seq
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     chunks = (lengths + chunk - 1) // chunk
     first = torch.cumsum(chunks, 0) - chunks  # first slot of each sequence
@@ -275,14 +275,14 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
         cu_seqlens = torch.arange(T + 1, dtype=torch.int32, device=q.device)
     equal = cu_seqlens is None
     N = T // seq_len if equal else cu_seqlens.numel() - 1
-    BK, BV_full = triton.next_power_of_2(K), triton.next_power_of_2(V)
+    BK, BV_full = next_power_of_2(K), next_power_of_2(V)
     dt, device = q.dtype, q.device
     # fp32 inputs: ieee dots, and no multi-stage load pipeline (its fp32 buffers exceed shared memory).
     # 16-bit inputs keep >= 2 stages: with 1 stage triton 3.6 miscompiles the recurrence (an
     # out-of-bounds shared-memory read, compute-sanitizer, H100).
     precision, stages = ("ieee", 1) if dt == torch.float32 else ("tf32", RECURRENCE_STAGES)
     if equal:
-        slots = N * triton.cdiv(seq_len, CHUNK)
+        slots = N * cdiv(seq_len, CHUNK)
         start = length = first = cu_seqlens = q  # unused (EQUAL): spans computed in the kernels
     else:
         start, length, first = chunk_table(cu_seqlens, T)
@@ -300,9 +300,9 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
     final = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if output_final_state else None
     if block_v is None:
         block_v = min(RECURRENCE_BLOCK_V, BV_full)
-        if q.is_cuda and N * HV * triton.cdiv(V, block_v) < num_sms(device):
+        if q.is_cuda and N * HV * cdiv(V, block_v) < num_sms(device):
             block_v = max(16, block_v // 2)
-    _chunk_recurrence_kernel[(triton.cdiv(V, block_v), N * HV)](
+    _chunk_recurrence_kernel[(cdiv(V, block_v), N * HV)](
         u, w, kd, G, h, new_v, initial_state if initial_state is not None else G, final if final is not None else G,
         cu_seqlens, first, seq_len, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=block_v,
         HAS_H0=initial_state is not None, STORE_HT=final is not None, P=precision, EQUAL=equal,
@@ -310,7 +310,7 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
     )
     o = torch.empty_like(v)
     out_v = min(OUTPUT_BLOCK_V, BV_full)
-    _chunk_output_kernel[(slots, HV, triton.cdiv(V, out_v))](
+    _chunk_output_kernel[(slots, HV, cdiv(V, out_v))](
         q, G, aqk, h, new_v, o, start, length, seq_len, float(scale),
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=out_v, L2NORM=l2, P=precision, EQUAL=equal,
         num_warps=OUTPUT_WARPS,

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from fuselm.ops.gated_delta_rule.fused_recurrent import _gated_delta_step, decode_block_v, decode_num_warps
 from fuselm.ops.gated_delta_rule.naive import gated_delta_rule_decode_step_ref
-from fuselm.runtime import check_same_device, check_tensor, use_triton
+from fuselm.runtime import cdiv, check_same_device, check_tensor, next_power_of_2, use_triton
 
 
 @triton.jit
@@ -165,10 +165,10 @@ def gated_delta_rule_decode_step(
     if N == 0:
         return out
     block_v = decode_block_v(N * HV, V, proj.device)  # the geometry of fused_recurrent's sweep
-    _decode_step_kernel[(triton.cdiv(V, block_v), N * HV)](
+    _decode_step_kernel[(cdiv(V, block_v), N * HV)](
         proj, conv_state, conv_weight, A_log, dt_bias, state, state_slots, positions, out,
         proj.stride(0), conv_state.stride(0), scale,
-        H=H, HV=HV, K=K, V=V, KW=conv_weight.shape[2], BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
-        num_warps=decode_num_warps(triton.next_power_of_2(K), block_v),
+        H=H, HV=HV, K=K, V=V, KW=conv_weight.shape[2], BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
+        num_warps=decode_num_warps(next_power_of_2(K), block_v),
     )
     return out

@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.gated_delta_rule.naive import gates_from_projections, recurrent_gated_delta_rule_ref
-from fuselm.runtime import check_same_device, check_tensor, needs_autograd, num_sms, use_triton
+from fuselm.runtime import (arch_major, cdiv, check_same_device, check_tensor, needs_autograd, next_power_of_2, num_sms,
+                            use_triton)
 
 
 @triton.jit
@@ -52,8 +53,14 @@ def _fused_recurrent_gdr_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    VARLEN: tl.constexpr, INDEXED: tl.constexpr,
+    VARLEN: tl.constexpr, INDEXED: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        # Launched as a programmatic dependent (Hopper+): this grid may be scheduled while the
+        # kernel before it finishes. Wait until that kernel's writes are visible before reading
+        # anything, then let the next such kernel be scheduled during this one.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     i_v = tl.program_id(0)
     i_n = tl.program_id(1) // HV
     i_hv = tl.program_id(1) % HV
@@ -105,6 +112,9 @@ def _fused_recurrent_gdr_kernel(
 # than two programs per SM (B=1: 3.14 vs 3.40 us), else 32 (B=32: 49.4 vs 49.9 us); 8 is 15% slower.
 BLOCK_V = None  # None: decode_block_v decides; benchmarks/gdn.py sets it to sweep
 NUM_WARPS = 1  # at least; decode_num_warps adds warps for wider slices (K > 128)
+# Programmatic dependent launch on Hopper and newer: the launch of this kernel overlaps the tail of
+# the kernel before it in the stream (also inside a CUDA graph). benchmarks/gdn.py times both.
+PDL = True
 
 
 def decode_num_warps(block_k: int, block_v: int) -> int:
@@ -116,9 +126,9 @@ def decode_num_warps(block_k: int, block_v: int) -> int:
 def decode_block_v(programs: int, V: int, device: torch.device) -> int:
     """Value columns per program for ``programs`` (sequence, value head) pairs of V columns."""
     if BLOCK_V is not None:
-        return min(BLOCK_V, triton.next_power_of_2(V))
-    block_v = min(32, triton.next_power_of_2(V))
-    if block_v > 16 and device.type == "cuda" and programs * triton.cdiv(V, block_v) < 2 * num_sms(device):
+        return min(BLOCK_V, next_power_of_2(V))
+    block_v = min(32, next_power_of_2(V))
+    if block_v > 16 and device.type == "cuda" and programs * cdiv(V, block_v) < 2 * num_sms(device):
         block_v //= 2
     return block_v
 
@@ -235,15 +245,16 @@ def fused_recurrent_gated_delta_rule(
     a_, b_, A_log_, dt_bias_ = gate_tensors if raw else (dummy,) * 4
     g_, beta_ = (dummy, dummy) if raw else gate_tensors
     block_v = decode_block_v(N * HV, V, q.device)
-    _fused_recurrent_gdr_kernel[(triton.cdiv(V, block_v), N * HV)](
+    pdl = PDL and arch_major(q.device) >= 9
+    _fused_recurrent_gdr_kernel[(cdiv(V, block_v), N * HV)](
         q, k, v, g_, beta_, a_, b_, A_log_, dt_bias_,
         o, initial_state if initial_state is not None else dummy, final if final is not None else dummy,
         cu_seqlens if cu_seqlens is not None else dummy, state_indices if state_indices is not None else dummy,
         float(K**-0.5 if scale is None else scale), T,
-        H=H, HV=HV, K=K, V=V, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=block_v,
+        H=H, HV=HV, K=K, V=V, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
         RAW_GATES=raw is not None, L2NORM=use_qk_l2norm_in_kernel, HAS_H0=initial_state is not None,
         STORE_HT=final is not None, VARLEN=cu_seqlens is not None, INDEXED=state_indices is not None,
-        num_warps=decode_num_warps(triton.next_power_of_2(K), block_v),
+        PDL=pdl, num_warps=decode_num_warps(next_power_of_2(K), block_v), launch_pdl=pdl,
     )
     return o, (final if (output_final_state or state_indices is not None) else None)
 

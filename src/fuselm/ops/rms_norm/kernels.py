@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselm.runtime import num_sms
+from fuselm.runtime import cdiv, next_power_of_2, num_sms
 
 
 @triton.jit
@@ -95,7 +95,7 @@ MAX_COLS = 65536
 # of the best, plain (90% of copy bandwidth) and fused with the add (96%).
 @functools.lru_cache(maxsize=256)
 def _forward_geometry(n_cols: int) -> tuple[int, int, int]:
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = next_power_of_2(n_cols)
     block_m = max(1, 2048 // block_n)
     return block_m, block_n, min(max(block_n // 1024, 2), 16)
 
@@ -113,7 +113,7 @@ def rms_norm_forward_kernel(x, residual, weight, y, residual_out, eps: float, of
     block_m, block_n, num_warps = _forward_geometry(n_cols)
     has_res = residual is not None
     res, res_out = (residual, residual_out) if has_res else (x, y)
-    _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+    _rms_norm_fwd_kernel[(cdiv(n_rows, block_m),)](
         x, res, weight, y, res_out, n_rows, n_cols,
         x.stride(0), res.stride(0), y.stride(0), res_out.stride(0), eps, offset,
         HAS_RESIDUAL=has_res, ZERO_CENTERED=offset != 0.0, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
@@ -125,10 +125,10 @@ def rms_norm_backward_kernel(dy, x, weight, d_residual_out, dx, eps: float, offs
     fp32 partial sums reduced over programs."""
     n_rows, n_cols = x.shape
     programs = max(1, min(n_rows, PROGRAMS_PER_SM * num_sms(x.device)))
-    rows_per_program = triton.cdiv(n_rows, programs)
-    programs = triton.cdiv(n_rows, rows_per_program)
+    rows_per_program = cdiv(n_rows, programs)
+    programs = cdiv(n_rows, rows_per_program)
     dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x.device)
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = next_power_of_2(n_cols)
     has_dres = d_residual_out is not None
     dres = d_residual_out if has_dres else dy
     _rms_norm_bwd_kernel[(programs,)](

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.activation import Activation, gate_factor, gate_factor_grad, up_factor, up_factor_grad
-from fuselm.runtime import arch_major
+from fuselm.runtime import arch_major, cdiv, next_power_of_2
 
 
 @triton.jit
@@ -82,7 +82,7 @@ TILE_N = 1024
 def row_geometry(n_cols: int) -> Geometry:
     """One program per row, the whole row in one tile; a warp per 512 columns (4 to 32), the
     best or within 1% of the best warp count at each width of the H100 sweep."""
-    block_n = triton.next_power_of_2(max(n_cols, 1))
+    block_n = next_power_of_2(max(n_cols, 1))
     if block_n > MAX_ROW_BLOCK:
         raise ValueError(f"row geometry covers rows up to {MAX_ROW_BLOCK} columns, got {n_cols}")
     return Geometry(1, block_n, num_warps=min(max(block_n // 512, 4), 32))
@@ -90,7 +90,7 @@ def row_geometry(n_cols: int) -> Geometry:
 
 def tiled_geometry(n_cols: int) -> Geometry:
     """Column tiles of TILE_N on a 2-D grid; several rows per program when rows are narrow."""
-    block_n = min(TILE_N, triton.next_power_of_2(max(n_cols, 1)))
+    block_n = min(TILE_N, next_power_of_2(max(n_cols, 1)))
     block_m = max(2048 // block_n, 1)
     return Geometry(block_m, block_n, num_warps=4)
 
@@ -122,7 +122,7 @@ def _geometry(n_cols: int, device: torch.device, geometry: str | None) -> Geomet
 
 
 def _grid(n_rows: int, n_cols: int, geo: Geometry):
-    return (triton.cdiv(n_rows, geo.block_m), triton.cdiv(n_cols, geo.block_n))
+    return (cdiv(n_rows, geo.block_m), cdiv(n_cols, geo.block_n))
 
 
 # ----------------------------------------------------------------------------- host launchers

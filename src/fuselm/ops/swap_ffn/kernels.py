@@ -16,6 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from fuselm.runtime import cdiv, next_power_of_2
+
 
 @triton.jit
 def _round(v, like_ptr):
@@ -103,9 +105,9 @@ def swap_router(x, ram, stream_map, norm_w, router_w, swap_w, swap_b, bank_w, ba
     """One swap event, in place on x [M, D], ram [M, 4, D] and stream_map [M] (all contiguous)."""
     M, D = x.shape
     R = router_w.shape[0]
-    _swap_router_kernel[(triton.cdiv(M, BLOCK_M),)](
+    _swap_router_kernel[(cdiv(M, BLOCK_M),)](
         x, ram, stream_map, norm_w, router_w, swap_w, swap_b, bank_w, bank_b, M, D, R, eps,
         IEEE=x.dtype.is_floating_point and x.element_size() == 4,
-        BLOCK_M=BLOCK_M, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(D)),
-        BLOCK_R=max(16, triton.next_power_of_2(R)), num_warps=4,
+        BLOCK_M=BLOCK_M, BLOCK_K=min(BLOCK_K, next_power_of_2(D)),
+        BLOCK_R=max(16, next_power_of_2(R)), num_warps=4,
     )

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.activation import Activation, gate_factor, gate_factor_grad, up_factor, up_factor_grad
-from fuselm.runtime import arch_major
+from fuselm.runtime import arch_major, cdiv
 
 
 @triton.jit
@@ -208,7 +208,7 @@ def gemm_swiglu_kernel(x, w13, act: Activation, out, dh=None, h=None, config: Ge
     M, D = x.shape
     F = w13.shape[0] // 2
     cfg = config or gemm_config(arch_major(x.device), x.dtype)
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(F, cfg.block_n),)
+    grid = (cdiv(M, cfg.block_m) * cdiv(F, cfg.block_n),)
     backward = dh is not None
     _gemm_swiglu_kernel[grid](
         x, w13, dh if backward else x, out, h if h is not None else out,
@@ -231,7 +231,7 @@ def decode_gemv_kernel(x, w, out, act: Activation | None = None, config: GemvCon
     N = w.shape[0] // 2 if swiglu else w.shape[0]
     cfg = config or gemv_config(arch_major(x.device), x.dtype, swiglu)
     act = act or Activation()
-    _decode_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
+    _decode_gemv_kernel[(cdiv(N, cfg.block_n),)](
         x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
         act.kernel_limit, float(act.alpha),
         SWIGLU=swiglu, ACT=act.code, IEEE=x.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0,
