@@ -44,8 +44,9 @@ def graph_bench(fn) -> float:
     return bench(capture(fn).replay)
 
 
-def host_us(fn, calls: int = 200) -> float:
-    """Host time per call in µs: median of 5 loops of ``calls`` calls that never wait on the GPU."""
+def _loop_us(fn, calls: int, include_gpu: bool) -> float:
+    """Median of 5 loops of ``calls`` calls, µs per call; the clock stops before (host time) or
+    after (``include_gpu``) waiting for the GPU."""
     fn()
     torch.cuda.synchronize()
     samples = []
@@ -53,24 +54,22 @@ def host_us(fn, calls: int = 200) -> float:
         start = time.perf_counter()
         for _ in range(calls):
             fn()
+        if include_gpu:
+            torch.cuda.synchronize()
         samples.append((time.perf_counter() - start) / calls * 1e6)
         torch.cuda.synchronize()
     return sorted(samples)[2]
+
+
+def host_us(fn, calls: int = 200) -> float:
+    """Host time per call in µs: median of 5 loops of ``calls`` calls that never wait on the GPU."""
+    return _loop_us(fn, calls, include_gpu=False)
 
 
 def loop_us(fn, calls: int = 200) -> float:
     """Time per call of a Python loop of ``calls`` calls, waiting for the GPU at the end: what a
     caller pays per call, host- or GPU-bound. Median of 5 loops, in µs."""
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-    return sorted(samples)[2]
+    return _loop_us(fn, calls, include_gpu=True)
 
 
 def results_dir(out: Path | None) -> Path:
