@@ -170,6 +170,18 @@ def test_decoder_steps_match_forward():
         decoder.step(x[:1, 0])
 
 
+def test_fused_needs_16_byte_rows():
+    """d_ff = 26 fp32 floats is not a whole number of 16-byte units: a clear error for "fused",
+    the reference for "auto"."""
+    module = tiny(d_ff=26)
+    x = torch.randn(1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="d_ff: the fused path needs multiples of 4"):
+        module(x, impl="fused")
+    if DEVICE == "cuda":
+        with torch.no_grad():
+            assert_close(module(x)[0], module(x, impl="reference")[0], 0.0, "auto")
+
+
 def test_fused_needs_cuda_or_the_interpreter(monkeypatch):
     import fuselm.models.swap_ffn as swap_ffn
 
@@ -179,11 +191,61 @@ def test_fused_needs_cuda_or_the_interpreter(monkeypatch):
         module(torch.randn(1, 16, device=DEVICE), impl="fused")
 
 
-def test_router_agreement_is_total_in_fp32():
+@pytest.mark.parametrize("blocks", [None, (8, 16)])
+def test_router_agreement_is_total_in_fp32(blocks, monkeypatch):
+    """Also with row and dot steps smaller than d_model (the kernel's D loops)."""
+    import fuselm.ops.swap_ffn.kernels as kernels
+
+    if blocks:
+        monkeypatch.setattr(kernels, "ROUTER_BLOCK_ROW", blocks[0])
+        monkeypatch.setattr(kernels, "ROUTER_BLOCK_K", blocks[1])
     module = tiny(**FUSED_CFG)
     state = module.init_state(2)
     _, state = module(torch.randn(2, 2, 32, device=DEVICE), state, impl="reference")
     assert module.router_agreement(torch.randn(2, 32, device=DEVICE), state.ram, state.stream_map) == 1.0
+
+
+def _ffn_step_ref(x, w13, w2, ss, eps, residual):
+    """float64 reference of FFNStep with the kernels' rounding points: G, U, SiLU(G), h and x rounded
+    to x's dtype; rstd from the given row sums of squares."""
+    dt = x.dtype
+    rstd = torch.rsqrt(ss.double() / x.shape[1] + eps)[:, None]
+    gu = x.double() @ w13.double().T * rstd
+    g, u = gu[:, 0::2].to(dt).double(), gu[:, 1::2].to(dt).double()
+    h = (F.silu(g).to(dt).double() * u).to(dt)
+    f = (h.double() @ w2.double().T).to(dt)
+    x_new = (x.double() + f.double()).to(dt) if residual else f
+    return h, x_new
+
+
+GEMM_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", GEMM_DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("ss_source", ["given", "k_loop", "pass"])
+def test_ffn_step(dtype, residual, ss_source):
+    """FFNStep on an odd row count, tiles that do not divide D or F and persistent programs walking
+    several tiles: h (poisoned before) and the new x against a float64 reference, with rstd from
+    given sums of squares, summed in the kernel's K loop, or by a separate pass; twice in a row."""
+    from fuselm.ops.swap_ffn import FFNStep
+    from fuselm.ops.swap_ffn.kernels import GateUpConfig
+
+    M, D, Fd = 37, 40, 56
+    x = torch.randn(M, D, device=DEVICE, dtype=dtype)
+    w13 = (torch.randn(2 * Fd, D, device=DEVICE) * D**-0.5).to(dtype)
+    w2 = (torch.randn(D, Fd, device=DEVICE) * Fd**-0.5).to(dtype)
+    h = torch.full((M, Fd), float("nan"), device=DEVICE, dtype=dtype)
+    step = FFNStep(x, w13, h, w2, 1e-6, residual, config=GateUpConfig(16, 16, 16, 2, 4, 1, True))
+    step.programs = 3  # fewer programs than tiles
+    step.ss_in_loop = ss_source == "k_loop"
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    for call in range(2):
+        ss = x.float().pow(2).sum(1)
+        h_ref, x_ref = _ffn_step_ref(x, w13, w2, ss, 1e-6, residual)
+        step.step(ss if ss_source == "given" else None)
+        assert_close(h, h_ref, tol, f"h, call {call}")
+        assert_close(x, x_ref, tol, f"x, call {call}")
 
 
 @pytest.mark.gpu

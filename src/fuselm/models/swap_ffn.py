@@ -11,9 +11,10 @@ Two paths compute it:
   the norms and the softmax reduce in fp32 (RMSNorm rounds like HF Llama).
 - ``FusedSwapFFN`` (inference, Triton): the cores are the M dimension of every matrix product,
   so each weight tile is read once per tile of cores. Per event: one router kernel (router GEMM,
-  decisions, bank swap, write-back, lane update, in place), then per FFN step the fused gate/up
-  GEMM with SwiGLU and the RMSNorm folded in, and a cuBLAS down GEMM into x. The collapse pools
-  over cores first. ``SwapFFNDecoder`` captures a whole token step in one CUDA graph.
+  decisions, bank swap, write-back, lane update, in place; it also leaves the new x's row sums
+  of squares), then per FFN step the persistent TMA gate/up GEMM with SwiGLU and the RMSNorm
+  folded in (ops/swap_ffn/kernels.py), and cuBLAS's down GEMM into x. The collapse pools over
+  cores first. ``SwapFFNDecoder`` captures a whole token step in one CUDA graph.
 Parameter and state names are the spec's.
 """
 
@@ -25,10 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fuselm.ops.activation import Activation
 from fuselm.ops.rms_norm.naive import rms_norm_ref
-from fuselm.ops.swap_ffn.kernels import swap_router
-from fuselm.ops.swiglu_mlp.kernels import gemm_swiglu_kernel
+from fuselm.ops.swap_ffn.kernels import FFNStep, swap_router
 from fuselm.ops.swiglu_mlp.op import interleave_gate_up
 from fuselm.runtime import needs_autograd, use_triton
 
@@ -181,7 +180,8 @@ class SwapFFN(nn.Module):
         if x.device != p.device:
             raise ValueError(f"x: on {x.device}, the module is on {p.device}")
         # auto: the fused path for inference on the GPU; the reference when autograd must record.
-        fused = impl == "fused" or (impl == "auto" and x.is_cuda and not needs_autograd(x, *self.parameters()))
+        fused = impl == "fused" or (impl == "auto" and x.is_cuda and not needs_autograd(x, *self.parameters())
+                                    and fused_unsupported(cfg, p.dtype) is None)
         if fused and not use_triton(x):
             raise ValueError("impl='fused' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter)")
         tokens = x if x.dim() == 3 else x[:, None, :]
@@ -264,7 +264,8 @@ class SwapFFN(nn.Module):
         agree = total = 0
         for _ in range(cfg.n_events):
             xk, ramk, mapk = x.contiguous().clone(), ram.contiguous().clone(), pack_lanes(lanes).contiguous()
-            swap_router(xk.view(-1, cfg.d_model), ramk.view(-1, N_BANKS, cfg.d_model), mapk.view(-1), *router, cfg.eps)
+            ss = torch.empty(xk.numel() // cfg.d_model, device=x.device, dtype=torch.float32)
+            swap_router(xk.view(-1, cfg.d_model), ramk.view(-1, N_BANKS, cfg.d_model), mapk.view(-1), ss, *router, cfg.eps)
             x_next, ram, lanes_next = self.reference_swap(x, ram, lanes)
             same = (mapk == pack_lanes(lanes_next)) & torch.eq(xk, x_next).all(-1)
             agree += int(same.sum())
@@ -281,6 +282,17 @@ class SwapFFN(nn.Module):
         return x_tok + code @ self.collapse_decoder.T
 
 
+def fused_unsupported(config: SwapFFNConfig, dtype: torch.dtype) -> str | None:
+    """Why the fused path cannot run ``config`` in ``dtype``, or None. Its GEMM operands arrive by
+    TMA, whose rows must be whole 16-byte units."""
+    per_16_bytes = 16 // dtype.itemsize
+    bad = [name for name in ("d_model", "d_ff") if getattr(config, name) % per_16_bytes]
+    if bad:
+        return (f"{' and '.join(bad)}: the fused path needs multiples of {per_16_bytes} in {dtype} "
+                f"(TMA rows of 16-byte units); use impl='reference'")
+    return None
+
+
 class FusedSwapFFN:
     """The fused inference path for one batch size: weights re-laid once, work buffers owned.
 
@@ -292,6 +304,9 @@ class FusedSwapFFN:
 
     def __init__(self, module: SwapFFN, batch: int):
         cfg = self.config = module.config
+        reason = fused_unsupported(cfg, module.w1.weight.dtype)
+        if reason:
+            raise ValueError(reason)
         with torch.no_grad():
             core_scale, core_shift, core_alpha = module.core_params()
             dtype = core_scale.dtype
@@ -300,7 +315,6 @@ class FusedSwapFFN:
             norm_w = module.norm.weight
             # RMSNorm weight folded into the gate/up columns: rms(x) @ W.T = rstd * (x @ (W * w).T).
             self.w13 = interleave_gate_up(module.w1.weight * norm_w, module.w3.weight * norm_w).contiguous()
-            self.w2_t = module.w2.weight.detach().T  # [F, D] view: x = h @ w2.T
             self.router = tuple(t.detach().contiguous() for t in (
                 module.router_norm.weight, module.router_w, module.router_swap_w, module.router_swap_b,
                 module.bank_w, module.bank_b))
@@ -311,10 +325,11 @@ class FusedSwapFFN:
         rows = batch * cfg.n_cores
         self.x = torch.empty(rows, cfg.d_model, device=device, dtype=dtype)
         self.h = torch.empty(rows, cfg.d_ff, device=device, dtype=dtype)
-        self.f = torch.empty(rows, cfg.d_model, device=device, dtype=dtype) if cfg.ffn_residual else None
+        self.ss = torch.empty(rows, device=device, dtype=torch.float32)  # x's row sums of squares after a swap
         self.code = torch.empty(batch, cfg.collapse_r, device=device, dtype=dtype)
         self.y = torch.empty(batch, cfg.d_model, device=device, dtype=dtype)
         self.batch = batch
+        self.ffn = FFNStep(self.x, self.w13, self.h, module.w2.weight.detach(), cfg.eps, cfg.ffn_residual)
 
     def step(self, x_tok: torch.Tensor, ram: torch.Tensor, stream_map: torch.Tensor) -> torch.Tensor:
         cfg, x = self.config, self.x
@@ -322,21 +337,13 @@ class FusedSwapFFN:
         torch.addcmul(self.core_shift, x_tok[:, None, :], self.core_scale, out=x.view(self.batch, C, D))
         ram_rows, map_rows = ram.view(-1, 4, D), stream_map.view(-1)
         for _ in range(cfg.n_events):
-            swap_router(x, ram_rows, map_rows, *self.router, cfg.eps)
-            for _ in range(cfg.k_ffn):
-                gemm_swiglu_kernel(x, self.w13, _SILU, self.h, rms_eps=cfg.eps)
-                if cfg.ffn_residual:
-                    torch.mm(self.h, self.w2_t, out=self.f)
-                    x.add_(self.f)
-                else:
-                    torch.mm(self.h, self.w2_t, out=x)
+            swap_router(x, ram_rows, map_rows, self.ss, *self.router, cfg.eps)
+            for i in range(cfg.k_ffn):
+                self.ffn.step(self.ss if i == 0 else None)  # the router's sums of squares serve the first
         pooled = torch.matmul(self.core_alpha_t, x.view(self.batch, C, D))  # [B, K, D]: pool over cores first
         torch.mm(pooled.view(self.batch, -1), self.basis, out=self.code)
         code = torch.nn.functional.silu(self.code, inplace=True) if cfg.collapse_silu else self.code
         return torch.addmm(x_tok, code, self.decoder_t, out=self.y)
-
-
-_SILU = Activation()
 
 
 class SwapFFNDecoder:

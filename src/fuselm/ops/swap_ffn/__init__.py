@@ -1,3 +1,3 @@
-from fuselm.ops.swap_ffn.kernels import swap_router
+from fuselm.ops.swap_ffn.kernels import FFNStep, swap_router
 
-__all__ = ["swap_router"]
+__all__ = ["FFNStep", "swap_router"]

@@ -1,22 +1,38 @@
-"""Triton kernel for the Swap-FFN swap event: router, decisions, bank swap, lane update, in place.
+"""Triton kernels for the Swap-FFN token step, in place on the step's work buffers.
 
-Rows are (batch, core) pairs: x [M, D], ram [M, 4, D], stream_map [M] uint8, M = B * C. A program
-owns BLOCK_M rows and, per event:
+Rows are (batch, core) pairs: x [M, D], ram [M, 4, D], stream_map [M] uint8, M = B * C; h [M, F].
+
+``_swap_router_kernel`` (one swap event): a program owns BLOCK_M rows and
 1. z = rms(x, router_norm) @ router_w.T, rounded as the reference rounds it (the normalised
    row to the model dtype, times the weight, rounded; z rounded), so the hard decisions match
    the reference's wherever the logits are not at a rounding boundary;
 2. gate = round(sigmoid(round(z @ swap_w) + swap_b)) > 0.5 and
    s = argmax(round(z @ bank_w) + bank_b), the first maximum winning;
 3. where gate: x <-> ram[p] with p = lane[s] (x replaced, the old x written to bank p) and the
-   stream map's lanes moved to front (lane 0 = p, lanes 1..s shifted down).
+   stream map's lanes moved to front (lane 0 = p, lanes 1..s shifted down); ss [M] receives the
+   row sums of squares of the new x (fp32), for the FFN step's RMSNorm.
+
+``_ffn_gate_up_kernel`` (first half of an FFN step; the down GEMM h @ w2.T is cuBLAS's, which
+ran 15 vs 21 us at 512 rows and 46 vs 54 us at 4096 against a split-K Triton kernel, NOTES 22):
+h = SwiGLU(rms(x, norm) @ [w1; w3].T) with the norm weight folded into w13's columns, so
+rms(x) @ W.T = rstd * (x @ (W * norm).T). rstd from the router's sums of squares (the first FFN
+step of an event) or summed over the x tiles in the K loop. Persistent: NUM_PROGRAMS programs
+walk the [M, F] tiles of h, each a BLOCK_M x 2 BLOCK_N product with gate and up columns
+interleaved; operands arrive by TMA descriptors. Rounding as the reference: G, U rounded to the
+model dtype, SiLU(G) rounded, h rounded.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fuselm.runtime import cdiv, next_power_of_2
+from fuselm.ops.activation import SILU, gate_factor
+from fuselm.runtime import arch_major, cdiv, next_power_of_2, num_sms
 
 
 @triton.jit
@@ -26,23 +42,43 @@ def _round(v, like_ptr):
 
 
 @triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _grouped_tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """(tile row, tile column) of tile number ``tile``: GROUP_M row blocks walk the same weight
+    columns together, so a weight tile is fetched into L2 once per group."""
+    group = tile // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    in_group = tile % (GROUP_M * num_n)
+    return first_m + in_group % group_rows, in_group // group_rows
+
+
+@triton.jit
 def _swap_router_kernel(
-    x_ptr, ram_ptr, map_ptr, norm_w_ptr, router_w_ptr, swap_w_ptr, swap_b_ptr, bank_w_ptr, bank_b_ptr,
+    x_ptr, ram_ptr, map_ptr, ss_ptr,
+    norm_w_ptr, router_w_ptr, swap_w_ptr, swap_b_ptr, bank_w_ptr, bank_b_ptr,
     M, D, R, eps,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_ROW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     rows64 = rows.to(tl.int64)
-    k = tl.arange(0, BLOCK_K)
+    c = tl.arange(0, BLOCK_ROW)  # elementwise passes: whole rows at a time where D <= BLOCK_ROW
+    k = tl.arange(0, BLOCK_K)  # the router dot's K step
     r = tl.arange(0, BLOCK_R)
     r_ok = r < R
 
     # 1. RMSNorm statistics, then z = round(round(x * rstd) * w) @ router_w.T.
     sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        m = row_ok[:, None] & (k0 + k < D)[None, :]
-        xf = tl.load(x_ptr + rows64[:, None] * D + k0 + k[None, :], mask=m, other=0.0).to(tl.float32)
+    for k0 in range(0, D, BLOCK_ROW):
+        m = row_ok[:, None] & (k0 + c < D)[None, :]
+        xf = tl.load(x_ptr + rows64[:, None] * D + k0 + c[None, :], mask=m, other=0.0).to(tl.float32)
         sum_sq += tl.sum(xf * xf, axis=1)
     rstd = tl.rsqrt(sum_sq / D + eps)
     z = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
@@ -53,10 +89,7 @@ def _swap_router_kernel(
         nw = tl.load(norm_w_ptr + k0 + k, mask=k_ok, other=0.0).to(tl.float32)
         xn = (_round(xf * rstd[:, None], x_ptr) * nw[None, :]).to(x_ptr.dtype.element_ty)
         rw = tl.load(router_w_ptr + r[None, :] * D + (k0 + k)[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        if IEEE:
-            z = tl.dot(xn, rw, z, input_precision="ieee")
-        else:
-            z = tl.dot(xn, rw, z)
+        z = _dot(xn, rw, z, IEEE)
     z = _round(z, x_ptr)
 
     # 2. Decisions.
@@ -72,7 +105,7 @@ def _swap_router_kernel(
         s = tl.where(take, j, s)
         best = tl.where(take, bank_logit, best)
 
-    # 3. Lanes, then the swap.
+    # 3. Lanes, then the swap; ss of the new x (the bank's row where swapped).
     packed = tl.load(map_ptr + rows, mask=row_ok, other=0).to(tl.int32)
     l0 = packed & 3
     l1 = (packed >> 2) & 3
@@ -85,29 +118,175 @@ def _swap_router_kernel(
     swapped = row_ok & gate
     tl.store(map_ptr + rows, (p | (n1 << 2) | (n2 << 4) | (n3 << 6)).to(tl.uint8), mask=swapped)
     bank_rows = (rows64 * 4 + p.to(tl.int64))[:, None] * D
-    for k0 in range(0, D, BLOCK_K):
-        m = swapped[:, None] & (k0 + k < D)[None, :]
-        x_ptrs = x_ptr + rows64[:, None] * D + k0 + k[None, :]
-        bank_ptrs = ram_ptr + bank_rows + k0 + k[None, :]
+    bank_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_ROW):
+        m = swapped[:, None] & (k0 + c < D)[None, :]
+        x_ptrs = x_ptr + rows64[:, None] * D + k0 + c[None, :]
+        bank_ptrs = ram_ptr + bank_rows + k0 + c[None, :]
         x_old = tl.load(x_ptrs, mask=m)
-        bank = tl.load(bank_ptrs, mask=m)
+        bank = tl.load(bank_ptrs, mask=m, other=0.0)
         tl.store(x_ptrs, bank, mask=m)
         tl.store(bank_ptrs, x_old, mask=m)
+        bank_f = bank.to(tl.float32)
+        bank_sq += tl.sum(bank_f * bank_f, axis=1)
+    tl.store(ss_ptr + rows, tl.where(swapped, bank_sq, sum_sq), mask=row_ok)
 
 
-# Rows per program and the D step. 16 rows is the smallest tl.dot tile; 512 cores make 32
-# programs at batch 1. Not yet tuned on the GPU.
-BLOCK_M = 16
-BLOCK_K = 128
+@triton.jit
+def _row_sum_squares_kernel(x_ptr, ss_ptr, M, D, BLOCK_M: tl.constexpr, BLOCK_ROW: tl.constexpr):
+    """ss[m] = sum_d x[m, d]^2 in fp32."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = tl.arange(0, BLOCK_ROW)
+    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_ROW):
+        m = (rows < M)[:, None] & (k0 + c < D)[None, :]
+        xf = tl.load(x_ptr + rows.to(tl.int64)[:, None] * D + k0 + c[None, :], mask=m, other=0.0).to(tl.float32)
+        sum_sq += tl.sum(xf * xf, axis=1)
+    tl.store(ss_ptr + rows, sum_sq, mask=rows < M)
 
 
-def swap_router(x, ram, stream_map, norm_w, router_w, swap_w, swap_b, bank_w, bank_b, eps: float) -> None:
-    """One swap event, in place on x [M, D], ram [M, 4, D] and stream_map [M] (all contiguous)."""
+@triton.jit
+def _ffn_gate_up_kernel(
+    x_desc, w_desc, h_desc, ss_ptr, M, F, D, eps,
+    SS_GIVEN: tl.constexpr, IEEE: tl.constexpr, FLATTEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(F, BLOCK_N)
+    k_steps = tl.cdiv(D, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
+        pid_m, pid_n = _grouped_tile(tile, num_m, num_n, GROUP_M)
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+        sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for kk in range(k_steps):
+            xt = x_desc.load([pid_m * BLOCK_M, kk * BLOCK_K])
+            w = w_desc.load([pid_n * 2 * BLOCK_N, kk * BLOCK_K])  # interleaved gate/up rows of w13
+            acc = _dot(xt, w.T, acc, IEEE)
+            if not SS_GIVEN:
+                xf = xt.to(tl.float32)
+                sum_sq += tl.sum(xf * xf, axis=1)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        if SS_GIVEN:
+            sum_sq = tl.load(ss_ptr + rows, mask=rows < M, other=0.0)
+        rstd = tl.rsqrt(sum_sq / D + eps)[:, None]
+        g, u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+        dtype = h_desc.dtype
+        g = (g * rstd).to(dtype).to(tl.float32)
+        u = (u * rstd).to(dtype).to(tl.float32)
+        a = gate_factor(g, SILU, 0.0, 1.0).to(dtype).to(tl.float32)
+        h_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], (a * u).to(dtype))
+
+
+# ----------------------------------------------------------------------------- host launchers
+# Router geometry. 16 rows is the smallest tl.dot tile (512 cores make 32 programs at batch 1).
+# The kernel is latency-bound at batch 1: the elementwise passes (sums of squares, swap) take
+# whole rows of up to BLOCK_ROW elements per step and the dot BLOCK_K per step, so a 1024-wide
+# row costs 1 + 2 + 1 dependent rounds of loads instead of 8 + 8 + 8. H100 sweep (do_bench, cold
+# L2; swap_ffn_sweep.md): 4 warps, BLOCK_K 512, 2 stages took 15.8 / 20.8 us at 512 / 4096 rows
+# (BLOCK_K 128 as before: 21.5 / 24.4; 8 warps: 14.7 / 26.7).
+ROUTER_BLOCK_M = 16
+ROUTER_BLOCK_ROW = 1024
+ROUTER_BLOCK_K = 512
+ROUTER_WARPS = 4
+ROUTER_STAGES = 2
+
+
+def swap_router(x, ram, stream_map, ss, norm_w, router_w, swap_w, swap_b, bank_w, bank_b, eps: float) -> None:
+    """One swap event, in place on x [M, D], ram [M, 4, D] and stream_map [M] (all contiguous);
+    ss [M] fp32 receives the row sums of squares of the new x."""
     M, D = x.shape
     R = router_w.shape[0]
-    _swap_router_kernel[(cdiv(M, BLOCK_M),)](
-        x, ram, stream_map, norm_w, router_w, swap_w, swap_b, bank_w, bank_b, M, D, R, eps,
-        IEEE=x.dtype.is_floating_point and x.element_size() == 4,
-        BLOCK_M=BLOCK_M, BLOCK_K=min(BLOCK_K, next_power_of_2(D)),
-        BLOCK_R=max(16, next_power_of_2(R)), num_warps=4,
+    _swap_router_kernel[(cdiv(M, ROUTER_BLOCK_M),)](
+        x, ram, stream_map, ss, norm_w, router_w, swap_w, swap_b, bank_w, bank_b, M, D, R, eps,
+        IEEE=x.dtype == torch.float32, BLOCK_M=ROUTER_BLOCK_M, BLOCK_ROW=min(ROUTER_BLOCK_ROW, next_power_of_2(D)),
+        BLOCK_K=min(ROUTER_BLOCK_K, next_power_of_2(D)), BLOCK_R=max(16, next_power_of_2(R)),
+        num_warps=ROUTER_WARPS, num_stages=ROUTER_STAGES,
     )
+
+
+# Rows per program of the sums-of-squares pass: 4 was the fastest of 4/8/16 on the H100
+# (6.1 / 9.9 us at 512 / 4096 rows, cold L2).
+SS_BLOCK_M = 4
+
+
+def row_sum_squares(x, ss) -> None:
+    """ss [M] fp32 = sum over columns of x [M, D]^2."""
+    M, D = x.shape
+    _row_sum_squares_kernel[(cdiv(M, SS_BLOCK_M),)](
+        x, ss, M, D, BLOCK_M=SS_BLOCK_M, BLOCK_ROW=min(ROUTER_BLOCK_ROW, next_power_of_2(D)), num_warps=4)
+
+
+@dataclass(frozen=True)
+class GateUpConfig:
+    block_m: int
+    block_n: int  # columns of h; the program's product is BLOCK_M x 2 BLOCK_N
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    flatten: bool  # one software pipeline across a program's tiles (the next tile's loads overlap this epilogue)
+
+
+def gate_up_config(arch: int, dtype: torch.dtype) -> GateUpConfig:
+    """Hopper, 16-bit: 128 x 128 tiles of h (128 x 256 of the product), BLOCK_K 64, 8 warps, 4
+    stages: the best of the H100 sweep at 512 and 4096 rows (21.0 / 108 us; swap_ffn_sweep.md).
+    Other GPUs (not measured): 64 columns and 3 stages, to fit 164 KB of shared memory. fp32 and
+    the interpreter (0): small tiles."""
+    if arch == 0:
+        return GateUpConfig(16, 16, 16, 2, 4, 1, True)
+    if dtype == torch.float32:
+        return GateUpConfig(64, 32, 32, 8, 4, 2, True)
+    return GateUpConfig(128, 128, 64, 8, 8, 4, True) if arch >= 9 else GateUpConfig(128, 64, 64, 8, 4, 3, True)
+
+
+# Where the gate/up kernel gets the row sums of squares that the router did not give (the second
+# FFN step of an event): summed in its K loop up to this many rows, a separate pass over x above.
+# H100, per call inside the token step's graph: the K-loop sums cost 3.4 us at 512 rows against
+# 4.3 us for the pass, and 18 us at 4096 rows against 5.3 us (token step 2.896 -> 2.795 ms).
+SS_IN_LOOP_MAX_ROWS = 1024
+
+
+class FFNStep:
+    """One FFN step on fixed buffers, in place: x = FFN(x), or x + FFN(x) with ``residual``.
+    ``step(ss)``: the gate/up kernel writes h (``ss`` [M] fp32: x's row sums of squares, or None
+    to have them summed here), then cuBLAS's h @ w2.T writes x.
+
+    x [M, D], h [M, F] (model dtype, contiguous); w13 [2F, D]: gate/up rows interleaved, the norm
+    weight folded into its columns; w2 [D, F] (nn.Linear layout). TMA descriptors are built once,
+    so D and F must be multiples of 16 bytes' worth of elements."""
+
+    def __init__(self, x, w13, h, w2, eps: float, residual: bool, config: GateUpConfig | None = None):
+        M, D = x.shape
+        F = h.shape[1]
+        self.config = cfg = config or gate_up_config(arch_major(x.device), x.dtype)
+        self.x, self.h, self.w2_t, self.eps = x, h, w2.T, eps
+        self.f = torch.empty_like(x) if residual else None  # FFN(x), added to x
+        self.ss_in_loop = M <= SS_IN_LOOP_MAX_ROWS
+        self.ss = torch.empty(M, device=x.device, dtype=torch.float32)  # the separate pass's sums
+        self.M, self.D, self.F = M, D, F
+        self.x_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
+        self.w13_desc = TensorDescriptor.from_tensor(w13, [2 * cfg.block_n, cfg.block_k])
+        self.h_desc = TensorDescriptor.from_tensor(h, [cfg.block_m, cfg.block_n])
+        self.programs = min(cdiv(M, cfg.block_m) * cdiv(F, cfg.block_n), num_sms(x.device))
+
+    def gate_up(self, ss: torch.Tensor | None) -> None:
+        """h from x; ss None: sums of squares in the K loop."""
+        cfg = self.config
+        _ffn_gate_up_kernel[(self.programs,)](
+            self.x_desc, self.w13_desc, self.h_desc, self.x if ss is None else ss, self.M, self.F, self.D, self.eps,
+            SS_GIVEN=ss is not None, IEEE=self.x.dtype == torch.float32, FLATTEN=cfg.flatten,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            NUM_PROGRAMS=self.programs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    def step(self, ss: torch.Tensor | None = None) -> None:
+        if ss is None and not self.ss_in_loop:
+            row_sum_squares(self.x, self.ss)
+            ss = self.ss
+        self.gate_up(ss)
+        if self.f is None:
+            torch.mm(self.h, self.w2_t, out=self.x)
+        else:  # x + round(FFN(x)), rounded again: as the reference adds
+            torch.mm(self.h, self.w2_t, out=self.f)
+            self.x.add_(self.f)
