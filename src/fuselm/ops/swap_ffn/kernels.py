@@ -183,8 +183,9 @@ def _ffn_gate_up_kernel(
 # The kernel is latency-bound at batch 1: the elementwise passes (sums of squares, swap) take
 # whole rows of up to BLOCK_ROW elements per step and the dot BLOCK_K per step, so a 1024-wide
 # row costs 1 + 2 + 1 dependent rounds of loads instead of 8 + 8 + 8. H100 sweep (do_bench, cold
-# L2; swap_ffn_sweep.md): 4 warps, BLOCK_K 512, 2 stages took 15.8 / 20.8 us at 512 / 4096 rows
-# (BLOCK_K 128 as before: 21.5 / 24.4; 8 warps: 14.7 / 26.7).
+# L2; swap_ffn_sweep.md): 4 warps, BLOCK_K 512, 2 stages took 15.6 / 20.6 us at 512 / 4096 rows
+# (BLOCK_K 128 as before: 21.6 / 25.6; 8 warps: 15.2 / 26.7); inside the token step's graph
+# 10.9 us per call at 512 rows (16.7 before). 32 or 64 rows per program were slower.
 ROUTER_BLOCK_M = 16
 ROUTER_BLOCK_ROW = 1024
 ROUTER_BLOCK_K = 512
@@ -206,7 +207,7 @@ def swap_router(x, ram, stream_map, ss, norm_w, router_w, swap_w, swap_b, bank_w
 
 
 # Rows per program of the sums-of-squares pass: 4 was the fastest of 4/8/16 on the H100
-# (6.1 / 9.9 us at 512 / 4096 rows, cold L2).
+# (6.7 / 9.2 us at 512 / 4096 rows, cold L2).
 SS_BLOCK_M = 4
 
 
@@ -243,7 +244,7 @@ def gate_up_config(arch: int, dtype: torch.dtype) -> GateUpConfig:
 # Where the gate/up kernel gets the row sums of squares that the router did not give (the second
 # FFN step of an event): summed in its K loop up to this many rows, a separate pass over x above.
 # H100, per call inside the token step's graph: the K-loop sums cost 3.4 us at 512 rows against
-# 4.3 us for the pass, and 18 us at 4096 rows against 5.3 us (token step 2.896 -> 2.795 ms).
+# 4.3 us for the pass, and 17.7 us at 4096 rows against 5.3 us (B=8 token step 2.898 -> 2.778 ms).
 SS_IN_LOOP_MAX_ROWS = 1024
 
 
