@@ -112,7 +112,8 @@ class SwapFFN(nn.Module):
     engines update it in place to stay allocation-free); the returned state is the new one.
     impl: "reference" (plain PyTorch, differentiable), "fused" (Triton, inference: CUDA, or the
     CPU interpreter), "auto" (fused on CUDA when autograd need not record, e.g. under
-    ``torch.no_grad()``; otherwise the reference). For decode loops use ``SwapFFNDecoder``.
+    ``torch.no_grad()``, and ``fused_unsupported`` has no objection to the sizes; otherwise the
+    reference). For decode loops use ``SwapFFNDecoder``.
     """
 
     def __init__(self, config: SwapFFNConfig = SwapFFNConfig(), device=None, dtype=None):
