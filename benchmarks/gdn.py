@@ -28,7 +28,7 @@ import triton.language as tl
 from fuselm.ops.gated_delta_rule import chunk, chunk_gated_delta_rule, fused_recurrent, fused_recurrent_gated_delta_rule
 from fuselm.runtime import copy_bandwidth
 from fuselm.testing import rel_err
-from timing import bench, capture, graph_bench, loop_us, results_dir
+from timing import bench, capture, graph_bench, kernel_breakdown, loop_us, results_dir
 
 try:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
@@ -42,17 +42,6 @@ ROUNDS = 5  # alternating measurements of each provider's per-call time (median 
 default_geometry = (fused_recurrent.BLOCK_V, fused_recurrent.NUM_WARPS)
 default_recurrence = (chunk.RECURRENCE_WARPS, chunk.RECURRENCE_STAGES)
 default_parallel = (chunk.PREPARE_WARPS, chunk.OUTPUT_WARPS, chunk.OUTPUT_BLOCK_V)
-
-
-def kernel_breakdown(fn, calls: int = 5) -> dict:
-    """GPU microseconds per call of each kernel ``fn`` launches (torch.profiler)."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return {e.key[:60]: round(e.device_time_total / calls, 1) for e in prof.key_averages() if e.device_time_total > 0}
 
 
 @triton.jit

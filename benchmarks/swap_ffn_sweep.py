@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gdn import kernel_breakdown  # noqa: E402
-from timing import bench, capture, results_dir  # noqa: E402
+from timing import bench, capture, kernel_breakdown, results_dir  # noqa: E402
 
 import fuselm.ops.swap_ffn.kernels as kernels  # noqa: E402
 from fuselm.models.swap_ffn import FusedSwapFFN, SwapFFN, SwapFFNConfig  # noqa: E402

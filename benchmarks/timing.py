@@ -72,6 +72,17 @@ def loop_us(fn, calls: int = 200) -> float:
     return _loop_us(fn, calls, include_gpu=True)
 
 
+def kernel_breakdown(fn, calls: int = 5) -> dict:
+    """GPU microseconds per call of each kernel ``fn`` launches (torch.profiler)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key[:60]: round(e.device_time_total / calls, 1) for e in prof.key_averages() if e.device_time_total > 0}
+
+
 def results_dir(out: Path | None) -> Path:
     """``out``, or benchmarks/results/<gpu name>/; created."""
     out = out or Path(__file__).parent / "results" / torch.cuda.get_device_name().replace(" ", "_")

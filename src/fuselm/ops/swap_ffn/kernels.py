@@ -32,6 +32,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fuselm.ops.activation import SILU, gate_factor
+from fuselm.ops.swiglu_mlp.kernels import _dot, grouped_tile  # the same dot and tile order as the MLP GEMM
 from fuselm.runtime import arch_major, cdiv, next_power_of_2, num_sms
 
 
@@ -42,21 +43,15 @@ def _round(v, like_ptr):
 
 
 @triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _grouped_tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
-    """(tile row, tile column) of tile number ``tile``: GROUP_M row blocks walk the same weight
-    columns together, so a weight tile is fetched into L2 once per group."""
-    group = tile // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    in_group = tile % (GROUP_M * num_n)
-    return first_m + in_group % group_rows, in_group // group_rows
+def _row_sum_squares(x_ptr, rows, row_ok, D, BLOCK_ROW: tl.constexpr):
+    """sum_d x[rows, d]^2 in fp32, BLOCK_ROW columns per step."""
+    c = tl.arange(0, BLOCK_ROW)
+    sum_sq = tl.zeros(rows.shape, dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_ROW):
+        m = row_ok[:, None] & (k0 + c < D)[None, :]
+        xf = tl.load(x_ptr + rows.to(tl.int64)[:, None] * D + k0 + c[None, :], mask=m, other=0.0).to(tl.float32)
+        sum_sq += tl.sum(xf * xf, axis=1)
+    return sum_sq
 
 
 @triton.jit
@@ -75,11 +70,7 @@ def _swap_router_kernel(
     r_ok = r < R
 
     # 1. RMSNorm statistics, then z = round(round(x * rstd) * w) @ router_w.T.
-    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_ROW):
-        m = row_ok[:, None] & (k0 + c < D)[None, :]
-        xf = tl.load(x_ptr + rows64[:, None] * D + k0 + c[None, :], mask=m, other=0.0).to(tl.float32)
-        sum_sq += tl.sum(xf * xf, axis=1)
+    sum_sq = _row_sum_squares(x_ptr, rows, row_ok, D, BLOCK_ROW)
     rstd = tl.rsqrt(sum_sq / D + eps)
     z = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
@@ -136,13 +127,7 @@ def _swap_router_kernel(
 def _row_sum_squares_kernel(x_ptr, ss_ptr, M, D, BLOCK_M: tl.constexpr, BLOCK_ROW: tl.constexpr):
     """ss[m] = sum_d x[m, d]^2 in fp32."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    c = tl.arange(0, BLOCK_ROW)
-    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_ROW):
-        m = (rows < M)[:, None] & (k0 + c < D)[None, :]
-        xf = tl.load(x_ptr + rows.to(tl.int64)[:, None] * D + k0 + c[None, :], mask=m, other=0.0).to(tl.float32)
-        sum_sq += tl.sum(xf * xf, axis=1)
-    tl.store(ss_ptr + rows, sum_sq, mask=rows < M)
+    tl.store(ss_ptr + rows, _row_sum_squares(x_ptr, rows, rows < M, D, BLOCK_ROW), mask=rows < M)
 
 
 @triton.jit
@@ -156,7 +141,7 @@ def _ffn_gate_up_kernel(
     num_n = tl.cdiv(F, BLOCK_N)
     k_steps = tl.cdiv(D, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
-        pid_m, pid_n = _grouped_tile(tile, num_m, num_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         for kk in range(k_steps):

@@ -41,6 +41,17 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def grouped_tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """(tile row, tile column) of tile number ``tile``: GROUP_M row blocks walk the same weight
+    columns together, so a weight tile is fetched into L2 once per group."""
+    group = tile // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    in_group = tile % (GROUP_M * num_n)
+    return first_m + in_group % group_rows, in_group // group_rows
+
+
+@triton.jit
 def _gemm_swiglu_kernel(
     x_ptr, w_ptr, dh_ptr, out_ptr, h_ptr,
     M, F, D, stride_xm, stride_wn, stride_dhm, stride_om, stride_hm,
@@ -48,15 +59,7 @@ def _gemm_swiglu_kernel(
     ACT: tl.constexpr, BACKWARD: tl.constexpr, STORE_H: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     RMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # Grouped tile order: GROUP_M row blocks walk the same weight columns while they sit in L2.
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(F, BLOCK_N)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % group_rows
-    pid_n = (pid % (GROUP_M * num_n)) // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(F, BLOCK_N), GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     wrows = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)  # interleaved gate/up rows of w13
