@@ -205,6 +205,23 @@ def test_router_agreement_is_total_in_fp32(blocks, monkeypatch):
     assert module.router_agreement(torch.randn(2, 32, device=DEVICE), state.ram, state.stream_map) == 1.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+def test_core_x_rounds_as_the_reference(dtype):
+    """x [B*C, D] = x_tok[:, None] * core_scale + core_shift with the product and the sum each rounded,
+    from token rows with a row stride; every element of the poisoned output written. (bf16 on the
+    GPU only: the interpreter truncates fp32 -> bf16 instead of rounding to nearest.)"""
+    from fuselm.ops.swap_ffn.kernels import core_x
+
+    B, C, D = 3, 5, 40
+    x_tok = torch.randn(B, 2, D + 8, device=DEVICE, dtype=dtype)[:, 1, 4:4 + D]
+    scale = torch.randn(C, D, device=DEVICE, dtype=dtype)
+    shift = torch.randn(C, D, device=DEVICE, dtype=dtype)
+    x = torch.full((B * C, D), float("nan"), device=DEVICE, dtype=dtype)
+    core_x(x, x_tok, scale, shift)
+    ref = (x_tok[:, None, :] * scale + shift).reshape(B * C, D)
+    assert_close(x, ref, 1e-6 if dtype == torch.float32 else 0.0, "core_x")  # fp32: an FMA may fuse the two
+
+
 def _ffn_step_ref(x, w13, w2, ss, eps, residual):
     """float64 reference of FFNStep with the kernels' rounding points: G, U, SiLU(G), h and x rounded
     to x's dtype; rstd from the given row sums of squares."""

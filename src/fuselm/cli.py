@@ -3,8 +3,9 @@
     fuselm demo      run every op on fresh random inputs against its float64 reference and print
                      a table: op, shape, dtype, backend, relative error, time per call.
     fuselm swapffn   Swap-FFN at the seed config: tokens/s of the reference (eager and
-                     torch.compile) and the fused path (eager and one CUDA graph per token),
-                     kernels per token, and fused-vs-reference parity (GPU).
+                     torch.compile), the fused path (eager and one CUDA graph per token) and the
+                     token's FFN matrix products alone in cuBLAS; kernels per token, and
+                     fused-vs-reference parity (GPU).
     fuselm generate  Qwen3.5 generation through the engine (prefill, then one CUDA graph per
                      decode step): streams token ids, then prefill tok/s, decode tok/s and the
                      share of the weight-bandwidth floor. Default: a tiny random model.
@@ -108,6 +109,33 @@ def _matrix_tflops(bench) -> float:
     return 2 * 8192**3 / bench(lambda: a @ a) / 1e9
 
 
+def _cublas_ffn_products(cfg, batch: int) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of the token step's FFN matrix products alone, by cuBLAS at the step's shapes
+    (per FFN step [B*C, D] @ [D, 2F] and [B*C, F] @ [F, D]; no router, norm, SwiGLU or collapse):
+    the time any path built on cuBLAS GEMMs, torch.compile's included, spends in them."""
+    rows, D, F = batch * cfg.n_cores, cfg.d_model, cfg.d_ff
+    x = torch.randn(rows, D, device="cuda", dtype=torch.bfloat16)
+    gate_up = torch.empty(rows, 2 * F, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(rows, F, device="cuda", dtype=torch.bfloat16)
+    w13 = torch.randn(2 * F, D, device="cuda", dtype=torch.bfloat16) * D**-0.5
+    w2 = torch.randn(D, F, device="cuda", dtype=torch.bfloat16) * F**-0.5
+
+    def products():
+        for _ in range(cfg.n_events * cfg.k_ffn):
+            torch.mm(x, w13.T, out=gate_up)
+            torch.mm(h, w2.T, out=x)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        products()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        products()
+    return graph
+
+
 def swapffn(args) -> int:
     import json
 
@@ -148,6 +176,7 @@ def swapffn(args) -> int:
             rows["fused, eager launches"] = bench(lambda: fused.step(x, ram, stream_map))
             decoder = SwapFFNDecoder(module, batch)
             rows["fused, one CUDA graph"] = bench(lambda: decoder.step(x))
+            rows["cuBLAS FFN products alone, one CUDA graph"] = bench(_cublas_ffn_products(cfg, batch).replay)
             kernels = _kernels_per_call(lambda: decoder.step(x))
             # parity over a few tokens, state carried
             ref_state, dec = module.init_state(batch), SwapFFNDecoder(module, batch)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fuselm.ops.rms_norm.naive import rms_norm_ref
-from fuselm.ops.swap_ffn.kernels import FFNStep, swap_router
+from fuselm.ops.swap_ffn.kernels import FFNStep, core_x, swap_router
 from fuselm.ops.swiglu_mlp.op import interleave_gate_up
 from fuselm.runtime import needs_autograd, use_triton
 
@@ -196,6 +196,7 @@ class SwapFFN(nn.Module):
             with torch.no_grad():
                 ram, stream_map = state.ram.clone(), state.stream_map.clone()
                 runner = FusedSwapFFN(self, batch)
+                tokens = tokens.contiguous()  # core_x reads each token with unit column stride
                 for t in range(tokens.shape[1]):
                     outputs.append(runner.step(tokens[:, t], ram, stream_map).clone())
         else:
@@ -327,6 +328,7 @@ class FusedSwapFFN:
         self.x = torch.empty(rows, cfg.d_model, device=device, dtype=dtype)
         self.h = torch.empty(rows, cfg.d_ff, device=device, dtype=dtype)
         self.ss = torch.empty(rows, device=device, dtype=torch.float32)  # x's row sums of squares after a swap
+        self.pooled = torch.empty(batch, cfg.collapse_k, cfg.d_model, device=device, dtype=dtype)
         self.code = torch.empty(batch, cfg.collapse_r, device=device, dtype=dtype)
         self.y = torch.empty(batch, cfg.d_model, device=device, dtype=dtype)
         self.batch = batch
@@ -335,14 +337,17 @@ class FusedSwapFFN:
     def step(self, x_tok: torch.Tensor, ram: torch.Tensor, stream_map: torch.Tensor) -> torch.Tensor:
         cfg, x = self.config, self.x
         C, D = cfg.n_cores, cfg.d_model
-        torch.addcmul(self.core_shift, x_tok[:, None, :], self.core_scale, out=x.view(self.batch, C, D))
+        if x_tok.shape != (self.batch, D) or x_tok.stride(1) != 1:
+            raise ValueError(f"x_tok: expected [{self.batch}, {D}] with unit column stride, got "
+                             f"{tuple(x_tok.shape)} strides {x_tok.stride()}")
         ram_rows, map_rows = ram.view(-1, 4, D), stream_map.view(-1)
+        core_x(x, x_tok, self.core_scale, self.core_shift)
         for _ in range(cfg.n_events):
             swap_router(x, ram_rows, map_rows, self.ss, *self.router, cfg.eps)
             for i in range(cfg.k_ffn):
                 self.ffn.step(self.ss if i == 0 else None)  # the router's sums of squares serve the first
-        pooled = torch.matmul(self.core_alpha_t, x.view(self.batch, C, D))  # [B, K, D]: pool over cores first
-        torch.mm(pooled.view(self.batch, -1), self.basis, out=self.code)
+        torch.matmul(self.core_alpha_t, x.view(self.batch, C, D), out=self.pooled)  # pool over cores first
+        torch.mm(self.pooled.view(self.batch, -1), self.basis, out=self.code)
         code = torch.nn.functional.silu(self.code, inplace=True) if cfg.collapse_silu else self.code
         return torch.addmm(x_tok, code, self.decoder_t, out=self.y)
 

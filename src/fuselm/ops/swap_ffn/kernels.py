@@ -124,6 +124,22 @@ def _swap_router_kernel(
 
 
 @triton.jit
+def _core_x_kernel(x_ptr, tok_ptr, tok_stride, scale_ptr, shift_ptr, M, C, D,
+                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """x[b * C + c] = round(round(x_tok[b] * core_scale[c]) + core_shift[c]), as the reference."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m = (rows < M)[:, None] & (cols < D)[None, :]
+    b = (rows // C).to(tl.int64)[:, None]
+    c = (rows % C).to(tl.int64)[:, None]
+    t = tl.load(tok_ptr + b * tok_stride + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + c * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    shift = tl.load(shift_ptr + c * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    x = _round(t * scale, x_ptr) + shift
+    tl.store(x_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], x.to(x_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _row_sum_squares_kernel(x_ptr, ss_ptr, M, D, BLOCK_M: tl.constexpr, BLOCK_ROW: tl.constexpr):
     """ss[m] = sum_d x[m, d]^2 in fp32."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -133,14 +149,15 @@ def _row_sum_squares_kernel(x_ptr, ss_ptr, M, D, BLOCK_M: tl.constexpr, BLOCK_RO
 @triton.jit
 def _ffn_gate_up_kernel(
     x_desc, w_desc, h_desc, ss_ptr, M, F, D, eps,
-    SS_GIVEN: tl.constexpr, IEEE: tl.constexpr, FLATTEN: tl.constexpr,
+    SS_GIVEN: tl.constexpr, IEEE: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    ROUND_GU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(F, BLOCK_N)
     k_steps = tl.cdiv(D, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -157,9 +174,14 @@ def _ffn_gate_up_kernel(
         rstd = tl.rsqrt(sum_sq / D + eps)[:, None]
         g, u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
         dtype = h_desc.dtype
-        g = (g * rstd).to(dtype).to(tl.float32)
-        u = (u * rstd).to(dtype).to(tl.float32)
-        a = gate_factor(g, SILU, 0.0, 1.0).to(dtype).to(tl.float32)
+        g = g * rstd
+        u = u * rstd
+        if ROUND_GU:
+            g = g.to(dtype).to(tl.float32)
+            u = u.to(dtype).to(tl.float32)
+            a = gate_factor(g, SILU, 0.0, 1.0).to(dtype).to(tl.float32)
+        else:
+            a = gate_factor(g, SILU, 0.0, 1.0)
         h_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], (a * u).to(dtype))
 
 
@@ -191,16 +213,34 @@ def swap_router(x, ram, stream_map, ss, norm_w, router_w, swap_w, swap_b, bank_w
     )
 
 
+# core_x tile: 8 rows x 1024 columns per program (16 KB of bf16 out; 4096 / 512 programs at batch
+# 8 / 1).
+CORE_X_BLOCK_M = 8
+CORE_X_BLOCK_D = 1024
+
+
+def core_x(x, x_tok, core_scale, core_shift) -> None:
+    """x [B * C, D] = x_tok [B, D] (unit column stride) broadcast over the cores, times
+    core_scale [C, D] plus core_shift [C, D], each product and sum rounded to x's dtype."""
+    M, D = x.shape
+    C = core_scale.shape[0]
+    block_d = min(CORE_X_BLOCK_D, next_power_of_2(D))
+    _core_x_kernel[(cdiv(M, CORE_X_BLOCK_M), cdiv(D, block_d))](
+        x, x_tok, x_tok.stride(0), core_scale, core_shift, M, C, D, BLOCK_M=CORE_X_BLOCK_M, BLOCK_D=block_d,
+        num_warps=4)
+
+
 # Rows per program of the sums-of-squares pass: 4 was the fastest of 4/8/16 on the H100
 # (6.7 / 9.2 us at 512 / 4096 rows, cold L2).
 SS_BLOCK_M = 4
+SS_WARPS = 4
 
 
 def row_sum_squares(x, ss) -> None:
     """ss [M] fp32 = sum over columns of x [M, D]^2."""
     M, D = x.shape
     _row_sum_squares_kernel[(cdiv(M, SS_BLOCK_M),)](
-        x, ss, M, D, BLOCK_M=SS_BLOCK_M, BLOCK_ROW=min(ROUTER_BLOCK_ROW, next_power_of_2(D)), num_warps=4)
+        x, ss, M, D, BLOCK_M=SS_BLOCK_M, BLOCK_ROW=min(ROUTER_BLOCK_ROW, next_power_of_2(D)), num_warps=SS_WARPS)
 
 
 @dataclass(frozen=True)
@@ -212,6 +252,8 @@ class GateUpConfig:
     num_warps: int
     num_stages: int
     flatten: bool  # one software pipeline across a program's tiles (the next tile's loads overlap this epilogue)
+    warp_specialize: bool = False  # a producer warp issues the TMA loads (tl.range warp_specialize)
+    round_gu: bool = True  # G, U and SiLU(G) rounded to the model dtype as the reference rounds them
 
 
 def gate_up_config(arch: int, dtype: torch.dtype) -> GateUpConfig:
@@ -262,6 +304,7 @@ class FFNStep:
         _ffn_gate_up_kernel[(self.programs,)](
             self.x_desc, self.w13_desc, self.h_desc, self.x if ss is None else ss, self.M, self.F, self.D, self.eps,
             SS_GIVEN=ss is not None, IEEE=self.x.dtype == torch.float32, FLATTEN=cfg.flatten,
+            WARP_SPECIALIZE=cfg.warp_specialize, ROUND_GU=cfg.round_gu,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             NUM_PROGRAMS=self.programs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
