@@ -149,15 +149,14 @@ def _row_sum_squares_kernel(x_ptr, ss_ptr, M, D, BLOCK_M: tl.constexpr, BLOCK_RO
 @triton.jit
 def _ffn_gate_up_kernel(
     x_desc, w_desc, h_desc, ss_ptr, M, F, D, eps,
-    SS_GIVEN: tl.constexpr, IEEE: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    ROUND_GU: tl.constexpr,
+    SS_GIVEN: tl.constexpr, IEEE: tl.constexpr, FLATTEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(F, BLOCK_N)
     k_steps = tl.cdiv(D, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -174,14 +173,9 @@ def _ffn_gate_up_kernel(
         rstd = tl.rsqrt(sum_sq / D + eps)[:, None]
         g, u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
         dtype = h_desc.dtype
-        g = g * rstd
-        u = u * rstd
-        if ROUND_GU:
-            g = g.to(dtype).to(tl.float32)
-            u = u.to(dtype).to(tl.float32)
-            a = gate_factor(g, SILU, 0.0, 1.0).to(dtype).to(tl.float32)
-        else:
-            a = gate_factor(g, SILU, 0.0, 1.0)
+        g = (g * rstd).to(dtype).to(tl.float32)
+        u = (u * rstd).to(dtype).to(tl.float32)
+        a = gate_factor(g, SILU, 0.0, 1.0).to(dtype).to(tl.float32)
         h_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], (a * u).to(dtype))
 
 
@@ -190,9 +184,10 @@ def _ffn_gate_up_kernel(
 # The kernel is latency-bound at batch 1: the elementwise passes (sums of squares, swap) take
 # whole rows of up to BLOCK_ROW elements per step and the dot BLOCK_K per step, so a 1024-wide
 # row costs 1 + 2 + 1 dependent rounds of loads instead of 8 + 8 + 8. H100 sweep (do_bench, cold
-# L2; swap_ffn_sweep.md): 4 warps, BLOCK_K 512, 2 stages took 15.6 / 20.6 us at 512 / 4096 rows
-# (BLOCK_K 128 as before: 21.6 / 25.6; 8 warps: 15.2 / 26.7); inside the token step's graph
-# 10.9 us per call at 512 rows (16.7 before). 32 or 64 rows per program were slower.
+# L2; NOTES 22): 4 warps, BLOCK_K 512, 2 stages took 15.6 / 20.6 us at 512 / 4096 rows (BLOCK_K
+# 128 as before: 21.6 / 25.6; 8 warps: 15.2 / 26.7); inside the token step's graph 10.9 us per
+# call at 512 rows (16.7 before). 32 or 64 rows per program were slower; in a graph (NOTES 23)
+# BLOCK_K 1024 was 0.6 us faster at 512 rows and 4 us slower at 4096.
 ROUTER_BLOCK_M = 16
 ROUTER_BLOCK_ROW = 1024
 ROUTER_BLOCK_K = 512
@@ -213,9 +208,9 @@ def swap_router(x, ram, stream_map, ss, norm_w, router_w, swap_w, swap_b, bank_w
     )
 
 
-# core_x tile: 8 rows x 1024 columns per program (16 KB of bf16 out; 4096 / 512 programs at batch
-# 8 / 1).
-CORE_X_BLOCK_M = 8
+# core_x tile: 2 rows x 1024 columns per program, the fastest of 2/4/8 x 1024 and 16 x 512 on the
+# H100 (2.5 / 4.8 us at 512 / 4096 rows, in a graph; torch.addcmul 3.6 / 14.9; swap_ffn_sweep.md).
+CORE_X_BLOCK_M = 2
 CORE_X_BLOCK_D = 1024
 
 
@@ -230,17 +225,16 @@ def core_x(x, x_tok, core_scale, core_shift) -> None:
         num_warps=4)
 
 
-# Rows per program of the sums-of-squares pass: 4 was the fastest of 4/8/16 on the H100
-# (6.7 / 9.2 us at 512 / 4096 rows, cold L2).
-SS_BLOCK_M = 4
-SS_WARPS = 4
+# Rows per program of the sums-of-squares pass: 2 was the fastest of 1/2/4/8 on the H100 (2.3 / 3.6
+# us at 512 / 4096 rows in a graph; 4 rows 2.7 / 4.0; swap_ffn_sweep.md).
+SS_BLOCK_M = 2
 
 
 def row_sum_squares(x, ss) -> None:
     """ss [M] fp32 = sum over columns of x [M, D]^2."""
     M, D = x.shape
     _row_sum_squares_kernel[(cdiv(M, SS_BLOCK_M),)](
-        x, ss, M, D, BLOCK_M=SS_BLOCK_M, BLOCK_ROW=min(ROUTER_BLOCK_ROW, next_power_of_2(D)), num_warps=SS_WARPS)
+        x, ss, M, D, BLOCK_M=SS_BLOCK_M, BLOCK_ROW=min(ROUTER_BLOCK_ROW, next_power_of_2(D)), num_warps=4)
 
 
 @dataclass(frozen=True)
@@ -252,13 +246,13 @@ class GateUpConfig:
     num_warps: int
     num_stages: int
     flatten: bool  # one software pipeline across a program's tiles (the next tile's loads overlap this epilogue)
-    warp_specialize: bool = False  # a producer warp issues the TMA loads (tl.range warp_specialize)
-    round_gu: bool = True  # G, U and SiLU(G) rounded to the model dtype as the reference rounds them
 
 
 def gate_up_config(arch: int, dtype: torch.dtype) -> GateUpConfig:
     """Hopper, 16-bit: 128 x 128 tiles of h (128 x 256 of the product), BLOCK_K 64, 8 warps, 4
-    stages: the best of the H100 sweep at 512 and 4096 rows (21.0 / 108 us; swap_ffn_sweep.md).
+    stages: the best of the H100 sweeps at 512 and 4096 rows (21.0 / 108 us cold, NOTES 22; 3 stages,
+    not flattened, 128 x 64, 64 x 128, 256 x 64, BLOCK_K 128 slower). A producer warp
+    (tl.range warp_specialize) with an fp32 epilogue gained 0.5% of the token step (NOTES 23).
     Other GPUs (not measured): 64 columns and 3 stages, to fit 164 KB of shared memory. fp32 and
     the interpreter (0): small tiles."""
     if arch == 0:
@@ -304,7 +298,6 @@ class FFNStep:
         _ffn_gate_up_kernel[(self.programs,)](
             self.x_desc, self.w13_desc, self.h_desc, self.x if ss is None else ss, self.M, self.F, self.D, self.eps,
             SS_GIVEN=ss is not None, IEEE=self.x.dtype == torch.float32, FLATTEN=cfg.flatten,
-            WARP_SPECIALIZE=cfg.warp_specialize, ROUND_GU=cfg.round_gu,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             NUM_PROGRAMS=self.programs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
