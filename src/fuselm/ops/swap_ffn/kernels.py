@@ -220,9 +220,11 @@ def core_x(x, x_tok, core_scale, core_shift) -> None:
     M, D = x.shape
     C = core_scale.shape[0]
     block_d = min(CORE_X_BLOCK_D, next_power_of_2(D))
+    # No FP fusion: on sm_90 LLVM narrows the fp32 product and sum of 16-bit values to 16-bit ops
+    # and would fuse them into one fma (one rounding, as torch.addcmul), not the reference's two.
     _core_x_kernel[(cdiv(M, CORE_X_BLOCK_M), cdiv(D, block_d))](
         x, x_tok, x_tok.stride(0), core_scale, core_shift, M, C, D, BLOCK_M=CORE_X_BLOCK_M, BLOCK_D=block_d,
-        num_warps=4)
+        num_warps=4, enable_fp_fusion=False)
 
 
 # Rows per program of the sums-of-squares pass: 2 was the fastest of 1/2/4/8 on the H100 (2.3 / 3.6
