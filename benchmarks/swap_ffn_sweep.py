@@ -118,11 +118,12 @@ def in_context(module: SwapFFN, rows: int) -> dict:
     w2 = torch.randn(D, F, device="cuda", dtype=dt) * F**-0.5
     h = torch.empty(rows, F, device="cuda", dtype=dt)
     ss = x.float().pow(2).sum(1)
+    x_next = torch.empty_like(x)  # the down product: x itself stays as made (fed back, it decays to zeros)
     flush_src, flush_dst = torch.empty(2, 64 << 20, device="cuda", dtype=dt)
     out = {}
     for gu in [GATE_UP[0]] + [replace(GATE_UP[0], group_m=g) for g in (1, 4, 16, 32)]:
         step = FFNStep(x, w13, h, w2, 1e-6, False, config=gu)
-        for tag, after in {"down": lambda: torch.mm(h, w2.T, out=x), "flush": lambda: flush_dst.copy_(flush_src)}.items():
+        for tag, after in {"down": lambda: torch.mm(h, w2.T, out=x_next), "flush": lambda: flush_dst.copy_(flush_src)}.items():
             def pattern():
                 step.gate_up(ss)
                 after()

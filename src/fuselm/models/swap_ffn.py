@@ -10,7 +10,8 @@ Two paths compute it:
   swap and bank decisions are hard). Every op in the model dtype as eager PyTorch would run it;
   the norms and the softmax reduce in fp32 (RMSNorm rounds like HF Llama).
 - ``FusedSwapFFN`` (inference, Triton): the cores are the M dimension of every matrix product,
-  so each weight tile is read once per tile of cores. Per event: one router kernel (router GEMM,
+  so each weight tile is read once per tile of cores. The cores' x comes from one core_x kernel
+  (rounded as the reference rounds it). Per event: one router kernel (router GEMM,
   decisions, bank swap, write-back, lane update, in place; it also leaves the new x's row sums
   of squares), then per FFN step the persistent TMA gate/up GEMM with SwiGLU and the RMSNorm
   folded in (ops/swap_ffn/kernels.py), and cuBLAS's down GEMM into x. The collapse pools over
