@@ -12,6 +12,9 @@ Rows are (batch, core) pairs: x [M, D], ram [M, 4, D], stream_map [M] uint8, M =
    stream map's lanes moved to front (lane 0 = p, lanes 1..s shifted down); ss [M] receives the
    row sums of squares of the new x (fp32), for the FFN step's RMSNorm.
 
+``_core_x_kernel``: the cores' x from the token, x[b * C + c] = x_tok[b] * core_scale[c] +
+core_shift[c], product and sum each rounded as the reference rounds them.
+
 ``_ffn_gate_up_kernel`` (first half of an FFN step; the down GEMM h @ w2.T is cuBLAS's, which
 ran 15 vs 21 us at 512 rows and 46 vs 54 us at 4096 against a split-K Triton kernel, NOTES 22):
 h = SwiGLU(rms(x, norm) @ [w1; w3].T) with the norm weight folded into w13's columns, so
