@@ -37,18 +37,25 @@ def per_call_us(fn) -> float:
     return bench(capture(fn, CALLS).replay) * 1e3 / CALLS
 
 
+def ffn_operands(cfg: SwapFFNConfig, rows: int):
+    """Random FFN-step operands at the config's sizes, bf16: x [rows, D], w13 [2F, D], w2 [D, F],
+    h [rows, F] (empty) and x's row sums of squares (fp32)."""
+    D, F = cfg.d_model, cfg.d_ff
+    x = torch.randn(rows, D, device="cuda", dtype=torch.bfloat16)
+    w13 = torch.randn(2 * F, D, device="cuda", dtype=torch.bfloat16) * D**-0.5
+    w2 = torch.randn(D, F, device="cuda", dtype=torch.bfloat16) * F**-0.5
+    h = torch.empty(rows, F, device="cuda", dtype=torch.bfloat16)
+    return x, w13, w2, h, x.float().pow(2).sum(1)
+
+
 def pieces(module: SwapFFN, rows: int) -> dict:
     cfg, dt = module.config, torch.bfloat16
-    D, F = cfg.d_model, cfg.d_ff
-    x = torch.randn(rows, D, device="cuda", dtype=dt)
-    w13 = torch.randn(2 * F, D, device="cuda", dtype=dt) * D**-0.5
-    w2 = torch.randn(D, F, device="cuda", dtype=dt) * F**-0.5
-    h = torch.empty(rows, F, device="cuda", dtype=dt)
-    ss = x.float().pow(2).sum(1)
+    D = cfg.d_model
+    x, w13, w2, h, ss = ffn_operands(cfg, rows)
     out = {"rows": rows, "cublas_us": {}, "gate_up_us": {}, "router_us": {}, "ss_pass_us": {}}
     out["cublas_us"]["gate+up mm"] = per_call_us(lambda: torch.mm(x, w13.T))
     out["cublas_us"]["down mm"] = per_call_us(lambda: torch.mm(h, w2.T))
-    flop = 2 * rows * D * 2 * F
+    flop = 2 * rows * D * 2 * cfg.d_ff
     for gu in GATE_UP:
         try:
             step = FFNStep(x, w13, h, w2, 1e-6, False, config=gu)
@@ -112,12 +119,7 @@ def in_context(module: SwapFFN, rows: int) -> dict:
     CALLS x (gate/up, cuBLAS down) and CALLS x (gate/up, a 128 MB copy that flushes L2), per
     kernel from torch.profiler over replays of that graph."""
     cfg, dt = module.config, torch.bfloat16
-    D, F = cfg.d_model, cfg.d_ff
-    x = torch.randn(rows, D, device="cuda", dtype=dt)
-    w13 = torch.randn(2 * F, D, device="cuda", dtype=dt) * D**-0.5
-    w2 = torch.randn(D, F, device="cuda", dtype=dt) * F**-0.5
-    h = torch.empty(rows, F, device="cuda", dtype=dt)
-    ss = x.float().pow(2).sum(1)
+    x, w13, w2, h, ss = ffn_operands(cfg, rows)
     x_next = torch.empty_like(x)  # the down product: x itself stays as made (fed back, it decays to zeros)
     flush_src, flush_dst = torch.empty(2, 64 << 20, device="cuda", dtype=dt)
     out = {}

@@ -23,7 +23,7 @@ import torch
 
 from fuselm import Activation, add_rms_norm, gemm_swiglu, interleave_gate_up, rms_norm, silu_mul, swiglu_mlp
 from fuselm.ops.activation import gate_factor_ref, up_factor_ref
-from fuselm.runtime import INTERPRET, copy_bandwidth
+from fuselm.runtime import INTERPRET, capture_graph, copy_bandwidth
 from fuselm.testing import rel_err
 
 
@@ -125,15 +125,7 @@ def _cublas_ffn_products(cfg, batch: int) -> torch.cuda.CUDAGraph:
             torch.mm(x, w13.T, out=gate_up)
             torch.mm(h, w2.T, out=x)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        products()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        products()
-    return graph
+    return capture_graph(products)[0]
 
 
 def swapffn(args) -> int:

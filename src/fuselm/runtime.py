@@ -25,6 +25,20 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or (INTERPRET and t.device.type == "cpu")
 
 
+def capture_graph(fn):
+    """(graph, out): ``fn()`` run once on a side stream (Triton JIT, cuBLAS workspaces), then
+    captured in a CUDA graph; ``out`` is what the captured call returned (its static outputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def cdiv(x: int, y: int) -> int:
     """ceil(x / y) for launch grids. (triton.cdiv and triton.next_power_of_2 are constexpr-function
     wrappers: a few µs each per host call, paid on every eager launch.)"""

@@ -30,7 +30,7 @@ from torch import nn
 from fuselm.ops.rms_norm.naive import rms_norm_ref
 from fuselm.ops.swap_ffn.kernels import FFNStep, core_x, swap_router
 from fuselm.ops.swiglu_mlp.op import interleave_gate_up
-from fuselm.runtime import needs_autograd, use_triton
+from fuselm.runtime import capture_graph, needs_autograd, use_triton
 
 N_BANKS = 4  # fixed: the stream map packs 4 lanes x 2 bits into a uint8
 IDENTITY_STREAM_MAP = 0xE4  # lanes (0, 1, 2, 3)
@@ -370,15 +370,8 @@ class SwapFFNDecoder:
         self.x_tok = torch.zeros(batch, module.config.d_model, device=self.runner.x.device, dtype=self.runner.x.dtype)
         self.graph = None
         if self.x_tok.is_cuda:
-            saved = self.state.clone()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # compile the kernels outside the capture
-                self.runner.step(self.x_tok, self.state.ram, self.state.stream_map)
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.y = self.runner.step(self.x_tok, self.state.ram, self.state.stream_map)
+            saved = self.state.clone()  # warm-up and capture each run a step on the state
+            self.graph, self.y = capture_graph(lambda: self.runner.step(self.x_tok, self.state.ram, self.state.stream_map))
             self.state.ram.copy_(saved.ram)
             self.state.stream_map.copy_(saved.stream_map)
 
