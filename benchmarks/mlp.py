@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import triton
 
 from fuselm import gemm_swiglu, interleave_gate_up, silu_mul, swiglu_mlp
-from fuselm.ops.activation import Activation
+from fuselm.ops.common.activation import Activation
 from fuselm.ops.swiglu_mlp.kernels import GemmConfig, GemvConfig, decode_gemv_kernel, gemm_swiglu_kernel
 from fuselm.runtime import copy_bandwidth
 from timing import results_dir, bench, graph_bench

@@ -7,12 +7,15 @@
 Default: HF ``Qwen3_5TextConfig()`` (the 9B text model), seeded random weights made on the
 device in bf16, prompts of 512 random ids, 256 new tokens, batch 1, 8 and 32, greedy, no eos.
 
-fuselm: ``Engine`` with one CUDA graph per measured batch size; prefill = ``model.prefill`` of the
-batch + the first token, decode = the remaining steps as graph replays with no host read in
-between (``Engine.generate`` times both, device-synchronised); best of ``--repeats`` runs. Then
-kernels, graph launches and host syncs per step (``Engine.launch_audit``: torch.profiler).
-Weight floor = bytes of weights a decode step reads (``decode_weight_bytes``) / the measured
-device copy bandwidth (``fuselm.runtime.copy_bandwidth``: read + written bytes, TB/s).
+fuselm: ``Engine`` with one CUDA graph per measured batch size; the batch's requests are
+generated together (``SamplingParams(temperature=0, ignore_eos=True)``) and timed by their own
+metrics (``fuselm.bench.generate.request_timings``): prefill = first arrival to the last first
+token (one ``model.prefill`` of the batch + the first token), decode = first first token to the
+last finish (the remaining steps as graph replays, the host's reads pipelined one step behind);
+best of ``--repeats`` runs after a warm-up. Then kernels, graph launches and host syncs per step
+(``fuselm.engine.audit.launch_audit``: torch.profiler). Weight floor = bytes of weights a decode
+step reads (``decode_weight_bytes``) / the measured device copy bandwidth
+(``fuselm.runtime.copy_bandwidth``: read + written bytes, TB/s).
 
 HF: ``Qwen3_5ForCausalLM`` with the same seeded scheme (its own draws), bf16, built after ours
 is freed (both at 9B do not fit beside each other with room to run), ``generate`` greedy
@@ -36,8 +39,10 @@ from pathlib import Path
 
 import torch
 
-from fuselm.engine import Engine, decode_weight_bytes
-from fuselm.models.qwen35_random import config_9b, random_hf_qwen35, random_qwen35, tiny_config
+from fuselm.bench.generate import request_timings
+from fuselm.engine import Engine, SamplingParams
+from fuselm.engine.audit import decode_weight_bytes, launch_audit
+from fuselm.models.qwen35.presets import config_9b, random_hf_qwen35, random_qwen35, tiny_config
 from fuselm.runtime import copy_bandwidth
 from timing import results_dir
 
@@ -66,27 +71,32 @@ def free(device):
         torch.cuda.empty_cache()
 
 
+def greedy(new_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+
 def run_fuselm(config, args, device) -> dict:
     start = time.perf_counter()
     model = random_qwen35(config, dtype=args.dtype, device=device, seed=0)
     engine = Engine(model, max_batch=max(args.batch), max_len=args.prompt_len + args.new_tokens,
-                    graph_batch_sizes=tuple(args.batch), eos_token_id=[])
+                    graph_batch_sizes=tuple(args.batch))
     sync(device)
     result = {"build_and_capture_s": time.perf_counter() - start, "weight_bytes_per_step": decode_weight_bytes(model),
               "parameters": sum(p.numel() for p in model.parameters()), "batches": {}}
-    print(f"fuselm: built and captured {engine.batch_sizes} in {result['build_and_capture_s']:.1f} s", flush=True)
+    print(f"fuselm: built and captured {engine.runner.batch_sizes} in {result['build_and_capture_s']:.1f} s",
+          flush=True)
     generator = torch.Generator().manual_seed(1)
     for batch in args.batch:
         prompts = torch.randint(0, config.vocab_size, (batch, args.prompt_len), generator=generator)
-        engine.generate(prompts, 2)  # compiles the prefill kernels for this shape
-        runs = [engine.generate(prompts, args.new_tokens) for _ in range(args.repeats)]
-        prefill_s = min(r.prefill_seconds for r in runs)
-        decode_s = min(r.decode_seconds for r in runs)
-        steps = runs[0].decode_steps
+        engine.generate(prompts, greedy(2))  # compiles the prefill kernels for this shape
+        runs = [request_timings(engine.generate(prompts, greedy(args.new_tokens))) for _ in range(args.repeats)]
+        prefill_s = min(r["prefill_seconds"] for r in runs)
+        decode_s = min(r["decode_seconds"] for r in runs)
+        steps = runs[0]["decode_steps"]
         row = {"prefill_s": prefill_s, "prefill_tokens_per_s": batch * args.prompt_len / prefill_s,
                "decode_steps": steps, "decode_s": decode_s, "decode_ms_per_step": 1e3 * decode_s / steps,
-               "decode_tokens_per_s": batch * steps / decode_s, "graph_batch_size": runs[0].batch_size,
-               "launches": engine.launch_audit(batch, steps=4) if device.type == "cuda" else None}
+               "decode_tokens_per_s": batch * steps / decode_s, "graph_batch_size": engine.runner.batch_size_for(batch),
+               "launches": launch_audit(engine, batch, steps=4) if device.type == "cuda" else None}
         result["batches"][batch] = row
         print(f"fuselm batch {batch}: prefill {row['prefill_tokens_per_s']:,.0f} tok/s, decode "
               f"{row['decode_tokens_per_s']:,.1f} tok/s ({row['decode_ms_per_step']:.3f} ms/step)", flush=True)

@@ -1,6 +1,6 @@
 """Where does the bf16 logit gap between fuselm and HF transformers come from?
 
-Qwen3.5-9B config, random bf16 weights (fuselm.models.qwen35_random), 4 prompts of 512 random
+Qwen3.5-9B config, random bf16 weights (fuselm.models.qwen35.presets), 4 prompts of 512 random
 ids, prefill logits at a few positions. Runs fuselm's prefill with one component at a time
 swapped for HF's own module on the same weights (the MLP, the Gated DeltaNet mixer, only the
 DeltaNet's chunk kernel (fla-core's, as HF calls it), the attention mixer), and reports the
@@ -18,9 +18,11 @@ import os
 import torch
 import torch.nn.functional as F
 
-from fuselm.models import qwen35 as qwen35_module
+import fuselm.models.qwen35.layers as qwen35_layers
+import fuselm.models.qwen35.model as qwen35_model
+import fuselm.ops.swiglu_mlp.op as swiglu_op
 from fuselm.models.qwen35 import Qwen35
-from fuselm.models.qwen35_random import WEIGHT_SCHEMES, config_9b, random_hf_qwen35, tiny_config
+from fuselm.models.qwen35.presets import WEIGHT_SCHEMES, config_9b, random_hf_qwen35, tiny_config
 from fuselm.ops.gated_delta_rule.naive import chunk_gated_delta_rule_ref
 # HF's RMSNorm op for op (both rounding modes; add_rms_norm_ref: HF's bf16 residual add first)
 from fuselm.ops.rms_norm.naive import add_rms_norm_ref, rms_norm_ref
@@ -122,10 +124,10 @@ def main():
         rotary = hf.model.rotary_emb(torch.empty(1, dtype=hf.dtype, device=dev), position_ids)
 
         captured = {}
-        ours_chunk = qwen35_module.chunk_gated_delta_rule
-        ours_mlp = qwen35_module.swiglu_mlp
-        ours_norm, ours_add_norm = qwen35_module.rms_norm, qwen35_module.add_rms_norm
-        layer_of_w13 = {id(layer.w13): i for i, layer in enumerate(model.layers)}
+        ours_chunk = qwen35_layers.chunk_gated_delta_rule
+        ours_mlp = swiglu_op.swiglu_mlp
+        ours_norm, ours_add_norm = qwen35_model.rms_norm, qwen35_model.add_rms_norm
+        layer_of_w13 = {id(layer.mlp.w13): i for i, layer in enumerate(model.layers)}
 
         def capturing_chunk(*a, **k):
             captured.setdefault("gdn", (a, k))
@@ -149,9 +151,10 @@ def main():
             """fuselm prefill logits with the components in ``swap`` taken from HF."""
             patched = []
             if "norms" in swap:
-                qwen35_module.rms_norm, qwen35_module.add_rms_norm = rms_norm_ref, add_rms_norm_ref
-            qwen35_module.chunk_gated_delta_rule = fla_chunk if "gdn_kernel" in swap else capturing_chunk
-            qwen35_module.swiglu_mlp = hf_mlp if "mlp" in swap else capturing_mlp
+                qwen35_model.rms_norm, qwen35_model.add_rms_norm = rms_norm_ref, add_rms_norm_ref
+                qwen35_layers.rms_norm = rms_norm_ref
+            qwen35_layers.chunk_gated_delta_rule = fla_chunk if "gdn_kernel" in swap else capturing_chunk
+            swiglu_op.swiglu_mlp = hf_mlp if "mlp" in swap else capturing_mlp
             for i, layer in enumerate(model.layers):
                 mixer, hf_layer = layer.mixer, hf_layers[i]
                 if "gdn" in swap and hasattr(hf_layer, "linear_attn"):
@@ -163,11 +166,12 @@ def main():
                     patched.append(mixer)
             try:
                 cache = model.new_cache(B, T)
-                return logits_of(model._prefill(prompts, [T] * B, cache))
+                return logits_of(model._prefill(prompts, [T] * B, cache, torch.arange(B, device=dev)))
             finally:
-                qwen35_module.chunk_gated_delta_rule = ours_chunk
-                qwen35_module.swiglu_mlp = ours_mlp
-                qwen35_module.rms_norm, qwen35_module.add_rms_norm = ours_norm, ours_add_norm
+                qwen35_layers.chunk_gated_delta_rule = ours_chunk
+                swiglu_op.swiglu_mlp = ours_mlp
+                qwen35_model.rms_norm, qwen35_model.add_rms_norm = ours_norm, ours_add_norm
+                qwen35_layers.rms_norm = ours_norm
                 for mixer in patched:
                     del mixer.prefill
 

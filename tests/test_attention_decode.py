@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from conftest import DEVICE
-from fuselm.models.qwen35 import GatedAttention, Qwen35Config, rotary_cos_sin
+from fuselm.models.qwen35 import Qwen35Config
+from fuselm.models.qwen35.layers import GatedAttention, rotary_cos_sin
 from fuselm.ops.attention_decode import qk_norm_rope_kv_write, qk_norm_rope_kv_write_ref
 from helpers import ELEMENTWISE_DTYPES
 

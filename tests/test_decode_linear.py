@@ -7,8 +7,8 @@ from torch import nn
 
 from conftest import DEVICE, ON_GPU
 from helpers import TOL_VS_CONTRACT, randn
-from fuselm.models.qwen35 import GatedAttention, GatedDeltaNet
-from fuselm.models.qwen35_random import tiny_config
+from fuselm.models.qwen35.layers import GatedAttention, GatedDeltaNet
+from fuselm.models.qwen35.presets import tiny_config
 from fuselm.ops.decode_linear import (
     DecodeLinearConfig, decode_linear, decode_linear_config, decode_linear_ref, gated_rms_norm_ref, sigmoid_gate_ref,
 )

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from conftest import DEVICE
 from fuselm import Qwen35, Qwen35Config
-from fuselm.models.qwen35 import sample_next_tokens
 
 transformers = pytest.importorskip("transformers")
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig  # noqa: E402
@@ -177,23 +176,9 @@ def test_eos_stops_a_row_and_leaves_the_others(models, greedy_run):
 
 
 # ----------------------------------------------------------------------------- sampling
-def test_sampling_follows_the_distribution_and_filters():
-    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]], device=DEVICE).repeat(40000, 1)
-    gen = torch.Generator(DEVICE).manual_seed(0)
-    counts = torch.bincount(sample_next_tokens(logits, 0.7, generator=gen), minlength=5).float()
-    assert (counts / counts.sum() - torch.softmax(logits[0] / 0.7, -1)).abs().max() < 0.01
-    assert set(sample_next_tokens(logits, 1.0, top_k=2, generator=gen).unique().tolist()) == {0, 1}
-    # top_p 0.8 at temperature 1: masses 0.55, 0.20, 0.12, ... -> the nucleus is tokens 0, 1, 2
-    assert set(sample_next_tokens(logits, 1.0, top_p=0.8, generator=gen).unique().tolist()) == {0, 1, 2}
-    assert torch.equal(sample_next_tokens(logits[:3], 0.0), torch.zeros(3, dtype=torch.long, device=DEVICE))
-    again = sample_next_tokens(logits, 1.0, generator=torch.Generator(DEVICE).manual_seed(5))
-    assert torch.equal(again, sample_next_tokens(logits, 1.0, generator=torch.Generator(DEVICE).manual_seed(5)))
-
-
 def test_generate_sampling_top_k_1_is_greedy(models, greedy_run):
     _, model = models
-    gen = torch.Generator(DEVICE).manual_seed(0)
-    tokens = model.generate(greedy_run["ids"], 4, temperature=1.3, top_k=1, generator=gen)
+    tokens = model.generate(greedy_run["ids"], 4, temperature=1.3, top_k=1, seed=0)
     assert torch.equal(tokens, greedy_run["tokens"][:, :4])
 
 
@@ -264,25 +249,31 @@ def test_checkpoint_that_disagrees_with_its_config(models, tmp_path):
     save_file(weights, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="missing"):
         Qwen35.from_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="path"):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
         Qwen35.from_pretrained(tmp_path / "nowhere")
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        Qwen35.from_pretrained(tmp_path)
 
 
 # ----------------------------------------------------------------------------- bad input
 def test_bad_input_raises_and_the_model_stays_usable(models):
     _, model = models
     ids = prompt(2, 6, seed=6)
-    cache = model.new_cache(max_batch=2, max_len=9)
-    expected = model.generate(ids, 3, cache=cache)
-    lengths_after = cache.lengths.clone()
+    cache = model.new_cache(max_batch=3, max_len=9)
+    expected = model.prefill(ids, cache)
+    state_after = [cache.lengths.clone(), cache.active.clone()]
     bad_calls = {
         "empty prompt": (lambda: model.generate(ids[:, :0], 3), "input_ids: empty prompt"),
         "empty padded row": (lambda: model.generate(ids, 3, attention_mask=right_padding_mask([6, 0], 6)),
                              "attention_mask: row 1 is an empty prompt"),
-        "longer than the cache": (lambda: model.generate(prompt(1, 10), 1, cache=cache), "input_ids: .*longer than the cache"),
-        "no room to generate": (lambda: model.generate(ids, 4, cache=cache), "max_new_tokens"),
-        "too many rows": (lambda: model.prefill(prompt(3, 2), cache), "input_ids: 3 rows"),
-        "id >= vocab": (lambda: model.generate(torch.cat([ids[:, :5], ids[:, :1] * 0 + 256], 1), 3, cache=cache),
+        "longer than the cache": (lambda: model.prefill(prompt(1, 10), cache, slots=[2]),
+                                  "input_ids: .*longer than the cache"),
+        "too many rows": (lambda: model.prefill(prompt(4, 2), cache), "input_ids: 4 rows"),
+        "slot out of range": (lambda: model.prefill(prompt(1, 2), cache, slots=[3]), r"slots: .*\[0, 3\)"),
+        "repeated slot": (lambda: model.prefill(prompt(2, 2), cache, slots=[2, 2]), "slots: expected distinct"),
+        "slots of another length": (lambda: model.prefill(prompt(2, 2), cache, slots=[2]), "slots: expected 2"),
+        "id >= vocab": (lambda: model.prefill(torch.cat([ids[:, :5], ids[:, :1] * 0 + 256], 1), cache),
                         r"input_ids: token ids must be in \[0, 256\)"),
         "negative id": (lambda: model(ids - 300), "input_ids: token ids"),
         "left padding": (lambda: model.generate(ids, 3, attention_mask=right_padding_mask([6, 4], 6).flip(1)),
@@ -290,16 +281,49 @@ def test_bad_input_raises_and_the_model_stays_usable(models):
         "negative max_new_tokens": (lambda: model.generate(ids, -1), "max_new_tokens"),
         "temperature": (lambda: model.generate(ids, 1, temperature=-0.5), "temperature"),
         "top_p": (lambda: model.generate(ids, 1, temperature=1.0, top_p=0.0), "top_p"),
-        "top_k": (lambda: model.generate(ids, 1, temperature=1.0, top_k=0), "top_k"),
+        "top_k": (lambda: model.generate(ids, 1, temperature=1.0, top_k=-2), "top_k"),
         "eos out of vocab": (lambda: model.generate(ids, 1, eos_token_id=999), "eos_token_id"),
     }
     for case, (call, message) in bad_calls.items():
         with pytest.raises(ValueError, match=message):
             call()
-        assert torch.equal(cache.lengths, lengths_after), f"{case} changed the cache"
-    assert torch.equal(model.generate(ids, 3, cache=cache), expected)
+        assert torch.equal(cache.lengths, state_after[0]) and torch.equal(cache.active, state_after[1]), \
+            f"{case} changed the cache"
+    assert torch.equal(model.prefill(ids, cache), expected)
     with pytest.raises(TypeError, match="input_ids"):
         model(ids.float())
+
+
+def test_prefill_into_slots_leaves_the_other_slots_decoding(models):
+    """A request prefilled into slot 2 while slot 0 decodes: slot 0's next logits are what they
+    would be without it, and slot 2 decodes as if alone."""
+    _, model = models
+    first, second = prompt(1, 7, seed=21), prompt(1, 5, seed=22)
+    cache = model.new_cache(max_batch=3, max_len=16)
+    model.prefill(first, cache, slots=[0])
+    token = torch.tensor([5, 0, 0], device=DEVICE)
+    model.decode_step(token, cache)
+    assert cache.active.tolist() == [True, False, False]
+    model.prefill(second, cache, slots=[2])
+    assert cache.active.tolist() == [True, False, True] and cache.lengths.tolist() == [8, 0, 5]
+    both = model.decode_step(torch.tensor([9, 0, 11], device=DEVICE), cache)
+    alone = model.new_cache(max_batch=1, max_len=16)
+    model.prefill(first, alone)
+    model.decode_step(torch.tensor([5], device=DEVICE), alone)
+    assert (model.decode_step(torch.tensor([9], device=DEVICE), alone)[0] - both[0]).abs().max() <= 1e-5
+    model.prefill(second, alone)
+    assert (model.decode_step(torch.tensor([11], device=DEVICE), alone)[0] - both[2]).abs().max() <= 1e-5
+
+
+def test_stop_ids_are_the_union_of_the_checkpoint_files():
+    """Released layout: top-level eos 248046 (<|im_end|>), text_config 248044, generation_config
+    both: a chat reply's end and the text end both stop."""
+    wrapper = {"model_type": "qwen3_5", "eos_token_id": 248046, "text_config": {**TINY, "vocab_size": 248320,
+                                                                               "eos_token_id": 248044}}
+    assert Qwen35Config.from_hf(wrapper).stop_token_ids == (248046, 248044)
+    assert Qwen35Config.from_hf(wrapper, {"eos_token_id": [248046, 248044]}).stop_token_ids == (248046, 248044)
+    assert Qwen35Config.from_hf({**TINY, "eos_token_id": 7}, {"eos_token_id": [8, 7]}).stop_token_ids == (7, 8)
+    assert Qwen35Config.from_hf(TINY).stop_token_ids == ()
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from conftest import DEVICE
 from helpers import ELEMENTWISE_DTYPES, TOL_VS_CONTRACT, TOL_VS_EXACT, randn
 from fuselm import Activation, SiLUMul, silu_mul
-from fuselm.ops.activation import gate_factor_ref, up_factor_ref
+from fuselm.ops.common.activation import gate_factor_ref, up_factor_ref
 from fuselm.ops.silu_mul import silu_mul_backward, silu_mul_backward_ref, silu_mul_forward, silu_mul_ref
 from fuselm.testing import assert_close, poisoned_like
 

@@ -1,4 +1,4 @@
-"""Swap-FFN reference against its spec (shared/swap_ffn_spec.md), on tiny configs."""
+"""Swap-FFN reference against its definition (the README, models/swap_ffn.py), on tiny configs."""
 
 import itertools
 

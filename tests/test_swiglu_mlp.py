@@ -5,7 +5,7 @@ from torch import nn
 from conftest import DEVICE, ON_GPU
 from helpers import randn
 from fuselm import Activation, SwiGLUMLP, gemm_swiglu, interleave_gate_up, swiglu_mlp, deinterleave_gate_up
-from fuselm.ops.activation import gate_factor_ref, up_factor_ref
+from fuselm.ops.common.activation import gate_factor_ref, up_factor_ref
 from fuselm.ops.swiglu_mlp import gemm_swiglu_forward, gemm_swiglu_ref, swiglu_mlp_forward, swiglu_mlp_ref
 from fuselm.testing import assert_close, poisoned_like
 

@@ -1,8 +1,10 @@
 """fuselm: fused Triton kernels for gated-MLP language models."""
 
+from fuselm.engine import Engine, RequestOutput, SamplingParams
+from fuselm.engine.llm import LLM
 from fuselm.models.qwen35 import Qwen35, Qwen35Cache, Qwen35Config
 from fuselm.models.swap_ffn import SwapFFN, SwapFFNConfig, SwapFFNDecoder, SwapFFNState
-from fuselm.ops.activation import Activation
+from fuselm.ops.common.activation import Activation
 from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from fuselm.ops.rms_norm import RMSNorm, add_rms_norm, rms_norm
 from fuselm.ops.silu_mul import SiLUMul, silu_mul
@@ -15,4 +17,5 @@ __all__ = [
     "SwapFFN", "SwapFFNConfig", "SwapFFNState", "SwapFFNDecoder",
     "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
     "Qwen35", "Qwen35Config", "Qwen35Cache",
+    "LLM", "SamplingParams", "RequestOutput", "Engine",
 ]

@@ -1,532 +1,440 @@
-"""The ``fuselm`` command.
+"""The ``fuselm`` command: argument parsing and dispatch (every import is lazy).
 
-    fuselm demo      run every op on fresh random inputs against its float64 reference and print
-                     a table: op, shape, dtype, backend, relative error, time per call.
-    fuselm swapffn   Swap-FFN at the seed config: tokens/s of the reference (eager and
-                     torch.compile), the fused path (eager and one CUDA graph per token) and the
-                     token's FFN matrix products alone in cuBLAS; kernels per token, and
-                     fused-vs-reference parity (GPU).
-    fuselm generate  Qwen3.5 generation through the engine (prefill, then one CUDA graph per
-                     decode step): streams token ids, then prefill tok/s, decode tok/s and the
-                     share of the weight-bandwidth floor. Default: a tiny random model.
-    fuselm audit     Qwen3.5 engine audit: kernels and graph launches per decode step, host syncs
-                     inside it (GPU), and parity with Hugging Face transformers on the same weights.
+    fuselm generate MODEL_DIR --prompt TEXT [--chat] ...  stream text from a checkpoint directory
+    fuselm generate [--config tiny|9b|config.json] ...     random-weight throughput (fuselm.bench.generate)
+    fuselm chat MODEL_DIR ...                               interactive chat, one line per user turn
+    fuselm init-checkpoint DIR --config tiny|9b ...         a random-weight checkpoint with the real tokenizer
+    fuselm audit ...                                        decode-step launches, parity with HF (fuselm.engine.audit)
+    fuselm demo                                             every op vs its reference (fuselm.bench.ops_demo)
+    fuselm swapffn ...                                      Swap-FFN paths on a GPU (fuselm.bench.swap_ffn)
+
+The text commands (``generate MODEL_DIR``, ``chat``) are thin over ``fuselm.engine.llm.LLM``:
+sampling defaults are the checkpoint's generation_config (``LLM.get_default_sampling_params``),
+each sampling flag overriding its field; text goes to stdout as it comes, and a one-line summary
+per reply (tokens, time to first token, decode tok/s, finish reason) to stderr.
+
+Errors: a bad command line is argparse's usage message and exit status 2; a ValueError,
+FileNotFoundError or ImportError from a command is one line ``error: <message>`` on stderr and
+exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
+from pathlib import Path
 
-import torch
-
-from fuselm import Activation, add_rms_norm, gemm_swiglu, interleave_gate_up, rms_norm, silu_mul, swiglu_mlp
-from fuselm.ops.activation import gate_factor_ref, up_factor_ref
-from fuselm.runtime import INTERPRET, capture_graph, copy_bandwidth
-from fuselm.testing import rel_err
-
-
-def _time_ms(fn) -> float:
-    if torch.cuda.is_available():
-        import triton
-
-        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-    fn()
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
+DTYPES = ("float32", "bfloat16", "float16")
+# Vocabulary of a checkpoint written by ``init-checkpoint`` for the tiny config: the released
+# Qwen3.5 size, so every id of the real tokenizer (written beside the weights) is in range.
+QWEN35_VOCAB_SIZE = 248320
+TEXT_MAX_TOKENS, TEXT_MAX_LEN = 256, 4096
+BENCH_PROMPT_LEN, BENCH_MAX_NEW_TOKENS, BENCH_BATCH = 32, 16, 1
 
 
-def _demo_cases(device: str, dtype: torch.dtype, rows: int, hidden: int, inter: int):
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, device=device) * scale).to(dtype)
-
-    gate, up = randn(rows, inter, scale=3), randn(rows, inter, scale=3)
-    for act in (Activation(), Activation.swiglu_limit(7.0), Activation.swiglu_oai()):
-        exact = gate_factor_ref(gate.double(), act) * up_factor_ref(up.double(), act)
-        yield f"silu_mul[{act.kind}]", gate.shape, (lambda act=act: silu_mul(gate, up, act)), exact
-
-    g, u = gate.clone().requires_grad_(True), up.clone().requires_grad_(True)
-    out, grad = silu_mul(g, u), randn(rows, inter)
-    g64, u64 = gate.double().requires_grad_(True), up.double().requires_grad_(True)
-    d_gate_exact = torch.autograd.grad(gate_factor_ref(g64, Activation()) * u64, g64, grad.double())[0]
-    yield "silu_mul backward (d_gate)", gate.shape, (
-        lambda: torch.autograd.grad(out, (g, u), grad, retain_graph=True)[0]), d_gate_exact
-
-    x, residual = randn(rows, hidden), randn(rows, hidden)
-    weight = randn(hidden, scale=0.1)
-    for offset, label in ((0.0, "llama"), (1.0, "zero-centered")):
-        x64 = x.double()
-        exact = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * (offset + weight.double())
-        yield f"rms_norm[{label}]", x.shape, (lambda offset=offset: rms_norm(x, weight, 1e-6, offset)), exact
-    s64 = x.double() + residual.double()
-    exact = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + weight.double())
-    yield "add_rms_norm[zero-centered]", x.shape, (lambda: add_rms_norm(x, residual, weight, 1e-6, 1.0)[0]), exact
-
-    if dtype == torch.bfloat16 and device == "cpu":
-        return  # the interpreter's bf16 tl.dot is wrong (triton issue 11584): matrix ops on the GPU only
-    w_gate, w_up = randn(inter, hidden, scale=hidden**-0.5), randn(inter, hidden, scale=hidden**-0.5)
-    w13, w2 = interleave_gate_up(w_gate, w_up), randn(hidden, inter, scale=inter**-0.5)
-    h64 = gate_factor_ref(x.double() @ w_gate.double().T, Activation()) * (x.double() @ w_up.double().T)
-    yield "gemm_swiglu", (rows, inter), (lambda: gemm_swiglu(x, w13)), h64
-    yield "swiglu_mlp", x.shape, (lambda: swiglu_mlp(x, w13, w2)), h64 @ w2.double().T
-    x1 = x[:1]
-    yield "swiglu_mlp (decode, 1 row)", x1.shape, (lambda: swiglu_mlp(x1, w13, w2)), h64[:1] @ w2.double().T
-
-
-def demo(args) -> int:
-    on_gpu = torch.cuda.is_available()
-    device = "cuda" if on_gpu else "cpu"
-    backend = "triton" if on_gpu else ("triton interpreter" if INTERPRET else "reference (set TRITON_INTERPRET=1)")
-    dtypes = [torch.bfloat16, torch.float16] if on_gpu else [torch.float32, torch.float16, torch.bfloat16]
-    shape = (4096, 4096, 14336) if on_gpu else (37, 256, 688)
-    name = torch.cuda.get_device_name() if on_gpu else "CPU"
-    print(f"fuselm demo on {name}: every op on random inputs vs its float64 reference ({backend})\n")
-    print(f"| {'op':30s} | {'shape':13s} | {'dtype':8s} | {'rel. error':>10s} | {'ms/call':>9s} |")
-    print(f"|{'-' * 32}|{'-' * 15}|{'-' * 10}|{'-' * 12}|{'-' * 11}|")
-    worst = 0.0
-    for dtype in dtypes:
-        for op, op_shape, fn, exact in _demo_cases(device, dtype, *shape):
-            err = rel_err(fn(), exact)
-            worst = max(worst, err)
-            dims = "x".join(map(str, op_shape))
-            print(f"| {op:30s} | {dims:13s} | {str(dtype)[6:]:8s} | {err:10.2e} | {_time_ms(fn):9.4f} |", flush=True)
-    print(f"\nworst relative error {worst:.2e} (bf16 rounding is ~4e-3 per element)")
-    return 0 if worst < 2e-2 else 1
-
-
-def _kernels_per_call(fn) -> int:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-
-
-def _matrix_tflops(bench) -> float:
-    """bf16 8192^3 torch.mm rate on random data, TFLOP/s."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    return 2 * 8192**3 / bench(lambda: a @ a) / 1e9
-
-
-def _cublas_ffn_products(cfg, batch: int) -> torch.cuda.CUDAGraph:
-    """One CUDA graph of the token step's FFN matrix products alone, by cuBLAS at the step's shapes
-    (per FFN step [B*C, D] @ [D, 2F] and [B*C, F] @ [F, D]; no router, norm, SwiGLU or collapse):
-    the time any path built on cuBLAS GEMMs, torch.compile's included, spends in them."""
-    rows, D, F = batch * cfg.n_cores, cfg.d_model, cfg.d_ff
-    x = torch.randn(rows, D, device="cuda", dtype=torch.bfloat16)
-    gate_up = torch.empty(rows, 2 * F, device="cuda", dtype=torch.bfloat16)
-    h = torch.randn(rows, F, device="cuda", dtype=torch.bfloat16)
-    w13 = torch.randn(2 * F, D, device="cuda", dtype=torch.bfloat16) * D**-0.5
-    w2 = torch.randn(D, F, device="cuda", dtype=torch.bfloat16) * F**-0.5
-
-    def products():
-        for _ in range(cfg.n_events * cfg.k_ffn):
-            torch.mm(x, w13.T, out=gate_up)
-            torch.mm(h, w2.T, out=x)
-
-    return capture_graph(products)[0]
-
-
-def swapffn(args) -> int:
+# ============================================================================ argument values
+def _model_config(value: str):
+    """``--config`` of the random-weight commands: 'tiny', '9b' or a config.json path ->
+    (Qwen35Config, description). argparse reports a bad value as a usage error."""
     import json
 
-    import triton
+    from fuselm.models.qwen35 import Qwen35Config
+    from fuselm.models.qwen35.presets import preset_config
 
-    from fuselm.models.swap_ffn import FusedSwapFFN, SwapFFN, SwapFFNConfig, SwapFFNDecoder
-
-    if not torch.cuda.is_available():
-        print("fuselm swapffn times the GPU paths; no CUDA device here. The CPU tests cover parity.")
-        return 0
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")  # noqa: E731
-    matrix_tflops = _matrix_tflops(bench)
-    cfg = SwapFFNConfig()
-    torch.manual_seed(0)
-    module = SwapFFN(cfg, device="cuda", dtype=torch.bfloat16).eval()
-    print(f"Swap-FFN seed config on {torch.cuda.get_device_name()}, bf16; {cfg.flops_per_token() / 1e9:.1f} GFLOP "
-          f"per token; bf16 mm measured {matrix_tflops:.0f} TFLOP/s\n")
-    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "matrix_tflops": matrix_tflops, "flops_per_token": cfg.flops_per_token(), "batches": {}}
-    for batch in args.batch:
-        floor_ms = batch * cfg.flops_per_token() / matrix_tflops / 1e9
-        x = torch.randn(batch, cfg.d_model, device="cuda", dtype=torch.bfloat16)
-        state = module.init_state(batch)
-        rows = {}
-        with torch.no_grad():
-            rows["reference, eager"] = bench(lambda: module.reference_step(x, state.ram, state.stream_map))
-            if args.compile:
-                for mode in ("default", "reduce-overhead"):
-                    step = torch.compile(module.reference_step, mode=mode)
-                    start = time.perf_counter()
-                    for _ in range(3):
-                        step(x, state.ram, state.stream_map)
-                    torch.cuda.synchronize()
-                    print(f"  torch.compile mode={mode}: compiled and warmed in {time.perf_counter() - start:.0f} s")
-                    rows[f"reference, torch.compile {mode}"] = bench(lambda: step(x, state.ram, state.stream_map))
-            fused = FusedSwapFFN(module, batch)
-            ram, stream_map = state.ram.clone(), state.stream_map.clone()
-            rows["fused, eager launches"] = bench(lambda: fused.step(x, ram, stream_map))
-            decoder = SwapFFNDecoder(module, batch)
-            rows["fused, one CUDA graph"] = bench(lambda: decoder.step(x))
-            rows["cuBLAS FFN products alone, one CUDA graph"] = bench(_cublas_ffn_products(cfg, batch).replay)
-            kernels = _kernels_per_call(lambda: decoder.step(x))
-            # parity over a few tokens, state carried
-            ref_state, dec = module.init_state(batch), SwapFFNDecoder(module, batch)
-            router, agree, errors = [], [], []
-            for _ in range(args.parity_tokens):
-                tok = torch.randn(batch, cfg.d_model, device="cuda", dtype=torch.bfloat16)
-                router.append(module.router_agreement(tok, ref_state.ram, ref_state.stream_map))
-                y_ref, ref_state = module(tok, ref_state, impl="reference")
-                y_fused = dec.step(tok)
-                agree.append((ref_state.stream_map == dec.state.stream_map).float().mean().item())
-                errors.append(rel_err(y_fused, y_ref))
-        best_compile = min((v for k, v in rows.items() if "compile" in k), default=None)
-        graph_ms = rows["fused, one CUDA graph"]
-        results["batches"][batch] = {"ms_per_step": rows, "floor_ms": floor_ms, "kernels_per_step": kernels,
-                                     "graph_launches_per_step": 1, "router_decision_agreement": router,
-                                     "free_running_stream_map_agreement": agree, "rel_err": errors}
-        print(f"batch {batch}: compute floor {floor_ms:.3f} ms per step")
-        print("| path | ms per step | tokens/s | vs eager reference |\n|---|---|---|---|")
-        for name, ms in rows.items():
-            print(f"| {name} | {ms:.3f} | {batch * 1e3 / ms:.0f} | {rows['reference, eager'] / ms:.1f}x |")
-        print(f"fused graph: {100 * floor_ms / graph_ms:.0f}% of the compute floor"
-              + (f", {best_compile / graph_ms:.2f}x the best torch.compile" if best_compile else "")
-              + f"; {kernels} kernels in 1 graph launch per step")
-        print(f"parity (bf16), per token: router decisions agreeing on the reference's state "
-              f"{[f'{a:.4f}' for a in router]}; free-running stream-map agreement {[f'{a:.4f}' for a in agree]}; "
-              f"y rel err {[f'{e:.2e}' for e in errors]}\n", flush=True)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "swap_ffn.json").write_text(json.dumps(results, indent=1))
-    return 0
+    if value == "tiny":
+        return preset_config("tiny"), "tiny (built-in)"
+    if value.lower() == "9b":
+        return preset_config("9b"), "9B (HF Qwen3_5TextConfig() defaults)"
+    path = Path(value)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"expected 'tiny', '9b' or a config.json file, got {value!r}")
+    try:
+        return Qwen35Config.from_hf(json.loads(path.read_text())), str(path)
+    except (ValueError, TypeError, KeyError) as error:
+        raise argparse.ArgumentTypeError(f"{path}: not a Qwen3.5 config ({error})") from None
 
 
-# ============================================================================ Qwen3.5: generate, audit
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+def _device_and_dtype(args):
+    """(device, dtype) of the random-weight commands: cuda when available, else cpu; bfloat16 on
+    a GPU, float32 on the CPU (the Triton interpreter's bf16 dot is wrong, triton issue 11584)."""
+    import torch
 
-
-def _device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     return device, dtype
 
 
-def _model_config(args):
-    """(Qwen35Config, name) of --config: 'tiny', '9b' or a config.json path."""
-    import json
-    from pathlib import Path
+# ============================================================================ text: generate, chat
+def _load_llm(args):
+    """``LLM`` of ``args.model_dir`` for one request at a time; dtype: --dtype, else the
+    checkpoint's on a GPU and float32 on the CPU."""
+    import torch
 
-    from fuselm.models.qwen35 import Qwen35Config
-    from fuselm.models.qwen35_random import config_9b, tiny_config
+    from fuselm.engine.llm import LLM
 
-    if args.config == "tiny":
-        return tiny_config(), "tiny (built-in)"
-    if args.config.lower() == "9b":
-        return config_9b(), "9B (HF Qwen3_5TextConfig() defaults)"
-    path = Path(args.config)
-    if not path.is_file():
-        raise SystemExit(f"--config: {args.config!r} is not 'tiny', '9b' or a config.json file")
-    return Qwen35Config.from_hf(json.loads(path.read_text())), str(path)
+    directory = Path(args.model_dir)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: no such checkpoint directory")
+    on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
+    dtype = args.dtype or ("float32" if on_cpu else None)
+    return LLM(directory, dtype=dtype, device=args.device, max_batch=1, max_len=args.max_len, seed=args.seed)
 
 
-def _load_qwen35(args, device, dtype):
-    """(model, description): --checkpoint weights, or seeded random weights made on the device."""
-    from fuselm.models.qwen35 import Qwen35
-    from fuselm.models.qwen35_random import random_qwen35
+def _sampling_params(llm, args):
+    """The checkpoint's default SamplingParams with --max-tokens and every sampling flag given."""
+    import dataclasses
 
-    if args.checkpoint is not None:
-        return Qwen35.from_pretrained(args.checkpoint, dtype=dtype, device=device), f"checkpoint {args.checkpoint}"
-    config, name = _model_config(args)
-    return random_qwen35(config, dtype=dtype, device=device, seed=args.seed), f"{name}, random weights (seed {args.seed})"
-
-
-def _random_prompts(args, vocab_size: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(args.seed)
-    return torch.randint(0, vocab_size, (args.batch, args.prompt_len), generator=generator)
+    flags = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+             "stop": args.stop}
+    overrides = {field: value for field, value in flags.items() if value is not None}
+    return dataclasses.replace(llm.get_default_sampling_params(), max_tokens=args.max_tokens, **overrides)
 
 
-def _check_sizes(args) -> None:
-    for name in ("prompt_len", "max_new_tokens", "batch"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
+def _summary(output) -> str:
+    """One line: tokens, time to first token, decode tok/s (after the first token), finish reason."""
+    completion, metrics = output.outputs[0], output.metrics
+    tokens = len(completion.token_ids)
+    decode_seconds = metrics.finished_time - metrics.first_token_time
+    decode = f"{(tokens - 1) / decode_seconds:.1f} tok/s" if tokens > 1 and decode_seconds > 0 else "n/a"
+    reason = completion.finish_reason
+    if completion.stop_reason is not None:
+        reason += f" ({completion.stop_reason!r})"
+    return (f"[{tokens} tokens, time to first token {1e3 * metrics.time_to_first_token:.0f} ms, decode {decode}, "
+            f"finish: {reason}]")
 
 
-def _write_outputs(out, name: str, results: dict, markdown: str) -> None:
-    import json
+def stream_reply(llm, prompt: str, params):
+    """Generate for ``prompt``, writing the text to stdout as it comes (then a newline) and the
+    summary line to stderr; returns the ``RequestOutput``."""
 
-    if out is None:
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(results, indent=1, default=str))
-    (out / f"{name}.md").write_text(markdown)
-    print(f"wrote {out / (name + '.json')} and {out / (name + '.md')}")
+    def write(request):
+        text = request.take_new_text()
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    (output,) = llm.generate(prompt, params, stream=write)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(_summary(output), file=sys.stderr, flush=True)
+    return output
 
 
-def generate(args) -> int:
-    from fuselm.engine import Engine, decode_weight_bytes
+class ChatSession:
+    """A conversation with an ``LLM``: an optional system prompt, then the user and assistant
+    turns so far, rendered by the checkpoint's chat template for every reply."""
 
-    _check_sizes(args)
-    device, dtype = _device_and_dtype(args)
-    started = time.perf_counter()
-    model, description = _load_qwen35(args, device, dtype)
-    eos = None if args.checkpoint is not None else []  # random weights: no eos, every row runs to the end
-    engine = Engine(model, max_batch=args.batch, max_len=args.prompt_len + args.max_new_tokens,
-                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=eos, seed=args.seed)
-    prompts = _random_prompts(args, model.config.vocab_size)
-    backend = ("CUDA graphs" if engine.use_graphs else "eager") + (
-        ", Triton kernels" if device.type == "cuda" else (", Triton interpreter" if INTERPRET else ", PyTorch reference"))
-    params = sum(p.numel() for p in model.parameters())
-    print(f"fuselm generate: Qwen3.5 {description}; {params / 1e6:.1f}M parameters, {str(dtype)[6:]}, {device} "
-          f"({backend}); batch {args.batch}, prompt {args.prompt_len}, {args.max_new_tokens} new tokens; "
-          f"sampling {'greedy' if args.temperature == 0 else f'temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}'}; "
-          f"built in {time.perf_counter() - started:.1f} s")
-    if device.type == "cuda":  # compile the prefill kernels for these shapes before timing
-        engine.generate(prompts, min(2, args.max_new_tokens))
+    def __init__(self, llm, params, system: str | None = None, chat_template_kwargs: dict | None = None):
+        self.llm, self.params = llm, params
+        self.system = system
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.turns: list[dict] = []
 
-    per_line, line_start = 16, [time.perf_counter()]
+    def reset(self) -> None:
+        """Forget every turn (the system prompt stays)."""
+        self.turns.clear()
 
-    def stream(index, ids):
-        print(ids[0], end=" ", flush=True)
-        if (index + 1) % per_line == 0 or index + 1 == args.max_new_tokens:
-            rate = (index + 1) * args.batch / (time.perf_counter() - line_start[0])
-            print(f"  [{index + 1}/{args.max_new_tokens}, {rate:.0f} tok/s]", flush=True)
+    def prompt(self, user_text: str) -> str:
+        """The rendered prompt of the conversation so far followed by ``user_text``, ready for the
+        assistant's reply."""
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + self.turns
+        messages.append({"role": "user", "content": user_text})
+        return self.llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      **self.chat_template_kwargs)
 
-    if args.stream:
-        print(f"streaming request 0{' of ' + str(args.batch) if args.batch > 1 else ''} (token ids; no tokenizer for "
-              f"random weights):")
-        line_start[0] = time.perf_counter()
-        result = engine.generate(prompts, args.max_new_tokens, stream=stream)
-        if result.decode_steps + 1 < args.max_new_tokens:
-            print(f"  [stopped at eos after {result.decode_steps + 1} tokens]")
-    if not args.stream or device.type == "cuda":  # the timed run: no per-step host read
-        result = engine.generate(prompts, args.max_new_tokens)
-    if args.batch > 1 and result.tokens.shape[1] <= 64:
-        for row, ids in enumerate(result.tokens.tolist()[:8]):
-            print(f"request {row}: {' '.join(map(str, ids[: result.num_generated[row]]))}")
+    def reply(self, user_text: str):
+        """Stream the assistant's reply to ``user_text`` (``stream_reply``) and keep both turns;
+        returns the ``RequestOutput``. A turn that fails (ValueError) is not kept."""
+        output = stream_reply(self.llm, self.prompt(user_text), self.params)
+        self.turns += [{"role": "user", "content": user_text},
+                       {"role": "assistant", "content": output.outputs[0].text}]
+        return output
 
-    prefill_tps = args.batch * args.prompt_len / result.prefill_seconds
-    decode_tps = args.batch * result.decode_steps / result.decode_seconds if result.decode_steps else float("nan")
-    step_ms = 1e3 * result.decode_seconds / result.decode_steps if result.decode_steps else float("nan")
-    weight_bytes = decode_weight_bytes(model)
-    results = {"model": description, "parameters": params, "dtype": str(dtype)[6:], "device": str(device),
-               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-               "backend": backend, "batch": args.batch, "prompt_len": args.prompt_len,
-               "max_new_tokens": args.max_new_tokens, "graph_batch_size": result.batch_size,
-               "prefill_seconds": result.prefill_seconds, "prefill_tokens_per_s": prefill_tps,
-               "decode_steps": result.decode_steps, "decode_seconds": result.decode_seconds,
-               "decode_tokens_per_s": decode_tps, "decode_ms_per_step": step_ms, "weight_bytes_per_step": weight_bytes,
-               "tokens": result.tokens.tolist()}
-    lines = [f"## fuselm generate: {description}", "",
-             f"{results['gpu'] or 'CPU'}, {results['dtype']}, {backend}; batch {args.batch}, prompt {args.prompt_len}, "
-             f"{args.max_new_tokens} new tokens", "",
-             "| measure | value |", "|---|---|",
-             f"| prefill | {args.batch * args.prompt_len} tokens in {1e3 * result.prefill_seconds:.1f} ms: "
-             f"{prefill_tps:,.0f} tok/s |",
-             f"| decode | {result.decode_steps} steps x {args.batch} rows in {1e3 * result.decode_seconds:.1f} ms: "
-             f"{decode_tps:,.1f} tok/s ({step_ms:.3f} ms/step) |"]
-    if device.type == "cuda":
-        bandwidth = copy_bandwidth(device) * 1e12  # bytes/s
-        floor_ms = weight_bytes / bandwidth * 1e3
-        results.update(copy_bandwidth_bytes_per_s=bandwidth, weight_floor_ms_per_step=floor_ms,
-                       weight_floor_tokens_per_s=args.batch * 1e3 / floor_ms,
-                       percent_of_weight_floor=100 * floor_ms / step_ms)
-        lines.append(f"| weight-bandwidth floor | {weight_bytes / 1e9:.2f} GB of weights per step / "
-                     f"{bandwidth / 1e12:.2f} TB/s copy = {floor_ms:.3f} ms/step = "
-                     f"{args.batch * 1e3 / floor_ms:,.1f} tok/s; decode at **{100 * floor_ms / step_ms:.1f}%** |")
+
+def _chat_template_kwargs(args) -> dict:
+    return {"enable_thinking": False} if args.no_thinking else {}
+
+
+def _generate_text(args) -> int:
+    llm = _load_llm(args)
+    params = _sampling_params(llm, args)
+    if args.chat:
+        prompt = ChatSession(llm, params, args.system, _chat_template_kwargs(args)).prompt(args.prompt)
     else:
-        lines.append(f"| weight-bandwidth floor | n/a on the CPU ({weight_bytes / 1e6:.2f} MB of weights per step; the "
-                     "interpreter's speed says nothing about the kernels) |")
-    markdown = "\n".join(lines) + "\n"
-    print("\n" + markdown)
-    _write_outputs(args.out, "generate", results, markdown)
+        prompt = args.prompt
+    stream_reply(llm, prompt, params)
     return 0
 
 
-def _compare(a: torch.Tensor, b: torch.Tensor) -> dict:
-    import torch.nn.functional as F
-
-    return {"max_abs": (a - b).abs().max().item(), "cosine": F.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()}
-
-
-@torch.no_grad()
-def _teacher_forced_logits(model, prompts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """The model's logits [B, n, vocab] when fed HF's tokens [B, n]: prefill, then one decode
-    step per token (the kernels the engine's graphs hold, run eagerly)."""
-    cache = model.new_cache(prompts.shape[0], prompts.shape[1] + tokens.shape[1])
-    logits = [model.prefill(prompts, cache)]
-    for position in range(tokens.shape[1] - 1):
-        logits.append(model.decode_step(tokens[:, position].to(prompts.device), cache))
-    return torch.stack(logits, dim=1)
-
-
-def _parity(hf_model, engine, prompts: torch.Tensor, new_tokens: int, eos_ids) -> dict:
-    """Greedy generation by HF and by the engine from the same prompts. Teacher-forced: the
-    model fed HF's tokens, logits compared at every position (max abs difference and cosine over
-    all rows): after prefill and after each decode step. Free-running: the engine's own greedy
-    tokens; greedy agreement = tokens equal up to each row's first divergence, and the logits at
-    the positions whose preceding tokens agree in every row."""
-    kwargs = dict(max_new_tokens=new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                  pad_token_id=0)
-    if eos_ids:
-        kwargs["min_new_tokens"] = new_tokens  # the engine runs with no eos: both run all positions
-    with torch.no_grad():
-        reference = hf_model.generate(prompts, **kwargs)
-    ref_tokens = reference.sequences[:, prompts.shape[1]:].cpu()
-    ref_logits = torch.stack(reference.logits, dim=1).float()
-    ours = engine.generate(prompts, new_tokens, return_logits=True)
-    logits = ours.logits.float().to(ref_logits.device)
-    same = (ours.tokens == ref_tokens)
-    first_divergence = [int(row.logical_not().nonzero()[0]) if not bool(row.all()) else new_tokens for row in same]
-    comparable = min(first_divergence) + 1  # position p compares when tokens 0 .. p-1 agree in all rows
-    comparable = min(comparable, new_tokens)
-    per_position = [_compare(logits[:, p], ref_logits[:, p]) for p in range(comparable)]
-    forced = _teacher_forced_logits(engine.model, prompts, ref_tokens).float().to(ref_logits.device)
-    forced_per_position = [_compare(forced[:, p], ref_logits[:, p]) for p in range(new_tokens)]
-    return {"positions": new_tokens, "comparable_positions": comparable, "per_position": per_position,
-            "teacher_forced": forced_per_position,
-            "teacher_forced_worst_cosine": min(p["cosine"] for p in forced_per_position),
-            "teacher_forced_worst_max_abs": max(p["max_abs"] for p in forced_per_position),
-            "prefill": per_position[0], "last_compared": per_position[-1],
-            "worst_max_abs": max(p["max_abs"] for p in per_position),
-            "worst_cosine": min(p["cosine"] for p in per_position),
-            "greedy_agreement": sum(first_divergence) / (new_tokens * len(first_divergence)),
-            "first_divergence_per_row": first_divergence, "tokens": ours.tokens.tolist(), "hf_tokens": ref_tokens.tolist(),
-            "logit_scale": ref_logits[:, 0].abs().max().item()}
+def _chat(args) -> int:
+    llm = _load_llm(args)
+    session = ChatSession(llm, _sampling_params(llm, args), args.system, _chat_template_kwargs(args))
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"chat with {args.model_dir}: /reset clears the conversation, /exit or Ctrl-D ends it", file=sys.stderr)
+    failed = False
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line:  # end of input
+            if interactive:
+                print()
+            break
+        text = line.rstrip("\n")
+        if not text.strip():
+            continue
+        if text.strip() == "/exit":
+            break
+        if text.strip() == "/reset":
+            session.reset()
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        try:
+            session.reply(text)
+        except ValueError as error:  # e.g. the conversation outgrew --max-len; the chat goes on
+            print(f"error: {error}", file=sys.stderr)
+            failed = True
+    return 1 if failed else 0
 
 
-def audit(args) -> int:
-    """HF parity on the same weights, then (CUDA) what one decode step launches and syncs."""
-    from fuselm.engine import Engine
-    from fuselm.models.qwen35 import Qwen35
-    from fuselm.models.qwen35_random import random_hf_qwen35
+# ============================================================================ random weights
+def _generate_benchmark(args) -> int:
+    from fuselm.bench import write_results
+    from fuselm.bench.generate import run_generate_benchmark
 
-    try:
-        import transformers
-        from transformers import Qwen3_5ForCausalLM
-    except ImportError:
-        raise SystemExit("fuselm audit compares against Hugging Face transformers: pip install transformers") from None
-    _check_sizes(args)
-    if args.checkpoint is not None and args.weights != "spread":
-        raise SystemExit("--weights: chooses random weights; it does not apply with --checkpoint")
+    config, description = args.config
+    device, dtype = _device_and_dtype(args)
+    results, markdown = run_generate_benchmark(config, description, batch=args.batch, prompt_len=args.prompt_len,
+                                               max_new_tokens=args.max_new_tokens, seed=args.seed, device=device,
+                                               dtype=dtype)
+    print("\n" + markdown)
+    write_results(args.out, "generate", results, markdown)
+    return 0
+
+
+def _generate(args) -> int:
+    return _generate_text(args) if args.model_dir is not None else _generate_benchmark(args)
+
+
+def _human_size(size: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+
+
+def _init_checkpoint(args) -> int:
+    import torch
+
+    from fuselm.models.qwen35.presets import preset_config, write_random_checkpoint
+    from fuselm.tokenizer import write_tokenizer_files
+
+    config = preset_config(args.config, vocab_size=QWEN35_VOCAB_SIZE if args.config == "tiny" else None)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    directory = Path(args.directory)
+    write_random_checkpoint(directory, config, dtype=getattr(torch, args.dtype), device=device, seed=args.seed,
+                            max_shard_size=args.max_shard_size)
+    write_tokenizer_files(directory)
+    files = sorted(p for p in directory.iterdir() if p.is_file())
+    print(f"wrote {directory}: Qwen3.5 {args.config}, random weights (seed {args.seed}), {args.dtype}, with the "
+          f"Qwen3.5 tokenizer")
+    for path in files:
+        print(f"  {path.name:40s} {_human_size(path.stat().st_size):>10s}")
+    print(f"  {len(files)} files, {_human_size(sum(p.stat().st_size for p in files))} in all")
+    return 0
+
+
+def _audit(args) -> int:
+    from fuselm.bench import write_results
+    from fuselm.engine.audit import run_audit
+
     device, dtype = _device_and_dtype(args)
     if args.checkpoint is not None:
-        hf_model = Qwen3_5ForCausalLM.from_pretrained(args.checkpoint, dtype=dtype).to(device).eval()
-        description = f"checkpoint {args.checkpoint}"
+        config, description = None, f"checkpoint {args.checkpoint}"
     else:
-        config, name = _model_config(args)
-        hf_model = random_hf_qwen35(config, dtype=dtype, device=device, seed=args.seed, weights=args.weights)
+        config, name = args.config or _model_config("tiny")
         description = f"{name}, random weights ({args.weights}, seed {args.seed})"
-    model = Qwen35.from_hf(hf_model)  # the same weights, re-laid
-    on_gpu = device.type == "cuda"
-    gpu = torch.cuda.get_device_name(device) if on_gpu else "CPU"
-    print(f"fuselm audit: Qwen3.5 {description}, {str(dtype)[6:]} on {gpu}; transformers {transformers.__version__}; "
-          f"batch {args.batch}, prompt {args.prompt_len}, {args.max_new_tokens} greedy tokens", flush=True)
-    engine = Engine(model, max_batch=args.batch, max_len=args.prompt_len + args.max_new_tokens, eos_token_id=[])
-    prompts = _random_prompts(args, model.config.vocab_size).to(device)
-    parity = _parity(hf_model, engine, prompts, args.max_new_tokens, model.config.eos_token_id)
-    del hf_model
-    # fp32 holds HF to summation order (issue 6: 1e-3 absolute on the CPU; a GPU adds Triton's
-    # approximate exp/rsqrt and other reduction orders on both sides: 1e-2); half precision by the
-    # cosine of the teacher-forced logits (issue 6: >= 0.999 after prefill and after 64 steps)
-    if dtype == torch.float32:
-        limit = 1e-3 if device.type == "cpu" else 1e-2
-        parity_ok = max(parity["worst_max_abs"], parity["teacher_forced_worst_max_abs"]) <= limit \
-            and parity["greedy_agreement"] == 1.0
-        bar = f"max abs logit diff <= {limit:g} and every greedy token equal (fp32)"
-    else:
-        parity_ok = parity["teacher_forced_worst_cosine"] >= 0.999
-        bar = "teacher-forced logit cosine >= 0.999 after prefill and after every decode step (half precision)"
-    results = {"model": description, "dtype": str(dtype)[6:], "device": gpu, "transformers": transformers.__version__,
-               "torch": torch.__version__, "batch": args.batch, "prompt_len": args.prompt_len, "parity": parity,
-               "parity_bar": bar, "parity_ok": parity_ok, "launches": {}}
-    lines = [f"## fuselm audit: Qwen3.5 {description}", "",
-             f"{gpu}, {str(dtype)[6:]}, transformers {transformers.__version__}, torch {torch.__version__}; batch "
-             f"{args.batch}, prompt {args.prompt_len}", "",
-             "### Parity with Hugging Face transformers (same weights, greedy; engine path)", "",
-             "| measure | value |", "|---|---|",
-             f"| logits after prefill: max abs diff / cosine | {parity['prefill']['max_abs']:.2e} / "
-             f"{parity['prefill']['cosine']:.6f} (logits up to {parity['logit_scale']:.1f}) |",
-             f"| logits after {parity['comparable_positions'] - 1} decode steps: max abs diff / cosine | "
-             f"{parity['last_compared']['max_abs']:.2e} / {parity['last_compared']['cosine']:.6f} |",
-             f"| worst over the compared positions | {parity['worst_max_abs']:.2e} / {parity['worst_cosine']:.6f} |",
-             f"| teacher-forced (fed HF's tokens): after prefill / after {args.max_new_tokens - 1} decode steps / "
-             f"worst cosine | {parity['teacher_forced'][0]['cosine']:.6f} / {parity['teacher_forced'][-1]['cosine']:.6f} "
-             f"/ {parity['teacher_forced_worst_cosine']:.6f} (worst max abs {parity['teacher_forced_worst_max_abs']:.2e}) |",
-             f"| greedy agreement over {args.max_new_tokens} tokens x {args.batch} rows | "
-             f"{100 * parity['greedy_agreement']:.1f}% (first divergence per row: {parity['first_divergence_per_row']}) |",
-             f"| bar: {bar} | {'pass' if parity_ok else 'FAIL'} |", ""]
-    launches_ok = True
-    lines += ["### One decode step", ""]
-    if on_gpu:
-        lines += ["| requests (graph batch) | kernels | device copies | graph launches | kernel launches outside graphs "
-                  "| host syncs | sync debug mode 'error' |", "|---|---|---|---|---|---|---|"]
-        for requests in sorted({1, args.batch}):
-            counts = engine.launch_audit(requests, steps=min(4, args.max_new_tokens))
-            results["launches"][requests] = counts
-            launches_ok &= (counts["graph_launches"] == 1 and counts["kernel_launches_outside_graphs"] == 0
-                            and counts["host_syncs"] == 0 and counts["sync_debug_error"] is None)
-            lines.append(f"| {requests} ({counts['batch_size']}) | {counts['kernels']:g} | {counts['copies']:g} | "
-                         f"{counts['graph_launches']:g} | {counts['kernel_launches_outside_graphs']:g} | "
-                         f"{counts['host_syncs']:g} | {counts['sync_debug_error'] or 'no error'} |")
-        lines += ["", f"Counted by torch.profiler (CUDA activity: every kernel inside the graph replay) over "
-                      f"{min(4, args.max_new_tokens)} steps, per step."]
-    else:
-        lines.append("n/a on the CPU: the step runs eagerly in the Triton interpreter (no CUDA graph, no device "
-                     "kernels to count); run `fuselm audit` on a GPU for kernels, graph launches and host syncs.")
-    results["launches_ok"] = launches_ok
-    markdown = "\n".join(lines) + "\n"
+    results, markdown, ok = run_audit(config=config, checkpoint=args.checkpoint, description=description,
+                                      weights=args.weights, batch=args.batch, prompt_len=args.prompt_len,
+                                      max_new_tokens=args.max_new_tokens, seed=args.seed, device=device, dtype=dtype)
     print("\n" + markdown)
-    _write_outputs(args.out, "audit" if args.weights == "spread" else f"audit_{args.weights.replace('-', '_')}",
-                   results, markdown)
-    return 0 if parity_ok and launches_ok else 1
+    write_results(args.out, "audit" if args.weights == "spread" else f"audit_{args.weights.replace('-', '_')}",
+                  results, markdown)
+    return 0 if ok else 1
 
 
-def main(argv=None) -> int:
-    from pathlib import Path
+def _demo(args) -> int:
+    from fuselm.bench.ops_demo import run_ops_demo
 
-    parser = argparse.ArgumentParser(prog="fuselm", description="fused Triton kernels for gated-MLP LMs")
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("demo", help="every op vs its reference: error and time table").set_defaults(run=demo)
-    swap = commands.add_parser("swapffn", help="Swap-FFN seed config: tokens/s, kernels per token, parity")
+    return run_ops_demo()
+
+
+def _swapffn(args) -> int:
+    from fuselm.bench.swap_ffn import run_swap_ffn
+
+    return run_swap_ffn(args.batch, time_compile=args.compile, parity_tokens=args.parity_tokens, out=args.out)
+
+
+# ============================================================================ the parser
+def _add_sampling_arguments(command, max_tokens, max_len) -> None:
+    """The text commands' sampling, stop and model-loading flags (sampling defaults: the
+    checkpoint's generation_config)."""
+    command.add_argument("--max-tokens", type=int, default=max_tokens, help=f"new tokens at most ({TEXT_MAX_TOKENS})")
+    command.add_argument("--temperature", type=float, default=None, help="0: greedy (default: the checkpoint's)")
+    command.add_argument("--top-p", type=float, default=None, help="default: the checkpoint's")
+    command.add_argument("--top-k", type=int, default=None, help="0: off (default: the checkpoint's)")
+    command.add_argument("--stop", nargs="+", default=None, metavar="STR", help="strings that end the reply")
+    command.add_argument("--max-len", type=int, default=max_len,
+                         help=f"prompt + reply tokens the cache holds ({TEXT_MAX_LEN})")
+
+
+def _add_chat_arguments(command) -> None:
+    command.add_argument("--system", default=None, help="a system prompt")
+    command.add_argument("--no-thinking", action="store_true",
+                         help="render the chat template with enable_thinking=False")
+
+
+def _add_model_arguments(command, seed_help: str) -> None:
+    command.add_argument("--seed", type=int, default=None, help=seed_help)
+    command.add_argument("--dtype", default=None, choices=DTYPES)
+    command.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+
+
+def _add_random_model_arguments(command, prompt_len: int, new_tokens: int, batch: int, fill_defaults: bool) -> None:
+    """The random-weight runs' sizes and output; ``fill_defaults`` False leaves them None when not
+    given (generate fills them once it knows its mode)."""
+    command.add_argument("--prompt-len", type=int, default=prompt_len if fill_defaults else None,
+                         help=f"random prompt tokens per request ({prompt_len})")
+    command.add_argument("--max-new-tokens", type=int, default=new_tokens if fill_defaults else None,
+                         help=f"({new_tokens})")
+    command.add_argument("--batch", type=int, default=batch if fill_defaults else None,
+                         help=f"requests in the batch ({batch})")
+    command.add_argument("--out", type=Path, default=None, help="write json + md here")
+
+
+# generate's options by mode: with MODEL_DIR (text) or without it (the random-weight benchmark).
+_TEXT_OPTIONS = ("prompt", "chat", "system", "no_thinking", "max_tokens", "temperature", "top_p", "top_k", "stop",
+                 "max_len")
+_BENCH_OPTIONS = ("prompt_len", "max_new_tokens", "batch", "out")
+
+
+def _option(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _resolve_generate_mode(command: argparse.ArgumentParser, args) -> None:
+    """Check that ``generate``'s options fit its mode (usage error otherwise) and fill that mode's
+    defaults."""
+    given = lambda names: [_option(name) for name in names if getattr(args, name) not in (None, False)]  # noqa: E731
+    if args.model_dir is not None:
+        if args.config is not None:
+            command.error("MODEL_DIR and --config are exclusive: text from a checkpoint, or the random-weight "
+                          "benchmark of a config")
+        if given(_BENCH_OPTIONS):
+            command.error(f"{', '.join(given(_BENCH_OPTIONS))}: random-weight benchmark options (--config), not for "
+                          f"MODEL_DIR")
+        if args.prompt is None:
+            command.error("--prompt is required with MODEL_DIR")
+        if (args.system is not None or args.no_thinking) and not args.chat:
+            command.error("--system and --no-thinking apply to the chat template: add --chat")
+        args.max_tokens = TEXT_MAX_TOKENS if args.max_tokens is None else args.max_tokens
+        args.max_len = TEXT_MAX_LEN if args.max_len is None else args.max_len
+        return
+    if given(_TEXT_OPTIONS):
+        command.error(f"{', '.join(given(_TEXT_OPTIONS))}: text options, they need MODEL_DIR")
+    args.config = args.config or _model_config("tiny")
+    args.seed = 0 if args.seed is None else args.seed
+    for name, default in (("prompt_len", BENCH_PROMPT_LEN), ("max_new_tokens", BENCH_MAX_NEW_TOKENS),
+                          ("batch", BENCH_BATCH)):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fuselm", description="fused Triton kernels and an inference engine for "
+                                                                "Qwen3.5")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = commands.add_parser(
+        "generate", help="text from a checkpoint (MODEL_DIR), or the random-weight throughput benchmark (--config)",
+        description="With MODEL_DIR: stream the reply to --prompt (with --chat: as one chat turn). Without it: "
+                    "the random-weight benchmark of --config (default tiny): prefill and decode tok/s, share of "
+                    "the weight-bandwidth floor on a GPU.")
+    gen.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR", help="a checkpoint directory")
+    gen.add_argument("--prompt", default=None, help="the prompt text (MODEL_DIR)")
+    gen.add_argument("--chat", action="store_true", help="render --prompt as a user turn by the chat template")
+    _add_chat_arguments(gen)
+    _add_sampling_arguments(gen, max_tokens=None, max_len=None)
+    gen.add_argument("--config", type=_model_config, default=None,
+                     help="random weights of 'tiny' (built-in), '9b' (HF Qwen3_5TextConfig() defaults) or a "
+                          "config.json path (the default without MODEL_DIR: tiny)")
+    _add_random_model_arguments(gen, BENCH_PROMPT_LEN, BENCH_MAX_NEW_TOKENS, BENCH_BATCH, fill_defaults=False)
+    _add_model_arguments(gen, "sampling seed (MODEL_DIR); weights and prompts (--config, default 0)")
+    gen.set_defaults(run=_generate, command_parser=gen)
+
+    chat = commands.add_parser("chat", help="interactive chat with a checkpoint (user lines from stdin)",
+                               description="One user turn per stdin line; each reply is streamed and kept in the "
+                                           "conversation. /reset clears it, /exit or end of input ends the chat.")
+    chat.add_argument("model_dir", metavar="MODEL_DIR", help="a checkpoint directory")
+    _add_chat_arguments(chat)
+    _add_sampling_arguments(chat, max_tokens=TEXT_MAX_TOKENS, max_len=TEXT_MAX_LEN)
+    _add_model_arguments(chat, "sampling seed")
+    chat.set_defaults(run=_chat)
+
+    init = commands.add_parser("init-checkpoint", help="write a random-weight Qwen3.5 checkpoint with the tokenizer",
+                               description="A checkpoint directory in the released Qwen3.5 layout (config.json, "
+                                           "sharded safetensors + index, generation_config.json, tokenizer files) "
+                                           "with seeded random weights: its text is gibberish.")
+    init.add_argument("directory", metavar="DIR", help="created if missing")
+    init.add_argument("--config", required=True, choices=("tiny", "9b"),
+                      help=f"tiny (with vocab_size {QWEN35_VOCAB_SIZE}, the tokenizer's) or 9b")
+    init.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    init.add_argument("--device", default=None, help="where the weights are drawn (default: cuda when available)")
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--max-shard-size", default="4GB", help="e.g. 4GB, 500MB")
+    init.set_defaults(run=_init_checkpoint)
+
+    aud = commands.add_parser("audit", help="Qwen3.5 engine: kernels/graph launches/host syncs per step, HF parity")
+    aud.add_argument("--config", type=_model_config, default=None,
+                     help="'tiny' (built-in, default), '9b' (HF Qwen3_5TextConfig() defaults) or a config.json "
+                          "path; random weights from --seed")
+    aud.add_argument("--checkpoint", type=Path, default=None,
+                     help="a local HF checkpoint directory (config.json + safetensors) instead of random weights")
+    _add_random_model_arguments(aud, 16, 8, 2, fill_defaults=True)
+    aud.add_argument("--weights", default="spread",
+                     help="random weights: 'spread' (every weight away from its init: fuselm.models.qwen35.presets, "
+                          "default) or 'hf-init' (HF's own initialisation); writes audit.json / audit_hf_init.json")
+    _add_model_arguments(aud, "weights and prompts (default 0)")
+    aud.set_defaults(run=_audit, seed=0, command_parser=aud)
+
+    commands.add_parser("demo", help="every op vs its reference: error and time table").set_defaults(run=_demo)
+
+    swap = commands.add_parser("swapffn", help="Swap-FFN seed config: tokens/s, kernels per token, parity (GPU)")
     swap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     swap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                       help="also time torch.compile of the reference (slow to compile)")
     swap.add_argument("--parity-tokens", type=int, default=4)
     swap.add_argument("--out", type=Path, default=None, help="write swap_ffn.json here")
-    swap.set_defaults(run=swapffn)
+    swap.set_defaults(run=_swapffn)
+    return parser
 
-    def model_arguments(command, prompt_len, new_tokens, batch):
-        command.add_argument("--config", default="tiny",
-                             help="'tiny' (built-in, default), '9b' (HF Qwen3_5TextConfig() defaults) or a config.json "
-                                  "path; random weights from --seed")
-        command.add_argument("--checkpoint", type=Path, default=None,
-                             help="a local HF checkpoint directory (config.json + safetensors) instead of random weights")
-        command.add_argument("--prompt-len", type=int, default=prompt_len, help="random prompt tokens per request")
-        command.add_argument("--max-new-tokens", type=int, default=new_tokens)
-        command.add_argument("--batch", type=int, default=batch, help="requests in the batch")
-        command.add_argument("--seed", type=int, default=0, help="weights, prompts and sampling")
-        command.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-        command.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
-                             help="default: bfloat16 on a GPU, float32 on the CPU (the interpreter's bf16 dot is wrong)")
-        command.add_argument("--out", type=Path, default=None, help="write json + md here")
 
-    gen = commands.add_parser("generate", help="Qwen3.5 generation: streamed ids, prefill/decode tok/s, weight floor")
-    model_arguments(gen, 32, 16, 1)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--no-stream", dest="stream", action="store_false", help="do not print ids as they come")
-    gen.set_defaults(run=generate)
-    from fuselm.models.qwen35_random import WEIGHT_SCHEMES
-
-    aud = commands.add_parser("audit", help="Qwen3.5 engine: kernels/graph launches/host syncs per step, HF parity")
-    model_arguments(aud, 16, 8, 2)
-    aud.add_argument("--weights", default="spread", choices=WEIGHT_SCHEMES,
-                     help="random weights: 'spread' (every weight away from its init: fuselm.models.qwen35_random) "
-                          "or HF's own initialisation; writes audit.json / audit_hf_init.json")
-    aud.set_defaults(run=audit)
-    args = parser.parse_args(argv)
-    return args.run(args)
+def main(argv=None) -> int:
+    """Run ``fuselm`` with ``argv`` (default: sys.argv[1:]); returns the exit status."""
+    args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        _resolve_generate_mode(args.command_parser, args)
+    elif args.command == "audit" and args.checkpoint is not None and args.config is not None:
+        args.command_parser.error("--config and --checkpoint are exclusive")
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError, ImportError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

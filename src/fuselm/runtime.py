@@ -20,6 +20,22 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+                "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def parse_dtype(dtype, argument: str = "dtype") -> torch.dtype:
+    """A torch dtype, or its name ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32", also
+    "torch.bfloat16"), as a torch dtype; ValueError naming ``argument`` otherwise."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in KERNEL_DTYPES:
+            return dtype
+    elif isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPE_NAMES:
+        return _DTYPE_NAMES[dtype.lower().removeprefix("torch.")]
+    raise ValueError(f"{argument}: expected float32, bfloat16 or float16 (a torch dtype or its name), got {dtype!r}")
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """True when ``t`` is computed by the Triton kernel (GPU, or CPU under the interpreter)."""
     return t.is_cuda or (INTERPRET and t.device.type == "cpu")

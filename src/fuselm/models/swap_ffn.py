@@ -1,4 +1,4 @@
-"""Swap-FFN: a recurrent-memory FFN block run by C cores on every token (``shared/swap_ffn_spec.md``).
+"""Swap-FFN: a recurrent-memory FFN block run by C cores on every token.
 
 Per token, each of the C cores takes its own affine view of the token, then n_events times:
 a router decides (hard) whether to swap the core's activation with one of its 4 memory banks
@@ -6,7 +6,7 @@ and which one; then k_ffn FFN steps (RMSNorm, SwiGLU MLP; the weights are shared
 cores). A learned pooling over cores, a low-rank collapse and a decoder give the token's delta.
 
 Two paths compute it:
-- ``reference_step``: plain PyTorch, exactly the spec, differentiable through the values (the
+- ``reference_step``: plain PyTorch, the definition, differentiable through the values (the
   swap and bank decisions are hard). Every op in the model dtype as eager PyTorch would run it;
   the norms and the softmax reduce in fp32 (RMSNorm rounds like HF Llama).
 - ``FusedSwapFFN`` (inference, Triton): the cores are the M dimension of every matrix product,
@@ -16,7 +16,7 @@ Two paths compute it:
   of squares), then per FFN step the persistent TMA gate/up GEMM with SwiGLU and the RMSNorm
   folded in (ops/swap_ffn/kernels.py), and cuBLAS's down GEMM into x. The collapse pools over
   cores first. ``SwapFFNDecoder`` captures a whole token step in one CUDA graph.
-Parameter and state names are the spec's.
+Parameter and state names are those of the block's design (router, banks, stream map, lanes).
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ so it is bit-equal to y at p. q tiles store ``out`` to q_out [B, nH, 1, hd]; kv 
 
 Bit-exactness with the PyTorch path (which runs fuselm's rms_norm kernel for the norm):
 - the norm is the rms_norm forward kernel's own expression on a tile of the same shape and warp
-  count (``_forward_geometry``), so a head's sum of squares is reduced in the same order;
+  count (``row_block_geometry``, ``fuselm/ops/common/rows.py``), so a head's sum of squares is
+  reduced in the same order;
 - ``a + s`` is ``libdevice.add_rn`` on a GPU: a rounded add the compiler cannot contract into an
   FMA with the products (an fp32 model would otherwise round once where PyTorch rounds twice);
 - the Triton interpreter converts fp32 to bf16 by truncation (checked on triton 3.9; tests/helpers.py):
@@ -35,7 +36,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fuselm.ops.rms_norm.kernels import _forward_geometry
+from fuselm.ops.common.rows import row_block_geometry
 from fuselm.runtime import INTERPRET, cdiv
 
 
@@ -139,7 +140,7 @@ def qk_norm_rope_kv_write_kernel(qkv, q_norm_weight, k_norm_weight, cos, sin, ke
     write_column int [B], q_out contiguous [B, nH, 1, hd]."""
     B = qkv.shape[0]
     # The rms_norm forward kernel's tile (heads per program, padded head_dim) and warp count.
-    block_m, block_n, num_warps = _forward_geometry(head_dim)
+    block_m, block_n, num_warps = row_block_geometry(head_dim)
     q_tiles = cdiv(num_heads, block_m)
     kv_tiles = cdiv(num_kv_heads, block_m)
     _qk_norm_rope_kv_write_kernel[(B, q_tiles + kv_tiles)](

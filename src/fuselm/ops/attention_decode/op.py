@@ -13,7 +13,7 @@ import torch
 
 from fuselm.ops.attention_decode.kernels import qk_norm_rope_kv_write_kernel
 from fuselm.ops.attention_decode.naive import qk_norm_rope_kv_write_ref
-from fuselm.ops.rms_norm.kernels import MAX_COLS
+from fuselm.ops.common.rows import MAX_COLS
 from fuselm.runtime import (
     check_finite_float, check_match, check_positive_int, check_same_device, check_tensor, use_triton,
 )

@@ -1,4 +1,5 @@
-from fuselm.ops.decode_linear.kernels import DECODE_MAX_M, DecodeLinearConfig, decode_linear_config
+from fuselm.ops.common.matmul import DECODE_MAX_M
+from fuselm.ops.decode_linear.kernels import DecodeLinearConfig, decode_linear_config
 from fuselm.ops.decode_linear.naive import decode_linear_ref, gated_rms_norm_ref, prologue_ref, sigmoid_gate_ref
 from fuselm.ops.decode_linear.op import decode_linear
 

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselm.ops.swiglu_mlp.kernels import DECODE_MAX_M, _dot  # the same token padding and dot
+from fuselm.ops.common.matmul import DECODE_MAX_M, dot_acc  # the same token padding and dot as swiglu_mlp
 from fuselm.runtime import cdiv
 
 # Prologue codes, as the constexpr the kernel takes.
@@ -90,7 +90,7 @@ def _decode_linear_kernel(
             n2 = (nw * n1).to(dt).to(tl.float32)
             a = (n2 * (zf / (1.0 + tl.exp(-zf)))).to(dt)
             xt = tl.where(ok, a, 0.0).to(dt)
-        acc = _dot(w, tl.trans(xt), acc, IEEE)
+        acc = dot_acc(w, tl.trans(xt), acc, IEEE)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K

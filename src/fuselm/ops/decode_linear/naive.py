@@ -20,14 +20,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fuselm.ops.rms_norm.naive import _work_dtype as _work, rms_norm_ref
+from fuselm.ops.common.precision import work_dtype
+from fuselm.ops.rms_norm.naive import rms_norm_ref
 
 PROLOGUES = (None, "sigmoid_gate", "gated_rms_norm")
 
 
 def sigmoid_gate_ref(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """``x * sigmoid(gate)`` as PyTorch eager computes it in x's dtype: two roundings."""
-    work = _work(x)
+    work = work_dtype(x)
     s = torch.sigmoid(gate.to(work)).to(x.dtype)
     return (x.to(work) * s.to(work)).to(x.dtype)
 
@@ -38,7 +39,7 @@ def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tens
     [..., K], ``norm_weight`` [head_dim]: exactly ``GatedDeltaNet._output`` before its out_proj."""
     heads = (x.shape[-1] // head_dim, head_dim)
     normed = rms_norm_ref(x.unflatten(-1, heads), norm_weight, eps, 0.0)
-    work = _work(x)
+    work = work_dtype(x)
     return (normed.to(work) * F.silu(z.unflatten(-1, heads).to(work))).to(x.dtype).flatten(-2)
 
 
@@ -58,6 +59,6 @@ def decode_linear_ref(x: torch.Tensor, weight: torch.Tensor, prologue: str | Non
                       gate: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                       eps: float = 1e-6, head_dim: int | None = None) -> torch.Tensor:
     """``round(prologue(x) @ weight.T)``: [..., K] x [N, K] -> [..., N] in x's dtype."""
-    work = _work(x)
+    work = work_dtype(x)
     a = prologue_ref(x, prologue, gate, norm_weight, eps, head_dim)
     return (a.to(work) @ weight.to(work).T).to(x.dtype)

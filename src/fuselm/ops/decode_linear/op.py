@@ -25,9 +25,9 @@ import math
 
 import torch
 
+from fuselm.ops.common.matmul import DECODE_MAX_M
 from fuselm.ops.decode_linear.kernels import (
-    DECODE_MAX_M, PROLOGUE_CODES, DecodeLinearConfig, check_config, decode_linear_config, decode_linear_kernel,
-    fused_prologue_ok,
+    PROLOGUE_CODES, DecodeLinearConfig, check_config, decode_linear_config, decode_linear_kernel, fused_prologue_ok,
 )
 from fuselm.ops.decode_linear.naive import decode_linear_ref, prologue_ref
 from fuselm.runtime import (

@@ -15,12 +15,11 @@ writes nothing but its outputs.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from fuselm.ops.common.rows import row_block_geometry
 from fuselm.runtime import cdiv, next_power_of_2, num_sms
 
 
@@ -87,19 +86,7 @@ def _rms_norm_bwd_kernel(
 
 
 # ----------------------------------------------------------------------------- tuning constants
-# The widest row a program holds in registers (fp32): the kernels keep a whole row on chip.
-MAX_COLS = 65536
-# Forward: rows per program and warps by row width. At least 2048 elements per program (narrow
-# rows, e.g. per-head q/k norms, share a program) and a warp per 1024 columns (2 to 16). The H100
-# sweep at 8192 x 4096 bf16 (benchmarks/results/, sweep.md) put one row and 4 warps within 1%
-# of the best, plain (90% of copy bandwidth) and fused with the add (96%).
-@functools.lru_cache(maxsize=256)
-def _forward_geometry(n_cols: int) -> tuple[int, int, int]:
-    block_n = next_power_of_2(n_cols)
-    block_m = max(1, 2048 // block_n)
-    return block_m, block_n, min(max(block_n // 1024, 2), 16)
-
-
+# Forward: the whole-row tile of ``fuselm.ops.common.rows`` (MAX_COLS, row_block_geometry).
 # Backward: a persistent grid of PROGRAMS_PER_SM x SMs programs, each over a contiguous run of
 # rows, accumulating its dw partial in registers (one fp32 row of partial sums per program).
 PROGRAMS_PER_SM = 2
@@ -110,7 +97,7 @@ def rms_norm_forward_kernel(x, residual, weight, y, residual_out, eps: float, of
     """Launch the forward on 2-D [rows, N] views (unit column stride). ``residual`` None: plain
     RMSNorm, else the fused add writing ``residual_out``."""
     n_rows, n_cols = x.shape
-    block_m, block_n, num_warps = _forward_geometry(n_cols)
+    block_m, block_n, num_warps = row_block_geometry(n_cols)
     has_res = residual is not None
     res, res_out = (residual, residual_out) if has_res else (x, y)
     _rms_norm_fwd_kernel[(cdiv(n_rows, block_m),)](

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import torch
 
-
-def _work_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+from fuselm.ops.common.precision import work_dtype
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
     """RMSNorm over the last dim; output in ``x.dtype``. Differentiable (autograd of the math)."""
-    work = _work_dtype(x)
+    work = work_dtype(x)
     xf = x.to(work)
     x_normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if offset == 0.0:
@@ -35,7 +33,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offse
 
 def add_rms_norm_ref(x, residual, weight, eps: float = 1e-6, offset: float = 0.0):
     """(rms_norm(s), s) with ``s = (x + residual)`` rounded to ``x.dtype``."""
-    work = _work_dtype(x)
+    work = work_dtype(x)
     s = (x.to(work) + residual.to(work)).to(x.dtype)
     return rms_norm_ref(s, weight, eps, offset), s
 
@@ -46,7 +44,7 @@ def rms_norm_backward_ref(dy, x, weight, eps: float = 1e-6, offset: float = 0.0,
     ``d_residual_out`` is added to dx: the backward of ``add_rms_norm`` at ``x = s``, whose
     dx is also d_residual.
     """
-    work = _work_dtype(x)
+    work = work_dtype(x)
     xf, g_out = x.to(work), dy.to(work)
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     x_normed = xf * rstd

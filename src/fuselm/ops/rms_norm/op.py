@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fuselm.ops.rms_norm.kernels import MAX_COLS, rms_norm_backward_kernel, rms_norm_forward_kernel
+from fuselm.ops.common.rows import MAX_COLS
+from fuselm.ops.rms_norm.kernels import rms_norm_backward_kernel, rms_norm_forward_kernel
 from fuselm.ops.rms_norm.naive import add_rms_norm_ref, rms_norm_backward_ref, rms_norm_ref
 from fuselm.runtime import (
     as_rows, check_finite_float, check_match, check_out, check_same_device, check_tensor, needs_autograd, use_triton,

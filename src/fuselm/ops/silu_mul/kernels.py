@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselm.ops.activation import Activation, gate_factor, gate_factor_grad, up_factor, up_factor_grad
+from fuselm.ops.common.activation import Activation, gate_factor, gate_factor_grad, up_factor, up_factor_grad
 from fuselm.runtime import arch_major, cdiv, next_power_of_2
 
 

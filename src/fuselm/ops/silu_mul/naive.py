@@ -1,11 +1,12 @@
-"""Plain-PyTorch reference for ``silu_mul``: the numerics contract of ``fuselm.ops.activation``,
-written out. Used by the tests and as the CPU fallback."""
+"""Plain-PyTorch reference for ``silu_mul``: the numerics contract of
+``fuselm.ops.common.activation``, written out. Used by the tests and as the CPU fallback."""
 
 from __future__ import annotations
 
 import torch
 
-from fuselm.ops.activation import Activation, gate_factor_ref, up_factor_ref
+from fuselm.ops.common.activation import Activation, gate_factor_ref, up_factor_ref
+from fuselm.ops.common.precision import work_dtype
 
 
 def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor, act: Activation = Activation()) -> torch.Tensor:
@@ -13,7 +14,7 @@ def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor, act: Activation = Activat
 
     With ``gate``/``up`` in float64 this is the exact function (no intermediate rounding).
     """
-    work = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    work = work_dtype(gate)
     a = gate_factor_ref(gate.to(work), act).to(gate.dtype).to(work)
     return (a * up_factor_ref(up.to(work), act)).to(gate.dtype)
 
@@ -23,7 +24,7 @@ def silu_mul_backward_ref(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tens
 
     Written out rather than through autograd, so it also runs inside a ``torch.library`` op.
     """
-    work = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    work = work_dtype(gate)
     g, u, dy = gate.to(work), up.to(work), grad.to(work)
     alpha = act.alpha
     c = g if act.kind == "silu" else torch.clamp(g, max=act.limit)

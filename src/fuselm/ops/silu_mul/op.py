@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fuselm.ops.activation import Activation
+from fuselm.ops.common.activation import Activation
 from fuselm.ops.silu_mul.kernels import silu_mul_backward_kernel, silu_mul_forward_kernel
 from fuselm.ops.silu_mul.naive import silu_mul_backward_ref, silu_mul_ref
 from fuselm.runtime import as_rows, check_match, check_out, check_same_device, check_tensor, needs_autograd, use_triton
@@ -132,10 +132,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, activation: Activation | str 
     Args:
         gate, up: [..., F] tensors of one shape, dtype (fp16/bf16/fp32) and device. Rows may be
             strided (e.g. ``h[:, :F]`` and ``h[:, F:]`` of a [M, 2F] projection): no copy is made.
-        activation: "silu", or an :class:`~fuselm.ops.activation.Activation` (swiglu_limit,
+        activation: "silu", or an :class:`~fuselm.ops.common.activation.Activation` (swiglu_limit,
             swiglu_oai).
     Returns:
-        [..., F] in ``gate.dtype``, rounded as the numerics contract in ``fuselm.ops.activation``.
+        [..., F] in ``gate.dtype``, rounded as the numerics contract in ``fuselm.ops.common.activation``.
     """
     _check_inputs(gate, up)
     act = Activation.parse(activation)

@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fuselm.ops.activation import SILU, gate_factor
-from fuselm.ops.swiglu_mlp.kernels import _dot, grouped_tile  # the same dot and tile order as the MLP GEMM
+from fuselm.ops.common.activation import SILU, gate_factor
+from fuselm.ops.common.matmul import dot_acc, grouped_tile  # the same dot and tile order as the MLP GEMM
 from fuselm.runtime import arch_major, cdiv, next_power_of_2, num_sms
 
 
@@ -83,7 +83,7 @@ def _swap_router_kernel(
         nw = tl.load(norm_w_ptr + k0 + k, mask=k_ok, other=0.0).to(tl.float32)
         xn = (_round(xf * rstd[:, None], x_ptr) * nw[None, :]).to(x_ptr.dtype.element_ty)
         rw = tl.load(router_w_ptr + r[None, :] * D + (k0 + k)[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        z = _dot(xn, rw, z, IEEE)
+        z = dot_acc(xn, rw, z, IEEE)
     z = _round(z, x_ptr)
 
     # 2. Decisions.
@@ -166,7 +166,7 @@ def _ffn_gate_up_kernel(
         for kk in range(k_steps):
             xt = x_desc.load([pid_m * BLOCK_M, kk * BLOCK_K])
             w = w_desc.load([pid_n * 2 * BLOCK_N, kk * BLOCK_K])  # interleaved gate/up rows of w13
-            acc = _dot(xt, w.T, acc, IEEE)
+            acc = dot_acc(xt, w.T, acc, IEEE)
             if not SS_GIVEN:
                 xf = xt.to(tl.float32)
                 sum_sq += tl.sum(xf * xf, axis=1)

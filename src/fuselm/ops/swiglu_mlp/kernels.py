@@ -29,26 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselm.ops.activation import Activation, gate_factor, gate_factor_grad, up_factor, up_factor_grad
+from fuselm.ops.common.activation import Activation, gate_factor, gate_factor_grad, up_factor, up_factor_grad
+from fuselm.ops.common.matmul import DECODE_MAX_M, dot_acc, grouped_tile
 from fuselm.runtime import arch_major, cdiv
-
-
-@triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
-
-
-@triton.jit
-def grouped_tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
-    """(tile row, tile column) of tile number ``tile``: GROUP_M row blocks walk the same weight
-    columns together, so a weight tile is fetched into L2 once per group."""
-    group = tile // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    in_group = tile % (GROUP_M * num_n)
-    return first_m + in_group % group_rows, in_group // group_rows
 
 
 @triton.jit
@@ -78,7 +61,7 @@ def _gemm_swiglu_kernel(
             k_ok = k < D - k0
             xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = _dot(xt, w, acc, IEEE)
+        acc = dot_acc(xt, w, acc, IEEE)
         if RMS:
             xf = xt.to(tl.float32)
             sum_sq += tl.sum(xf * xf, axis=1)
@@ -141,7 +124,7 @@ def _decode_gemv_kernel(
             k_ok = k < K - k0
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=row_ok & k_ok[:, None], other=0.0)
-        acc = _dot(w, xt, acc, IEEE)
+        acc = dot_acc(w, xt, acc, IEEE)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
 
@@ -173,10 +156,6 @@ class GemvConfig:
     block_k: int
     num_warps: int
     num_stages: int
-
-
-# Decode path for M <= DECODE_MAX_M tokens: the dot's token dimension is padded to 16.
-DECODE_MAX_M = 16
 
 
 @functools.lru_cache(maxsize=64)

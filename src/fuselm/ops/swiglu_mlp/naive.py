@@ -7,19 +7,16 @@ is gate row f, row 2f + 1 is up row f (nn.Linear layout [out_features, in_featur
 Numerics contract of the fused path: the gate and up GEMMs accumulate in fp32 and are rounded
 to the input dtype, as HF's gate_proj / up_proj outputs are (so the fused MLP matches HF Llama /
 Qwen3.5 and vLLM's merged projection up to summation order); the activation then follows the
-SwiGLU contract of ``fuselm.ops.activation`` (gate factor rounded to the input dtype, times the
-up factor, one final rounding).
+SwiGLU contract of ``fuselm.ops.common.activation`` (gate factor rounded to the input dtype,
+times the up factor, one final rounding).
 """
 
 from __future__ import annotations
 
 import torch
 
-from fuselm.ops.activation import Activation, gate_factor_ref, up_factor_ref
-
-
-def _work(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+from fuselm.ops.common.activation import Activation, gate_factor_ref, up_factor_ref
+from fuselm.ops.common.precision import work_dtype
 
 
 def _gate_up(xw: torch.Tensor, w13: torch.Tensor, dtype: torch.dtype):
@@ -30,7 +27,7 @@ def _gate_up(xw: torch.Tensor, w13: torch.Tensor, dtype: torch.dtype):
 
 def gemm_swiglu_ref(x: torch.Tensor, w13: torch.Tensor, act: Activation = Activation()) -> torch.Tensor:
     """``act(x @ w_gate.T) * (x @ w_up.T)`` per the contract above: [..., D] -> [..., F]."""
-    work = _work(x)
+    work = work_dtype(x)
     xw = x.to(work)
     g, u = _gate_up(xw, w13, x.dtype)
     a = gate_factor_ref(g, act).to(x.dtype).to(work)
@@ -40,13 +37,13 @@ def gemm_swiglu_ref(x: torch.Tensor, w13: torch.Tensor, act: Activation = Activa
 def swiglu_mlp_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: Activation = Activation()) -> torch.Tensor:
     """``gemm_swiglu_ref(x) @ w2.T``, the hidden activation rounded to x's dtype, fp32 accumulation."""
     h = gemm_swiglu_ref(x, w13, act)
-    return (h.to(_work(x)) @ w2.to(_work(x)).T).to(x.dtype)
+    return (h.to(work_dtype(x)) @ w2.to(work_dtype(x)).T).to(x.dtype)
 
 
 def gemm_swiglu_backward_ref(x, w13, dh, act: Activation = Activation()):
     """(d_gate_up [..., 2F] in w13's interleaved order, h [..., F]) from the recomputed
     pre-activations, in fp32."""
-    work = _work(x)
+    work = work_dtype(x)
     xw = x.to(work)
     g, u = _gate_up(xw, w13, x.dtype)
     dh = dh.to(work)

@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fuselm.ops.activation import Activation
-from fuselm.ops.swiglu_mlp.kernels import DECODE_MAX_M, decode_gemv_kernel, gemm_swiglu_kernel
+from fuselm.ops.common.activation import Activation
+from fuselm.ops.common.matmul import DECODE_MAX_M
+from fuselm.ops.swiglu_mlp.kernels import decode_gemv_kernel, gemm_swiglu_kernel
 from fuselm.ops.swiglu_mlp.naive import gemm_swiglu_backward_ref, gemm_swiglu_ref
 from fuselm.runtime import as_rows, check_out, check_same_device, check_tensor, needs_autograd, use_triton
 
@@ -250,7 +251,7 @@ def gemm_swiglu(x: torch.Tensor, w13: torch.Tensor, activation: Activation | str
     Args:
         x: [..., D] fp16/bf16/fp32.
         w13: [2F, D] from :func:`interleave_gate_up`, x's dtype.
-        activation: "silu" or an :class:`~fuselm.ops.activation.Activation`.
+        activation: "silu" or an :class:`~fuselm.ops.common.activation.Activation`.
     Returns:
         h: [..., F] in x's dtype (numerics: ``fuselm/ops/swiglu_mlp/naive.py``).
     """
@@ -272,7 +273,7 @@ def swiglu_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation:
     Args:
         x: [..., D] fp16/bf16/fp32.
         w13: [2F, D] from :func:`interleave_gate_up`; w2: [D, F] (``down_proj.weight``); x's dtype.
-        activation: "silu" or an :class:`~fuselm.ops.activation.Activation`.
+        activation: "silu" or an :class:`~fuselm.ops.common.activation.Activation`.
     Returns:
         y: [..., D]. Decode (<= 16 rows) is two weight-streaming launches; prefill is the fused
         gate/up GEMM then a cuBLAS down GEMM.

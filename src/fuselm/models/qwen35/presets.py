@@ -1,11 +1,16 @@
-"""Built-in Qwen3.5 configs and seeded random weights (nothing to download).
+"""Built-in Qwen3.5 configs, seeded random weights and random-weight checkpoints (nothing to download).
 
 - ``tiny_config()``: a 4-layer Qwen3.5-architecture model (DeltaNet, attention, DeltaNet,
   attention; GQA in both mixers) small enough for the Triton interpreter on a CPU;
 - ``config_9b()``: HF ``Qwen3_5TextConfig()`` defaults (the 9B text model);
+- ``preset_config(name)``: "tiny" or "9b" by name;
 - ``random_qwen35(config, ...)``: a ``Qwen35`` with seeded random weights made directly on the
   device in the model dtype (9B parameters in bf16 never pass through a CPU fp32 copy);
-- ``randomize_hf_weights_(hf_model, ...)``: the same scheme on a live HF model, for parity runs.
+- ``randomize_hf_weights_(hf_model, ...)``: the same scheme on a live HF model, for parity runs;
+- ``write_random_checkpoint(directory, config, ...)``: a checkpoint directory in the released
+  layout (the vision-language wrapper's config.json and weight names, a small vision tower,
+  sharded safetensors with an index, generation_config.json) holding those random weights. The
+  tokenizer files are ``fuselm.tokenizer.write_tokenizer_files``'s.
 
 Scheme (as ``tests/test_qwen35.py``): HF's own init gives near-zero logits, which would let a
 parity check pass for a broken model, so every weight moves away from its init value:
@@ -20,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from fuselm.models.qwen35 import Qwen35, Qwen35Config
+from fuselm.models.qwen35.config import Qwen35Config
+from fuselm.models.qwen35.model import Qwen35
 
 TINY_LAYER_TYPES = ("linear_attention", "full_attention", "linear_attention", "full_attention")
 
@@ -42,6 +48,19 @@ def config_9b() -> Qwen35Config:
     except ImportError:
         return Qwen35Config()
     return Qwen35Config.from_hf(Qwen3_5TextConfig())
+
+
+PRESETS = ("tiny", "9b")
+
+
+def preset_config(name: str, vocab_size: int | None = None) -> Qwen35Config:
+    """The built-in config called ``name`` ("tiny" or "9b"); ``vocab_size`` overrides the tiny
+    model's (a checkpoint with the real tokenizer needs 248320)."""
+    if name == "tiny":
+        return tiny_config(**({} if vocab_size is None else {"vocab_size": vocab_size}))
+    if name.lower() == "9b":
+        return config_9b()
+    raise ValueError(f"config: expected one of {PRESETS}, got {name!r}")
 
 
 def _fill_random_(name: str, weight: torch.Tensor, generator: torch.Generator) -> None:
@@ -118,3 +137,44 @@ def random_hf_qwen35(config: Qwen35Config, dtype: torch.dtype = torch.float32, d
         torch.manual_seed(seed)
         hf_model = Qwen3_5ForCausalLM._from_config(to_hf_config(config), dtype=dtype)
     return (randomize_hf_weights_(hf_model, seed) if weights == "spread" else hf_model).eval()
+
+
+# Released checkpoints' stop ids: a chat reply ends with <|im_end|> (the top level and
+# generation_config name it), text_config names <|endoftext|>, the pad token.
+IM_END_ID, END_OF_TEXT_ID = 248046, 248044
+# The fixture's vision tower: the released wrapper's layout at the smallest size (never run).
+_FIXTURE_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+                       spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+# Sampling defaults a released Qwen3.5 generation_config carries (thinking mode).
+_GENERATION_DEFAULTS = dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95)
+
+
+@torch.no_grad()
+def write_random_checkpoint(directory, config: Qwen35Config, dtype: torch.dtype = torch.bfloat16, device="cpu",
+                            seed: int = 0, max_shard_size: str = "4GB") -> None:
+    """Write a checkpoint directory in the released Qwen3.5 layout with seeded random weights
+    (``randomize_hf_weights_``'s scheme): ``config.json`` of ``Qwen3_5ForConditionalGeneration``
+    (``config`` as ``text_config``, a small vision tower), the weights as safetensors shards of at
+    most ``max_shard_size`` with ``model.safetensors.index.json`` (text weights under
+    ``model.language_model.``, vision weights under ``model.visual.``), and
+    ``generation_config.json``. The weights are drawn on ``device`` in ``dtype``; HF transformers
+    writes the files, so they are what its ``from_pretrained`` expects. Tokenizer files are
+    ``fuselm.tokenizer.write_tokenizer_files``'s."""
+    from transformers import GenerationConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = to_hf_config(config).to_dict()
+    text["eos_token_id"] = END_OF_TEXT_ID if config.vocab_size > IM_END_ID else text.get("eos_token_id")
+    eos = [IM_END_ID, END_OF_TEXT_ID] if config.vocab_size > IM_END_ID else config.stop_token_ids
+    hf_config = Qwen3_5Config(text_config=text, vision_config=dict(_FIXTURE_VISION, out_hidden_size=config.hidden_size),
+                              tie_word_embeddings=config.tie_word_embeddings)
+    hf_config.eos_token_id = eos[0] if eos else None
+    hf_config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
+        torch.manual_seed(seed)
+        hf_model = Qwen3_5ForConditionalGeneration._from_config(hf_config, dtype=dtype)
+    randomize_hf_weights_(hf_model, seed)
+    hf_model.generation_config = GenerationConfig(
+        eos_token_id=list(eos), pad_token_id=END_OF_TEXT_ID if config.vocab_size > IM_END_ID else config.pad_token_id,
+        **_GENERATION_DEFAULTS)
+    hf_model.save_pretrained(directory, max_shard_size=max_shard_size)

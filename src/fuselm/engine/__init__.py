@@ -1,0 +1,16 @@
+"""Generation around a model: request -> scheduler -> runner, and the LLM front end.
+
+    request.py    SamplingParams, Request, RequestOutput (vLLM's offline API shapes)
+    sampling.py   per-slot sampling parameters and stop counters on the device (graph inputs)
+    runner.py     ModelRunner: cache slots, prefill, decode as one CUDA graph per batch size
+    scheduler.py  Scheduler: waiting queue, slot per running request
+    engine.py     Engine: the loop (add_request, step, generate), pipelined one step deep
+    llm.py        LLM: a checkpoint directory, text in and out, chat
+    reference.py  the eager reference loop behind Qwen35.generate (tests)
+    audit.py      kernels / graph launches / host syncs per decode step; parity with HF
+"""
+
+from fuselm.engine.engine import Engine
+from fuselm.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
+
+__all__ = ["Engine", "SamplingParams", "Request", "RequestOutput", "CompletionOutput"]

@@ -1,0 +1,242 @@
+"""Engine: the generation loop. request -> scheduler -> runner, each calling only the next's
+public methods (nano-vllm's shape).
+
+    engine = Engine(model, max_batch=8, max_len=4096)         # captures the decode graphs (CUDA)
+    outputs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=32, temperature=0))
+    outputs[0].outputs[0].token_ids
+
+One ``step()``: the scheduler admits waiting requests into free slots and the runner prefills
+them (their first tokens come from the prefill's logits); then the runner launches one decode
+step over the running slots and the host reads the step before it. Decode is pipelined one step
+deep: step n+1 is on the GPU while the host appends step n's ids, detokenizes and checks stop
+conditions, so the host's work hides behind the GPU's. A request that ends on the host (a stop
+string) is one step late on the device; that extra step writes only its own slot and is
+discarded. Stop ids and max_tokens also end a slot on the device, inside the step.
+
+Requests join and leave between steps: each owns a cache slot for its life, a finished request's
+slot is freed for the next waiting one, and requests already decoding go on untouched.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from fuselm.engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from fuselm.engine.runner import DEFAULT_GRAPH_BATCH_SIZES, ModelRunner
+from fuselm.engine.scheduler import Scheduler
+from fuselm.models.qwen35 import Qwen35
+
+
+class _Launched:
+    """A decode step on the GPU: its ids on their way to pinned host memory, and which request
+    held each slot when it was launched."""
+
+    def __init__(self, ids: torch.Tensor, requests: dict[int, Request]):
+        self.requests = dict(requests)
+        if ids.is_cuda:
+            self.host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            self.host_ids.copy_(ids, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host_ids, self.done = ids.clone(), None
+
+    def ids(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host_ids.tolist()
+
+
+class Engine:
+    """Continuous-batching generation for a ``Qwen35`` model.
+
+    Args:
+        model: a loaded ``Qwen35``.
+        max_batch: requests running at once (cache slots); more wait in a queue.
+        max_len: tokens per request (prompt + generated).
+        graph_batch_sizes: decode graphs to capture (clipped to max_batch, which is added).
+        max_prefill_tokens: prompt tokens prefilled in one step (default: max_batch * max_len);
+            at least one request is always admitted.
+        seed: seeds the seeds drawn for requests that bring none (None: fresh entropy).
+        use_graphs: capture CUDA graphs (default: when the model is on CUDA).
+    """
+
+    def __init__(self, model: Qwen35, max_batch: int = 8, max_len: int = 4096,
+                 graph_batch_sizes: Sequence[int] = DEFAULT_GRAPH_BATCH_SIZES, *,
+                 max_prefill_tokens: int | None = None, seed: int | None = None, use_graphs: bool | None = None):
+        self.runner = ModelRunner(model, max_batch, max_len, graph_batch_sizes, use_graphs)
+        self.scheduler = Scheduler(max_batch, max_prefill_tokens or max_batch * max_len)
+        self.model = model
+        self.vocab_size = model.config.vocab_size
+        self.eos_ids = model.config.stop_token_ids
+        self._seeds = random.Random(seed)
+        self._ids = itertools.count()
+        self._in_flight: _Launched | None = None
+
+    @property
+    def max_batch(self) -> int:
+        return self.runner.max_batch
+
+    @property
+    def max_len(self) -> int:
+        return self.runner.max_len
+
+    # ------------------------------------------------------------------------ requests
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, prompt: str | None = None, detokenizer=None) -> Request:
+        """Queue one request; ValueError/TypeError naming the argument when it cannot run (the
+        engine and every other request are left as they were)."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params: expected a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt_token_ids, torch.Tensor):
+            prompt_token_ids = prompt_token_ids.tolist()
+        if not isinstance(prompt_token_ids, (list, tuple)):
+            raise TypeError(f"prompt_token_ids: expected a list of token ids, got {type(prompt_token_ids).__name__}")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("prompt: empty prompt (0 tokens); every request needs at least one token")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt_token_ids: token ids must be ints in [0, {self.vocab_size}) (vocab_size)")
+        if len(ids) >= self.max_len:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room in max_len = {self.max_len} "
+                             f"(prompt + max_tokens must fit)")
+        if len(ids) + params.max_tokens > self.max_len:
+            raise ValueError(f"max_tokens: {len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
+                             f"max_len = {self.max_len}")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad} are not in [0, {self.vocab_size}) (vocab_size)")
+        stop_ids = tuple(dict.fromkeys(list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_ids))))
+        request = Request(str(next(self._ids)) if request_id is None else request_id, ids, params,
+                          self._seeds.getrandbits(63) if params.seed is None else params.seed, stop_ids,
+                          prompt=prompt, detokenizer=detokenizer)
+        self.scheduler.add(request)
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    def abort(self, request: Request) -> None:
+        """End a request now (its slot is freed; an in-flight step's ids for it are dropped)."""
+        if not request.finished:
+            request.finish_reason, request.stop_reason = FinishReason.STOP, None
+            self._finish(request)
+
+    # ------------------------------------------------------------------------ the loop
+    def _finish(self, request: Request) -> None:
+        request.metrics.finished_time = time.perf_counter()
+        if request.slot is not None and self.scheduler.running.get(request.slot) is request:
+            self.runner.release([request.slot])
+        self.scheduler.finish(request)
+
+    def _append(self, request: Request, token: int, now: float) -> None:
+        """One new token of a running request: record it, detokenize, check stop conditions in
+        vLLM's order (stop ids, stop strings, length) and end the request when one holds."""
+        request.output_token_ids.append(token)
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        if token in request.stop_ids:
+            request.finish_reason, request.stop_reason = FinishReason.STOP, token
+        else:
+            detokenizer = request.detokenizer
+            if detokenizer is not None:
+                request._new_text.append(detokenizer.feed(token))
+            if detokenizer is not None and detokenizer.stopped:
+                request.finish_reason, request.stop_reason = FinishReason.STOP, detokenizer.stop_reason
+            elif len(request.output_token_ids) >= request.params.max_tokens:
+                request.finish_reason = FinishReason.LENGTH
+        if request.finished:
+            if request.detokenizer is not None:
+                request._new_text.append(request.detokenizer.flush())
+            self._finish(request)
+
+    def _read(self, launched: _Launched) -> list[Request]:
+        """Append a finished decode step's ids to the requests that were running in it."""
+        ids, now = launched.ids(), time.perf_counter()
+        updated = []
+        for slot, request in launched.requests.items():
+            if not request.finished:
+                self._append(request, ids[slot], now)
+                updated.append(request)
+        return updated
+
+    def step(self) -> list[Request]:
+        """Admit and prefill what can start, launch one decode step, read the one before it.
+        Returns the requests that got a token (finished ones included)."""
+        updated = []
+        admitted = self.scheduler.admit()
+        if admitted:
+            if self._in_flight is not None:  # prefill reads ids anyway: take the in-flight step first
+                updated += self._read(self._in_flight)
+                self._in_flight = None
+            _, first = self.runner.prefill(admitted)
+            now = time.perf_counter()
+            for request, token in zip(admitted, first.tolist()):
+                self._append(request, token, now)
+            updated += admitted
+        launched = None
+        if self.scheduler.running:
+            running = self.scheduler.running
+            batch = self.runner.batch_size_for(self.scheduler.slots_in_use())
+            _, ids = self.runner.decode(batch, any(r.params.filtered for r in running.values()))
+            launched = _Launched(ids, running)
+        if self._in_flight is not None:
+            updated += self._read(self._in_flight)
+        self._in_flight = launched
+        if launched is not None and not self.scheduler.running:  # everyone ended on the step before
+            self._in_flight = None
+        return updated
+
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 stream: Callable[[Request], None] | None = None) -> list[RequestOutput]:
+        """Run token-id prompts to the end; one ``RequestOutput`` per prompt, in order.
+
+        prompts: a list of token-id lists (or one list of ints, or an int tensor [B, T] / [T]);
+        params: one ``SamplingParams`` for all, or one per prompt; stream: called with each
+        request that got tokens, after every step. Every prompt is checked before any runs."""
+        prompts = self._token_prompts(prompts)
+        params_list = self._params_list(params, len(prompts))
+        requests = []
+        try:
+            for prompt, request_params in zip(prompts, params_list):
+                requests.append(self.add_request(prompt, request_params))
+        except (ValueError, TypeError) as error:
+            for request in requests:
+                self.scheduler.finish(request)
+            index = len(requests)
+            raise type(error)(f"prompts[{index}]: {error}") from None
+        self.run(stream)
+        return [r.output() for r in requests]
+
+    def run(self, stream: Callable[[Request], None] | None = None) -> None:
+        """Step until every queued request has finished."""
+        while self.has_unfinished_requests():
+            for request in self.step():
+                if stream is not None:
+                    stream(request)
+
+    # ------------------------------------------------------------------------ argument shapes
+    @staticmethod
+    def _token_prompts(prompts) -> list[list[int]]:
+        if isinstance(prompts, torch.Tensor):
+            prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError(f"prompts: expected a non-empty list of token-id lists, got {prompts!r}")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]
+        return [p.tolist() if isinstance(p, torch.Tensor) else p for p in prompts]
+
+    @staticmethod
+    def _params_list(params, count: int) -> list[SamplingParams]:
+        if params is None or isinstance(params, SamplingParams):
+            return [params or SamplingParams()] * count
+        params = list(params)
+        if len(params) != count:
+            raise ValueError(f"params: {len(params)} SamplingParams for {count} prompts")
+        return params

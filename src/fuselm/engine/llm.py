@@ -1,0 +1,129 @@
+"""``LLM``: text in, text out of a checkpoint directory, in the shape of vLLM's offline API.
+
+    llm = LLM("Qwen3.5-9B/", dtype="bfloat16")
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=32, temperature=0))
+    out[0].outputs[0].text
+    out = llm.chat([{"role": "user", "content": "Hi!"}], chat_template_kwargs={"enable_thinking": False})
+
+It loads the model (``Qwen35.from_pretrained``: sharded safetensors straight to the device) and
+the tokenizer (``fuselm.tokenizer.Tokenizer``: the directory's tokenizer.json and chat template),
+and runs every request through one ``Engine``. Text is detokenized as tokens come (never half a
+UTF-8 character), stop strings are cut from it, special tokens are left out of it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from fuselm.engine.engine import Engine
+from fuselm.engine.request import Request, RequestOutput, SamplingParams
+from fuselm.models.qwen35 import Qwen35
+from fuselm.models.qwen35.weights import read_checkpoint_config
+from fuselm.tokenizer import Tokenizer
+
+# generation_config.json fields that become the default SamplingParams (as vLLM does).
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k")
+
+
+class LLM:
+    """A Qwen3.5 checkpoint directory, loaded for generation.
+
+    Args:
+        model: the checkpoint directory (config.json, safetensors, tokenizer.json, ...).
+        dtype: torch dtype or its name ("bfloat16", ...); default: the checkpoint's.
+        device: "cuda", "cpu", ...; default: cuda when available.
+        max_batch: requests decoded together (more wait); max_len: prompt + output tokens.
+        seed: seeds the per-request seeds of requests without one (reproducible runs).
+        progress: show a progress bar while loading.
+    """
+
+    def __init__(self, model, dtype: torch.dtype | str | None = None, device=None, max_batch: int = 8,
+                 max_len: int = 4096, seed: int | None = None, progress: bool = True, **engine_options):
+        directory = Path(model)
+        self.model_dir = directory
+        read_checkpoint_config(directory)  # a missing directory or config.json is named before anything loads
+        self.tokenizer = Tokenizer.from_pretrained(directory)
+        self.model = Qwen35.from_pretrained(directory, dtype=dtype, device=device, progress=progress)
+        self.engine = Engine(self.model, max_batch=max_batch, max_len=max_len, seed=seed, **engine_options)
+        generation_file = directory / "generation_config.json"
+        generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
+        self._defaults = {k: generation[k] for k in _GENERATION_DEFAULTS if generation.get(k) is not None}
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json sampling defaults."""
+        return SamplingParams(**self._defaults)
+
+    # ------------------------------------------------------------------------ requests
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise TypeError(f"prompts: expected strings or lists of token ids, got {type(prompt).__name__}")
+
+    def _add(self, prompts, params) -> list[Request]:
+        """Tokenize and queue every prompt; nothing is queued unless all are valid."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError(f"prompts: expected a string, a list of strings or of token-id lists, got {prompts!r}")
+        if params is None:
+            params = self.get_default_sampling_params()
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts) or any(not isinstance(p, SamplingParams) for p in params_list):
+            raise ValueError(f"params: expected one SamplingParams, or one per prompt ({len(prompts)})")
+        requests = []
+        try:
+            for index, (prompt, request_params) in enumerate(zip(prompts, params_list)):
+                text, ids = self._prompt_ids(prompt)
+                detokenizer = self.tokenizer.detokenizer(ids, skip_special_tokens=True, stop=request_params.stop)
+                requests.append(self.engine.add_request(ids, request_params, prompt=text, detokenizer=detokenizer))
+        except (ValueError, TypeError) as error:
+            for request in requests:
+                self.engine.abort(request)
+            raise type(error)(f"prompts[{index}]: {error}") from None
+        return requests
+
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 stream: Callable[[Request], None] | None = None) -> list[RequestOutput]:
+        """Generate for a prompt (a string or a list of token ids) or a list of them; one
+        ``RequestOutput`` per prompt, in order. ``params``: one SamplingParams or one per prompt
+        (default: ``get_default_sampling_params()``); ``stream(request)`` is called whenever a
+        request gets a token (``request.detokenizer.text`` holds its text so far)."""
+        requests = self._add(prompts, params)
+        self.engine.run(stream)
+        return [r.output() for r in requests]
+
+    def chat(self, messages, params: SamplingParams | Sequence[SamplingParams] | None = None,
+             chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+             stream: Callable[[Request], None] | None = None) -> list[RequestOutput]:
+        """Reply to a conversation (a list of {"role", "content"} messages) or a list of
+        conversations: each is rendered by the checkpoint's chat template
+        (``chat_template_kwargs`` go to the template, e.g. ``{"enable_thinking": False}``) and
+        generated as ``generate`` does."""
+        conversations = [messages] if messages and isinstance(messages, (list, tuple)) \
+            and isinstance(messages[0], dict) else messages
+        if not isinstance(conversations, (list, tuple)) or not conversations:
+            raise ValueError(f"messages: expected a conversation (a list of role/content dicts) or a list of them, "
+                             f"got {messages!r}")
+        prompts = [self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      **(chat_template_kwargs or {}))
+                   for conversation in conversations]
+        return self.generate(prompts, params, stream)
+
+    def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Generate for one prompt, yielding text as it comes (stop strings cut, no half UTF-8
+        characters). Other queued requests advance meanwhile."""
+        (request,) = self._add(prompt, params)
+        while True:
+            self.engine.step()
+            text = request.take_new_text()
+            if text:
+                yield text
+            if request.finished:
+                return

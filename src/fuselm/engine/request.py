@@ -1,0 +1,161 @@
+"""What a user asks for and what comes back: ``SamplingParams``, ``Request``, ``RequestOutput``.
+
+The shapes follow vLLM's offline API (``SamplingParams``, ``RequestOutput.outputs[0].text`` ...)
+so that code written for it reads the same here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    max_tokens: new tokens at most (>= 1). temperature: 0 is greedy, else >= 0. top_p in (0, 1]
+    (1: off). top_k: 0 or -1 is off, else >= 1. seed: a request with a seed gives the same tokens
+    every time, whatever else runs beside it (None: a fresh random seed per request). stop:
+    strings that end the request, cut from the text. stop_token_ids: ids that end it beside the
+    model's eos ids (kept in the token ids, left out of the text when they are special tokens).
+    ignore_eos: do not stop at the model's eos ids (stop_token_ids still stop).
+    Every field is checked on construction: ValueError naming the field.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens: expected an int >= 1, got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature: expected a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k: expected 0 or -1 (off) or an int >= 1, got {self.top_k!r}")
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed: expected None or an int in [0, 2**63), got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and (not isinstance(self.stop, (list, tuple))
+                                      or any(not isinstance(s, str) or not s for s in self.stop)):
+            raise ValueError(f"stop: expected a non-empty string or a list of them, got {self.stop!r}")
+        self.stop = list(self.stop or [])
+        if self.stop_token_ids is not None and (not isinstance(self.stop_token_ids, (list, tuple))
+                                                or any(not _is_int(t) or t < 0 for t in self.stop_token_ids)):
+            raise ValueError(f"stop_token_ids: expected a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def filtered(self) -> bool:
+        """True when top-k or top-p removes tokens before the draw (the sampler's costlier path)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1)
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence: ``text`` (stop strings cut), ``token_ids``, ``finish_reason``
+    ("stop": an eos / stop id / stop string; "length": max_tokens or the context; None while
+    running) and ``stop_reason`` (the stop string or id that ended it)."""
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Host clock times (``time.perf_counter``) of a request's life."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """What ``LLM.generate`` / ``Engine.generate`` return per prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"
+    LENGTH = "length"
+
+
+@dataclass
+class Request:
+    """A request inside the engine: its prompt, parameters, resolved seed and stop ids, the cache
+    slot it owns while it runs, and what it has generated. ``detokenizer`` (optional) turns ids
+    into text incrementally and finds stop strings."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    stop_ids: tuple[int, ...]
+    prompt: str | None = None
+    detokenizer: object | None = None
+    slot: int | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+    _new_text: list[str] = field(default_factory=list, repr=False)  # detokenized, not yet taken
+
+    def take_new_text(self) -> str:
+        """The text detokenized since the last call (stop strings cut; held-back text that may
+        start a stop string comes once decided)."""
+        text = "".join(self._new_text)
+        self._new_text.clear()
+        return text
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def output(self) -> RequestOutput:
+        text = None if self.detokenizer is None else self.detokenizer.text
+        completion = CompletionOutput(0, text, list(self.output_token_ids),
+                                      None if self.finish_reason is None else self.finish_reason.value,
+                                      self.stop_reason)
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion], self.finished,
+                             self.metrics)

@@ -1,0 +1,77 @@
+"""Per-slot sampling on the device: every request's parameters are graph inputs, not constants.
+
+``SlotSampling`` holds, for each cache slot, the sampling parameters of the request in it
+(temperature, top-k, top-p, seed), how many tokens it has drawn (the position of its random
+stream: a request's draws depend on its seed and position only, never on its batch or slot),
+how many it may still draw, and its stop ids. ``sample_and_advance`` draws the next id of the
+first ``rows`` slots (``fuselm.ops.sampling.sample_tokens``) and updates those counters and the
+cache's ``active`` flags on the device: a slot stops when it draws one of its stop ids or its
+last allowed token. No host sync, static shapes: it runs inside the decode step's CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fuselm.engine.request import Request
+from fuselm.ops.sampling import sample_tokens
+
+# Stop ids checked on the device per slot (eos ids + the request's stop_token_ids). A request
+# with more is still stopped by the host, one step later (the extra step's state is discarded).
+MAX_DEVICE_STOP_IDS = 8
+
+
+class SlotSampling:
+    """Sampling parameters and stop counters of ``max_batch`` slots, on ``device``."""
+
+    def __init__(self, max_batch: int, device: torch.device):
+        self.temperature = torch.zeros(max_batch, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.top_p = torch.ones(max_batch, dtype=torch.float32, device=device)
+        self.seeds = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)  # tokens drawn so far
+        self.remaining = torch.zeros(max_batch, dtype=torch.int64, device=device)  # tokens still allowed
+        self.stop_ids = torch.full((max_batch, MAX_DEVICE_STOP_IDS), -1, dtype=torch.int64, device=device)
+
+    def assign(self, requests: list[Request], slots: torch.Tensor) -> None:
+        """Write the requests' parameters into their slots (one small host-to-device copy per
+        tensor; between graph replays, never inside one)."""
+        device = slots.device
+        params = [r.params for r in requests]
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        self.temperature.index_copy_(0, slots, column([p.temperature for p in params], torch.float32))
+        self.top_k.index_copy_(0, slots, column([p.top_k for p in params], torch.int32))
+        self.top_p.index_copy_(0, slots, column([p.top_p for p in params], torch.float32))
+        self.seeds.index_copy_(0, slots, column([r.seed for r in requests], torch.int64))
+        self.positions.index_fill_(0, slots, 0)
+        self.remaining.index_copy_(0, slots, column([p.max_tokens for p in params], torch.int64))
+        stop = [list(r.stop_ids[:MAX_DEVICE_STOP_IDS]) + [-1] * (MAX_DEVICE_STOP_IDS - len(r.stop_ids[:MAX_DEVICE_STOP_IDS]))
+                for r in requests]
+        self.stop_ids.index_copy_(0, slots, column(stop, torch.int64))
+
+    def sample_and_advance(self, logits: torch.Tensor, active: torch.Tensor, filtered: bool,
+                           slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Next ids [n] for logits [n, V] of the slots ``slots`` [n] (default: the first n slots).
+        ``active`` is the cache's [max_batch] flags: cleared where a slot stops. Inactive slots
+        draw nothing that counts (their counters stay); their ids are meaningless.
+        ``filtered``: False promises that no slot uses top-k / top-p (the sampler skips them)."""
+        n = logits.shape[0]
+        index = (lambda t: t[:n]) if slots is None else (lambda t: t[slots])
+        ids = sample_tokens(logits, index(self.temperature), index(self.top_k), index(self.top_p),
+                            index(self.seeds), index(self.positions), filtered=filtered)
+        was_active = index(active)
+        counted = was_active.to(torch.int64)
+        remaining = index(self.remaining) - counted
+        stopped = (ids[:, None] == index(self.stop_ids)).any(dim=-1) | (remaining <= 0)
+        if slots is None:
+            self.positions[:n].add_(counted)
+            self.remaining[:n].copy_(remaining)
+            active[:n].logical_and_(~stopped)
+        else:
+            self.positions.index_add_(0, slots, counted)
+            self.remaining.index_copy_(0, slots, remaining)
+            active.index_copy_(0, slots, was_active & ~stopped)
+        return ids

@@ -1,0 +1,343 @@
+"""The layers of a Qwen3.5 text model, each mapping its own Hugging Face tensors.
+
+Read top to bottom: what a prefill / decode step hands every layer, the rotary embedding, the
+two token mixers (Gated DeltaNet and gated full attention), the SwiGLU MLP, the decoder layer.
+
+Every module has ``hf_shapes()`` (its HF tensor names, relative to the module's HF prefix, and
+their shapes under the config) and ``load_hf(take)`` (``take(name)`` returns that HF tensor on
+the target device in the target dtype; the module re-lays it once: stacked projections,
+interleaved gate/up). Composite modules prefix their children's names, so a layer's MLP can be
+replaced by any module with these two methods and ``forward(x)`` (the MoE block, for one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fuselm.models.qwen35.cache import AttentionCache, DeltaNetCache
+from fuselm.models.qwen35.config import LINEAR_ATTENTION, Qwen35Config
+from fuselm.ops.attention_decode import apply_rotary_ref, qk_norm_rope_kv_write
+from fuselm.ops.decode_linear import decode_linear
+from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_decode_step
+from fuselm.ops.gated_delta_rule.naive import decay_gate
+from fuselm.ops.rms_norm import rms_norm
+from fuselm.ops.swiglu_mlp import SwiGLUMLP, interleave_gate_up
+
+TakeTensor = Callable[[str], torch.Tensor]
+
+
+def _param(*shape) -> nn.Parameter:
+    """A weight slot on the meta device; ``load_hf`` assigns the real tensor."""
+    return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
+
+
+def _assign(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Replace parameter ``name`` of ``module`` by ``tensor`` (contiguous, no gradient)."""
+    setattr(module, name, nn.Parameter(tensor.contiguous(), requires_grad=False))
+
+
+def prefixed(take: TakeTensor, prefix: str) -> TakeTensor:
+    """``take`` for a child module whose HF names sit under ``prefix``."""
+    return lambda name: take(prefix + name)
+
+
+# ============================================================================ step inputs
+@dataclass
+class PrefillStep:
+    """What every layer needs to prefill B fresh requests of T (right-padded) tokens into the
+    cache slots ``slots``."""
+
+    slots: torch.Tensor  # [B] int64, the cache slot of each row
+    lengths: torch.Tensor  # [B] int64, real tokens per row
+    token_mask: torch.Tensor | None  # [B, T] bool, real tokens; None when no row is padded
+    cu_seqlens: torch.Tensor | None  # [N + 1] int32 offsets of the packed real tokens (padded batch)
+    cos: torch.Tensor  # [1, T, 1, rotary_dim], model dtype
+    sin: torch.Tensor
+
+
+@dataclass
+class DecodeStep:
+    """What every layer needs for one token per cache row; all device tensors of static shape."""
+
+    cos: torch.Tensor  # [max_batch, 1, 1, rotary_dim]
+    sin: torch.Tensor
+    write_column: torch.Tensor  # [max_batch] int64: the token's KV column (max_len for inactive rows)
+    key_mask: torch.Tensor  # [max_batch, 1, 1, max_len + 1] bool: columns the token attends to
+    state_slots: torch.Tensor  # [max_batch] int32: pool slot, -1 for inactive rows (no state write)
+    positions: torch.Tensor  # [max_batch] int64: the token's position (= cache.lengths before the step)
+
+
+# ============================================================================ rotary embedding
+def rotary_inv_freq(config: Qwen35Config) -> torch.Tensor:
+    """HF ``compute_default_rope_parameters``: theta ** -(2i / rotary_dim), fp32."""
+    dim = config.rotary_dim
+    return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+
+def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos, sin [..., rotary_dim] for integer positions [...]. The angle is one fp32 product
+    (as HF's fp32 ``inv_freq @ position_ids``), cos/sin in fp32, then rounded to the model dtype
+    as HF's ``Qwen3_5TextRotaryEmbedding`` returns them. Text-only M-RoPE: the T/H/W position
+    rows are equal, so the section interleaving changes nothing."""
+    angles = positions.to(torch.float32)[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+
+# ============================================================================ Gated DeltaNet
+class GatedDeltaNet(nn.Module):
+    """HF ``Qwen3_5GatedDeltaNet``: projections -> causal depthwise conv + SiLU over (q, k, v) ->
+    gated delta rule with q/k l2-norm -> gated RMSNorm with z -> out_proj.
+
+    Weights: ``in_proj`` [conv_dim + value_dim + 2 HV, D] is HF's in_proj_qkv, in_proj_z,
+    in_proj_b, in_proj_a stacked (one GEMM); ``conv_weight`` [conv_dim, 1, kernel]; ``A_log``,
+    ``dt_bias`` [HV]; ``norm`` [head_v_dim] (plain RMSNorm weight, not zero-centered);
+    ``out_proj`` [D, value_dim]. The H key heads are shared by HV / H value heads each (value
+    head hv reads key head hv // (HV / H), HF's repeat_interleave; the kernels index it)."""
+
+    def __init__(self, config: Qwen35Config):
+        super().__init__()
+        c = config
+        self.num_k_heads, self.num_v_heads = c.linear_num_key_heads, c.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = c.linear_key_head_dim, c.linear_value_head_dim
+        self.key_dim, self.value_dim, self.conv_dim = c.linear_key_dim, c.linear_value_dim, c.linear_conv_dim
+        self.kernel_size = c.linear_conv_kernel_dim
+        self.hidden_size = c.hidden_size
+        self.eps = c.rms_norm_eps
+        self.in_proj = _param(self.conv_dim + self.value_dim + 2 * self.num_v_heads, c.hidden_size)
+        self.conv_weight = _param(self.conv_dim, 1, self.kernel_size)
+        self.A_log = _param(self.num_v_heads)
+        self.dt_bias = _param(self.num_v_heads)
+        self.norm = _param(self.head_v_dim)
+        self.out_proj = _param(c.hidden_size, self.value_dim)
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF ``linear_attn.*`` tensors (relative names) and their shapes."""
+        D, HV = self.hidden_size, self.num_v_heads
+        return {"in_proj_qkv.weight": (self.conv_dim, D), "in_proj_z.weight": (self.value_dim, D),
+                "in_proj_b.weight": (HV, D), "in_proj_a.weight": (HV, D),
+                "conv1d.weight": (self.conv_dim, 1, self.kernel_size), "A_log": (HV,), "dt_bias": (HV,),
+                "norm.weight": (self.head_v_dim,), "out_proj.weight": (D, self.value_dim)}
+
+    def load_hf(self, take: TakeTensor) -> None:
+        """The four input projections stacked into ``in_proj`` (one GEMM); A_log and dt_bias in
+        the model dtype, as HF loads them."""
+        _assign(self, "in_proj", torch.cat([take(f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")]))
+        _assign(self, "conv_weight", take("conv1d.weight"))
+        _assign(self, "A_log", take("A_log"))
+        _assign(self, "dt_bias", take("dt_bias"))
+        _assign(self, "norm", take("norm.weight"))
+        _assign(self, "out_proj", take("out_proj.weight"))
+
+    def _project(self, x):
+        """x [B, T, D] -> (qkv [B, T, conv_dim], z [B, T, HV, Vd], b, a [B, T, HV]), model dtype."""
+        proj = F.linear(x, self.in_proj)
+        qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
+        return qkv, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)), b, a
+
+    def _split_heads(self, conv_out):
+        """conv_out [B, T, conv_dim] -> q, k [B, T, H, Kd] and v [B, T, HV, Vd] (HF's split)."""
+        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (q.unflatten(-1, (self.num_k_heads, self.head_k_dim)), k.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
+                v.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
+
+    def _output(self, o, z):
+        """HF ``Qwen3_5RMSNormGated`` then out_proj: ``w * rms_norm(o).to(dtype)`` (Llama rounding:
+        ``rms_norm`` with offset 0), times silu(z) in fp32, one rounding to the model dtype."""
+        normed = rms_norm(o, self.norm, self.eps, 0.0)
+        gated = (normed.float() * F.silu(z.float())).to(o.dtype)
+        return F.linear(gated.flatten(-2), self.out_proj)
+
+    def prefill(self, x: torch.Tensor, cache: DeltaNetCache, step: PrefillStep) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv, z, b, a = self._project(x)
+        # Causal depthwise conv over the rows' own tokens (zero history), as HF's causal_conv1d_fn:
+        # F.conv1d in the weight dtype, SiLU, result in the model dtype. Right padding: padded
+        # positions come after a row's real ones and never reach them.
+        channels_first = qkv.transpose(1, 2)  # [B, conv_dim, T]
+        conv_out = F.silu(F.conv1d(channels_first, self.conv_weight, padding=self.kernel_size - 1,
+                                   groups=self.conv_dim)[..., :T]).transpose(1, 2)
+        # Conv state: the inputs at positions L - kernel .. L - 1 of a row of L real tokens (zeros
+        # before the prompt) in their circular columns, position % kernel.
+        history = F.pad(channels_first, (self.kernel_size, 0))  # history[..., p + kernel] = input p
+        positions = step.lengths[:, None] + torch.arange(-self.kernel_size, 0, device=x.device)  # [B, kernel]
+        inputs = history.gather(2, (positions + self.kernel_size)[:, None, :].expand(B, self.conv_dim, -1))
+        conv_state = torch.empty_like(inputs).scatter_(
+            2, (positions % self.kernel_size)[:, None, :].expand(B, self.conv_dim, -1), inputs)
+        cache.conv.index_copy_(0, step.slots, conv_state)
+
+        q, k, v = self._split_heads(conv_out)
+        # HF: g = -exp(A_log) * softplus(a + dt_bias) in fp32; beta = sigmoid(b) in the model dtype.
+        g = decay_gate(self.A_log, a, self.dt_bias)
+        beta = b.sigmoid()
+        if step.token_mask is None:
+            o, final = chunk_gated_delta_rule(q, k, v, g, beta, self.head_k_dim ** -0.5, None, True, True)
+        else:  # padded batch: the real tokens as one packed varlen sequence (padding never enters the state)
+            packed = [t[step.token_mask][None] for t in (q, k, v, g, beta)]
+            o_packed, final = chunk_gated_delta_rule(*packed, self.head_k_dim ** -0.5, None, True, True,
+                                                     step.cu_seqlens)
+            o = v.new_zeros(v.shape)
+            o[step.token_mask] = o_packed[0]
+        cache.recurrent.index_copy_(0, step.slots, final)  # fp32 [B, HV, Kd, Vd]
+        return self._output(o, z)
+
+    def decode(self, x: torch.Tensor, cache: DeltaNetCache, step: DecodeStep) -> torch.Tensor:
+        """Three launches: in_proj; conv update + gates + l2-norm + recurrence on the state pool
+        (slot -1, an inactive row, reads zeros and writes no state); gated RMSNorm fused into
+        out_proj (``decode_linear``). Same math and roundings as ``prefill`` / HF."""
+        proj = F.linear(x, self.in_proj)[:, 0]  # x [max_batch, 1, D] -> [max_batch, P]
+        o = gated_delta_rule_decode_step(
+            proj, cache.conv, self.conv_weight, self.A_log, self.dt_bias, cache.recurrent, step.state_slots,
+            step.positions, num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim,
+            num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim)
+        z = proj[:, self.conv_dim:self.conv_dim + self.value_dim]
+        y = decode_linear(o.flatten(1), self.out_proj, prologue="gated_rms_norm", gate=z, norm_weight=self.norm,
+                          eps=self.eps, head_dim=self.head_v_dim)
+        return y[:, None]
+
+
+# ============================================================================ gated full attention
+class GatedAttention(nn.Module):
+    """HF ``Qwen3_5Attention``: q_proj gives (query, gate) per head; q/k zero-centered RMSNorm over
+    head_dim; partial RoPE; GQA attention with scale head_dim ** -0.5; output * sigmoid(gate);
+    o_proj.
+
+    Weights: ``qkv_proj`` [2 nH hd + 2 nKV hd, D] is HF's q_proj (rows per head: query, then
+    gate), k_proj, v_proj stacked (one GEMM), ``qkv_bias`` likewise when ``attention_bias``;
+    ``q_norm``, ``k_norm`` [hd]; ``o_proj`` [D, nH hd] (+ ``o_bias``)."""
+
+    def __init__(self, config: Qwen35Config):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.hidden_size = c.hidden_size
+        self.eps = c.rms_norm_eps
+        self.scale = c.head_dim ** -0.5
+        self.q_size, self.kv_size = 2 * self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, c.hidden_size)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if c.attention_bias else None
+        self.q_norm = _param(self.head_dim)
+        self.k_norm = _param(self.head_dim)
+        self.o_proj = _param(c.hidden_size, self.num_heads * self.head_dim)
+        self.o_bias = _param(c.hidden_size) if c.attention_bias else None
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF ``self_attn.*`` tensors (relative names) and their shapes."""
+        D, q_rows = self.hidden_size, self.q_size
+        shapes = {"q_proj.weight": (q_rows, D), "k_proj.weight": (self.kv_size, D), "v_proj.weight": (self.kv_size, D),
+                  "o_proj.weight": (D, q_rows // 2), "q_norm.weight": (self.head_dim,),
+                  "k_norm.weight": (self.head_dim,)}
+        if self.qkv_bias is not None:
+            shapes.update({"q_proj.bias": (q_rows,), "k_proj.bias": (self.kv_size,), "v_proj.bias": (self.kv_size,),
+                           "o_proj.bias": (D,)})
+        return shapes
+
+    def load_hf(self, take: TakeTensor) -> None:
+        """q, k and v projections stacked into ``qkv_proj`` (one GEMM), biases likewise."""
+        _assign(self, "qkv_proj", torch.cat([take(f"{n}_proj.weight") for n in ("q", "k", "v")]))
+        if self.qkv_bias is not None:
+            _assign(self, "qkv_bias", torch.cat([take(f"{n}_proj.bias") for n in ("q", "k", "v")]))
+            _assign(self, "o_bias", take("o_proj.bias"))
+        _assign(self, "q_norm", take("q_norm.weight"))
+        _assign(self, "k_norm", take("k_norm.weight"))
+        _assign(self, "o_proj", take("o_proj.weight"))
+
+    def _project(self, x, cos, sin):
+        """x [B, T, D] -> q [B, nH, T, hd], k, v [B, nKV, T, hd], gate [B, T, nH hd]."""
+        B, T, _ = x.shape
+        q_gate, k, v = F.linear(x, self.qkv_proj, self.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], -1)
+        q, gate = q_gate.view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        # Zero-centered RMSNorm per head: fp32 statistics, (x_normed * (1 + w)) rounded once.
+        q = rms_norm(q, self.q_norm, self.eps, 1.0)
+        k = rms_norm(k.view(B, T, self.num_kv_heads, self.head_dim), self.k_norm, self.eps, 1.0)
+        q, k = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gate.reshape(B, T, -1)
+
+    def _output(self, attn, gate):
+        """attn [B, nH, T, hd] -> o_proj(attn * sigmoid(gate)), in the model dtype as HF."""
+        attn = attn.transpose(1, 2).flatten(2)
+        return F.linear(attn * torch.sigmoid(gate), self.o_proj, self.o_bias)
+
+    def prefill(self, x: torch.Tensor, cache: AttentionCache, step: PrefillStep) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v, gate = self._project(x, step.cos, step.sin)
+        cache.key[step.slots, :, :T] = k
+        cache.value[step.slots, :, :T] = v
+        # Causal attention over the prompt (SDPA; HF's sdpa path). Right padding: a real query only
+        # sees earlier positions, which are real; the padded positions' K/V land in the cache beyond
+        # the row's length, where decode masks them out and overwrites them.
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        return self._output(attn, gate)
+
+    def decode(self, x: torch.Tensor, cache: AttentionCache, step: DecodeStep) -> torch.Tensor:
+        """qkv GEMM; q/k norm + RoPE + the K/V write at column write_column[r] of each row r in one
+        launch (``qk_norm_rope_kv_write``, the roundings of ``_project``); SDPA over the whole
+        static cache, masked to each row's columns 0 .. position; the sigmoid gate fused into
+        o_proj (``decode_linear``)."""
+        B = x.shape[0]
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # x [max_batch, 1, D]
+        q = qk_norm_rope_kv_write(qkv, self.q_norm, self.k_norm, step.cos, step.sin, cache.key, cache.value,
+                                  step.write_column, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                                  head_dim=self.head_dim, eps=self.eps)
+        attn = F.scaled_dot_product_attention(q, cache.key, cache.value, attn_mask=step.key_mask, scale=self.scale,
+                                              enable_gqa=True)  # [B, heads, 1, head_dim]
+        gate = qkv[:, 0, :self.q_size].view(B, self.num_heads, 2, self.head_dim)[:, :, 1].reshape(B, -1)
+        y = decode_linear(attn.reshape(B, -1), self.o_proj, prologue="sigmoid_gate", gate=gate)
+        if self.o_bias is not None:
+            y = y + self.o_bias
+        return y[:, None]
+
+
+# ============================================================================ MLP
+class MLP(SwiGLUMLP):
+    """HF ``Qwen3_5MLP`` on ``swiglu_mlp``: ``w13`` [2F, D] is gate_proj and up_proj interleaved row
+    by row (``interleave_gate_up``, done once at load), ``w2`` [D, F] is down_proj."""
+
+    def __init__(self, config: Qwen35Config):
+        super().__init__(config.hidden_size, config.intermediate_size, "silu", device="meta")
+        self.requires_grad_(False)
+        self.hidden_size, self.intermediate_size = config.hidden_size, config.intermediate_size
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        D, F_ = self.hidden_size, self.intermediate_size
+        return {"gate_proj.weight": (F_, D), "up_proj.weight": (F_, D), "down_proj.weight": (D, F_)}
+
+    def load_hf(self, take: TakeTensor) -> None:
+        _assign(self, "w13", interleave_gate_up(take("gate_proj.weight"), take("up_proj.weight")))
+        _assign(self, "w2", take("down_proj.weight"))
+
+
+# ============================================================================ decoder layer
+class DecoderLayer(nn.Module):
+    """Token mixer + MLP. ``input_norm`` / ``post_attention_norm`` [D] are HF's input_layernorm /
+    post_attention_layernorm (zero-centered); the model runs them, fused with the residual adds
+    (``Qwen35._layers``)."""
+
+    def __init__(self, config: Qwen35Config, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        self.mixer = GatedDeltaNet(config) if layer_type == LINEAR_ATTENTION else GatedAttention(config)
+        self.mixer_hf_prefix = "linear_attn." if layer_type == LINEAR_ATTENTION else "self_attn."
+        self.mlp = MLP(config)
+        self.input_norm = _param(config.hidden_size)
+        self.post_attention_norm = _param(config.hidden_size)
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        D = self.input_norm.shape[0]
+        shapes = {"input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,)}
+        shapes.update({self.mixer_hf_prefix + name: shape for name, shape in self.mixer.hf_shapes().items()})
+        shapes.update({"mlp." + name: shape for name, shape in self.mlp.hf_shapes().items()})
+        return shapes
+
+    def load_hf(self, take: TakeTensor) -> None:
+        _assign(self, "input_norm", take("input_layernorm.weight"))
+        _assign(self, "post_attention_norm", take("post_attention_layernorm.weight"))
+        self.mixer.load_hf(prefixed(take, self.mixer_hf_prefix))
+        self.mlp.load_hf(prefixed(take, "mlp."))

@@ -1,0 +1,295 @@
+"""Qwen3.5 text model (Hugging Face ``Qwen3_5ForCausalLM``, transformers >= 5.2) on fuselm kernels.
+
+Architecture (HF ``transformers/models/qwen3_5/modeling_qwen3_5.py``):
+    h = embed(ids)
+    per layer:  h = h + mixer(norm1(h));  h = h + mlp(norm2(h))
+    logits = lm_head(norm(h))
+- every decoder norm is zero-centered RMSNorm, ``x_normed * (1 + w)`` (``Qwen3_5RMSNorm``),
+  here ``add_rms_norm(..., offset=1.0)`` fused with the residual add before it;
+- ``mixer`` is, per ``config.layer_types``, a Gated DeltaNet (``linear_attention``) or gated
+  full attention (``full_attention``); ``mlp`` is SwiGLU through ``swiglu_mlp`` (``layers.py``).
+
+The model computes logits; it knows nothing of generation loops, sampling or requests (those are
+``fuselm.engine``'s). Its API: ``model(ids)`` (logits for every position), and the cache-based
+pair the engine drives: ``prefill`` (fresh requests into cache slots) and ``decode_step`` (one
+token for every cache row, CUDA-graph safe).
+
+Numerics: fp32 everywhere reproduces HF to summation order (the tests hold 1e-3 absolute on the
+logits; measured <= 1.1e-5 on the tiny test model). In bf16/fp16 every op rounds where HF's eager
+op rounds (``swiglu_mlp`` included: its gate/up products are rounded before the activation, as
+HF's projections are); the fused projections are single GEMMs over concatenated weights (same
+products, per-column results as HF's separate GEMMs up to the BLAS's blocking), and the Gated
+DeltaNet kernels round at fla-core's points with their own fp32/tf32 sums (the one bf16
+difference from HF that matters: benchmarks/results/<gpu>/README.md, "Where the gap comes from").
+
+Cache and batching (``Qwen35Cache``): slot r holds one request's state. Prompts of different
+lengths are RIGHT-padded (``attention_mask`` rows are ones then zeros): every row's tokens sit at
+positions 0 .. n_r - 1, so a row's next position is its length. Rows with ``cache.active`` False
+write no state in ``decode_step``.
+
+Not implemented (HF has them): RoPE scaling types other than "default" (Qwen3.5 ships
+"default"); multimodal (vision) inputs and the 3-D M-RoPE positions they need (text-only
+positions make M-RoPE plain RoPE: all three position rows are equal); training.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fuselm.models.qwen35.cache import Qwen35Cache
+from fuselm.models.qwen35.config import Qwen35Config
+from fuselm.models.qwen35.layers import (DecodeStep, DecoderLayer, PrefillStep, TakeTensor, _assign, _param,
+                                         prefixed, rotary_cos_sin, rotary_inv_freq)
+from fuselm.ops.rms_norm import add_rms_norm, rms_norm
+
+
+class Qwen35(nn.Module):
+    """Qwen3.5 causal LM for inference. Build it with :meth:`from_hf` or :meth:`from_pretrained`
+    (a bare ``Qwen35(config)`` holds meta tensors until weights are loaded).
+
+    - ``model(input_ids, attention_mask=None)`` -> logits [B, T, vocab] (no cache kept);
+    - ``cache = model.new_cache(max_batch, max_len)``;
+      ``model.prefill(input_ids, cache, attention_mask, slots)`` -> last-token logits [B, vocab];
+      ``model.decode_step(token_ids, cache)`` -> logits [max_batch, vocab] (CUDA-graph-safe);
+    - ``model.generate(input_ids, max_new_tokens, ...)``: HF-style convenience over the engine.
+    """
+
+    def __init__(self, config: Qwen35Config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = _param(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, t) for t in config.layer_types)
+        self.norm = _param(config.hidden_size)
+        self.lm_head = None if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size)
+        # fp32 always (a plain attribute, so ``model.to(dtype)`` cannot round it); follows the device.
+        self.inv_freq = rotary_inv_freq(config)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def _rotary(self, positions: torch.Tensor):
+        if self.inv_freq.device != positions.device:  # metadata only (graph-safe after the first call)
+            self.inv_freq = self.inv_freq.to(positions.device)
+        return rotary_cos_sin(positions, self.inv_freq, self.dtype)
+
+    def new_cache(self, max_batch: int, max_len: int) -> Qwen35Cache:
+        """A cache of ``max_batch`` slots of ``max_len`` tokens each (prompt + generated); every
+        slot starts inactive."""
+        return Qwen35Cache.allocate(self.config, max_batch, max_len, self.dtype, self.device)
+
+    # ------------------------------------------------------------------------ HF weights
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of an HF ``Qwen3_5ForCausalLM`` state dict and its shape."""
+        c = self.config
+        shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
+        if self.lm_head is not None:
+            shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+        for i, layer in enumerate(self.layers):
+            shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.hf_shapes().items()})
+        return shapes
+
+    def load_hf(self, take: TakeTensor) -> None:
+        _assign(self, "embed_tokens", take("model.embed_tokens.weight"))
+        _assign(self, "norm", take("model.norm.weight"))
+        if self.lm_head is not None:
+            _assign(self, "lm_head", take("lm_head.weight"))
+        for i, layer in enumerate(self.layers):
+            layer.load_hf(prefixed(take, f"model.layers.{i}."))
+
+    @classmethod
+    def from_hf(cls, hf_model: nn.Module, dtype: torch.dtype | None = None, device=None) -> "Qwen35":
+        """From a live HF ``Qwen3_5ForCausalLM`` (or ``Qwen3_5ForConditionalGeneration``: its
+        text model); dtype and device default to the HF model's. Weights are re-laid once."""
+        from fuselm.models.qwen35.weights import load_from_hf_model
+
+        return load_from_hf_model(hf_model, dtype, device)
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype | str | None = None, device=None,
+                        progress: bool = False) -> "Qwen35":
+        """From a local checkpoint directory (``fuselm.models.qwen35.weights.load_checkpoint``):
+        ``config.json`` (causal LM or the vision-language wrapper) and sharded ``*.safetensors``,
+        read tensor by tensor straight to ``device`` in ``dtype`` (default: the checkpoint's)."""
+        from fuselm.models.qwen35.weights import load_checkpoint
+
+        return load_checkpoint(path, dtype, device, progress=progress)
+
+    # ------------------------------------------------------------------------ the layer stack
+    def _layers(self, x: torch.Tensor, mix) -> torch.Tensor:
+        """The decoder stack on embeddings x [B, T, D]; ``mix(mixer, normed, layer_index)`` runs a
+        token mixer. Each residual add is fused with the norm after it: ``add_rms_norm`` rounds
+        s = x + residual to the model dtype (as HF's ``residual + hidden_states``) and normalises
+        that rounded s (fp32 statistics, zero-centered weight, one rounding). Returns the final
+        normed hidden states."""
+        eps = self.config.rms_norm_eps
+        residual = x
+        normed = rms_norm(x, self.layers[0].input_norm, eps, 1.0)
+        for i, layer in enumerate(self.layers):
+            normed, residual = add_rms_norm(mix(layer.mixer, normed, i), residual, layer.post_attention_norm, eps, 1.0)
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            normed, residual = add_rms_norm(layer.mlp(normed), residual, next_norm, eps, 1.0)
+        return normed
+
+    def _prefill(self, input_ids: torch.Tensor, lengths: list[int], cache: Qwen35Cache,
+                 slots: torch.Tensor) -> torch.Tensor:
+        """Fresh prefill of B requests into cache slots ``slots`` [B] (right-padded, real lengths
+        on the host); returns the final normed hidden states [B, T, D]. Other slots are untouched."""
+        B, T = input_ids.shape
+        device = input_ids.device
+        lengths_dev = torch.tensor(lengths, dtype=torch.int64, device=device)
+        token_mask = cu_seqlens = None
+        if min(lengths) < T:
+            token_mask = torch.arange(T, device=device)[None, :] < lengths_dev[:, None]
+            cu_seqlens = F.pad(torch.cumsum(lengths_dev, 0), (1, 0)).to(torch.int32)
+            input_ids = input_ids.masked_fill(~token_mask, 0)  # padding ids may be anything
+        cos, sin = self._rotary(torch.arange(T, device=device))
+        step = PrefillStep(slots, lengths_dev, token_mask, cu_seqlens, cos[None, :, None], sin[None, :, None])
+        hidden = self._layers(F.embedding(input_ids, self.embed_tokens),
+                              lambda mixer, x, i: mixer.prefill(x, cache.layers[i], step))
+        cache.lengths.index_copy_(0, slots, lengths_dev)
+        cache.active.index_fill_(0, slots, True)
+        return hidden
+
+    # ------------------------------------------------------------------------ public entry points
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] in the model dtype for every position (HF ``Qwen3_5ForCausalLM``
+        logits). ``attention_mask`` [B, T]: 1 for real tokens, 0 for right padding; logits at
+        padded positions are not meaningful."""
+        lengths = self.check_prompt(input_ids, attention_mask)
+        cache = self.new_cache(input_ids.shape[0], input_ids.shape[1])
+        slots = torch.arange(input_ids.shape[0], device=self.device)
+        return F.linear(self._prefill(input_ids, lengths, cache, slots), self.lm_head_weight)
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, cache: Qwen35Cache, attention_mask: torch.Tensor | None = None,
+                slots: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+        """Start B fresh requests: row i of the right-padded prompts (``attention_mask`` as in
+        :meth:`forward`) goes into cache slot ``slots[i]`` (default: slots 0 .. B-1), which
+        becomes active at the prompt's length. Other slots are untouched: requests already
+        decoding in them go on. Returns the logits of each row's last real token [B, vocab].
+        Host-side checks and lengths (not graph-captured)."""
+        lengths = self.check_prompt(input_ids, attention_mask)
+        B = input_ids.shape[0]
+        slots = self._check_slots(cache, B, slots)
+        self.check_cache(cache, max(lengths), 0)
+        input_ids = input_ids[:, : max(lengths)]  # trailing all-padding columns carry nothing
+        hidden = self._prefill(input_ids, lengths, cache, slots)
+        last = hidden[torch.arange(B, device=hidden.device), cache.lengths[slots] - 1]
+        return F.linear(last, self.lm_head_weight)
+
+    @torch.no_grad()
+    def decode_step(self, token_ids: torch.Tensor, cache: Qwen35Cache) -> torch.Tensor:
+        """One token per cache row: ``token_ids`` [max_batch] int64 at position ``cache.lengths``;
+        returns logits [max_batch, vocab] and advances the active rows' lengths by one.
+
+        CUDA-graph-safe: no host sync, no data-dependent shape (its temporaries have fixed shapes, so
+        a graph's private memory pool serves them on replay); its inputs are
+        ``token_ids`` and the cache tensors (``lengths``, ``active`` and the per-layer state),
+        all updated in place. Inactive rows write no recurrent or conv state and put their K/V in
+        the scratch column; their logits are meaningless. The caller keeps every active row's
+        length < ``cache.max_len``.
+        """
+        if token_ids.shape != (cache.max_batch,):  # metadata only: no sync
+            raise ValueError(f"token_ids: expected [max_batch] = ({cache.max_batch},), got {tuple(token_ids.shape)}")
+        positions = cache.lengths
+        cos, sin = self._rotary(positions)  # [max_batch, rotary_dim]
+        write_column = torch.where(cache.active, positions.clamp(max=cache.max_len), cache.max_len)
+        step = DecodeStep(
+            cos=cos[:, None, None], sin=sin[:, None, None], write_column=write_column,
+            key_mask=(cache.columns[None, :] <= write_column[:, None])[:, None, None, :],
+            state_slots=torch.where(cache.active, cache.slots, -1), positions=positions)
+        token_ids = torch.where(cache.active, token_ids, 0)  # an inactive row's id may be anything
+        hidden = self._layers(F.embedding(token_ids[:, None], self.embed_tokens),
+                              lambda mixer, x, i: mixer.decode(x, cache.layers[i], step))
+        cache.lengths.add_(cache.active.to(torch.int64))
+        return F.linear(hidden[:, 0], self.lm_head_weight)
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs):
+        """HF-style convenience: ``fuselm.engine.reference.generate(self, input_ids, max_new_tokens,
+        **kwargs)`` (the engine's eager loop; see there for the arguments). Generation itself
+        lives in the engine: this method only forwards to it."""
+        from fuselm.engine.reference import generate
+
+        return generate(self, input_ids, max_new_tokens, **kwargs)
+
+    # ------------------------------------------------------------------------ argument checks
+    def check_prompt(self, input_ids, attention_mask=None) -> list[int]:
+        """Real tokens per row (host ints) of a right-padded prompt batch; ValueError/TypeError
+        naming the argument otherwise. Reads the ids on the host (prefill is not graph-captured)."""
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids: expected a torch.Tensor, got {type(input_ids).__name__}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids: expected integer token ids, got dtype {input_ids.dtype}")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids: expected [batch, tokens], got shape {tuple(input_ids.shape)}")
+        if input_ids.device != self.device:
+            raise ValueError(f"input_ids: on {input_ids.device}, the model is on {self.device}")
+        B, T = input_ids.shape
+        if B == 0:
+            raise ValueError("input_ids: empty batch (0 rows)")
+        if T == 0:
+            raise ValueError("input_ids: empty prompt (0 tokens); every row needs at least one token")
+        if attention_mask is None:
+            lengths = [T] * B
+            real = input_ids
+        else:
+            if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask: expected a tensor of input_ids' shape {(B, T)}, got "
+                                 f"{tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask!r}")
+            mask = attention_mask.to(device=input_ids.device)
+            if not bool(((mask == 0) | (mask == 1)).all()):
+                raise ValueError("attention_mask: values must be 0 or 1")
+            mask = mask.to(torch.bool)
+            if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+                raise ValueError("attention_mask: prompts must be right-padded (each row ones, then zeros); "
+                                 "left-padded batches are not supported (tokenizer padding_side='right')")
+            lengths = mask.sum(dim=1).tolist()
+            if min(lengths) == 0:
+                raise ValueError(f"attention_mask: row {lengths.index(0)} is an empty prompt (0 tokens)")
+            real = input_ids[mask]
+        low, high = int(real.min()), int(real.max())
+        if low < 0 or high >= self.config.vocab_size:
+            raise ValueError(f"input_ids: token ids must be in [0, {self.config.vocab_size}) (vocab_size); "
+                             f"got values in [{low}, {high}]")
+        return lengths
+
+    def check_cache(self, cache, longest_prompt: int, max_new_tokens: int) -> None:
+        """ValueError/TypeError naming the argument unless ``cache`` is this model's and holds
+        ``longest_prompt + max_new_tokens`` tokens per slot."""
+        if not isinstance(cache, Qwen35Cache):
+            raise TypeError(f"cache: expected a Qwen35Cache from new_cache(), got {type(cache).__name__}")
+        if cache.config != self.config or cache.lengths.device != self.device:
+            raise ValueError("cache: made for another model (config or device differs); use this model's new_cache()")
+        if longest_prompt > cache.max_len:
+            raise ValueError(f"input_ids: a prompt of {longest_prompt} tokens is longer than the cache "
+                             f"(max_len = {cache.max_len})")
+        if longest_prompt + max_new_tokens > cache.max_len:
+            raise ValueError(f"max_new_tokens: {longest_prompt} prompt tokens + {max_new_tokens} new tokens exceed "
+                             f"the cache (max_len = {cache.max_len})")
+
+    def _check_slots(self, cache: Qwen35Cache, batch: int, slots) -> torch.Tensor:
+        """``slots`` as a device int64 tensor [batch] of distinct slots of ``cache``."""
+        if slots is None:
+            if batch > cache.max_batch:
+                raise ValueError(f"input_ids: {batch} rows exceed the cache's max_batch = {cache.max_batch}")
+            return torch.arange(batch, device=self.device)
+        values = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+        if len(values) != batch or any(not isinstance(s, int) or isinstance(s, bool) for s in values):
+            raise ValueError(f"slots: expected {batch} int slot indices (one per prompt row), got {slots!r}")
+        if len(set(values)) != batch or not all(0 <= s < cache.max_batch for s in values):
+            raise ValueError(f"slots: expected distinct slots in [0, {cache.max_batch}), got {values}")
+        return torch.tensor(values, dtype=torch.int64, device=self.device)

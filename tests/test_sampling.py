@@ -1,0 +1,475 @@
+"""``sample_tokens``: kernel == float64 reference id for id, greedy argmax and its ties, per-request
+determinism, the sampled distribution, the top-k / top-p cut-offs, errors, compile, CUDA graphs.
+
+On the CPU the kernel runs in the Triton interpreter, whose cost is per program: the statistical
+tests draw many samples with the (vectorised) reference and tie the kernel to it on a subset.
+"""
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from conftest import DEVICE
+from fuselm.ops.sampling import gumbel_noise_ref, keep_thresholds, random_bits_ref, sample_tokens, sample_tokens_ref
+from fuselm.ops.sampling.kernels import (
+    _STREAM_INIT_A, _STREAM_INIT_B, _gumbel_noise, _stream_key, sample_tokens_kernel, split_geometry,
+)
+from fuselm.ops.sampling.naive import exclusive_prefix_sums
+from fuselm.runtime import capture_graph
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Chi-square critical values at p = 0.001 by degrees of freedom.
+CHI2_CRITICAL = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46}
+
+
+def row_params(temperature, top_k, top_p, seeds=None, positions=None, device=DEVICE):
+    """The five [B] parameter tensors from per-row lists (random seeds and positions by default)."""
+    n = len(temperature)
+    if seeds is None:
+        seeds = torch.randint(-(2**63), 2**63 - 1, (n,)).tolist()
+    if positions is None:  # small and 64-bit positions
+        positions = [int(p) if r % 2 else int(p) << 31 for r, p in enumerate(torch.randint(0, 2**31, (n,)))]
+    return (torch.tensor(temperature, dtype=torch.float32, device=device),
+            torch.tensor(top_k, dtype=torch.int32, device=device),
+            torch.tensor(top_p, dtype=torch.float32, device=device),
+            torch.tensor(seeds, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device))
+
+
+# (temperature, top_k, top_p) per mode; rows cycle through them.
+MODES = [(0.0, 0, 1.0),     # greedy
+         (0.8, 0, 1.0),     # plain sampling
+         (1.0, 40, 1.0),    # top-k
+         (1.2, 0, 0.9),     # top-p
+         (0.7, 20, 0.8),    # both
+         (2.0, 0, 1.0),     # hot, flat
+         (1.0, 3, 0.5)]     # both, tight
+
+
+def mixed_params(n_rows, **kwargs):
+    modes = [MODES[r % len(MODES)] for r in range(n_rows)]
+    return row_params(*map(list, zip(*modes)), **kwargs)
+
+
+def logits_like_a_model(n_rows, n_vocab, dtype=torch.float32, scale=3.0):
+    """Gaussian logits with a few exact ties (a duplicated maximum and duplicated values)."""
+    logits = torch.randn(n_rows, n_vocab) * scale
+    logits[:, n_vocab // 2] = logits.max(dim=-1).values  # the max, twice: greedy takes the first
+    logits[:, 1::97] = logits[:, :1]
+    return logits.to(device=DEVICE, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- kernel == reference
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_rows, n_vocab", [(1, 4099), (3, 1000), (7, 4099)])
+def test_kernel_matches_reference(n_rows, n_vocab, dtype):
+    logits = logits_like_a_model(n_rows, n_vocab, dtype)
+    for _ in range(2):  # two draws per configuration (fresh seeds and positions)
+        params = mixed_params(n_rows)
+        ids = sample_tokens(logits, *params)
+        assert torch.equal(ids, sample_tokens_ref(logits, *params))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_logits_view(dtype):
+    """Rows of a wider buffer (row stride > V, an offset start): no copy, the same ids."""
+    buffer = logits_like_a_model(5, 1100, dtype)
+    logits = buffer[:, 37:1037]
+    assert logits.stride(0) == 1100
+    params = mixed_params(5)
+    ids = sample_tokens(logits, *params)
+    assert torch.equal(ids, sample_tokens(logits.contiguous(), *params))
+    assert torch.equal(ids, sample_tokens_ref(logits, *params))
+
+
+def test_unfiltered_path_when_no_row_filters():
+    """filtered=False skips the cut-offs: the same ids when top-k / top-p are off in every row
+    (k = 0, k = V, k > V, p = 1)."""
+    n_vocab = 1000
+    logits = logits_like_a_model(6, n_vocab)
+    params = row_params([0.0, 0.9, 1.0, 1.5, 0.3, 1.0], [0, 0, n_vocab, n_vocab + 5, 0, -1], [1.0] * 6)
+    ids = sample_tokens(logits, *params, filtered=False)
+    assert torch.equal(ids, sample_tokens(logits, *params, filtered=True))
+    assert torch.equal(ids, sample_tokens_ref(logits, *params, filtered=False))
+
+
+def test_geometries_give_the_same_ids():
+    """One split with many blocks (ids written directly), many single-block splits, ragged ends."""
+    n_rows, n_vocab = 3, 4099
+    logits = logits_like_a_model(n_rows, n_vocab)
+    temperature, top_k, top_p, seeds, positions = mixed_params(n_rows)
+    thresholds = keep_thresholds(logits, temperature, top_k, top_p)
+    expected = sample_tokens_ref(logits, temperature, top_k, top_p, seeds, positions)
+    for block, target_programs in [(256, 1), (128, 96), (512, 7), (4096, 3)]:
+        geometry = split_geometry(n_rows, n_vocab, block, target_programs)
+        ids = torch.full((n_rows,), -1, dtype=torch.int64, device=DEVICE)
+        sample_tokens_kernel(logits, temperature, thresholds, seeds, positions, ids, geometry)
+        assert torch.equal(ids, expected), geometry
+
+
+def test_geometry_choice(monkeypatch):
+    """Splits cover the vocabulary in whole blocks; a lone 248K row is spread over the GPU, a
+    batch as wide as the GPU gets one split per row (ids written directly)."""
+    import fuselm.ops.sampling.kernels as kernels
+
+    monkeypatch.setattr(kernels, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda", 0)
+    kernels.choose_geometry.cache_clear()
+    cases = [(1, 248320, cuda), (32, 248320, cuda), (528, 248320, cuda), (4, 7, cuda),
+             (1, 4099, torch.device("cpu")), (64, 1000, torch.device("cpu"))]
+    for n_rows, n_vocab, device in cases:
+        geo = kernels.choose_geometry(n_rows, n_vocab, device)
+        assert geo.split_size % geo.block == 0
+        assert (geo.n_splits - 1) * geo.split_size < n_vocab <= geo.n_splits * geo.split_size, geo
+    assert kernels.choose_geometry(1, 248320, cuda).n_splits > 100
+    assert kernels.choose_geometry(528, 248320, cuda).n_splits == 1
+    kernels.choose_geometry.cache_clear()
+
+
+# ----------------------------------------------------------------------------- greedy
+def test_greedy_is_argmax_first_index_on_ties():
+    """Ties resolve to the first index inside a lane (a block apart), across lanes, across splits."""
+    n_vocab = 4099
+    logits = torch.randn(7, n_vocab).to(torch.float16).to(DEVICE)  # fp16: many equal values
+    logits[0, [5, 5 + 1024, 5 + 2048]] = 20.0   # the same lane of consecutive blocks
+    logits[1, [701, 700 + 2048, 700]] = 20.0    # across lanes and splits
+    logits[2] = 0.0                              # all equal: index 0
+    logits[3, -1] = 30.0                         # the last index
+    logits[4] = float("-inf")                    # one finite logit among -inf
+    logits[4, 333] = -1e4
+    logits[5] = float("-inf")                    # all -inf: index 0, as torch.argmax
+    logits[6, [4097, 2100, 4098]] = float("inf")
+    # Greedy rows ignore top-k / top-p.
+    params = row_params([0.0] * 7, [0, 1, 2, 0, 5, 1, 3], [1.0, 0.1, 1.0, 0.01, 1.0, 0.5, 0.2])
+    ids = sample_tokens(logits, *params)
+    assert ids.tolist() == [5, 700, 0, n_vocab - 1, 333, 0, 2100]
+    assert torch.equal(ids, logits.float().argmax(dim=-1))
+    assert torch.equal(ids, sample_tokens(logits, *params, filtered=False))
+    # Sampled rows tie only on +inf logits (x + T g = inf): the first index as well.
+    params = row_params([1.0] * 7, [0] * 7, [1.0] * 7)
+    assert sample_tokens(logits, *params)[6] == 2100
+
+
+# ----------------------------------------------------------------------------- determinism
+def test_draw_depends_only_on_seed_and_position():
+    """A request gets the same id alone, in row 0 of one batch and row 2 of another, whatever the
+    other rows hold; filtered or not."""
+    n_vocab = 1000
+    request = logits_like_a_model(1, n_vocab)[0]
+    seed, position = 987654321987, 41
+    for top_k in (0, 30):
+        alone = sample_tokens(request[None], *row_params([1.0], [top_k], [1.0], [seed], [position]))
+        batch_a = torch.stack([request, *logits_like_a_model(2, n_vocab)])
+        params_a = row_params([1.0, 0.5, 0.0], [top_k, 5, 0], [1.0, 0.9, 1.0], [seed, 1, seed], [position, position, 3])
+        batch_b = torch.cat([logits_like_a_model(2, n_vocab), request[None], logits_like_a_model(1, n_vocab)])
+        params_b = row_params([2.0, 1.0, 1.0, 1.0], [0, 0, top_k, 7], [0.5, 1.0, 1.0, 1.0],
+                              [seed, seed + 1, seed, 5], [position + 1, position, position, 0])
+        ids_a, ids_b = sample_tokens(batch_a, *params_a), sample_tokens(batch_b, *params_b)
+        assert ids_a[0] == alone[0] == ids_b[2]
+        if top_k == 0:  # also without the filtering pass
+            assert sample_tokens(batch_a, *params_a, filtered=False)[0] == alone[0]
+
+
+def test_positions_and_seeds_change_the_draw():
+    """Flat logits over 1000 tokens: 16 positions (or 16 seeds) of one request draw 16 tokens
+    that are nearly all different (the streams are not shifted copies of each other)."""
+    logits = torch.zeros(16, 1000, device=DEVICE)
+    by_position = sample_tokens(logits, *row_params([1.0] * 16, [0] * 16, [1.0] * 16, [7] * 16, list(range(16))))
+    by_seed = sample_tokens(logits, *row_params([1.0] * 16, [0] * 16, [1.0] * 16, list(range(16)), [0] * 16))
+    assert len(set(by_position.tolist())) >= 14
+    assert len(set(by_seed.tolist())) >= 14
+    assert not torch.equal(by_position, by_seed)
+
+
+def test_rng_is_the_documented_hash():
+    """random_bits_ref against the definition in plain Python integers."""
+    def mix32(x):
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    def bits(seed, position, token):
+        words = [seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, position & 0xFFFFFFFF, (position >> 32) & 0xFFFFFFFF]
+        keys = []
+        for state in (0x243F6A88, 0x85A308D3):
+            for word in words:
+                state = mix32(state ^ word)
+            keys.append(state)
+        return mix32(mix32(keys[0] ^ token) ^ keys[1])
+
+    seeds, positions = [0, 1, -1, 2**62 + 12345], [0, 7, 2**40 + 3, 123456]
+    got = random_bits_ref(torch.tensor(seeds), torch.tensor(positions), 5)
+    for r, (seed, position) in enumerate(zip(seeds, positions)):
+        assert got[r].tolist() == [bits(seed, position, i) for i in range(5)]
+
+
+@triton.jit
+def _noise_kernel(seed_ptr, position_ptr, noise_ptr, n_vocab, BLOCK: tl.constexpr):
+    """noise [B, n_vocab] fp32: the sampling kernel's Gumbel noise, one program per row."""
+    row = tl.program_id(0)
+    seed = tl.load(seed_ptr + row)
+    position = tl.load(position_ptr + row)
+    key_a = _stream_key(_STREAM_INIT_A, seed, position)
+    key_b = _stream_key(_STREAM_INIT_B, seed, position)
+    for start in range(0, n_vocab, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        tl.store(noise_ptr + row * n_vocab + cols, _gumbel_noise(cols, key_a, key_b), mask=cols < n_vocab)
+
+
+def test_kernel_noise_matches_the_definition():
+    """The kernel's fp32 Gumbel noise against the float64 definition, over 64K tokens (its tail
+    included: the largest g, from the smallest v, is where fp32 precision is hardest to keep)."""
+    n_rows, n_vocab = 4, 16384
+    seeds = torch.tensor([0, -1, 2**62 + 5, 77], device=DEVICE)
+    positions = torch.tensor([0, 1, 2**33, 12345], device=DEVICE)
+    noise = torch.empty(n_rows, n_vocab, device=DEVICE)
+    _noise_kernel[(n_rows,)](seeds, positions, noise, n_vocab, BLOCK=4096)
+    expected = gumbel_noise_ref(seeds, positions, n_vocab)
+    error = (noise.double() - expected).abs() / (1 + expected.abs())
+    assert error.max() < 1e-6, error.max().item()
+    assert expected.max() > 9  # the sample reaches deep into the tail (P(g > 9) ~ 1.2e-4)
+
+
+def test_random_bits_are_uniform_and_uncorrelated():
+    h = random_bits_ref(torch.arange(64), torch.zeros(64, dtype=torch.int64), 4096).double() / 2**32
+    counts = torch.histc(h, 64, 0, 1)
+    expected = h.numel() / 64
+    assert ((counts - expected) ** 2 / expected).sum() < 103.4  # chi-square, 63 dof, p = 0.001
+    by_position = random_bits_ref(torch.full((64,), 5), torch.arange(64), 4096).double() / 2**32
+    for a, b in [(h[:-1], h[1:]), (by_position[:-1], by_position[1:]), (h[:, :-1], h[:, 1:])]:
+        assert abs(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]) < 0.01
+
+
+# ----------------------------------------------------------------------------- distribution
+SMALL_LOGITS = [1.0, 0.5, 0.0, -0.5, -1.0, 2.0, 0.2]
+
+
+def draw_many(n, temperature, top_k, top_p, kernel_rows=48):
+    """n draws of one request at positions 0 .. n-1 (reference, vectorised); the kernel must give
+    the same ids on the first ``kernel_rows``."""
+    logits = torch.tensor([SMALL_LOGITS] * n, device=DEVICE)
+    params = row_params([temperature] * n, [top_k] * n, [top_p] * n, [20240601] * n, list(range(n)))
+    ids = sample_tokens_ref(logits, *params)
+    head = [p[:kernel_rows] for p in params]
+    assert torch.equal(sample_tokens(logits[:kernel_rows], *head), ids[:kernel_rows])
+    return torch.bincount(ids.cpu(), minlength=len(SMALL_LOGITS)).double()
+
+
+def assert_follows(counts, probs):
+    """Zero counts where probs is 0; a chi-square test (p = 0.001) on the rest."""
+    kept = probs > 0
+    assert counts[~kept].sum() == 0, f"dropped tokens were drawn: {counts.tolist()}"
+    expected = probs[kept] * counts.sum()
+    chi2 = ((counts[kept] - expected) ** 2 / expected).sum().item()
+    assert chi2 < CHI2_CRITICAL[int(kept.sum()) - 1], (chi2, counts.tolist(), expected.tolist())
+
+
+def test_distribution_is_softmax_over_temperature():
+    probs = torch.softmax(torch.tensor(SMALL_LOGITS, dtype=torch.float64) / 0.8, dim=0)
+    assert_follows(draw_many(20000, 0.8, 0, 1.0), probs)
+
+
+def test_top_k_distribution():
+    x = torch.tensor(SMALL_LOGITS, dtype=torch.float64)
+    top3 = x >= x.topk(3).values[-1]  # tokens 5, 0, 1
+    probs = torch.softmax(x.masked_fill(~top3, -math.inf), dim=0)
+    assert_follows(draw_many(20000, 1.0, 3, 1.0), probs)
+
+
+def test_top_p_distribution():
+    x = torch.tensor(SMALL_LOGITS, dtype=torch.float64)
+    full = torch.softmax(x, dim=0)
+    order = full.argsort(descending=True)
+    mass_before = full[order].cumsum(0) - full[order]
+    kept = torch.zeros(7, dtype=torch.bool)
+    kept[order[mass_before < 0.75]] = True
+    assert 1 < kept.sum() < 7
+    assert_follows(draw_many(20000, 1.0, 0, 0.75), torch.softmax(x.masked_fill(~kept, -math.inf), dim=0))
+
+
+# ----------------------------------------------------------------------------- cut-offs
+def kept_by_definition(x, temperature, top_k, top_p):
+    """The keep mask of one row, by the definition (O(V^2), float64): top-k keeps a token when
+    fewer than k tokens are strictly larger; top-p when the top-k distribution's mass of the
+    strictly more likely tokens is < p."""
+    x = x.double()
+    n = x.numel()
+    strictly_larger = x[None, :] > x[:, None]  # [i, j]: x_j > x_i
+    keep = strictly_larger.sum(1) < top_k if 0 < top_k < n else torch.ones(n, dtype=torch.bool)
+    if top_p < 1:
+        q = torch.softmax((x / temperature).masked_fill(~keep, -math.inf), dim=0)
+        mass_above = (strictly_larger * q[None, :]).sum(1)
+        keep &= mass_above < top_p
+    return keep
+
+
+def test_cutoffs_match_the_definition():
+    gen = torch.Generator().manual_seed(5)
+    n_rows, n_vocab = 300, 12
+    # Values on a coarse grid: many ties, at the k-th value and at the top-p boundary.
+    logits = (torch.randint(0, 6, (n_rows, n_vocab), generator=gen) * 0.5).to(DEVICE)
+    temperature = (torch.rand(n_rows, generator=gen) * 2 + 0.2).tolist()
+    top_k = torch.randint(0, n_vocab + 2, (n_rows,), generator=gen).tolist()
+    top_p = torch.rand(n_rows, generator=gen).clamp(0.05, 1.0).tolist()
+    top_p = [1.0 if r % 5 == 0 else p for r, p in enumerate(top_p)]
+    params = row_params(temperature, top_k, top_p)
+    thresholds = keep_thresholds(logits, *params[:3])
+    for r in range(n_rows):
+        expected = kept_by_definition(logits[r].cpu(), temperature[r], top_k[r], torch.tensor(top_p[r]).item())
+        assert torch.equal((logits[r] >= thresholds[r]).cpu(), expected), r
+
+
+@pytest.mark.parametrize("n_vocab", [1, 511, 512, 1000, 4099])
+def test_exclusive_prefix_sums(n_vocab):
+    """The chunked scan equals a plain one, at and around chunk boundaries, and never decreases."""
+    weight = torch.rand(3, n_vocab, dtype=torch.float64, device=DEVICE)
+    got = exclusive_prefix_sums(weight)
+    expected = torch.cat([torch.zeros(3, 1, dtype=torch.float64, device=DEVICE), weight.cumsum(-1)[:, :-1]], dim=1)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert (got.diff(dim=-1) >= 0).all()
+
+
+def draws_over_positions(logits_row, temperature, top_k, top_p, n=48):
+    logits = torch.tensor([logits_row] * n, device=DEVICE)
+    params = row_params([temperature] * n, [top_k] * n, [top_p] * n, [11] * n, list(range(n)))
+    ids = sample_tokens(logits, *params)
+    assert torch.equal(ids, sample_tokens_ref(logits, *params))
+    return set(ids.tolist())
+
+
+def test_top_p_edge_cases():
+    row = [0.0, 0.3, -0.2, 0.1, 0.05, -0.1, 0.2]
+    # top_p = 1 keeps every token: at a high temperature all 7 appear.
+    assert draws_over_positions(row, 50.0, 0, 1.0) == set(range(7))
+    # A tiny top_p keeps only the most likely token, whatever the temperature.
+    assert draws_over_positions(row, 50.0, 0, 1e-6) == {1}
+    # Ties at the cut-off are kept together: q = (0.4, 0.4, 0.2), p = 0.3. HF's sorted rule would
+    # keep one of the tied pair (which one depends on the sort); here both, and never token 2.
+    tied = [math.log(0.4), math.log(0.4), math.log(0.2)]
+    assert draws_over_positions(tied, 1.0, 0, 0.3) == {0, 1}
+    # top-k ties with the k-th largest are kept: k = 2 keeps 0 and the three 1.0s.
+    assert draws_over_positions([3.0, 1.0, 1.0, 1.0, 0.0], 20.0, 2, 1.0) == {0, 1, 2, 3}
+
+
+# ----------------------------------------------------------------------------- API
+def test_out_buffer_is_fully_written():
+    logits = logits_like_a_model(7, 1000)
+    params = mixed_params(7)
+    out = torch.full((7,), -1, dtype=torch.int64, device=DEVICE)
+    ids = sample_tokens(logits, *params, out=out)
+    assert ids is out and (out >= 0).all() and (out < 1000).all()
+    assert torch.equal(out, sample_tokens(logits, *params))
+
+
+def test_empty_batch():
+    ids = sample_tokens(torch.empty(0, 50, device=DEVICE), *row_params([], [], [], [], []))
+    assert ids.shape == (0,) and ids.dtype == torch.int64
+
+
+def _args(n_rows=2, n_vocab=8, **replace):
+    args = dict(zip(("logits", "temperature", "top_k", "top_p", "seeds", "positions"),
+                    (torch.randn(n_rows, n_vocab, device=DEVICE), *mixed_params(n_rows))))
+    args.update(replace)
+    return args
+
+
+def _f32(*shape):
+    return torch.ones(*shape, device=DEVICE)
+
+
+@pytest.mark.parametrize("replace, error, match", [
+    (dict(logits=_f32(8)), ValueError, r"logits: expected \[B, V\]"),
+    (dict(logits=_f32(2, 8).long()), TypeError, "logits: dtype int64"),
+    (dict(logits=_f32(2, 0)), ValueError, "logits: the vocabulary dim"),
+    (dict(logits=_f32(8, 2).t()), ValueError, "logits: the last dim must be contiguous"),
+    (dict(temperature=_f32(2).double()), TypeError, "temperature: dtype float64"),
+    (dict(temperature=_f32(3)), ValueError, r"temperature: expected shape \(2,\)"),
+    (dict(temperature=_f32(4)[::2]), ValueError, "temperature: must be contiguous"),
+    (dict(top_k=_f32(2).long()), TypeError, "top_k: dtype int64"),
+    (dict(top_p=_f32(2, 1)), ValueError, "top_p: expected shape"),
+    (dict(seeds=_f32(2).int()), TypeError, "seeds: dtype int32"),
+    (dict(positions=_f32(1).long()), ValueError, "positions: expected shape"),
+    (dict(seeds=[1, 2]), TypeError, "seeds: expected a torch.Tensor"),
+    (dict(filtered=1), TypeError, "filtered: expected a bool"),
+    (dict(out=_f32(2).int()), TypeError, "out: dtype int32"),
+    (dict(out=_f32(3).long()), ValueError, r"out: expected shape \(2,\)"),
+    (dict(out=_f32(4).long()[::2]), ValueError, "out: must be contiguous"),
+    (dict(positions=torch.zeros(2, dtype=torch.int64, device="meta")), ValueError, "one device: .*positions on meta"),
+])
+def test_bad_input_names_the_argument(replace, error, match):
+    args = _args()
+    keywords = {name: replace.pop(name) for name in ("filtered", "out") if name in replace}
+    args.update(replace)
+    with pytest.raises(error, match=match):
+        sample_tokens(*args.values(), **keywords)
+
+
+def test_cpu_without_interpreter_uses_reference(monkeypatch):
+    import fuselm.ops.sampling.op as op
+
+    args = _args(3, 300)
+    logits, params = args["logits"].cpu(), [t.cpu() for t in list(args.values())[1:]]
+    expected = sample_tokens(logits, *params)
+    monkeypatch.setattr(op, "use_triton", lambda t: False)
+    assert torch.equal(sample_tokens(logits, *params), expected)
+
+
+def test_opcheck():
+    """Schema, fake implementation and AOT dispatch of the custom op."""
+    args = _args(3, 40)
+    torch.library.opcheck(torch.ops.fuselm.sample_tokens, (*args.values(), True))
+
+
+def test_compile_fullgraph():
+    def step(logits, temperature, top_k, top_p, seeds, positions, out):
+        scaled = logits * 2.0  # something around the op, in the same graph
+        return sample_tokens(scaled, temperature, top_k, top_p, seeds, positions, out=out), positions + 1
+
+    backend = "inductor" if DEVICE == "cuda" else "aot_eager"
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    args = _args(3, 200)
+    out = torch.empty(3, dtype=torch.int64, device=DEVICE)
+    ids, next_positions = compiled(*args.values(), out)
+    assert torch.equal(ids, step(*args.values(), None)[0])
+    assert torch.equal(next_positions, args["positions"] + 1)
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_rows", [1, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_full_vocabulary_on_gpu(n_rows, dtype):
+    """Qwen3.5's vocabulary: kernel == reference, filtered and not."""
+    n_vocab = 248320
+    logits = logits_like_a_model(n_rows, n_vocab, dtype, scale=2.5)
+    params = mixed_params(n_rows)
+    assert torch.equal(sample_tokens(logits, *params), sample_tokens_ref(logits, *params))
+    unfiltered = (params[0], torch.zeros_like(params[1]), torch.ones_like(params[2]), *params[3:])
+    assert torch.equal(sample_tokens(logits, *unfiltered, filtered=False), sample_tokens_ref(logits, *unfiltered))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("filtered", [True, False])
+def test_cuda_graph_replay_with_new_parameters(filtered):
+    """One captured graph; every replay after new logits and parameters are copied into its
+    static inputs gives the eager ids."""
+    n_rows, n_vocab = 8, 248320
+    static = [logits_like_a_model(n_rows, n_vocab, torch.bfloat16), *mixed_params(n_rows)]
+    out = torch.empty(n_rows, dtype=torch.int64, device=DEVICE)
+    graph, _ = capture_graph(lambda: sample_tokens(*static, filtered=filtered, out=out))
+    for replay in range(3):
+        fresh = [logits_like_a_model(n_rows, n_vocab, torch.bfloat16), *mixed_params(n_rows)]
+        if not filtered:
+            fresh[2].zero_()
+            fresh[3].fill_(1.0)
+        fresh[1][replay] = 0.0  # a different row is greedy each time
+        for s, f in zip(static, fresh):
+            s.copy_(f)
+        graph.replay()
+        assert torch.equal(out, sample_tokens(*fresh, filtered=filtered))
+        assert torch.equal(out, sample_tokens_ref(*fresh, filtered=filtered))
