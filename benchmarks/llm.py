@@ -32,28 +32,27 @@ def _clear():
     torch.cuda.empty_cache()
 
 
-def load_hf(directory: Path) -> float:
+def timed_load(load, directory: Path) -> float:
+    """Seconds for ``load(directory)`` to put the model on the GPU (the model is dropped after)."""
+    _clear()
+    start = time.perf_counter()
+    model = load(directory)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    del model
+    return seconds
+
+
+def load_hf(directory: Path):
     from transformers import AutoModelForCausalLM
 
-    _clear()
-    start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16, device_map="cuda")
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    del model
-    return seconds
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16, device_map="cuda")
 
 
-def load_fuselm(directory: Path) -> float:
+def load_fuselm(directory: Path):
     from fuselm import Qwen35
 
-    _clear()
-    start = time.perf_counter()
-    model = Qwen35.from_pretrained(directory, dtype=torch.bfloat16, device="cuda")
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    del model
-    return seconds
+    return Qwen35.from_pretrained(directory, dtype=torch.bfloat16, device="cuda")
 
 
 def decode_figures(output) -> dict:
@@ -91,8 +90,8 @@ def main() -> None:
 
     hf_loads, our_loads = [], []
     for _ in range(args.load_runs):
-        hf_loads.append(load_hf(args.checkpoint))
-        our_loads.append(load_fuselm(args.checkpoint))
+        hf_loads.append(timed_load(load_hf, args.checkpoint))
+        our_loads.append(timed_load(load_fuselm, args.checkpoint))
         print(f"load: HF {hf_loads[-1]:.2f} s, fuselm {our_loads[-1]:.2f} s", flush=True)
     results["load_s"] = {"hf": hf_loads, "fuselm": our_loads}
     _clear()

@@ -4,6 +4,8 @@
     fuselm generate [--config tiny|9b|config.json] ...     random-weight throughput (fuselm.bench.generate)
     fuselm chat MODEL_DIR ...                               interactive chat, one line per user turn
     fuselm init-checkpoint DIR --config tiny|9b ...         a random-weight checkpoint with the real tokenizer
+    fuselm serve MODEL_DIR | --config tiny|9b ...           an OpenAI-compatible HTTP server (fuselm.serve)
+    fuselm bench-serve [URL] ...                            load generator for such a server (fuselm.bench.serve)
     fuselm audit ...                                        decode-step launches, parity with HF (fuselm.engine.audit)
     fuselm demo                                             every op vs its reference (fuselm.bench.ops_demo)
     fuselm swapffn ...                                      Swap-FFN paths on a GPU (fuselm.bench.swap_ffn)
@@ -25,9 +27,6 @@ import sys
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
-# Vocabulary of a checkpoint written by ``init-checkpoint`` for the tiny config: the released
-# Qwen3.5 size, so every id of the real tokenizer (written beside the weights) is in range.
-QWEN35_VOCAB_SIZE = 248320
 TEXT_MAX_TOKENS, TEXT_MAX_LEN = 256, 4096
 BENCH_PROMPT_LEN, BENCH_MAX_NEW_TOKENS, BENCH_BATCH = 32, 16, 1
 
@@ -90,72 +89,13 @@ def _sampling_params(llm, args):
     return dataclasses.replace(llm.get_default_sampling_params(), max_tokens=args.max_tokens, **overrides)
 
 
-def _summary(output) -> str:
-    """One line: tokens, time to first token, decode tok/s (after the first token), finish reason."""
-    completion, metrics = output.outputs[0], output.metrics
-    tokens = len(completion.token_ids)
-    decode_seconds = metrics.finished_time - metrics.first_token_time
-    decode = f"{(tokens - 1) / decode_seconds:.1f} tok/s" if tokens > 1 and decode_seconds > 0 else "n/a"
-    reason = completion.finish_reason
-    if completion.stop_reason is not None:
-        reason += f" ({completion.stop_reason!r})"
-    return (f"[{tokens} tokens, time to first token {1e3 * metrics.time_to_first_token:.0f} ms, decode {decode}, "
-            f"finish: {reason}]")
-
-
-def stream_reply(llm, prompt: str, params):
-    """Generate for ``prompt``, writing the text to stdout as it comes (then a newline) and the
-    summary line to stderr; returns the ``RequestOutput``."""
-
-    def write(request):
-        text = request.take_new_text()
-        if text:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-
-    (output,) = llm.generate(prompt, params, stream=write)
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    print(_summary(output), file=sys.stderr, flush=True)
-    return output
-
-
-class ChatSession:
-    """A conversation with an ``LLM``: an optional system prompt, then the user and assistant
-    turns so far, rendered by the checkpoint's chat template for every reply."""
-
-    def __init__(self, llm, params, system: str | None = None, chat_template_kwargs: dict | None = None):
-        self.llm, self.params = llm, params
-        self.system = system
-        self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        self.turns: list[dict] = []
-
-    def reset(self) -> None:
-        """Forget every turn (the system prompt stays)."""
-        self.turns.clear()
-
-    def prompt(self, user_text: str) -> str:
-        """The rendered prompt of the conversation so far followed by ``user_text``, ready for the
-        assistant's reply."""
-        messages = ([{"role": "system", "content": self.system}] if self.system else []) + self.turns
-        messages.append({"role": "user", "content": user_text})
-        return self.llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                      **self.chat_template_kwargs)
-
-    def reply(self, user_text: str):
-        """Stream the assistant's reply to ``user_text`` (``stream_reply``) and keep both turns;
-        returns the ``RequestOutput``. A turn that fails (ValueError) is not kept."""
-        output = stream_reply(self.llm, self.prompt(user_text), self.params)
-        self.turns += [{"role": "user", "content": user_text},
-                       {"role": "assistant", "content": output.outputs[0].text}]
-        return output
-
-
 def _chat_template_kwargs(args) -> dict:
     return {"enable_thinking": False} if args.no_thinking else {}
 
 
 def _generate_text(args) -> int:
+    from fuselm.console import ChatSession, stream_reply
+
     llm = _load_llm(args)
     params = _sampling_params(llm, args)
     if args.chat:
@@ -167,35 +107,47 @@ def _generate_text(args) -> int:
 
 
 def _chat(args) -> int:
+    from fuselm.console import ChatSession, run_chat
+
     llm = _load_llm(args)
     session = ChatSession(llm, _sampling_params(llm, args), args.system, _chat_template_kwargs(args))
-    interactive = sys.stdin.isatty()
-    if interactive:
-        print(f"chat with {args.model_dir}: /reset clears the conversation, /exit or Ctrl-D ends it", file=sys.stderr)
-    failed = False
-    while True:
-        if interactive:
-            print("> ", end="", flush=True)
-        line = sys.stdin.readline()
-        if not line:  # end of input
-            if interactive:
-                print()
-            break
-        text = line.rstrip("\n")
-        if not text.strip():
-            continue
-        if text.strip() == "/exit":
-            break
-        if text.strip() == "/reset":
-            session.reset()
-            print("(conversation cleared)", file=sys.stderr)
-            continue
-        try:
-            session.reply(text)
-        except ValueError as error:  # e.g. the conversation outgrew --max-len; the chat goes on
-            print(f"error: {error}", file=sys.stderr)
-            failed = True
-    return 1 if failed else 0
+    return run_chat(session, sys.stdin, str(args.model_dir))
+
+
+# ============================================================================ serve
+def _serve(args) -> int:
+    """``fuselm serve``: MODEL_DIR (text and chat) or --config (random weights, token-id
+    prompts only) behind ``fuselm.serve.run_server`` until SIGINT / SIGTERM (exit status 0)."""
+    from fuselm.serve import ServedModel, run_server
+
+    if (args.model_dir is None) == (args.config is None):
+        args.command_parser.error("expected exactly one of MODEL_DIR (a checkpoint) and --config tiny|9b (random "
+                                  "weights)")
+    if not 0 <= args.port <= 65535:
+        args.command_parser.error(f"--port: expected 0..65535, got {args.port}")
+    if args.max_queue is not None and args.max_queue < 0:
+        args.command_parser.error(f"--max-queue: expected >= 0, got {args.max_queue}")
+    if args.model_dir is not None:
+        import torch
+
+        from fuselm.engine.llm import LLM
+
+        directory = Path(args.model_dir)
+        if not directory.is_dir():
+            raise FileNotFoundError(f"{directory}: no such checkpoint directory")
+        on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
+        llm = LLM(directory, dtype=args.dtype or ("float32" if on_cpu else None), device=args.device,
+                  max_batch=args.max_batch, max_len=args.max_len, seed=args.seed)
+        model = ServedModel.from_llm(llm, args.served_model_name)
+    else:
+        device, dtype = _device_and_dtype(args)
+        model = ServedModel.random(args.config, dtype=dtype, device=device, max_batch=args.max_batch,
+                                   max_len=args.max_len, seed=args.seed, name=args.served_model_name)
+    try:
+        run_server(model, args.host, args.port, args.max_queue)
+    except OSError as error:  # the address cannot be listened on
+        raise ValueError(f"--host/--port: {error}") from None
+    return 0
 
 
 # ============================================================================ random weights
@@ -217,31 +169,11 @@ def _generate(args) -> int:
     return _generate_text(args) if args.model_dir is not None else _generate_benchmark(args)
 
 
-def _human_size(size: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if size < 1000 or unit == "GB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-
-
 def _init_checkpoint(args) -> int:
-    import torch
+    from fuselm.console import init_checkpoint
 
-    from fuselm.models.qwen35.presets import preset_config, write_random_checkpoint
-    from fuselm.tokenizer import write_tokenizer_files
-
-    config = preset_config(args.config, vocab_size=QWEN35_VOCAB_SIZE if args.config == "tiny" else None)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    directory = Path(args.directory)
-    write_random_checkpoint(directory, config, dtype=getattr(torch, args.dtype), device=device, seed=args.seed,
-                            max_shard_size=args.max_shard_size)
-    write_tokenizer_files(directory)
-    files = sorted(p for p in directory.iterdir() if p.is_file())
-    print(f"wrote {directory}: Qwen3.5 {args.config}, random weights (seed {args.seed}), {args.dtype}, with the "
-          f"Qwen3.5 tokenizer")
-    for path in files:
-        print(f"  {path.name:40s} {_human_size(path.stat().st_size):>10s}")
-    print(f"  {len(files)} files, {_human_size(sum(p.stat().st_size for p in files))} in all")
+    dtype = args.dtype or ("float32" if args.config == "tiny" else "bfloat16")
+    init_checkpoint(args.directory, args.config, dtype, args.device, args.seed, args.max_shard_size)
     return 0
 
 
@@ -274,6 +206,22 @@ def _swapffn(args) -> int:
     from fuselm.bench.swap_ffn import run_swap_ffn
 
     return run_swap_ffn(args.batch, time_compile=args.compile, parity_tokens=args.parity_tokens, out=args.out)
+
+
+def _bench_serve(args) -> int:
+    from fuselm.bench.serve import DEFAULT_BASE_URL, run_bench_serve
+
+    if args.url and args.base_url and args.url.rstrip("/") != args.base_url.rstrip("/"):
+        raise ValueError(f"URL {args.url} and --base-url {args.base_url} differ: give one")
+    results = run_bench_serve(
+        args.url or args.base_url or DEFAULT_BASE_URL, backend=args.backend, endpoint=args.endpoint,
+        model=args.model, tokenizer=args.tokenizer, num_prompts=args.num_prompts,
+        random_input_len=args.random_input_len, random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio, random_vocab_size=args.random_vocab_size, seed=args.seed,
+        request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+        warmup_requests=args.warmup_requests, request_timeout=args.request_timeout, goodput=args.goodput,
+        percentiles=args.percentiles, out=args.out, label=args.label, progress=not args.disable_tqdm)
+    return 0 if results["completed"] else 1
 
 
 # ============================================================================ the parser
@@ -388,12 +336,73 @@ def build_parser() -> argparse.ArgumentParser:
                                            "with seeded random weights: its text is gibberish.")
     init.add_argument("directory", metavar="DIR", help="created if missing")
     init.add_argument("--config", required=True, choices=("tiny", "9b"),
-                      help=f"tiny (with vocab_size {QWEN35_VOCAB_SIZE}, the tokenizer's) or 9b")
-    init.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+                      help="tiny (with the tokenizer's vocab_size, 248320) or 9b")
+    init.add_argument("--dtype", default=None, choices=DTYPES,
+                      help="default: float32 for tiny (a CPU and test model), bfloat16 for 9b")
     init.add_argument("--device", default=None, help="where the weights are drawn (default: cuda when available)")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--max-shard-size", default="4GB", help="e.g. 4GB, 500MB")
     init.set_defaults(run=_init_checkpoint)
+
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models)",
+        description="Serve a checkpoint (MODEL_DIR) or random weights (--config: no tokenizer, so only token-id "
+                    "prompts on /v1/completions) over HTTP in OpenAI's API until SIGINT or SIGTERM. Requests "
+                    "beyond --max-batch wait in the engine's queue.")
+    serve.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR", help="a checkpoint directory")
+    serve.add_argument("--config", default=None, choices=("tiny", "9b"),
+                       help="random weights of a built-in config instead of MODEL_DIR (weights from --seed)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-batch", type=int, default=8, help="requests decoded together (8)")
+    serve.add_argument("--max-len", type=int, default=TEXT_MAX_LEN,
+                       help=f"prompt + completion tokens per request ({TEXT_MAX_LEN})")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name of requests and answers (default: MODEL_DIR's name, or the --config)")
+    serve.add_argument("--max-queue", type=int, default=None,
+                       help="requests that may wait for a slot; more get a 503 (default: no limit)")
+    _add_model_arguments(serve, "seeds the sampling seeds of requests without one (and --config's weights)")
+    serve.set_defaults(run=_serve, command_parser=serve)
+
+    bench_serve = commands.add_parser(
+        "bench-serve", help="load generator for an OpenAI-compatible server: TTFT, TPOT, ITL, throughput, goodput",
+        description="Like vllm bench serve: random-token prompts streamed to URL's /v1/completions (or "
+                    "/v1/chat/completions) at --request-rate, at most --max-concurrency at once; reports TTFT, TPOT, "
+                    "ITL and E2EL (mean, median, percentiles), request and token throughput, goodput under SLOs "
+                    "(fuselm.bench.serve). Contacts URL only.")
+    bench_serve.add_argument("url", nargs="?", default=None, metavar="URL",
+                             help="the server's base URL (default http://127.0.0.1:8000)")
+    bench_serve.add_argument("--base-url", default=None, help="the same as URL")
+    bench_serve.add_argument("--backend", default="openai", choices=("openai", "openai-chat"),
+                             help="openai: /v1/completions, prompts as token ids (default); openai-chat: "
+                                  "/v1/chat/completions, prompts as text (needs --tokenizer)")
+    bench_serve.add_argument("--endpoint", default=None, help="a path replacing the backend's")
+    bench_serve.add_argument("--model", default=None, help="default: the first model of GET /v1/models")
+    bench_serve.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
+                             help="tokenizer.json or its directory: prompts of its ordinary token ids; openai-chat "
+                                  "needs it (the prompt is the text it decodes)")
+    bench_serve.add_argument("--num-prompts", type=int, default=200, help="requests measured (200)")
+    bench_serve.add_argument("--random-input-len", type=int, default=512, help="prompt tokens (512)")
+    bench_serve.add_argument("--random-output-len", type=int, default=256, help="tokens generated per request (256)")
+    bench_serve.add_argument("--random-range-ratio", type=float, default=0.0,
+                             help="r: lengths uniform in [len*(1-r), len*(1+r)] (0)")
+    bench_serve.add_argument("--random-vocab-size", type=int, default=None,
+                             help="without --tokenizer: token ids drawn from [0, N) (32000)")
+    bench_serve.add_argument("--seed", type=int, default=0, help="prompts, lengths and arrival times (0)")
+    bench_serve.add_argument("--request-rate", type=float, default=float("inf"),
+                             help="requests/s (default inf: all at once)")
+    bench_serve.add_argument("--burstiness", type=float, default=1.0,
+                             help="gamma shape of the inter-arrival times: 1 Poisson, <1 burstier, >1 more even (1)")
+    bench_serve.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (no limit)")
+    bench_serve.add_argument("--warmup-requests", type=int, default=0, help="sent first, not counted (0)")
+    bench_serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take (600)")
+    bench_serve.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                             help="SLOs in ms of ttft, tpot, e2el, e.g. --goodput ttft:500 tpot:50")
+    bench_serve.add_argument("--percentiles", default="50,90,99", help="reported besides mean, median, p99 and max")
+    bench_serve.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    bench_serve.add_argument("--out", type=Path, default=None, help="write <label>.json, .md and .png here")
+    bench_serve.add_argument("--label", default="bench_serve", help="the files' name in --out (bench_serve)")
+    bench_serve.set_defaults(run=_bench_serve)
 
     aud = commands.add_parser("audit", help="Qwen3.5 engine: kernels/graph launches/host syncs per step, HF parity")
     aud.add_argument("--config", type=_model_config, default=None,

@@ -7,10 +7,10 @@ vision-language wrapper with the text model under ``text_config``), optionally
 text weights are named ``model.language_model.*``; vision (``model.visual.*``) and
 multi-token-prediction (``mtp.*``) tensors are skipped without being read.
 
-Reading is tensor by tensor (several at once, on threads): each tensor is memory-mapped from its
-file, copied to the device and cast to the target dtype there, so host memory never holds a
-second copy of the model. Every
-name and shape is checked against the config before any data is read. Each module then re-lays
+Every name and shape is checked against the config (from the files' headers) before any data is
+read. Then the tensors' bytes go from the files to the device in 64 MB chunks through a few
+pinned host buffers, several chunks at once on threads (``_ChunkReader``), and each tensor is cast
+to the target dtype on the device: host memory never holds a second copy of the model. Each module then re-lays
 its own tensors (``hf_shapes`` / ``load_hf`` in ``layers.py``), freeing the HF pieces as it goes.
 """
 
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import math
-from concurrent.futures import ThreadPoolExecutor, as_completed
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -31,7 +32,9 @@ from fuselm.runtime import parse_dtype
 # Checkpoint tensors that are not part of the text model (Qwen3_5ForConditionalGeneration
 # checkpoints): the vision tower and the multi-token-prediction head.
 _IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.")
-LOAD_THREADS = 8  # tensors read at once by load_checkpoint
+# load_checkpoint: file chunks in flight at once (threads), and their size.
+LOAD_THREADS = 8
+LOAD_CHUNK_BYTES = 64 << 20
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 
 
@@ -116,58 +119,128 @@ def read_checkpoint_config(directory) -> Qwen35Config:
     return Qwen35Config.from_hf(json.loads(config_file.read_text()), generation)
 
 
+def read_safetensors_header(file: Path) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
+    """A safetensors file's tensors: name -> (dtype string, shape, first byte, end byte), offsets
+    from the start of the file. (The format: an 8-byte little-endian header size, the JSON header
+    of dtype, shape and data_offsets relative to the data, then the data.)"""
+    with open(file, "rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        try:
+            header = json.loads(handle.read(size))
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"{file}: not a safetensors file ({error})") from None
+    header.pop("__metadata__", None)
+    return {name: (info["dtype"], tuple(info["shape"]), 8 + size + info["data_offsets"][0],
+                   8 + size + info["data_offsets"][1]) for name, info in header.items()}
+
+
+class _ChunkReader:
+    """Copies byte ranges of files into device tensors through pinned host buffers, on threads.
+
+    Each of ``threads`` workers owns a file handle per file, two pinned chunk buffers and a CUDA
+    stream: read a chunk of the file into a buffer (the page cache's copy; ``readinto`` releases
+    the GIL, so workers read in parallel), copy it to the device asynchronously on the worker's
+    stream, and read the next chunk into the other buffer meanwhile. Off CUDA, chunks are read
+    straight into the destination tensors."""
+
+    def __init__(self, device: torch.device, threads: int, chunk_bytes: int):
+        self.device, self.threads, self.chunk_bytes = device, threads, chunk_bytes
+
+    def run(self, jobs: list[tuple[Path, int, torch.Tensor]], on_bytes) -> None:
+        """``jobs``: (file, first byte, destination uint8 tensor); fills each destination with the
+        file's bytes from that offset. ``on_bytes(n)`` is called as chunks arrive."""
+        chunks = [(file, offset + start, destination[start:start + self.chunk_bytes])
+                  for file, offset, destination in jobs
+                  for start in range(0, destination.numel(), self.chunk_bytes)]
+        chunks.sort(key=lambda chunk: (str(chunk[0]), chunk[1]))  # each file in order: sequential reads
+        shares = [chunks[i::self.threads] for i in range(self.threads)]
+        with ThreadPoolExecutor(max_workers=self.threads) as pool:
+            for future in [pool.submit(self._worker, share, on_bytes) for share in shares if share]:
+                future.result()
+
+    def _worker(self, chunks, on_bytes) -> None:
+        handles = {}
+        try:
+            if self.device.type != "cuda":
+                for file, offset, destination in chunks:
+                    self._read(handles, file, offset, destination.numpy())
+                    on_bytes(destination.numel())
+                return
+            stream = torch.cuda.Stream(self.device)
+            buffers = [torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            copied = [None, None]  # the event after each buffer's last copy
+            for index, (file, offset, destination) in enumerate(chunks):
+                slot = index % 2
+                if copied[slot] is not None:
+                    copied[slot].synchronize()  # the buffer's previous copy has left it
+                staged = buffers[slot][: destination.numel()]
+                self._read(handles, file, offset, staged.numpy())
+                with torch.cuda.stream(stream):
+                    destination.copy_(staged, non_blocking=True)
+                    copied[slot] = torch.cuda.Event()
+                    copied[slot].record(stream)
+                on_bytes(destination.numel())
+            stream.synchronize()
+        finally:
+            for handle in handles.values():
+                handle.close()
+
+    @staticmethod
+    def _read(handles: dict, file: Path, offset: int, target) -> None:
+        handle = handles.get(file) or handles.setdefault(file, open(file, "rb", buffering=0))
+        handle.seek(offset)
+        view, done = memoryview(target).cast("B"), 0
+        while done < len(view):
+            read = handle.readinto(view[done:])
+            if not read:
+                raise ValueError(f"{file}: ends before byte {offset + len(view)} (a truncated safetensors file)")
+            done += read
+
+
 @torch.no_grad()
 def load_checkpoint(path, dtype: torch.dtype | str | None = None, device=None, progress: bool = False) -> Qwen35:
     """``Qwen35.from_pretrained``: a checkpoint directory's text model on ``device`` (default:
     cuda when available, else cpu) in ``dtype`` (default: the checkpoint's). ``progress`` shows a
     progress bar (bytes read)."""
-    from safetensors import safe_open
-
     directory = Path(path)
     config = read_checkpoint_config(directory)
     files = checkpoint_weight_files(directory)
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
 
     # Every name, shape and dtype first (headers only), so a bad checkpoint fails before reading.
-    plan: list[tuple[Path, list[tuple[str, str]]]] = []  # (file, [(checkpoint name, text name)])
-    shapes, dtypes = {}, {}
+    entries = {}  # text name -> (file, dtype string, shape, first byte, end byte)
     for file in files:
-        entries = []
-        with safe_open(file, framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                text_name = text_model_name(name)
-                if text_name is None:
-                    continue
-                info = handle.get_slice(name)
-                shapes[text_name], dtypes[text_name] = tuple(info.get_shape()), info.get_dtype()
-                entries.append((name, text_name))
-        plan.append((file, entries))
+        for name, (stored, shape, begin, end) in read_safetensors_header(file).items():
+            text_name = text_model_name(name)
+            if text_name is not None:
+                entries[text_name] = (file, stored, shape, begin, end)
     model = Qwen35(config)
-    model_shapes = model.hf_shapes()
-    _check_names_and_shapes(model, shapes, f"checkpoint {directory}")
-    if dtype is None:
-        stored = dtypes["model.embed_tokens.weight"]
+    _check_names_and_shapes(model, {name: entry[2] for name, entry in entries.items()}, f"checkpoint {directory}")
+    entries = {name: entries[name] for name in model.hf_shapes()}  # a tied lm_head is skipped, as HF does
+    for name, (file, stored, shape, begin, end) in entries.items():
         if stored not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"dtype: the checkpoint stores {stored}; pass dtype= explicitly")
-        dtype = _SAFETENSORS_DTYPES[stored]
-    dtype = parse_dtype(dtype)
-    total_bytes = sum(math.prod(shape) for shape in model_shapes.values()) * dtype.itemsize
+            raise ValueError(f"checkpoint {directory}: {name} is stored as {stored}; expected one of "
+                             f"{sorted(_SAFETENSORS_DTYPES)}")
+        if end - begin != math.prod(shape) * _SAFETENSORS_DTYPES[stored].itemsize:
+            raise ValueError(f"{file}: {name} holds {end - begin} bytes, its shape {shape} needs "
+                             f"{math.prod(shape) * _SAFETENSORS_DTYPES[stored].itemsize}")
+    dtype = _SAFETENSORS_DTYPES[entries["model.embed_tokens.weight"][1]] if dtype is None else parse_dtype(dtype)
 
     from tqdm.auto import tqdm
 
-    def read(file: Path, name: str) -> torch.Tensor:
-        with safe_open(file, framework="pt", device="cpu") as handle:
-            return handle.get_tensor(name).to(device=device, dtype=dtype)  # mmap -> device, cast there
+    raw = {name: torch.empty(end - begin, dtype=torch.uint8, device=device)
+           for name, (_, _, _, begin, end) in entries.items()}
+    with tqdm(total=sum(t.numel() for t in raw.values()), unit="B", unit_scale=True, desc="Loading weights",
+              disable=not progress) as bar:
+        lock = threading.Lock()
 
-    jobs = [(file, name, text_name) for file, entries in plan for name, text_name in entries
-            if text_name in model_shapes]  # a tied lm_head is skipped, as HF does
+        def on_bytes(count: int) -> None:
+            with lock:
+                bar.update(count)
+
+        _ChunkReader(device, LOAD_THREADS, LOAD_CHUNK_BYTES).run(
+            [(entries[name][0], entries[name][3], raw[name]) for name in entries], on_bytes)
     tensors = {}
-    # Several tensors in flight: page faults on the mapped files and host-to-device copies release
-    # the GIL, so threads overlap them.
-    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="Loading weights", disable=not progress) as bar, \
-            ThreadPoolExecutor(max_workers=LOAD_THREADS) as pool:
-        futures = {pool.submit(read, file, name): text_name for file, name, text_name in jobs}
-        for future in as_completed(futures):
-            tensor = tensors[futures[future]] = future.result()
-            bar.update(tensor.numel() * tensor.element_size())
+    for name, (_, stored, shape, _, _) in entries.items():
+        tensors[name] = raw.pop(name).view(_SAFETENSORS_DTYPES[stored]).view(shape).to(dtype)  # cast on the device
     return _build(model, tensors)

