@@ -49,11 +49,13 @@ def prefixed(take: TakeTensor, prefix: str) -> TakeTensor:
 # ============================================================================ step inputs
 @dataclass
 class PrefillStep:
-    """What every layer needs to prefill B fresh requests of T (right-padded) tokens into the
-    cache slots ``slots``."""
+    """What every layer needs to prefill B requests' next T (right-padded) prompt tokens into the
+    cache slots ``slots``, after the ``start`` tokens each already has there (0: fresh requests;
+    a chunked prefill continues from the state its earlier chunks left)."""
 
     slots: torch.Tensor  # [B] int64, the cache slot of each row
-    lengths: torch.Tensor  # [B] int64, real tokens per row
+    start: int  # tokens already in the cache for every row (the chunk's first position)
+    lengths: torch.Tensor  # [B] int64, real tokens per row in this chunk
     token_mask: torch.Tensor | None  # [B, T] bool, real tokens; None when no row is padded
     cu_seqlens: torch.Tensor | None  # [N + 1] int32 offsets of the packed real tokens (padded batch)
     cos: torch.Tensor  # [1, T, 1, rotary_dim], model dtype
@@ -154,20 +156,35 @@ class GatedDeltaNet(nn.Module):
         gated = (normed.float() * F.silu(z.float())).to(o.dtype)
         return F.linear(gated.flatten(-2), self.out_proj)
 
+    def _conv_history(self, cache: DeltaNetCache, step: PrefillStep) -> torch.Tensor:
+        """The conv inputs at positions start - kernel .. start - 1 of each row [B, conv_dim, kernel]:
+        zeros before position 0 (a fresh request), else the cache's circular columns p % kernel."""
+        B = step.slots.shape[0]
+        if step.start == 0:
+            return cache.conv.new_zeros(B, self.conv_dim, self.kernel_size)
+        positions = torch.arange(step.start - self.kernel_size, step.start, device=cache.conv.device)
+        history = cache.conv[step.slots][:, :, positions % self.kernel_size]
+        return history.masked_fill((positions < 0)[None, None, :], 0)
+
     def prefill(self, x: torch.Tensor, cache: DeltaNetCache, step: PrefillStep) -> torch.Tensor:
         B, T, _ = x.shape
         qkv, z, b, a = self._project(x)
-        # Causal depthwise conv over the rows' own tokens (zero history), as HF's causal_conv1d_fn:
-        # F.conv1d in the weight dtype, SiLU, result in the model dtype. Right padding: padded
-        # positions come after a row's real ones and never reach them.
-        channels_first = qkv.transpose(1, 2)  # [B, conv_dim, T]
-        conv_out = F.silu(F.conv1d(channels_first, self.conv_weight, padding=self.kernel_size - 1,
-                                   groups=self.conv_dim)[..., :T]).transpose(1, 2)
-        # Conv state: the inputs at positions L - kernel .. L - 1 of a row of L real tokens (zeros
-        # before the prompt) in their circular columns, position % kernel.
-        history = F.pad(channels_first, (self.kernel_size, 0))  # history[..., p + kernel] = input p
-        positions = step.lengths[:, None] + torch.arange(-self.kernel_size, 0, device=x.device)  # [B, kernel]
-        inputs = history.gather(2, (positions + self.kernel_size)[:, None, :].expand(B, self.conv_dim, -1))
+        # Causal depthwise conv over the rows' tokens after their history (the kernel - 1 inputs
+        # before the chunk), as HF's causal_conv1d_fn: F.conv1d in the weight dtype, SiLU, result
+        # in the model dtype. Right padding: padded positions come after a row's real ones and
+        # never reach them.
+        extended = torch.cat([self._conv_history(cache, step), qkv.transpose(1, 2)], dim=2)  # [B, conv_dim, kernel + T]
+        if step.start == 0:  # zero history: HF's own call (padding, then the first T outputs)
+            conv = F.conv1d(extended[..., self.kernel_size:], self.conv_weight, padding=self.kernel_size - 1,
+                            groups=self.conv_dim)[..., :T]
+        else:
+            conv = F.conv1d(extended[..., 1:], self.conv_weight, groups=self.conv_dim)
+        conv_out = F.silu(conv).transpose(1, 2)
+        # Conv state: the inputs at positions L - kernel .. L - 1 of a row that reaches L = start +
+        # length tokens, in their circular columns p % kernel. extended[..., j] is position
+        # start - kernel + j.
+        positions = step.start + step.lengths[:, None] + torch.arange(-self.kernel_size, 0, device=x.device)
+        inputs = extended.gather(2, (positions - step.start + self.kernel_size)[:, None, :].expand(B, self.conv_dim, -1))
         conv_state = torch.empty_like(inputs).scatter_(
             2, (positions % self.kernel_size)[:, None, :].expand(B, self.conv_dim, -1), inputs)
         cache.conv.index_copy_(0, step.slots, conv_state)
@@ -176,11 +193,12 @@ class GatedDeltaNet(nn.Module):
         # HF: g = -exp(A_log) * softplus(a + dt_bias) in fp32; beta = sigmoid(b) in the model dtype.
         g = decay_gate(self.A_log, a, self.dt_bias)
         beta = b.sigmoid()
+        initial = cache.recurrent[step.slots] if step.start > 0 else None  # the earlier chunks' state
         if step.token_mask is None:
-            o, final = chunk_gated_delta_rule(q, k, v, g, beta, self.head_k_dim ** -0.5, None, True, True)
+            o, final = chunk_gated_delta_rule(q, k, v, g, beta, self.head_k_dim ** -0.5, initial, True, True)
         else:  # padded batch: the real tokens as one packed varlen sequence (padding never enters the state)
             packed = [t[step.token_mask][None] for t in (q, k, v, g, beta)]
-            o_packed, final = chunk_gated_delta_rule(*packed, self.head_k_dim ** -0.5, None, True, True,
+            o_packed, final = chunk_gated_delta_rule(*packed, self.head_k_dim ** -0.5, initial, True, True,
                                                      step.cu_seqlens)
             o = v.new_zeros(v.shape)
             o[step.token_mask] = o_packed[0]
@@ -268,12 +286,19 @@ class GatedAttention(nn.Module):
     def prefill(self, x: torch.Tensor, cache: AttentionCache, step: PrefillStep) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v, gate = self._project(x, step.cos, step.sin)
-        cache.key[step.slots, :, :T] = k
-        cache.value[step.slots, :, :T] = v
-        # Causal attention over the prompt (SDPA; HF's sdpa path). Right padding: a real query only
-        # sees earlier positions, which are real; the padded positions' K/V land in the cache beyond
-        # the row's length, where decode masks them out and overwrites them.
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        end = step.start + T
+        cache.key[step.slots, :, step.start:end] = k
+        cache.value[step.slots, :, step.start:end] = v
+        # Causal attention (SDPA; HF's sdpa path). Right padding: a real query only sees earlier
+        # positions, which are real; the padded positions' K/V land in the cache beyond the row's
+        # length, where decode masks them out and overwrites them. A later chunk attends to the
+        # cache's first ``start`` columns too: query i (position start + i) sees keys 0 .. start + i.
+        if step.start == 0:
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        else:
+            visible = torch.arange(end, device=x.device)[None, :] <= torch.arange(step.start, end, device=x.device)[:, None]
+            attn = F.scaled_dot_product_attention(q, cache.key[step.slots, :, :end], cache.value[step.slots, :, :end],
+                                                  attn_mask=visible, scale=self.scale, enable_gqa=True)
         return self._output(attn, gate)
 
     def decode(self, x: torch.Tensor, cache: AttentionCache, step: DecodeStep) -> torch.Tensor:

@@ -144,9 +144,10 @@ class Qwen35(nn.Module):
         return normed
 
     def _prefill(self, input_ids: torch.Tensor, lengths: list[int], cache: Qwen35Cache,
-                 slots: torch.Tensor) -> torch.Tensor:
-        """Fresh prefill of B requests into cache slots ``slots`` [B] (right-padded, real lengths
-        on the host); returns the final normed hidden states [B, T, D]. Other slots are untouched."""
+                 slots: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Prefill B requests' next T tokens (right-padded; real lengths on the host) into cache
+        slots ``slots`` [B] after the ``start`` tokens each already has there (0: fresh requests);
+        returns the final normed hidden states [B, T, D]. Other slots are untouched."""
         B, T = input_ids.shape
         device = input_ids.device
         lengths_dev = torch.tensor(lengths, dtype=torch.int64, device=device)
@@ -155,11 +156,11 @@ class Qwen35(nn.Module):
             token_mask = torch.arange(T, device=device)[None, :] < lengths_dev[:, None]
             cu_seqlens = F.pad(torch.cumsum(lengths_dev, 0), (1, 0)).to(torch.int32)
             input_ids = input_ids.masked_fill(~token_mask, 0)  # padding ids may be anything
-        cos, sin = self._rotary(torch.arange(T, device=device))
-        step = PrefillStep(slots, lengths_dev, token_mask, cu_seqlens, cos[None, :, None], sin[None, :, None])
+        cos, sin = self._rotary(torch.arange(start, start + T, device=device))
+        step = PrefillStep(slots, start, lengths_dev, token_mask, cu_seqlens, cos[None, :, None], sin[None, :, None])
         hidden = self._layers(F.embedding(input_ids, self.embed_tokens),
                               lambda mixer, x, i: mixer.prefill(x, cache.layers[i], step))
-        cache.lengths.index_copy_(0, slots, lengths_dev)
+        cache.lengths.index_copy_(0, slots, lengths_dev + start)
         cache.active.index_fill_(0, slots, True)
         return hidden
 
@@ -176,19 +177,38 @@ class Qwen35(nn.Module):
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, cache: Qwen35Cache, attention_mask: torch.Tensor | None = None,
-                slots: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+                slots: Sequence[int] | torch.Tensor | None = None, chunk_size: int | None = None) -> torch.Tensor:
         """Start B fresh requests: row i of the right-padded prompts (``attention_mask`` as in
         :meth:`forward`) goes into cache slot ``slots[i]`` (default: slots 0 .. B-1), which
         becomes active at the prompt's length. Other slots are untouched: requests already
         decoding in them go on. Returns the logits of each row's last real token [B, vocab].
-        Host-side checks and lengths (not graph-captured)."""
+
+        ``chunk_size``: process the prompts ``chunk_size`` tokens at a time (each chunk continues
+        from the GDN recurrent and conv state and the K/V its earlier chunks left in the cache;
+        rows whose prompt has ended drop out), which bounds one call's work and temporaries. The
+        result is the unchunked one up to summation order. Host-side checks and lengths (not
+        graph-captured)."""
         lengths = self.check_prompt(input_ids, attention_mask)
         B = input_ids.shape[0]
         slots = self._check_slots(cache, B, slots)
         self.check_cache(cache, max(lengths), 0)
-        input_ids = input_ids[:, : max(lengths)]  # trailing all-padding columns carry nothing
-        hidden = self._prefill(input_ids, lengths, cache, slots)
-        last = hidden[torch.arange(B, device=hidden.device), cache.lengths[slots] - 1]
+        longest = max(lengths)
+        if chunk_size is None:
+            chunk_size = longest
+        elif not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+            raise ValueError(f"chunk_size: expected None or an int >= 1, got {chunk_size!r}")
+        last = torch.empty(B, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        for start in range(0, longest, chunk_size):
+            rows = [r for r in range(B) if lengths[r] > start]
+            chunk_lengths = [min(chunk_size, lengths[r] - start) for r in rows]
+            index = torch.tensor(rows, device=self.device)
+            chunk = input_ids[index, start:start + max(chunk_lengths)]
+            hidden = self._prefill(chunk, chunk_lengths, cache, slots[index], start)
+            ending = [i for i, r in enumerate(rows) if lengths[r] <= start + chunk_size]  # last chunk of these rows
+            if ending:
+                picked = torch.tensor(ending, device=self.device)
+                positions = torch.tensor([chunk_lengths[i] - 1 for i in ending], device=self.device)
+                last[index[picked]] = hidden[picked, positions]
         return F.linear(last, self.lm_head_weight)
 
     @torch.no_grad()
