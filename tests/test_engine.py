@@ -68,6 +68,27 @@ def test_requests_joining_and_leaving_at_random_steps_get_their_solo_output(mode
     assert len({r.slot for r in requests}) <= engine.max_batch  # slots were reused
 
 
+def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(model):
+    """A prefill budget of 5 tokens a step: a 17-token prompt arriving while another request
+    decodes takes 4 steps to prefill, the running request gets a token in each of them, and both
+    give their solo outputs (also a prompt longer than the budget admitted alone)."""
+    engine = Engine(model, max_batch=2, max_len=32, max_prefill_tokens=5)
+    short, long = prompt(3, 50), prompt(17, 51)
+    solo = [token_ids(Engine(model, max_batch=1, max_len=32).generate([p], greedy(8)))[0] for p in (short, long)]
+    running = engine.add_request(short, greedy(8))
+    engine.step()  # prefill the short prompt, launch its first decode step
+    late = engine.add_request(long, greedy(8))
+    progress = []
+    while not late.prompt_computed:
+        engine.step()
+        progress.append((late.num_prompt_computed, len(running.output_token_ids)))
+    assert [done for done, _ in progress] == [5, 10, 15, 17]
+    assert [tokens for _, tokens in progress] == [2, 3, 4, 5]  # one decode step per prefill chunk
+    engine.run()
+    assert [running.output_token_ids, late.output_token_ids] == solo
+    assert token_ids(engine.generate([long], greedy(8))) == [solo[1]]
+
+
 def test_seeded_sampling_is_the_same_alone_and_in_any_batch(model, engine):
     params = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     target = prompt(7, 5)

@@ -82,7 +82,7 @@ def launch_audit(engine_or_runner: Engine | ModelRunner, requests: int, steps: i
         if bool(runner.cache.active.any()):
             raise RuntimeError("launch_audit needs an idle runner (no active slot)")
         started = [Request(f"audit-{slot}", [0], params, seed=0, stop_ids=(), slot=slot) for slot in range(requests)]
-        runner.prefill(started)
+        runner.prefill([(request, 0, 1) for request in started])
         batch = runner.batch_size_for(requests)
         runner.decode(batch, False)  # kernels warm
     torch.cuda.synchronize(runner.device)

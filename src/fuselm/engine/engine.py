@@ -6,8 +6,9 @@ public methods (nano-vllm's shape).
     outputs[0].outputs[0].token_ids
 
 One ``step()``: the scheduler admits waiting requests into free slots and the runner prefills
-them (their first tokens come from the prefill's logits); then the runner launches one decode
-step over the running slots and the host reads the step before it. Decode is pipelined one step
+up to ``max_prefill_tokens`` prompt tokens (a long prompt in chunks over several steps; a first
+token comes from the logits of a prompt's last chunk); then the runner launches one decode step
+over the requests whose prompts are in, and the host reads the step before it. Decode is pipelined one step
 deep: step n+1 is on the GPU while the host appends step n's ids, detokenizes and checks stop
 conditions, so the host's work hides behind the GPU's. A request that ends on the host (a stop
 string) is one step late on the device; that extra step writes only its own slot and is
@@ -60,8 +61,9 @@ class Engine:
         max_batch: requests running at once (cache slots); more wait in a queue.
         max_len: tokens per request (prompt + generated).
         graph_batch_sizes: decode graphs to capture (clipped to max_batch, which is added).
-        max_prefill_tokens: prompt tokens prefilled in one step (default: max_batch * max_len);
-            at least one request is always admitted.
+        max_prefill_tokens: prompt tokens prefilled in one step (default: max_batch * max_len):
+            a longer prompt is prefilled in chunks over several steps, decode steps of the
+            running requests between them, so one long prompt cannot stall them.
         seed: seeds the seeds drawn for requests that bring none (None: fresh entropy).
         use_graphs: capture CUDA graphs (default: when the model is on CUDA).
     """
@@ -167,29 +169,32 @@ class Engine:
         return updated
 
     def step(self) -> list[Request]:
-        """Admit and prefill what can start, launch one decode step, read the one before it.
-        Returns the requests that got a token (finished ones included)."""
+        """Prefill this step's prompt chunks (the scheduler's budget), launch one decode step over
+        the requests whose prompts are in, read the step before it. Returns the requests that got
+        a token (finished ones included)."""
         updated = []
-        admitted = self.scheduler.admit()
-        if admitted:
+        plan = self.scheduler.schedule_prefill()
+        if plan:
             if self._in_flight is not None:  # prefill reads ids anyway: take the in-flight step first
                 updated += self._read(self._in_flight)
                 self._in_flight = None
-            _, first = self.runner.prefill(admitted)
+            completed, first = self.runner.prefill(plan)
+            for request, _, count in plan:
+                self.scheduler.prefilled(request, count)
             now = time.perf_counter()
-            for request, token in zip(admitted, first.tolist()):
+            for request, token in zip(completed, first.tolist()):
                 self._append(request, token, now)
-            updated += admitted
+            updated += completed
         launched = None
-        if self.scheduler.running:
-            running = self.scheduler.running
+        decoding = self.scheduler.decoding()
+        if decoding:
             batch = self.runner.batch_size_for(self.scheduler.slots_in_use())
-            _, ids = self.runner.decode(batch, any(r.params.filtered for r in running.values()))
-            launched = _Launched(ids, running)
+            _, ids = self.runner.decode(batch, any(r.params.filtered for r in decoding.values()))
+            launched = _Launched(ids, decoding)
         if self._in_flight is not None:
             updated += self._read(self._in_flight)
         self._in_flight = launched
-        if launched is not None and not self.scheduler.running:  # everyone ended on the step before
+        if launched is not None and not self.scheduler.decoding():  # everyone ended on the step before
             self._in_flight = None
         return updated
 

@@ -135,6 +135,7 @@ class Request:
     prompt: str | None = None
     detokenizer: object | None = None
     slot: int | None = None
+    num_prompt_computed: int = 0  # prompt tokens in the cache (a long prompt is prefilled over several steps)
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
@@ -151,6 +152,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def prompt_computed(self) -> bool:
+        """Its whole prompt is in the cache: it decodes."""
+        return self.num_prompt_computed == len(self.prompt_token_ids)
 
     def output(self) -> RequestOutput:
         text = None if self.detokenizer is None else self.detokenizer.text

@@ -6,7 +6,9 @@ state), ``SlotSampling`` (each slot's sampling parameters and stop counters) and
 once. A request owns one slot from its prefill to its end.
 
 Prefill (eager, host-side lengths): ``model.prefill`` writes the new requests' state into their
-slots and leaves every other slot alone; their first tokens are drawn from its logits.
+slots and leaves every other slot alone; their first tokens are drawn from its logits. A prompt
+may come in chunks over several calls (``model.prefill(..., start=)`` continues from the state
+its earlier chunks left); its slot decodes only once the whole prompt is in.
 
 Decode step (what a graph holds), for batch size b, on the cache's first b slots
 (``Qwen35Cache.first_rows``: views, same addresses):
@@ -75,23 +77,41 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------ prefill
     @torch.no_grad()
-    def prefill(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Start ``requests`` (each with its ``slot`` set): their prompts right-padded into one
-        prefill, their sampling parameters into their slots, their first tokens drawn. Returns
-        (last-token logits [n, V], first ids [n]) on the device; other slots are untouched."""
-        slots = torch.tensor([r.slot for r in requests], dtype=torch.int64, device=self.device)
-        longest = max(len(r.prompt_token_ids) for r in requests)
-        ids = torch.tensor([r.prompt_token_ids + [0] * (longest - len(r.prompt_token_ids)) for r in requests])
-        mask = None
-        if any(len(r.prompt_token_ids) < longest for r in requests):
-            mask = torch.tensor([[1] * len(r.prompt_token_ids) + [0] * (longest - len(r.prompt_token_ids))
-                                 for r in requests]).to(self.device)
-        self.sampling.assign(requests, slots)
-        logits = self.model.prefill(ids.to(self.device), self.cache, mask, slots)
-        first = self.sampling.sample_and_advance(logits, self.cache.active, any(r.params.filtered for r in requests),
-                                                 slots)
-        self.input_tokens.index_copy_(0, slots, first)
-        return logits, first
+    def prefill(self, plan: list[tuple[Request, int, int]]) -> tuple[list[Request], torch.Tensor]:
+        """Prefill ``plan``'s chunks: (request, first prompt position, tokens), each request with
+        its ``slot`` set. Chunks that start together go through one right-padded prefill; a
+        request starting at position 0 gets its sampling parameters in its slot. Requests whose
+        prompt ends with this chunk get their first token drawn; the others stay inactive until
+        their last chunk. Returns (those requests, their first ids [n] on the device); other slots
+        are untouched."""
+        completed, logits, slots = [], [], []
+        for start in sorted({start for _, start, _ in plan}):
+            chunks = [(request, count) for request, first, count in plan if first == start]
+            requests = [request for request, _ in chunks]
+            group_slots = torch.tensor([r.slot for r in requests], dtype=torch.int64, device=self.device)
+            if start == 0:
+                self.sampling.assign(requests, group_slots)
+            rows = [r.prompt_token_ids[start:start + count] for r, count in chunks]
+            longest = max(len(row) for row in rows)
+            ids = torch.tensor([row + [0] * (longest - len(row)) for row in rows]).to(self.device)
+            mask = None
+            if any(len(row) < longest for row in rows):
+                mask = torch.tensor([[1] * len(row) + [0] * (longest - len(row)) for row in rows]).to(self.device)
+            group_logits = self.model.prefill(ids, self.cache, mask, group_slots, start=start)
+            for index, (request, count) in enumerate(chunks):
+                if start + count == len(request.prompt_token_ids):
+                    completed.append(request)
+                    logits.append(group_logits[index])
+                    slots.append(request.slot)
+                else:
+                    self.cache.active[request.slot] = False  # mid-prompt: no decode step yet
+        if not completed:
+            return [], torch.empty(0, dtype=torch.int64, device=self.device)
+        slot_tensor = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        first = self.sampling.sample_and_advance(torch.stack(logits), self.cache.active,
+                                                 any(r.params.filtered for r in completed), slot_tensor)
+        self.input_tokens.index_copy_(0, slot_tensor, first)
+        return completed, first
 
     def release(self, slots: Sequence[int]) -> None:
         """Mark slots inactive (their requests ended on the host: a stop string, an abort). One

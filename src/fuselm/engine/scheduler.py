@@ -1,9 +1,13 @@
-"""Scheduler: which requests wait, which run, and which cache slot each one owns.
+"""Scheduler: which requests wait, which run, which cache slot each one owns, and which prompt
+tokens are prefilled in the next step.
 
-Requests wait in arrival order. ``admit`` gives waiting requests the lowest free slots (so the
-running slots stay packed at the bottom and the decode graph stays small) and returns them for
-prefill; ``finish`` frees a request's slot for the next one. A running request keeps its slot
-for its whole life: its state never moves.
+Requests wait in arrival order. Each step, ``schedule_prefill`` spends a budget of
+``max_prefill_tokens`` prompt tokens: first on the prompts already admitted but not yet wholly
+in the cache, then on waiting requests, which get the lowest free slots (so the running slots
+stay packed at the bottom and the decode graph stays small). A long prompt is so prefilled over
+several steps, and the requests already decoding take a decode step between its chunks.
+``finish`` frees a request's slot for the next one. A running request keeps its slot for its
+whole life: its state never moves.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from fuselm.engine.request import Request
 
 
 class Scheduler:
-    """Slots 0 .. max_batch-1; ``max_prefill_tokens`` bounds the prompt tokens of one prefill
-    (at least one request is always admitted when a slot is free)."""
+    """Slots 0 .. max_batch-1; at most ``max_prefill_tokens`` (>= 1) prompt tokens prefilled per step."""
 
     def __init__(self, max_batch: int, max_prefill_tokens: int):
+        if not isinstance(max_prefill_tokens, int) or isinstance(max_prefill_tokens, bool) or max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens: expected an int >= 1, got {max_prefill_tokens!r}")
         self.waiting: deque[Request] = deque()
-        self.running: dict[int, Request] = {}  # slot -> request
+        self.running: dict[int, Request] = {}  # slot -> request (prefilling or decoding)
+        self.prefilling: deque[Request] = deque()  # admitted, prompt not yet wholly in the cache
         self._free_slots = list(range(max_batch))
         self.max_prefill_tokens = max_prefill_tokens
 
@@ -30,19 +36,36 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def admit(self) -> list[Request]:
-        """Waiting requests that get a slot now, in arrival order (empty when none can)."""
-        admitted, tokens = [], 0
-        while self.waiting and self._free_slots:
-            request = self.waiting[0]
-            if admitted and tokens + len(request.prompt_token_ids) > self.max_prefill_tokens:
-                break
-            self.waiting.popleft()
+    def schedule_prefill(self) -> list[tuple[Request, int, int]]:
+        """This step's prefill work as (request, first prompt position, tokens): the prompts in
+        progress first, then newly admitted ones, within the token budget. Empty when there is
+        none."""
+        plan, budget = [], self.max_prefill_tokens
+        for request in self.prefilling:
+            if budget == 0:
+                return plan
+            count = min(budget, len(request.prompt_token_ids) - request.num_prompt_computed)
+            plan.append((request, request.num_prompt_computed, count))
+            budget -= count
+        while self.waiting and self._free_slots and budget:
+            request = self.waiting.popleft()
             request.slot = heapq.heappop(self._free_slots)
             self.running[request.slot] = request
-            admitted.append(request)
-            tokens += len(request.prompt_token_ids)
-        return admitted
+            self.prefilling.append(request)
+            count = min(budget, len(request.prompt_token_ids))
+            plan.append((request, 0, count))
+            budget -= count
+        return plan
+
+    def prefilled(self, request: Request, tokens: int) -> None:
+        """``tokens`` more of ``request``'s prompt are in the cache."""
+        request.num_prompt_computed += tokens
+        if request.prompt_computed:
+            self.prefilling.remove(request)
+
+    def decoding(self) -> dict[int, Request]:
+        """slot -> request of the running requests whose prompt is wholly in the cache."""
+        return {slot: request for slot, request in self.running.items() if request.prompt_computed}
 
     def slots_in_use(self) -> int:
         """1 + the highest running slot (0 when none runs): the decode step must cover these."""
@@ -53,5 +76,7 @@ class Scheduler:
         if request.slot is not None and self.running.get(request.slot) is request:
             del self.running[request.slot]
             heapq.heappush(self._free_slots, request.slot)
+            if request in self.prefilling:
+                self.prefilling.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)

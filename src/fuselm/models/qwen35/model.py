@@ -177,7 +177,8 @@ class Qwen35(nn.Module):
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, cache: Qwen35Cache, attention_mask: torch.Tensor | None = None,
-                slots: Sequence[int] | torch.Tensor | None = None, chunk_size: int | None = None) -> torch.Tensor:
+                slots: Sequence[int] | torch.Tensor | None = None, chunk_size: int | None = None,
+                start: int = 0) -> torch.Tensor:
         """Start B fresh requests: row i of the right-padded prompts (``attention_mask`` as in
         :meth:`forward`) goes into cache slot ``slots[i]`` (default: slots 0 .. B-1), which
         becomes active at the prompt's length. Other slots are untouched: requests already
@@ -185,26 +186,30 @@ class Qwen35(nn.Module):
 
         ``chunk_size``: process the prompts ``chunk_size`` tokens at a time (each chunk continues
         from the GDN recurrent and conv state and the K/V its earlier chunks left in the cache;
-        rows whose prompt has ended drop out), which bounds one call's work and temporaries. The
-        result is the unchunked one up to summation order. Host-side checks and lengths (not
-        graph-captured)."""
+        rows whose prompt has ended drop out), which bounds one call's work and temporaries.
+        ``start``: the slots already hold the first ``start`` tokens of these prompts (an earlier
+        call's), and ``input_ids`` are the tokens after them: a prompt prefilled over several calls
+        (a server interleaving a long prompt with decode steps). Either way the result is the
+        one-call one up to summation order. Host-side checks and lengths (not graph-captured)."""
         lengths = self.check_prompt(input_ids, attention_mask)
         B = input_ids.shape[0]
         slots = self._check_slots(cache, B, slots)
-        self.check_cache(cache, max(lengths), 0)
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            raise ValueError(f"start: expected an int >= 0, got {start!r}")
+        self.check_cache(cache, start + max(lengths), 0)
         longest = max(lengths)
         if chunk_size is None:
             chunk_size = longest
         elif not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
             raise ValueError(f"chunk_size: expected None or an int >= 1, got {chunk_size!r}")
         last = torch.empty(B, self.config.hidden_size, dtype=self.dtype, device=self.device)
-        for start in range(0, longest, chunk_size):
-            rows = [r for r in range(B) if lengths[r] > start]
-            chunk_lengths = [min(chunk_size, lengths[r] - start) for r in rows]
+        for offset in range(0, longest, chunk_size):
+            rows = [r for r in range(B) if lengths[r] > offset]
+            chunk_lengths = [min(chunk_size, lengths[r] - offset) for r in rows]
             index = torch.tensor(rows, device=self.device)
-            chunk = input_ids[index, start:start + max(chunk_lengths)]
-            hidden = self._prefill(chunk, chunk_lengths, cache, slots[index], start)
-            ending = [i for i, r in enumerate(rows) if lengths[r] <= start + chunk_size]  # last chunk of these rows
+            chunk = input_ids[index, offset:offset + max(chunk_lengths)]
+            hidden = self._prefill(chunk, chunk_lengths, cache, slots[index], start + offset)
+            ending = [i for i, r in enumerate(rows) if lengths[r] <= offset + chunk_size]  # last chunk of these rows
             if ending:
                 picked = torch.tensor(ending, device=self.device)
                 positions = torch.tensor([chunk_lengths[i] - 1 for i in ending], device=self.device)
