@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from fuselm.bench.generate import request_timings
+
 
 def _clear():
     gc.collect()
@@ -56,9 +58,10 @@ def load_fuselm(directory: Path):
 
 
 def decode_figures(output) -> dict:
-    metrics, tokens = output.metrics, len(output.outputs[0].token_ids)
-    return {"tokens": tokens, "ttft_ms": 1e3 * (metrics.first_token_time - metrics.arrival_time),
-            "decode_tok_s": (tokens - 1) / (metrics.finished_time - metrics.first_token_time)}
+    """One request's time to first token and decode tok/s (``request_timings`` of it alone)."""
+    timings = request_timings([output])
+    return {"tokens": len(output.outputs[0].token_ids), "ttft_ms": 1e3 * timings["prefill_seconds"],
+            "decode_tok_s": timings["decode_tokens_per_s"]}
 
 
 def main() -> None:

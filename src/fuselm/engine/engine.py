@@ -27,7 +27,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from fuselm.engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from fuselm.engine.request import (FinishReason, Request, RequestOutput, SamplingParams, is_token_ids,
+                                   params_per_prompt)
 from fuselm.engine.runner import DEFAULT_GRAPH_BATCH_SIZES, ModelRunner
 from fuselm.engine.scheduler import Scheduler
 from fuselm.models.qwen35 import Qwen35
@@ -198,6 +199,19 @@ class Engine:
             self._in_flight = None
         return updated
 
+    def add_requests(self, requests: Sequence[dict]) -> list[Request]:
+        """Queue several requests, each given as ``add_request``'s keyword arguments, all or none:
+        when one is refused, none of them stays queued and the error names it as ``prompts[i]``."""
+        added = []
+        try:
+            for arguments in requests:
+                added.append(self.add_request(**arguments))
+        except (ValueError, TypeError) as error:
+            for request in added:
+                self.abort(request)
+            raise type(error)(f"prompts[{len(added)}]: {error}") from None
+        return added
+
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
                  stream: Callable[[Request], None] | None = None) -> list[RequestOutput]:
         """Run token-id prompts to the end; one ``RequestOutput`` per prompt, in order.
@@ -205,17 +219,14 @@ class Engine:
         prompts: a list of token-id lists (or one list of ints, or an int tensor [B, T] / [T]);
         params: one ``SamplingParams`` for all, or one per prompt; stream: called with each
         request that got tokens, after every step. Every prompt is checked before any runs."""
-        prompts = self._token_prompts(prompts)
-        params_list = self._params_list(params, len(prompts))
-        requests = []
-        try:
-            for prompt, request_params in zip(prompts, params_list):
-                requests.append(self.add_request(prompt, request_params))
-        except (ValueError, TypeError) as error:
-            for request in requests:
-                self.scheduler.finish(request)
-            index = len(requests)
-            raise type(error)(f"prompts[{index}]: {error}") from None
+        if isinstance(prompts, torch.Tensor):
+            prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError(f"prompts: expected a non-empty list of token-id lists, got {prompts!r}")
+        if is_token_ids(prompts):
+            prompts = [prompts]
+        requests = self.add_requests([{"prompt_token_ids": prompt, "params": request_params}
+                                      for prompt, request_params in zip(prompts, params_per_prompt(params, len(prompts)))])
         self.run(stream)
         return [r.output() for r in requests]
 
@@ -225,23 +236,3 @@ class Engine:
             for request in self.step():
                 if stream is not None:
                     stream(request)
-
-    # ------------------------------------------------------------------------ argument shapes
-    @staticmethod
-    def _token_prompts(prompts) -> list[list[int]]:
-        if isinstance(prompts, torch.Tensor):
-            prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError(f"prompts: expected a non-empty list of token-id lists, got {prompts!r}")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-            return [list(prompts)]
-        return [p.tolist() if isinstance(p, torch.Tensor) else p for p in prompts]
-
-    @staticmethod
-    def _params_list(params, count: int) -> list[SamplingParams]:
-        if params is None or isinstance(params, SamplingParams):
-            return [params or SamplingParams()] * count
-        params = list(params)
-        if len(params) != count:
-            raise ValueError(f"params: {len(params)} SamplingParams for {count} prompts")
-        return params

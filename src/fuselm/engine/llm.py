@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from fuselm.engine.engine import Engine
-from fuselm.engine.request import Request, RequestOutput, SamplingParams
+from fuselm.engine.request import Request, RequestOutput, SamplingParams, is_token_ids, params_per_prompt
 from fuselm.models.qwen35 import Qwen35
 from fuselm.models.qwen35.weights import read_checkpoint_config
 from fuselm.tokenizer import Tokenizer
@@ -58,36 +58,26 @@ class LLM:
         return SamplingParams(**self._defaults)
 
     # ------------------------------------------------------------------------ requests
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return None, list(prompt)
-        raise TypeError(f"prompts: expected strings or lists of token ids, got {type(prompt).__name__}")
-
     def _add(self, prompts, params) -> list[Request]:
         """Tokenize and queue every prompt; nothing is queued unless all are valid."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)):
+        if isinstance(prompts, str) or is_token_ids(prompts):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError(f"prompts: expected a string, a list of strings or of token-id lists, got {prompts!r}")
-        if params is None:
-            params = self.get_default_sampling_params()
-        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(params_list) != len(prompts) or any(not isinstance(p, SamplingParams) for p in params_list):
-            raise ValueError(f"params: expected one SamplingParams, or one per prompt ({len(prompts)})")
+        params_list = params_per_prompt(self.get_default_sampling_params() if params is None else params, len(prompts))
         requests = []
-        try:
-            for index, (prompt, request_params) in enumerate(zip(prompts, params_list)):
-                text, ids = self._prompt_ids(prompt)
-                detokenizer = self.tokenizer.detokenizer(ids, skip_special_tokens=True, stop=request_params.stop)
-                requests.append(self.engine.add_request(ids, request_params, prompt=text, detokenizer=detokenizer))
-        except (ValueError, TypeError) as error:
-            for request in requests:
-                self.engine.abort(request)
-            raise type(error)(f"prompts[{index}]: {error}") from None
-        return requests
+        for index, (prompt, request_params) in enumerate(zip(prompts, params_list)):
+            if isinstance(prompt, str):
+                text, ids = prompt, self.tokenizer.encode(prompt)
+            elif is_token_ids(prompt) or prompt == []:
+                text, ids = None, list(prompt)
+            else:
+                raise TypeError(f"prompts[{index}]: expected a string or a list of token ids, got "
+                                f"{type(prompt).__name__}")
+            detokenizer = self.tokenizer.detokenizer(ids, skip_special_tokens=True, stop=request_params.stop)
+            requests.append({"prompt_token_ids": ids, "params": request_params, "prompt": text,
+                             "detokenizer": detokenizer})
+        return self.engine.add_requests(requests)
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
                  stream: Callable[[Request], None] | None = None) -> list[RequestOutput]:

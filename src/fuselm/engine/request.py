@@ -10,6 +10,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Sequence
 
 
 def _is_int(value) -> bool:
@@ -18,6 +19,11 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_token_ids(value) -> bool:
+    """A non-empty list (or tuple) of ints: one prompt given as token ids."""
+    return isinstance(value, (list, tuple)) and bool(value) and all(_is_int(t) for t in value)
 
 
 @dataclass
@@ -76,6 +82,19 @@ class SamplingParams:
     def filtered(self) -> bool:
         """True when top-k or top-p removes tokens before the draw (the sampler's costlier path)."""
         return not self.greedy and (self.top_k > 0 or self.top_p < 1)
+
+
+def params_per_prompt(params: "SamplingParams | Sequence[SamplingParams] | None", count: int) -> list["SamplingParams"]:
+    """One SamplingParams per prompt: ``params`` for all (None: ``SamplingParams()``), or a
+    sequence of exactly ``count`` of them; ValueError / TypeError naming ``params`` otherwise."""
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"params: {len(params)} SamplingParams for {count} prompts")
+    if any(not isinstance(p, SamplingParams) for p in params):
+        raise TypeError("params: expected SamplingParams objects")
+    return params
 
 
 @dataclass

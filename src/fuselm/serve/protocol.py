@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from fuselm.engine.request import SamplingParams
+from fuselm.engine.request import SamplingParams, is_token_ids
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """``max_tokens`` of a completion request that gives none (OpenAI's default); chat requests
@@ -233,17 +233,13 @@ def check_model(body: Mapping, served_name: str) -> None:
                        "model")
 
 
-def _is_token_ids(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
-
-
 def _completion_prompt(prompt, tokenizer, no_tokenizer_reason: str) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of a completion request's ``prompt``."""
     if prompt is None:
         raise bad_request("prompt is required: a string or a list of token ids", "prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one prompt
-    if _is_token_ids(prompt):
+    if isinstance(prompt, list) and is_token_ids(prompt):
         return None, list(prompt)
     if isinstance(prompt, str):
         if tokenizer is None:
