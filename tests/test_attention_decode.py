@@ -212,3 +212,75 @@ def test_failed_call_writes_nothing():
         with pytest.raises(ValueError):
             call()
         assert torch.equal(inputs["key_cache"], before) and bool((q_out == 7.0).all())
+
+
+# ----------------------------------------------------------------------------- decode_attention
+from fuselm.ops.attention_decode import decode_attention, decode_attention_ref  # noqa: E402
+
+ATTENTION_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+ATTENTION_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def attention_inputs(B, num_heads, num_kv_heads, head_dim, L, dtype, lengths, seed=0):
+    """Caches with one spare row and every column past a row's length poisoned with NaN (the
+    kernel must never read them)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, num_heads, head_dim, generator=g).to(DEVICE, dtype)
+    caches = [torch.randn(B + 1, num_kv_heads, L, head_dim, generator=g).to(DEVICE, dtype) for _ in range(2)]
+    lengths = torch.tensor(lengths, device=DEVICE)
+    past = torch.arange(L, device=DEVICE)[None, :] >= lengths[:, None]  # [B, L]
+    for cache in caches:
+        cache[:B].masked_fill_(past[:, None, :, None], float("nan"))
+    return q, *caches, lengths
+
+
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=str)
+@pytest.mark.parametrize("B, num_heads, num_kv_heads, head_dim, L, lengths", [
+    (1, 2, 2, 8, 5, [5]),               # MHA, one block
+    (3, 4, 2, 24, 37, [37, 1, 0]),      # odd head_dim, a one-token row and an empty row
+    (2, 16, 4, 64, 200, [200, 131]),    # GQA 4, several blocks and splits
+    (2, 6, 2, 40, 130, [65, 64]),       # group of 3 (padded), lengths at block edges
+])
+def test_decode_attention_matches_reference(B, num_heads, num_kv_heads, head_dim, L, lengths, dtype):
+    q, key_cache, value_cache, kv_lengths = attention_inputs(B, num_heads, num_kv_heads, head_dim, L, dtype, lengths)
+    out = decode_attention(q, key_cache, value_cache, kv_lengths, head_dim ** -0.5)
+    ref = decode_attention_ref(q.double(), key_cache.double(), value_cache.double(), kv_lengths, head_dim ** -0.5)
+    assert out.shape == (B, num_heads, head_dim) and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).abs().max() <= ATTENTION_TOL[dtype]
+    assert torch.equal(out[kv_lengths == 0], torch.zeros_like(out[kv_lengths == 0]))
+    # [B, nH, 1, hd] (the prep op's q layout) gives the same
+    assert torch.equal(decode_attention(q[:, :, None], key_cache, value_cache, kv_lengths, head_dim ** -0.5), out)
+
+
+def test_decode_attention_equals_masked_sdpa_in_the_model_layout():
+    """Against the masked SDPA the model's decode step used before (fp32, GQA)."""
+    q, key_cache, value_cache, kv_lengths = attention_inputs(3, 8, 2, 32, 50, torch.float32, [50, 7, 23], seed=4)
+    key_cache, value_cache = key_cache.nan_to_num(0.0), value_cache.nan_to_num(0.0)
+    mask = (torch.arange(50, device=DEVICE)[None, :] < kv_lengths[:, None])[:, None, None, :]
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], key_cache[:3], value_cache[:3], attn_mask=mask,
+                                                            scale=0.2, enable_gqa=True)[:, :, 0]
+    assert (decode_attention(q, key_cache, value_cache, kv_lengths, 0.2) - sdpa).abs().max() <= 2e-5
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda a: {**a, "q": a["q"].half()}, TypeError, "key_cache: dtype"),
+    (lambda a: {**a, "kv_lengths": a["kv_lengths"].float()}, TypeError, "kv_lengths"),
+    (lambda a: {**a, "kv_lengths": a["kv_lengths"][:1]}, ValueError, "kv_lengths"),
+    (lambda a: {**a, "q": a["q"][:, :3]}, ValueError, "q: 3 heads"),
+    (lambda a: {**a, "value_cache": a["value_cache"][:, :, :9]}, ValueError, "value_cache"),
+    (lambda a: {**a, "key_cache": a["key_cache"][..., :8]}, ValueError, "key_cache"),
+    (lambda a: {**a, "q": a["q"][:, :, :, None]}, ValueError, "q: expected"),
+])
+def test_decode_attention_bad_input_names_the_argument(change, error, match):
+    q, key_cache, value_cache, kv_lengths = attention_inputs(2, 4, 2, 16, 12, torch.float32, [12, 5])
+    arguments = {"q": q, "key_cache": key_cache, "value_cache": value_cache, "kv_lengths": kv_lengths, "scale": 0.25}
+    with pytest.raises(error, match=match):
+        decode_attention(**change(arguments))
+
+
+def test_decode_attention_lengths_past_the_cache_are_refused_on_the_cpu():
+    """(On a GPU the lengths are not read on the host: no sync.)"""
+    q, key_cache, value_cache, kv_lengths = attention_inputs(2, 4, 2, 16, 12, torch.float32, [12, 5])
+    with pytest.raises(ValueError, match=r"kv_lengths: values must be in \[0, 12\]"):
+        decode_attention(q.cpu(), key_cache.cpu(), value_cache.cpu(), kv_lengths.cpu() + 1, 0.25)

@@ -103,6 +103,24 @@ def test_seeded_sampling_is_the_same_alone_and_in_any_batch(model, engine):
     assert token_ids(engine.generate([target], top_k_1)) == token_ids(engine.generate([target], greedy(6)))
 
 
+def test_sampler_variants_draw_the_same_tokens(model, monkeypatch):
+    """A request with top-k runs with the top-k sampler (cut-offs from 64 candidates of the 256
+    logits) alone, and with the full-sort sampler beside a top-p-only request: same tokens."""
+    import fuselm.engine.sampling as sampling
+
+    monkeypatch.setattr(sampling, "TOP_K_CANDIDATES", 64)
+    engine = Engine(model, max_batch=4, max_len=32, seed=0)
+    params = SamplingParams(max_tokens=6, temperature=1.3, top_k=40, top_p=0.95, seed=77, ignore_eos=True)
+    top_p_only = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.8, seed=5, ignore_eos=True)
+    requests = [engine.add_request(prompt(9, 8), params), engine.add_request(prompt(5, 9), top_p_only)]
+    assert sampling.sampler_variant(requests[:1]) == sampling.TOP_K
+    assert sampling.sampler_variant(requests) == sampling.FULL
+    assert sampling.sampler_variant([engine.add_request(prompt(3, 1), greedy(2))]) == sampling.PLAIN
+    engine.run()
+    alone = token_ids(engine.generate([prompt(9, 8)], params))[0]
+    assert requests[0].output().outputs[0].token_ids == alone
+
+
 def test_stop_ids_end_a_request_and_leave_the_others(model, engine):
     p0, p1 = prompt(9, 11), prompt(5, 12)
     free = token_ids(engine.generate([p0, p1], greedy(8)))
@@ -182,6 +200,22 @@ def test_graph_replay_equals_eager_steps(model):
     eager = Engine(model, max_batch=4, max_len=32, use_graphs=False)
     assert graphs.runner.use_graphs and not eager.runner.use_graphs
     assert token_ids(graphs.generate(prompts, params)) == token_ids(eager.generate(prompts, params))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("budget", [None, 8])
+def test_prefill_graphs_equal_eager_prefill(model, budget):
+    """Prefill graphs (rows and tokens padded up to buckets, fresh and continued chunks, captured
+    on a bucket's first use and replayed after) give the eager engine's tokens; budget 8 splits
+    the 13- and 20-token prompts into chunks between decode steps."""
+    prompts = [prompt(n, 60 + i) for i, n in enumerate((9, 4, 13, 20, 7, 11))]
+    expected = token_ids(Engine(model, max_batch=4, max_len=32, max_prefill_tokens=budget,
+                                use_graphs=False).generate(prompts, greedy(5)))
+    engine = Engine(model, max_batch=4, max_len=32, max_prefill_tokens=budget)
+    decode_graphs = len(engine.runner._graphs)
+    for _ in range(2):  # the second pass replays what the first captured
+        assert token_ids(engine.generate(prompts, greedy(5))) == expected
+    assert len(engine.runner._graphs) > decode_graphs
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from conftest import DEVICE
 from fuselm import Qwen35, Qwen35Config
+from fuselm.models.qwen35.presets import random_qwen35, tiny_config
 
 transformers = pytest.importorskip("transformers")
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig  # noqa: E402
@@ -76,8 +77,8 @@ def greedy_run(models):
 
 # ----------------------------------------------------------------------------- parity with HF
 def test_forward_logits_match_hf_on_a_right_padded_batch(models):
-    """70 tokens (two GDN chunks of 64) and a row of 23: the padded row runs as a packed varlen
-    sequence; HF masks the padding itself. Compared at the real positions."""
+    """70 tokens (two GDN chunks of 64) and a row of 23: the padded row's padding enters the GDN
+    state with beta = g = 0 (no change); HF masks the padding itself. Compared at the real positions."""
     hf, model = models
     ids, lengths = prompt(2, 70, seed=2), [70, 23]
     mask = right_padding_mask(lengths, 70)
@@ -336,6 +337,41 @@ def test_chunked_prefill_equals_one_prefill(models, lengths, chunk_size):
         assert (logits - chunk_logits).abs().max() <= 1e-4
     with pytest.raises(ValueError, match="chunk_size"):
         model.prefill(ids, chunked, mask, slots=[2, 0], chunk_size=0)
+
+
+def test_prefill_step_padding_rows_and_tokens_change_nothing():
+    """What the engine's prefill graphs rely on: a chunk padded with extra tokens and with a
+    padding row that repeats row 0 (same slot, same ids) gives the exact-shape call's logits and
+    cache state, for fresh chunks and for continued ones (per-row starts 5 and 0)."""
+    model = random_qwen35(tiny_config(), dtype=torch.float32, device=DEVICE, seed=7)
+    ids = prompt(2, 12, seed=41)
+    caches = [model.new_cache(max_batch=3, max_len=40) for _ in range(2)]
+
+    def step(cache, pad, starts, lengths, fresh):
+        """Rows 0 and 1 of ids from starts, into slots 2 and 0; pad > 0: pad more tokens and a
+        third row repeating row 0."""
+        slots = [2, 0] + [2] * (pad > 0)
+        starts, lengths = starts + starts[:1] * (pad > 0), lengths + lengths[:1] * (pad > 0)
+        chunk = torch.zeros(len(slots), max(lengths) + pad, dtype=torch.int64, device=DEVICE)
+        for i, (start, n) in enumerate(zip(starts, lengths)):
+            chunk[i, :n] = ids[i % 2, start:start + n]
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=DEVICE)
+        return model.prefill_step(chunk, cache, as_tensor(slots), as_tensor(starts), as_tensor(lengths), fresh)[:2]
+
+    for cache, pad in zip(caches, (0, 7)):
+        first = step(cache, pad, [0, 0], [5, 9], True)
+        second = step(cache, pad, [5, 9], [7, 3], False)
+        if pad == 0:
+            expected = first, second
+    assert (first - expected[0]).abs().max() <= 1e-5 and (second - expected[1]).abs().max() <= 1e-5
+    exact, padded = caches
+    assert exact.lengths.tolist() == padded.lengths.tolist() == [12, 0, 12]
+    for a, b in zip(exact.layers, padded.layers):
+        for name in ("conv", "recurrent") if hasattr(a, "conv") else ("key", "value"):
+            x, y = getattr(a, name)[[2, 0]], getattr(b, name)[[2, 0]]
+            if name in ("key", "value"):
+                x, y = x[..., :12, :], y[..., :12, :]  # padding may write beyond a row's length
+            assert (x - y).abs().max() <= 1e-5, name
 
 
 def test_stop_ids_are_the_union_of_the_checkpoint_files():

@@ -96,6 +96,31 @@ def test_unfiltered_path_when_no_row_filters():
     assert torch.equal(ids, sample_tokens_ref(logits, *params, filtered=False))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_candidates_give_the_cut_offs_of_the_whole_row(dtype):
+    """keep_thresholds from the 16 largest logits of each row equals the one from the sorted row
+    (exactly) for rows that keep the promise: top-k in 1..16 with top-p on or off, or neither;
+    including rows whose k-th largest logit is tied with tokens past the 16 candidates (their
+    mass counts toward top-p)."""
+    n_rows, n_vocab = 8, 301
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(n_rows, n_vocab, generator=g) * 3).round()  # many ties
+    logits[0] = 0.0  # a flat row: every token tied
+    logits[1, :40] = 7.0  # 40 tokens tied for first place
+    logits = logits.to(DEVICE, dtype)
+    temperature = torch.tensor([1.0, 0.7, 1.3, 1.0, 2.0, 0.5, 1.0, 0.0], device=DEVICE)
+    top_k = torch.tensor([3, 16, 1, 5, 12, 0, 16, 4], dtype=torch.int32, device=DEVICE)
+    top_p = torch.tensor([0.5, 0.9, 1.0, 0.3, 1.0, 1.0, 0.999, 0.6], device=DEVICE)
+    whole = keep_thresholds(logits, temperature, top_k, top_p)
+    assert torch.equal(keep_thresholds(logits, temperature, top_k, top_p, candidates=16), whole)
+    assert torch.equal(keep_thresholds(logits, temperature, top_k, top_p, candidates=n_vocab + 5), whole)
+    assert whole[5] == float("-inf")  # no top-k, no top-p: every token kept
+    params = (temperature, top_k, top_p, torch.arange(n_rows, device=DEVICE) * 11, torch.full((n_rows,), 3, device=DEVICE))
+    assert torch.equal(sample_tokens(logits, *params, candidates=16), sample_tokens_ref(logits, *params))
+    with pytest.raises(ValueError, match="candidates"):
+        sample_tokens(logits, *params, candidates=0)
+
+
 def test_geometries_give_the_same_ids():
     """One split with many blocks (ids written directly), many single-block splits, ragged ends."""
     n_rows, n_vocab = 3, 4099
@@ -422,7 +447,8 @@ def test_cpu_without_interpreter_uses_reference(monkeypatch):
 def test_opcheck():
     """Schema, fake implementation and AOT dispatch of the custom op."""
     args = _args(3, 40)
-    torch.library.opcheck(torch.ops.fuselm.sample_tokens, (*args.values(), True))
+    torch.library.opcheck(torch.ops.fuselm.sample_tokens, (*args.values(), True, 0))
+    torch.library.opcheck(torch.ops.fuselm.sample_tokens, (*args.values(), True, 8))
 
 
 def test_compile_fullgraph():

@@ -164,7 +164,8 @@ def _generate_benchmark(args) -> int:
     device, dtype = _device_and_dtype(args)
     results, markdown = run_generate_benchmark(config, description, batch=args.batch, prompt_len=args.prompt_len,
                                                max_new_tokens=args.max_new_tokens, seed=args.seed, device=device,
-                                               dtype=dtype)
+                                               dtype=dtype, temperature=args.temperature or 0.0,
+                                               top_p=1.0 if args.top_p is None else args.top_p, top_k=args.top_k or 0)
     print("\n" + markdown)
     write_results(args.out, "generate", results, markdown)
     return 0
@@ -234,9 +235,10 @@ def _add_sampling_arguments(command, max_tokens, max_len) -> None:
     """The text commands' sampling, stop and model-loading flags (sampling defaults: the
     checkpoint's generation_config)."""
     command.add_argument("--max-tokens", type=int, default=max_tokens, help=f"new tokens at most ({TEXT_MAX_TOKENS})")
-    command.add_argument("--temperature", type=float, default=None, help="0: greedy (default: the checkpoint's)")
-    command.add_argument("--top-p", type=float, default=None, help="default: the checkpoint's")
-    command.add_argument("--top-k", type=int, default=None, help="0: off (default: the checkpoint's)")
+    command.add_argument("--temperature", type=float, default=None,
+                         help="0: greedy (default: the checkpoint's; --config: 0)")
+    command.add_argument("--top-p", type=float, default=None, help="default: the checkpoint's (--config: 1, off)")
+    command.add_argument("--top-k", type=int, default=None, help="0: off (default: the checkpoint's; --config: 0)")
     command.add_argument("--stop", nargs="+", default=None, metavar="STR", help="strings that end the reply")
     command.add_argument("--max-len", type=int, default=max_len,
                          help=f"prompt + reply tokens the cache holds ({TEXT_MAX_LEN})")
@@ -267,8 +269,7 @@ def _add_random_model_arguments(command, prompt_len: int, new_tokens: int, batch
 
 
 # generate's options by mode: with MODEL_DIR (text) or without it (the random-weight benchmark).
-_TEXT_OPTIONS = ("prompt", "chat", "system", "no_thinking", "max_tokens", "temperature", "top_p", "top_k", "stop",
-                 "max_len")
+_TEXT_OPTIONS = ("prompt", "chat", "system", "no_thinking", "max_tokens", "stop", "max_len")
 _BENCH_OPTIONS = ("prompt_len", "max_new_tokens", "batch", "out")
 
 

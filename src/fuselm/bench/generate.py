@@ -46,10 +46,12 @@ def request_timings(outputs: list[RequestOutput]) -> dict:
 
 def run_generate_benchmark(config: Qwen35Config, description: str, *, batch: int = 1, prompt_len: int = 32,
                            max_new_tokens: int = 16, seed: int = 0, device: torch.device,
-                           dtype: torch.dtype) -> tuple[dict, str]:
+                           dtype: torch.dtype, temperature: float = 0.0, top_p: float = 1.0,
+                           top_k: int = 0) -> tuple[dict, str]:
     """Build a random-weight model of ``config`` (weights and prompts from ``seed``) on ``device``
     in ``dtype``, run the batch and print what it does; returns (results for json, markdown
-    table). ``description`` names the model in the output. ValueError names a size below 1."""
+    table). ``description`` names the model in the output; sampling: greedy by default (each
+    request seeded from ``seed`` otherwise). ValueError names a bad size or sampling value."""
     for name, value in (("batch", batch), ("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens)):
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {value}")
@@ -58,14 +60,16 @@ def run_generate_benchmark(config: Qwen35Config, description: str, *, batch: int
     model = random_qwen35(config, dtype=dtype, device=device, seed=seed)
     engine = Engine(model, max_batch=batch, max_len=prompt_len + max_new_tokens, graph_batch_sizes=(batch,))
     prompts = torch.randint(0, config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(seed))
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                             seed=seed + row, ignore_eos=True) for row in range(batch)]
+    sampling = "greedy" if temperature == 0 else f"temperature {temperature}, top-k {top_k}, top-p {top_p}"
     on_cpu_kernels = "Triton interpreter" if INTERPRET else "PyTorch reference"
     kernels = "Triton kernels" if device.type == "cuda" else on_cpu_kernels
     backend = f"{'CUDA graphs' if engine.runner.use_graphs else 'eager'}, {kernels}"
     parameters = sum(p.numel() for p in model.parameters())
     print(f"fuselm generate: Qwen3.5 {description}, random weights (seed {seed}); {parameters / 1e6:.1f}M parameters, "
           f"{str(dtype)[6:]}, {device} ({backend}); batch {batch}, prompt {prompt_len}, {max_new_tokens} new tokens, "
-          f"greedy, no eos; built in {time.perf_counter() - started:.1f} s", flush=True)
+          f"{sampling}, no eos; built in {time.perf_counter() - started:.1f} s", flush=True)
     if device.type == "cuda":  # compiles the prefill kernels for these shapes before the timed run
         engine.generate(prompts, SamplingParams(max_tokens=min(2, max_new_tokens), temperature=0.0, ignore_eos=True))
     outputs = engine.generate(prompts, params)
@@ -80,12 +84,12 @@ def run_generate_benchmark(config: Qwen35Config, description: str, *, batch: int
     weight_bytes = decode_weight_bytes(model)
     results = {"model": description, "parameters": parameters, "dtype": str(dtype)[6:], "device": str(device),
                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "backend": backend,
-               "batch": batch, "prompt_len": prompt_len, "max_new_tokens": max_new_tokens,
+               "batch": batch, "prompt_len": prompt_len, "max_new_tokens": max_new_tokens, "sampling": sampling,
                "graph_batch_size": engine.runner.batch_size_for(batch), **timings,
                "prefill_tokens_per_s": prefill_tps, "weight_bytes_per_step": weight_bytes, "tokens": tokens}
     lines = [f"## fuselm generate: {description}, random weights", "",
              f"{results['gpu'] or 'CPU'}, {results['dtype']}, {backend}; batch {batch}, prompt {prompt_len}, "
-             f"{max_new_tokens} new tokens", "",
+             f"{max_new_tokens} new tokens, {sampling}", "",
              "| measure | value |", "|---|---|",
              f"| prefill | {batch * prompt_len} tokens in {1e3 * timings['prefill_seconds']:.1f} ms: "
              f"{prefill_tps:,.0f} tok/s |",

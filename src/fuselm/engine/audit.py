@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from fuselm.engine.engine import Engine
 from fuselm.engine.request import Request, SamplingParams
 from fuselm.engine.runner import ModelRunner
+from fuselm.engine.sampling import PLAIN
 from fuselm.models.qwen35 import Qwen35, Qwen35Config
 
 # fp32 logits vs HF fp32 (summation order only): max abs difference on the CPU; a GPU adds
@@ -51,7 +52,7 @@ def launch_audit(engine_or_runner: Engine | ModelRunner, requests: int, steps: i
     On an idle ``Engine``: ``requests`` greedy one-token-prompt requests are added and started
     (one ``step``: prefill, one decode step), with ``max_tokens`` as large as ``max_len`` allows so
     they stay active; on an idle ``ModelRunner``: the same requests are prefilled into slots
-    0 .. requests-1. Then ``steps`` calls of ``runner.decode(batch, filtered=False)`` are
+    0 .. requests-1. Then ``steps`` calls of ``runner.decode(batch, PLAIN)`` are
     profiled (torch.profiler, CPU + CUDA activity), and the requests are ended (their slots freed).
 
     Returns per step: ``kernels`` (GPU kernels executed, those inside the graph included),
@@ -84,7 +85,7 @@ def launch_audit(engine_or_runner: Engine | ModelRunner, requests: int, steps: i
         started = [Request(f"audit-{slot}", [0], params, seed=0, stop_ids=(), slot=slot) for slot in range(requests)]
         runner.prefill([(request, 0, 1) for request in started])
         batch = runner.batch_size_for(requests)
-        runner.decode(batch, False)  # kernels warm
+        runner.decode(batch, PLAIN)  # kernels warm
     torch.cuda.synchronize(runner.device)
 
     from torch.profiler import ProfilerActivity, profile
@@ -95,7 +96,7 @@ def launch_audit(engine_or_runner: Engine | ModelRunner, requests: int, steps: i
             torch.cuda.set_sync_debug_mode("error")
             try:
                 for _ in range(steps):
-                    runner.decode(batch, False)
+                    runner.decode(batch, PLAIN)
             except RuntimeError as error:  # a sync inside the step
                 sync_error = str(error)
             finally:

@@ -8,9 +8,10 @@ public methods (nano-vllm's shape).
 One ``step()``: the scheduler admits waiting requests into free slots and the runner prefills
 up to ``max_prefill_tokens`` prompt tokens (a long prompt in chunks over several steps; a first
 token comes from the logits of a prompt's last chunk); then the runner launches one decode step
-over the requests whose prompts are in, and the host reads the step before it. Decode is pipelined one step
-deep: step n+1 is on the GPU while the host appends step n's ids, detokenizes and checks stop
-conditions, so the host's work hides behind the GPU's. A request that ends on the host (a stop
+over the requests whose prompts are in (the just-prefilled ones included), and only then does
+the host read: the decode step before it, then the prefill's first ids. Decode is pipelined one
+step deep: step n+1 is on the GPU while the host appends step n's ids, detokenizes and checks
+stop conditions, so the host's work hides behind the GPU's. A request that ends on the host (a stop
 string) is one step late on the device; that extra step writes only its own slot and is
 discarded. Stop ids and max_tokens also end a slot on the device, inside the step.
 
@@ -30,13 +31,14 @@ import torch
 from fuselm.engine.request import (FinishReason, Request, RequestOutput, SamplingParams, is_token_ids,
                                    params_per_prompt)
 from fuselm.engine.runner import DEFAULT_GRAPH_BATCH_SIZES, ModelRunner
+from fuselm.engine.sampling import sampler_variant
 from fuselm.engine.scheduler import Scheduler
 from fuselm.models.qwen35 import Qwen35
 
 
 class _Launched:
-    """A decode step on the GPU: its ids on their way to pinned host memory, and which request
-    held each slot when it was launched."""
+    """Ids on the GPU (a decode step's per slot, or a prefill's first ids per completed request)
+    on their way to pinned host memory, and which request each index belonged to at launch."""
 
     def __init__(self, ids: torch.Tensor, requests: dict[int, Request]):
         self.requests = dict(requests)
@@ -171,29 +173,26 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Prefill this step's prompt chunks (the scheduler's budget), launch one decode step over
-        the requests whose prompts are in, read the step before it. Returns the requests that got
-        a token (finished ones included)."""
+        the requests whose prompts are in, read the step before it and the prefill's first ids.
+        Returns the requests that got a token (finished ones included)."""
         updated = []
         plan = self.scheduler.schedule_prefill()
+        prefilled = None
         if plan:
-            if self._in_flight is not None:  # prefill reads ids anyway: take the in-flight step first
-                updated += self._read(self._in_flight)
-                self._in_flight = None
             completed, first = self.runner.prefill(plan)
             for request, _, count in plan:
                 self.scheduler.prefilled(request, count)
-            now = time.perf_counter()
-            for request, token in zip(completed, first.tolist()):
-                self._append(request, token, now)
-            updated += completed
+            prefilled = _Launched(first, dict(enumerate(completed)))  # first ids, read after the decode launch
         launched = None
         decoding = self.scheduler.decoding()
         if decoding:
             batch = self.runner.batch_size_for(self.scheduler.slots_in_use())
-            _, ids = self.runner.decode(batch, any(r.params.filtered for r in decoding.values()))
+            _, ids = self.runner.decode(batch, sampler_variant(decoding.values()))
             launched = _Launched(ids, decoding)
         if self._in_flight is not None:
             updated += self._read(self._in_flight)
+        if prefilled is not None:
+            updated += self._read(prefilled)
         self._in_flight = launched
         if launched is not None and not self.scheduler.decoding():  # everyone ended on the step before
             self._in_flight = None

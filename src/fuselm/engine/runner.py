@@ -5,10 +5,13 @@ state), ``SlotSampling`` (each slot's sampling parameters and stop counters) and
 ``input_tokens`` [max_batch] (each slot's last token: the next decode step's input), allocated
 once. A request owns one slot from its prefill to its end.
 
-Prefill (eager, host-side lengths): ``model.prefill`` writes the new requests' state into their
-slots and leaves every other slot alone; their first tokens are drawn from its logits. A prompt
-may come in chunks over several calls (``model.prefill(..., start=)`` continues from the state
-its earlier chunks left); its slot decodes only once the whole prompt is in.
+Prefill (``model.prefill_step``, one per step for the fresh chunks and one for continued ones):
+writes the requests' state into their slots and leaves every other slot alone; first tokens are
+drawn from its logits. A prompt may come in chunks over several steps (each continues from the
+state its earlier chunks left); its slot decodes only once the whole prompt is in. With CUDA, a
+prefill is a graph too: rows and tokens padded up to buckets (``ROW_BUCKETS``, ``TOKEN_BUCKETS``),
+one graph per (rows, tokens, fresh) captured the first time the bucket is needed, so a 512-token
+prompt is one replay instead of ~1,200 launches.
 
 Decode step (what a graph holds), for batch size b, on the cache's first b slots
 (``Qwen35Cache.first_rows``: views, same addresses):
@@ -18,7 +21,7 @@ Decode step (what a graph holds), for batch size b, on the cache's first b slots
     input_tokens[:b] = ids                                  # the next step's input
 Every input and output is a static device buffer, so a step is one ``graph.replay()``. One graph
 is captured per batch size in ``graph_batch_sizes`` (clipped to max_batch, which is always
-added) and per sampler variant (``filtered``: some slot uses top-k / top-p), all in one memory
+added) and per sampler variant (``engine.sampling.SAMPLER_VARIANTS``), all in one memory
 pool; inactive slots inside b write no DeltaNet state and put their K/V in the cache's scratch
 column. Without CUDA (or ``use_graphs=False``) the same step runs eagerly.
 """
@@ -30,11 +33,18 @@ from typing import Sequence
 import torch
 
 from fuselm.engine.request import Request
-from fuselm.engine.sampling import SlotSampling
+from fuselm.engine.sampling import SAMPLER_VARIANTS, SlotSampling, sampler_variant
 from fuselm.models.qwen35 import Qwen35
 
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
-SAMPLER_VARIANTS = (False, True)  # filtered: without / with top-k and top-p
+# Prefill graph buckets: a group of chunks is padded up to the next bucket in rows and in tokens
+# (tokens: 16 and 24 times powers of two, so at most a third of a graph's tokens are padding).
+ROW_BUCKETS = tuple(2 ** i for i in range(12))
+TOKEN_BUCKETS = tuple(sorted({m * 2 ** i for m in (16, 24) for i in range(16)}))
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+    return next((b for b in buckets if b >= n), n)
 
 
 class ModelRunner:
@@ -58,8 +68,10 @@ class ModelRunner:
         self.sampling = SlotSampling(max_batch, self.device)
         self.input_tokens = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
         self._views = {b: self.cache.first_rows(b) for b in self.batch_sizes}
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self._graph_outputs: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # decode (batch, variant); prefill (rows, tokens, fresh)
+        self._graph_outputs: dict[tuple, object] = {}
+        self._prefill_inputs: dict[tuple[int, int, bool], torch.Tensor] = {}
+        self._pool = None  # the memory pool every graph shares (they never run at the same time)
         if self.use_graphs:
             self._capture_graphs()
 
@@ -79,39 +91,73 @@ class ModelRunner:
     @torch.no_grad()
     def prefill(self, plan: list[tuple[Request, int, int]]) -> tuple[list[Request], torch.Tensor]:
         """Prefill ``plan``'s chunks: (request, first prompt position, tokens), each request with
-        its ``slot`` set. Chunks that start together go through one right-padded prefill; a
-        request starting at position 0 gets its sampling parameters in its slot. Requests whose
-        prompt ends with this chunk get their first token drawn; the others stay inactive until
-        their last chunk. Returns (those requests, their first ids [n] on the device); other slots
-        are untouched."""
-        completed, logits, slots = [], [], []
-        for start in sorted({start for _, start, _ in plan}):
-            chunks = [(request, count) for request, first, count in plan if first == start]
-            requests = [request for request, _ in chunks]
-            group_slots = torch.tensor([r.slot for r in requests], dtype=torch.int64, device=self.device)
-            if start == 0:
-                self.sampling.assign(requests, group_slots)
-            rows = [r.prompt_token_ids[start:start + count] for r, count in chunks]
-            longest = max(len(row) for row in rows)
-            ids = torch.tensor([row + [0] * (longest - len(row)) for row in rows]).to(self.device)
-            mask = None
-            if any(len(row) < longest for row in rows):
-                mask = torch.tensor([[1] * len(row) + [0] * (longest - len(row)) for row in rows]).to(self.device)
-            group_logits = self.model.prefill(ids, self.cache, mask, group_slots, start=start)
-            for index, (request, count) in enumerate(chunks):
-                if start + count == len(request.prompt_token_ids):
-                    completed.append(request)
-                    logits.append(group_logits[index])
-                    slots.append(request.slot)
-                else:
-                    self.cache.active[request.slot] = False  # mid-prompt: no decode step yet
+        its ``slot`` set; a request starting at position 0 gets its sampling parameters in its slot.
+        Fresh chunks (position 0) go through one right-padded ``model.prefill_step``, continued ones
+        through another. Requests whose prompt ends with this chunk get their first token drawn and
+        their slot activated; the others stay inactive until their last chunk. Returns (those
+        requests, their first ids [n] on the device: not yet read, so the caller can launch a
+        decode step behind them first); other slots are untouched. No host sync."""
+        fresh = [request for request, start, _ in plan if start == 0]
+        if fresh:
+            self.sampling.assign(fresh, torch.tensor([r.slot for r in fresh], dtype=torch.int64).to(self.device, non_blocking=True))
+        completed, logits = [], []
+        for is_fresh in (True, False):
+            chunks = [(request, start, count) for request, start, count in plan if (start == 0) == is_fresh]
+            if chunks:
+                group_logits = self._prefill_group(chunks, is_fresh)
+                ends = [i for i, (request, start, count) in enumerate(chunks)
+                        if start + count == len(request.prompt_token_ids)]
+                completed += [chunks[i][0] for i in ends]
+                if ends:
+                    logits.append(group_logits[torch.tensor(ends, dtype=torch.int64).to(self.device, non_blocking=True)])
         if not completed:
             return [], torch.empty(0, dtype=torch.int64, device=self.device)
-        slot_tensor = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        first = self.sampling.sample_and_advance(torch.stack(logits), self.cache.active,
-                                                 any(r.params.filtered for r in completed), slot_tensor)
-        self.input_tokens.index_copy_(0, slot_tensor, first)
+        slots = torch.tensor([r.slot for r in completed], dtype=torch.int64).to(self.device, non_blocking=True)
+        first = self.sampling.sample_and_advance(torch.cat(logits), self.cache.active, sampler_variant(completed),
+                                                 slots)
+        self.input_tokens.index_copy_(0, slots, first)
         return completed, first
+
+    def _prefill_group(self, chunks: list[tuple[Request, int, int]], fresh: bool) -> torch.Tensor:
+        """One ``model.prefill_step`` over the chunks (rows in order): logits [>= rows, V] of each
+        row's last token. With graphs: rows and tokens padded up to a bucket (padding rows repeat
+        row 0, which writes the same values again), one replay of that bucket's graph, captured
+        the first time it is needed (after an eager run that warms its kernels). Every input goes
+        in one host-to-device copy: [rows, tokens + 4] = ids, slot, start, length, completes."""
+        tokens = max(count for _, _, count in chunks)
+        rows = len(chunks)
+        if self.use_graphs:
+            rows, tokens = _bucket(rows, ROW_BUCKETS), _bucket(tokens, TOKEN_BUCKETS)
+        packed = torch.zeros(rows, tokens + 4, dtype=torch.int64)
+        for i in range(rows):
+            request, start, count = chunks[i if i < len(chunks) else 0]
+            packed[i, :count] = torch.tensor(request.prompt_token_ids[start:start + count])
+            packed[i, tokens:] = torch.tensor([request.slot, start, count,
+                                               start + count == len(request.prompt_token_ids)])
+        key = rows, tokens, fresh
+        if not self.use_graphs:
+            return self._prefill_body(packed.to(self.device), fresh)
+        if key in self._graphs:
+            self._prefill_inputs[key].copy_(packed.pin_memory(), non_blocking=True)
+            self._graphs[key].replay()
+            return self._graph_outputs[key]
+        inputs = packed.to(self.device)
+        logits = self._prefill_body(inputs, fresh)  # this call's result; warms the bucket's kernels
+        self._prefill_inputs[key] = inputs
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._graph_outputs[key] = self._prefill_body(inputs, fresh)
+        self._graphs[key] = graph
+        return logits
+
+    def _prefill_body(self, inputs: torch.Tensor, fresh: bool) -> torch.Tensor:
+        """What a prefill graph holds: ``inputs`` [rows, tokens + 4] (see ``_prefill_group``) ->
+        last-token logits [rows, V]; the slots that complete their prompt become active."""
+        tokens = inputs.shape[1] - 4
+        slots, starts, lengths, completes = inputs[:, tokens:].unbind(1)
+        logits = self.model.prefill_step(inputs[:, :tokens], self.cache, slots, starts, lengths, fresh)
+        self.cache.active.index_copy_(0, slots, completes.bool())  # mid-prompt slots stay out of decode
+        return logits
 
     def release(self, slots: Sequence[int]) -> None:
         """Mark slots inactive (their requests ended on the host: a stop string, an abort). One
@@ -121,11 +167,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------ decode
     @torch.no_grad()
-    def _step_body(self, batch: int, filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step_body(self, batch: int, variant: str) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step over slots 0 .. batch-1: (logits [batch, V], ids [batch])."""
         cache = self._views[batch]
         logits = self.model.decode_step(self.input_tokens[:batch], cache)
-        ids = self.sampling.sample_and_advance(logits, cache.active, filtered)
+        ids = self.sampling.sample_and_advance(logits, cache.active, variant)
         self.input_tokens[:batch].copy_(ids)
         return logits, ids
 
@@ -140,25 +186,24 @@ class ModelRunner:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for batch in self.batch_sizes:
-                for filtered in SAMPLER_VARIANTS:
+                for variant in SAMPLER_VARIANTS:
                     for _ in range(2):
-                        self._step_body(batch, filtered)
+                        self._step_body(batch, variant)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        pool = None
         for batch in reversed(self.batch_sizes):
-            for filtered in SAMPLER_VARIANTS:
+            for variant in SAMPLER_VARIANTS:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._graph_outputs[batch, filtered] = self._step_body(batch, filtered)
-                pool = graph.pool()
-                self._graphs[batch, filtered] = graph
+                with torch.cuda.graph(graph, pool=self._pool):
+                    self._graph_outputs[batch, variant] = self._step_body(batch, variant)
+                self._pool = graph.pool()
+                self._graphs[batch, variant] = graph
         torch.cuda.synchronize(self.device)
 
-    def decode(self, batch: int, filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, batch: int, variant: str) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step over slots 0 .. batch-1 (``batch`` one of ``batch_sizes``): a graph
         replay, or eager. Returns (logits [batch, V], ids [batch]): in a graph, its static
         buffers (valid until the next step)."""
         if self.use_graphs:
-            self._graphs[batch, filtered].replay()
-            return self._graph_outputs[batch, filtered]
-        return self._step_body(batch, filtered)
+            self._graphs[batch, variant].replay()
+            return self._graph_outputs[batch, variant]
+        return self._step_body(batch, variant)

@@ -20,6 +20,23 @@ from fuselm.ops.sampling import sample_tokens
 # with more is still stopped by the host, one step later (the extra step's state is discarded).
 MAX_DEVICE_STOP_IDS = 8
 
+# Sampler variants, chosen on the host from the requests in a step (a decode graph is captured
+# for each): PLAIN, no request filters (greedy, or top-k and top-p off): no cut-offs; TOP_K, every
+# filtering request has a top-k in 1 .. TOP_K_CANDIDATES (Qwen3.5's generation_config: top_k 20,
+# top_p 0.95): cut-offs from that many candidates per row (``torch.topk``); FULL, some request
+# filters without such a top-k: cut-offs from a sort of each row. All three draw the same ids.
+PLAIN, TOP_K, FULL = "plain", "top_k", "full"
+SAMPLER_VARIANTS = (PLAIN, TOP_K, FULL)
+TOP_K_CANDIDATES = 1024
+
+
+def sampler_variant(requests) -> str:
+    """The cheapest sampler variant that serves every one of ``requests``."""
+    filtering = [r.params for r in requests if r.params.filtered]
+    if not filtering:
+        return PLAIN
+    return TOP_K if all(1 <= p.top_k <= TOP_K_CANDIDATES for p in filtering) else FULL
+
 
 class SlotSampling:
     """Sampling parameters and stop counters of ``max_batch`` slots, on ``device``."""
@@ -52,16 +69,18 @@ class SlotSampling:
                 for r in requests]
         self.stop_ids.index_copy_(0, slots, column(stop, torch.int64))
 
-    def sample_and_advance(self, logits: torch.Tensor, active: torch.Tensor, filtered: bool,
+    def sample_and_advance(self, logits: torch.Tensor, active: torch.Tensor, variant: str,
                            slots: torch.Tensor | None = None) -> torch.Tensor:
         """Next ids [n] for logits [n, V] of the slots ``slots`` [n] (default: the first n slots).
         ``active`` is the cache's [max_batch] flags: cleared where a slot stops. Inactive slots
         draw nothing that counts (their counters stay); their ids are meaningless.
-        ``filtered``: False promises that no slot uses top-k / top-p (the sampler skips them)."""
+        ``variant``: one of ``SAMPLER_VARIANTS``, a promise about the slots' settings
+        (``sampler_variant``)."""
         n = logits.shape[0]
         index = (lambda t: t[:n]) if slots is None else (lambda t: t[slots])
         ids = sample_tokens(logits, index(self.temperature), index(self.top_k), index(self.top_p),
-                            index(self.seeds), index(self.positions), filtered=filtered)
+                            index(self.seeds), index(self.positions), filtered=variant != PLAIN,
+                            candidates=TOP_K_CANDIDATES if variant == TOP_K else None)
         was_active = index(active)
         counted = was_active.to(torch.int64)
         remaining = index(self.remaining) - counted

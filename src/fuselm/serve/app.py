@@ -22,6 +22,7 @@ request (streams end with an error event, waiting answers with a 503) and joins 
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import sys
@@ -43,6 +44,7 @@ from fuselm.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 64 * 2**20
+GIL_SWITCH_INTERVAL_S = 0.0005  # how long a thread waiting for the GIL lets the holder run on
 """Largest request body taken (aiohttp's default, 1 MiB, is short for long prompts)."""
 
 
@@ -241,5 +243,12 @@ def run_server(model: ServedModel, host: str = "127.0.0.1", port: int = 8000, ma
     print(f"fuselm serve: {model.name} (max_batch {engine.max_batch}, max_len {engine.max_len}, "
           f"{'text and token-id prompts' if model.tokenizer is not None else 'token-id prompts only'})",
           file=sys.stderr, flush=True)
+    # The engine thread and the event loop share one interpreter: the engine thread must get the
+    # GIL back well within a decode step (the default 5 ms switch interval is half a batch-32
+    # step), and a full garbage collection walking the objects loaded at start-up would stall one:
+    # they are frozen out of it.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    gc.collect()
+    gc.freeze()
     web.run_app(build_app(model, max_queue), host=host, port=port, handler_cancellation=True,
                 print=lambda message: print(message, file=sys.stderr, flush=True))

@@ -50,7 +50,6 @@ class Qwen35Cache:
     active: torch.Tensor
     layers: list
     slots: torch.Tensor = field(repr=False)  # arange(max_batch), int32: each row's state-pool slot
-    columns: torch.Tensor = field(repr=False)  # arange(max_len + 1): KV column index, for the mask
 
     @classmethod
     def allocate(cls, config: Qwen35Config, max_batch: int, max_len: int, dtype, device) -> "Qwen35Cache":
@@ -70,8 +69,7 @@ class Qwen35Cache:
                                 config.linear_value_head_dim, dtype=torch.float32, device=device)))
         return cls(config, max_len, torch.zeros(max_batch, dtype=torch.int64, device=device),
                    torch.zeros(max_batch, dtype=torch.bool, device=device), layers,
-                   torch.arange(max_batch, dtype=torch.int32, device=device),
-                   torch.arange(max_len + 1, device=device))
+                   torch.arange(max_batch, dtype=torch.int32, device=device))
 
     @property
     def max_batch(self) -> int:
@@ -86,5 +84,5 @@ class Qwen35Cache:
         layers = [AttentionCache(layer.key[:rows], layer.value[:rows]) if isinstance(layer, AttentionCache)
                   else DeltaNetCache(layer.conv[:rows], layer.recurrent[:rows]) for layer in self.layers]
         return Qwen35Cache(self.config, self.max_len, self.lengths[:rows], self.active[:rows], layers,
-                           self.slots[:rows], self.columns)
+                           self.slots[:rows])
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from fuselm.models.qwen35.cache import AttentionCache, DeltaNetCache
 from fuselm.models.qwen35.config import LINEAR_ATTENTION, Qwen35Config
-from fuselm.ops.attention_decode import apply_rotary_ref, qk_norm_rope_kv_write
+from fuselm.ops.attention_decode import apply_rotary_ref, decode_attention, qk_norm_rope_kv_write
 from fuselm.ops.decode_linear import decode_linear
 from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_decode_step
 from fuselm.ops.gated_delta_rule.naive import decay_gate
@@ -49,16 +49,22 @@ def prefixed(take: TakeTensor, prefix: str) -> TakeTensor:
 # ============================================================================ step inputs
 @dataclass
 class PrefillStep:
-    """What every layer needs to prefill B requests' next T (right-padded) prompt tokens into the
-    cache slots ``slots``, after the ``start`` tokens each already has there (0: fresh requests;
-    a chunked prefill continues from the state its earlier chunks left)."""
+    """What every layer needs to prefill the next T prompt tokens of B rows (right-padded: row r
+    has ``lengths[r]`` real tokens) into the cache slots ``slots``, after the ``starts[r]`` tokens
+    each row already has there (0: a fresh request; a chunked prefill continues from the state its
+    earlier chunks left). Device tensors of static shape only, so a CUDA graph may capture a step.
 
-    slots: torch.Tensor  # [B] int64, the cache slot of each row
-    start: int  # tokens already in the cache for every row (the chunk's first position)
-    lengths: torch.Tensor  # [B] int64, real tokens per row in this chunk
-    token_mask: torch.Tensor | None  # [B, T] bool, real tokens; None when no row is padded
-    cu_seqlens: torch.Tensor | None  # [N + 1] int32 offsets of the packed real tokens (padded batch)
-    cos: torch.Tensor  # [1, T, 1, rotary_dim], model dtype
+    Padded tokens never reach a real one: they come after it (causal), their K/V land beyond the
+    row's length (or in the scratch column), and they enter the DeltaNet state with beta = 0 and
+    g = 0 (the state passes them unchanged)."""
+
+    slots: torch.Tensor  # [B] int64, the cache slot of each row (a padding row may repeat a real row)
+    starts: torch.Tensor  # [B] int64, tokens already in the cache (each row's first position here)
+    lengths: torch.Tensor  # [B] int64, real tokens per row in this chunk (>= 1)
+    token_mask: torch.Tensor  # [B, T] bool, the real tokens
+    positions: torch.Tensor  # [B, T] int64, starts + 0 .. T-1
+    fresh: bool  # host-known: every row starts at 0 (zero conv history, plain causal attention)
+    cos: torch.Tensor  # [B, T, 1, rotary_dim], model dtype
     sin: torch.Tensor
 
 
@@ -69,7 +75,7 @@ class DecodeStep:
     cos: torch.Tensor  # [max_batch, 1, 1, rotary_dim]
     sin: torch.Tensor
     write_column: torch.Tensor  # [max_batch] int64: the token's KV column (max_len for inactive rows)
-    key_mask: torch.Tensor  # [max_batch, 1, 1, max_len + 1] bool: columns the token attends to
+    kv_lengths: torch.Tensor  # [max_batch] int64: cache columns the token attends to (position + 1; 0 inactive)
     state_slots: torch.Tensor  # [max_batch] int32: pool slot, -1 for inactive rows (no state write)
     positions: torch.Tensor  # [max_batch] int64: the token's position (= cache.lengths before the step)
 
@@ -160,48 +166,44 @@ class GatedDeltaNet(nn.Module):
         """The conv inputs at positions start - kernel .. start - 1 of each row [B, conv_dim, kernel]:
         zeros before position 0 (a fresh request), else the cache's circular columns p % kernel."""
         B = step.slots.shape[0]
-        if step.start == 0:
+        if step.fresh:
             return cache.conv.new_zeros(B, self.conv_dim, self.kernel_size)
-        positions = torch.arange(step.start - self.kernel_size, step.start, device=cache.conv.device)
-        history = cache.conv[step.slots][:, :, positions % self.kernel_size]
-        return history.masked_fill((positions < 0)[None, None, :], 0)
+        positions = step.starts[:, None] + torch.arange(-self.kernel_size, 0, device=cache.conv.device)  # [B, kernel]
+        history = cache.conv[step.slots].gather(2, (positions % self.kernel_size)[:, None, :].expand(B, self.conv_dim, -1))
+        return history.masked_fill((positions < 0)[:, None, :], 0)
 
     def prefill(self, x: torch.Tensor, cache: DeltaNetCache, step: PrefillStep) -> torch.Tensor:
         B, T, _ = x.shape
         qkv, z, b, a = self._project(x)
-        # Causal depthwise conv over the rows' tokens after their history (the kernel - 1 inputs
-        # before the chunk), as HF's causal_conv1d_fn: F.conv1d in the weight dtype, SiLU, result
-        # in the model dtype. Right padding: padded positions come after a row's real ones and
-        # never reach them.
+        # Causal depthwise conv over the rows' tokens after their history (the kernel inputs before
+        # the chunk), as HF's causal_conv1d_fn: F.conv1d in the weight dtype, SiLU, result in the
+        # model dtype. Right padding: padded positions come after a row's real ones.
         extended = torch.cat([self._conv_history(cache, step), qkv.transpose(1, 2)], dim=2)  # [B, conv_dim, kernel + T]
-        if step.start == 0:  # zero history: HF's own call (padding, then the first T outputs)
+        if step.fresh:  # zero history: HF's own call (padding, then the first T outputs)
             conv = F.conv1d(extended[..., self.kernel_size:], self.conv_weight, padding=self.kernel_size - 1,
                             groups=self.conv_dim)[..., :T]
         else:
             conv = F.conv1d(extended[..., 1:], self.conv_weight, groups=self.conv_dim)
         conv_out = F.silu(conv).transpose(1, 2)
         # Conv state: the inputs at positions L - kernel .. L - 1 of a row that reaches L = start +
-        # length tokens, in their circular columns p % kernel. extended[..., j] is position
-        # start - kernel + j.
-        positions = step.start + step.lengths[:, None] + torch.arange(-self.kernel_size, 0, device=x.device)
-        inputs = extended.gather(2, (positions - step.start + self.kernel_size)[:, None, :].expand(B, self.conv_dim, -1))
-        conv_state = torch.empty_like(inputs).scatter_(
-            2, (positions % self.kernel_size)[:, None, :].expand(B, self.conv_dim, -1), inputs)
+        # length tokens, in their circular columns p % kernel; extended[..., j] is position
+        # start - kernel + j, so position L - kernel + i is extended[..., length + i].
+        columns = step.lengths[:, None] + torch.arange(self.kernel_size, device=x.device)  # [B, kernel]
+        inputs = extended.gather(2, columns[:, None, :].expand(B, self.conv_dim, -1))
+        circular = (step.starts[:, None] + columns - self.kernel_size) % self.kernel_size
+        conv_state = torch.empty_like(inputs).scatter_(2, circular[:, None, :].expand(B, self.conv_dim, -1), inputs)
         cache.conv.index_copy_(0, step.slots, conv_state)
 
         q, k, v = self._split_heads(conv_out)
         # HF: g = -exp(A_log) * softplus(a + dt_bias) in fp32; beta = sigmoid(b) in the model dtype.
-        g = decay_gate(self.A_log, a, self.dt_bias)
-        beta = b.sigmoid()
-        initial = cache.recurrent[step.slots] if step.start > 0 else None  # the earlier chunks' state
-        if step.token_mask is None:
-            o, final = chunk_gated_delta_rule(q, k, v, g, beta, self.head_k_dim ** -0.5, initial, True, True)
-        else:  # padded batch: the real tokens as one packed varlen sequence (padding never enters the state)
-            packed = [t[step.token_mask][None] for t in (q, k, v, g, beta)]
-            o_packed, final = chunk_gated_delta_rule(*packed, self.head_k_dim ** -0.5, initial, True, True,
-                                                     step.cu_seqlens)
-            o = v.new_zeros(v.shape)
-            o[step.token_mask] = o_packed[0]
+        # Padded tokens get g = 0, beta = 0: S <- S * e^0 + 0, the state passes them unchanged.
+        real = step.token_mask[..., None]
+        g = decay_gate(self.A_log, a, self.dt_bias).masked_fill(~real, 0)
+        beta = b.sigmoid().masked_fill(~real, 0)
+        initial = None
+        if not step.fresh:  # the earlier chunks' state; zeros for rows that start here
+            initial = torch.where((step.starts > 0)[:, None, None, None], cache.recurrent[step.slots], 0)
+        o, final = chunk_gated_delta_rule(q, k, v, g, beta, self.head_k_dim ** -0.5, initial, True, True)
         cache.recurrent.index_copy_(0, step.slots, final)  # fp32 [B, HV, Kd, Vd]
         return self._output(o, z)
 
@@ -286,33 +288,35 @@ class GatedAttention(nn.Module):
     def prefill(self, x: torch.Tensor, cache: AttentionCache, step: PrefillStep) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v, gate = self._project(x, step.cos, step.sin)
-        end = step.start + T
-        cache.key[step.slots, :, step.start:end] = k
-        cache.value[step.slots, :, step.start:end] = v
-        # Causal attention (SDPA; HF's sdpa path). Right padding: a real query only sees earlier
-        # positions, which are real; the padded positions' K/V land in the cache beyond the row's
-        # length, where decode masks them out and overwrites them. A later chunk attends to the
-        # cache's first ``start`` columns too: query i (position start + i) sees keys 0 .. start + i.
-        if step.start == 0:
+        # K/V of position p into column p (the scratch column max_len past the cache's end: only
+        # padding gets there). Padded positions land beyond their row's length, where decode masks
+        # them out and a later token overwrites them.
+        columns = step.positions.clamp(max=cache.key.shape[2] - 1)
+        rows = step.slots[:, None].expand(B, T)
+        cache.key[rows, :, columns] = k.transpose(1, 2)
+        cache.value[rows, :, columns] = v.transpose(1, 2)
+        # Causal attention (SDPA; HF's sdpa path). A fresh chunk attends within itself; a later one
+        # to its row's cache columns 0 .. position (the earlier chunks' K/V and its own).
+        if step.fresh:
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
-            visible = torch.arange(end, device=x.device)[None, :] <= torch.arange(step.start, end, device=x.device)[:, None]
-            attn = F.scaled_dot_product_attention(q, cache.key[step.slots, :, :end], cache.value[step.slots, :, :end],
-                                                  attn_mask=visible, scale=self.scale, enable_gqa=True)
+            keys = torch.arange(cache.key.shape[2], device=x.device)
+            visible = (keys[None, None, :] <= step.positions[:, :, None])[:, None]  # [B, 1, T, max_len + 1]
+            attn = F.scaled_dot_product_attention(q, cache.key[step.slots], cache.value[step.slots], attn_mask=visible,
+                                                  scale=self.scale, enable_gqa=True)
         return self._output(attn, gate)
 
     def decode(self, x: torch.Tensor, cache: AttentionCache, step: DecodeStep) -> torch.Tensor:
         """qkv GEMM; q/k norm + RoPE + the K/V write at column write_column[r] of each row r in one
-        launch (``qk_norm_rope_kv_write``, the roundings of ``_project``); SDPA over the whole
-        static cache, masked to each row's columns 0 .. position; the sigmoid gate fused into
-        o_proj (``decode_linear``)."""
+        launch (``qk_norm_rope_kv_write``, the roundings of ``_project``); attention over each row's
+        filled columns 0 .. position only (``decode_attention``: split over the sequence, fp32
+        softmax); the sigmoid gate fused into o_proj (``decode_linear``)."""
         B = x.shape[0]
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # x [max_batch, 1, D]
         q = qk_norm_rope_kv_write(qkv, self.q_norm, self.k_norm, step.cos, step.sin, cache.key, cache.value,
                                   step.write_column, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                   head_dim=self.head_dim, eps=self.eps)
-        attn = F.scaled_dot_product_attention(q, cache.key, cache.value, attn_mask=step.key_mask, scale=self.scale,
-                                              enable_gqa=True)  # [B, heads, 1, head_dim]
+        attn = decode_attention(q, cache.key, cache.value, step.kv_lengths, self.scale)  # [B, heads, head_dim]
         gate = qkv[:, 0, :self.q_size].view(B, self.num_heads, 2, self.head_dim)[:, :, 1].reshape(B, -1)
         y = decode_linear(attn.reshape(B, -1), self.o_proj, prologue="sigmoid_gate", gate=gate)
         if self.o_bias is not None:

@@ -11,8 +11,9 @@ Architecture (HF ``transformers/models/qwen3_5/modeling_qwen3_5.py``):
 
 The model computes logits; it knows nothing of generation loops, sampling or requests (those are
 ``fuselm.engine``'s). Its API: ``model(ids)`` (logits for every position), and the cache-based
-pair the engine drives: ``prefill`` (fresh requests into cache slots) and ``decode_step`` (one
-token for every cache row, CUDA-graph safe).
+pair the engine drives: ``prefill_step`` (one prompt chunk per row into cache slots) and
+``decode_step`` (one token for every cache row), both CUDA-graph safe; ``prefill`` is the checked,
+chunking front of ``prefill_step`` for direct use.
 
 Numerics: fp32 everywhere reproduces HF to summation order (the tests hold 1e-3 absolute on the
 logits; measured <= 1.1e-5 on the tiny test model). In bf16/fp16 every op rounds where HF's eager
@@ -54,6 +55,8 @@ class Qwen35(nn.Module):
     - ``model(input_ids, attention_mask=None)`` -> logits [B, T, vocab] (no cache kept);
     - ``cache = model.new_cache(max_batch, max_len)``;
       ``model.prefill(input_ids, cache, attention_mask, slots)`` -> last-token logits [B, vocab];
+      ``model.prefill_step(ids, cache, slots, starts, lengths)`` -> the same for one chunk per row
+      (device tensors only, CUDA-graph-safe);
       ``model.decode_step(token_ids, cache)`` -> logits [max_batch, vocab] (CUDA-graph-safe);
     - ``model.generate(input_ids, max_new_tokens, ...)``: HF-style convenience over the engine.
     """
@@ -143,24 +146,22 @@ class Qwen35(nn.Module):
             normed, residual = add_rms_norm(layer.mlp(normed), residual, next_norm, eps, 1.0)
         return normed
 
-    def _prefill(self, input_ids: torch.Tensor, lengths: list[int], cache: Qwen35Cache,
-                 slots: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Prefill B requests' next T tokens (right-padded; real lengths on the host) into cache
-        slots ``slots`` [B] after the ``start`` tokens each already has there (0: fresh requests);
-        returns the final normed hidden states [B, T, D]. Other slots are untouched."""
+    def _prefill(self, input_ids: torch.Tensor, cache: Qwen35Cache, slots: torch.Tensor, starts: torch.Tensor,
+                 lengths: torch.Tensor, fresh: bool) -> torch.Tensor:
+        """Prefill B rows' next T (right-padded) prompt tokens into cache slots ``slots`` [B]
+        after the ``starts`` [B] tokens each already has there; ``lengths`` [B] real tokens per
+        row (all device tensors; ``fresh``: host-known ``starts == 0``). Returns the final normed
+        hidden states [B, T, D]; sets the slots' lengths to starts + lengths and marks them active.
+        Other slots are untouched. No host sync, static shapes (CUDA-graph safe)."""
         B, T = input_ids.shape
-        device = input_ids.device
-        lengths_dev = torch.tensor(lengths, dtype=torch.int64, device=device)
-        token_mask = cu_seqlens = None
-        if min(lengths) < T:
-            token_mask = torch.arange(T, device=device)[None, :] < lengths_dev[:, None]
-            cu_seqlens = F.pad(torch.cumsum(lengths_dev, 0), (1, 0)).to(torch.int32)
-            input_ids = input_ids.masked_fill(~token_mask, 0)  # padding ids may be anything
-        cos, sin = self._rotary(torch.arange(start, start + T, device=device))
-        step = PrefillStep(slots, start, lengths_dev, token_mask, cu_seqlens, cos[None, :, None], sin[None, :, None])
+        positions = starts[:, None] + torch.arange(T, device=input_ids.device)
+        token_mask = positions < (starts + lengths)[:, None]
+        input_ids = input_ids.masked_fill(~token_mask, 0)  # padding ids may be anything
+        cos, sin = self._rotary(positions)
+        step = PrefillStep(slots, starts, lengths, token_mask, positions, fresh, cos[:, :, None], sin[:, :, None])
         hidden = self._layers(F.embedding(input_ids, self.embed_tokens),
                               lambda mixer, x, i: mixer.prefill(x, cache.layers[i], step))
-        cache.lengths.index_copy_(0, slots, lengths_dev + start)
+        cache.lengths.index_copy_(0, slots, starts + lengths)
         cache.active.index_fill_(0, slots, True)
         return hidden
 
@@ -171,9 +172,26 @@ class Qwen35(nn.Module):
         logits). ``attention_mask`` [B, T]: 1 for real tokens, 0 for right padding; logits at
         padded positions are not meaningful."""
         lengths = self.check_prompt(input_ids, attention_mask)
-        cache = self.new_cache(input_ids.shape[0], input_ids.shape[1])
-        slots = torch.arange(input_ids.shape[0], device=self.device)
-        return F.linear(self._prefill(input_ids, lengths, cache, slots), self.lm_head_weight)
+        B, T = input_ids.shape
+        cache = self.new_cache(B, T)
+        slots = torch.arange(B, device=self.device)
+        lengths = torch.tensor(lengths, device=self.device)
+        return F.linear(self._prefill(input_ids, cache, slots, torch.zeros_like(slots), lengths, True),
+                        self.lm_head_weight)
+
+    @torch.no_grad()
+    def prefill_step(self, input_ids: torch.Tensor, cache: Qwen35Cache, slots: torch.Tensor, starts: torch.Tensor,
+                     lengths: torch.Tensor, fresh: bool = False) -> torch.Tensor:
+        """One prompt chunk per row, CUDA-graph safe (the engine's prefill graphs hold it):
+        ``input_ids`` [B, T] right-padded, row r's ``lengths[r]`` (>= 1) real tokens continue slot
+        ``slots[r]`` after its ``starts[r]`` cached tokens; ``fresh``: every start is 0 (a cheaper
+        attention; the result is the same). Returns the logits of each row's last real token
+        [B, vocab]; the slots become active at starts + lengths. No checks but metadata: the
+        caller keeps ids in the vocabulary, slots distinct (or a repeated row identical: it writes
+        the same values), and starts + lengths <= cache.max_len."""
+        hidden = self._prefill(input_ids, cache, slots, starts, lengths, fresh)
+        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
+        return F.linear(last, self.lm_head_weight)
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, cache: Qwen35Cache, attention_mask: torch.Tensor | None = None,
@@ -190,7 +208,8 @@ class Qwen35(nn.Module):
         ``start``: the slots already hold the first ``start`` tokens of these prompts (an earlier
         call's), and ``input_ids`` are the tokens after them: a prompt prefilled over several calls
         (a server interleaving a long prompt with decode steps). Either way the result is the
-        one-call one up to summation order. Host-side checks and lengths (not graph-captured)."""
+        one-call one up to summation order. Host-side checks and lengths (not graph-captured:
+        :meth:`prefill_step` is)."""
         lengths = self.check_prompt(input_ids, attention_mask)
         B = input_ids.shape[0]
         slots = self._check_slots(cache, B, slots)
@@ -202,19 +221,20 @@ class Qwen35(nn.Module):
             chunk_size = longest
         elif not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
             raise ValueError(f"chunk_size: expected None or an int >= 1, got {chunk_size!r}")
-        last = torch.empty(B, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        logits = torch.empty(B, self.config.vocab_size, dtype=self.dtype, device=self.device)
         for offset in range(0, longest, chunk_size):
             rows = [r for r in range(B) if lengths[r] > offset]
             chunk_lengths = [min(chunk_size, lengths[r] - offset) for r in rows]
             index = torch.tensor(rows, device=self.device)
             chunk = input_ids[index, offset:offset + max(chunk_lengths)]
-            hidden = self._prefill(chunk, chunk_lengths, cache, slots[index], start + offset)
+            starts = torch.full((len(rows),), start + offset, device=self.device)
+            chunk_logits = self.prefill_step(chunk, cache, slots[index], starts,
+                                             torch.tensor(chunk_lengths, device=self.device), start + offset == 0)
             ending = [i for i, r in enumerate(rows) if lengths[r] <= offset + chunk_size]  # last chunk of these rows
             if ending:
                 picked = torch.tensor(ending, device=self.device)
-                positions = torch.tensor([chunk_lengths[i] - 1 for i in ending], device=self.device)
-                last[index[picked]] = hidden[picked, positions]
-        return F.linear(last, self.lm_head_weight)
+                logits[index[picked]] = chunk_logits[picked]
+        return logits
 
     @torch.no_grad()
     def decode_step(self, token_ids: torch.Tensor, cache: Qwen35Cache) -> torch.Tensor:
@@ -235,7 +255,7 @@ class Qwen35(nn.Module):
         write_column = torch.where(cache.active, positions.clamp(max=cache.max_len), cache.max_len)
         step = DecodeStep(
             cos=cos[:, None, None], sin=sin[:, None, None], write_column=write_column,
-            key_mask=(cache.columns[None, :] <= write_column[:, None])[:, None, None, :],
+            kv_lengths=torch.where(cache.active, positions + 1, 0),
             state_slots=torch.where(cache.active, cache.slots, -1), positions=positions)
         token_ids = torch.where(cache.active, token_ids, 0)  # an inactive row's id may be anything
         hidden = self._layers(F.embedding(token_ids[:, None], self.embed_tokens),

@@ -61,3 +61,20 @@ def qk_norm_rope_kv_write_ref(
     key_cache[rows, :, write_column] = k[:, :, 0]
     value_cache[rows, :, write_column] = v[:, :, 0]
     return q.contiguous()
+
+
+def decode_attention_ref(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         kv_lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per row over its cache row's first ``kv_lengths[r]`` columns, in fp32:
+    ``softmax(q k^T scale) v`` with GQA (query head h reads kv head h // (nH / nKV)); a row
+    with length 0 gets zeros. q [B, nH, hd]; caches [>= B, nKV, L, hd]; returns [B, nH, hd] in
+    q's dtype (one rounding)."""
+    B, num_heads, _ = q.shape
+    group = num_heads // key_cache.shape[1]
+    keys = key_cache[:B].float().repeat_interleave(group, dim=1)  # [B, nH, L, hd]
+    values = value_cache[:B].float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("bhd,bhld->bhl", q.float(), keys) * scale
+    visible = torch.arange(keys.shape[2], device=q.device)[None, :] < kv_lengths.to(q.device)[:, None]
+    weights = torch.softmax(scores.masked_fill(~visible[:, None, :], float("-inf")), dim=-1).nan_to_num(0.0)
+    values = values.masked_fill(~visible[:, None, :, None], 0.0)  # columns past a row's length are never read
+    return torch.einsum("bhl,bhld->bhd", weights, values).to(q.dtype)

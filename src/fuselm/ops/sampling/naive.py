@@ -103,12 +103,12 @@ def exclusive_prefix_sums(weight: torch.Tensor) -> torch.Tensor:
 
 
 def keep_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor) -> torch.Tensor:
+                    top_p: torch.Tensor, candidates: int | None = None) -> torch.Tensor:
     """Per-row cut-off [B] fp32 of top-k then top-p: a row keeps token i iff logit_i >= its cut-off.
 
-    Plain PyTorch with static shapes and no host sync (one sort of the [B, V] logits in their own
-    dtype), run on the logits' device by every path of ``sample_tokens``. Comparisons are on the
-    logits themselves: dividing by T > 0 keeps their order, and no rounding enters.
+    Plain PyTorch with static shapes and no host sync, run on the logits' device by every path of
+    ``sample_tokens``. Comparisons are on the logits themselves: dividing by T > 0 keeps their
+    order, and no rounding enters.
 
     - top-k (k in 1 .. V-1; else off): keep logit_i >= the k-th largest logit (ties with it kept).
     - top-p (p < 1; else off): with q the softmax of logits / T over the top-k-kept tokens (float64),
@@ -116,22 +116,41 @@ def keep_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
       order this is HF's rule (drop a token once the mass before it reaches p), except that tokens
       tied with the last kept one are all kept (HF splits such ties by sort order). The most likely
       token is always kept (also for p <= 0).
-    Rows with temperature 0 get a cut-off too (computed at T = 1); the sampler ignores it.
+    Rows with neither get -inf. Rows with temperature 0 get a cut-off too (computed at T = 1); the
+    sampler ignores it.
+
+    ``candidates`` (a static promise, made on the host): every row has top-k in 1 .. candidates,
+    or top-k off and top-p off (no cut-off: -inf). The cut-offs then come from the ``candidates``
+    largest logits of each row (``torch.topk``) instead of a sort of the whole row, with the same
+    result: only tokens tied with the k-th largest can lie past the candidates, and they are
+    counted in (one pass over the row). Rows outside the promise get unspecified cut-offs.
     """
-    ordered = logits.sort(dim=-1, descending=True).values  # [B, V], largest first
-    n_vocab = ordered.shape[-1]
+    n_vocab = logits.shape[-1]
+    truncated = candidates is not None and candidates < n_vocab
+    if truncated:
+        ordered = logits.topk(candidates, dim=-1).values  # [B, C], largest first
+    else:
+        ordered = logits.sort(dim=-1, descending=True).values  # [B, V], largest first
+    n_ordered = ordered.shape[-1]
     k = top_k.long()
-    k = torch.where((k > 0) & (k < n_vocab), k, n_vocab)
-    in_top_k = ordered >= ordered.gather(-1, (k - 1)[:, None])
+    k_on = (k > 0) & (k < n_vocab)
+    k = torch.where(k_on, k.clamp(max=n_ordered), n_ordered)
+    kth = ordered.gather(-1, (k - 1)[:, None])  # [B, 1]
+    in_top_k = ordered >= kth
     # Unnormalised probabilities in sorted order, float64: exp((logit - max) / T), 0 outside top-k.
     t = torch.where(temperature > 0, temperature, 1.0).double()[:, None]
     weight = ordered.double().sub_(ordered[:, :1].double()).div_(t).exp_().mul_(in_top_k)
+    total = weight.sum(dim=-1, keepdim=True)
+    if truncated:  # tokens tied with the k-th largest past the candidates: same weight, same fate
+        past = (logits == kth).sum(dim=-1, keepdim=True) - (ordered == kth).sum(dim=-1, keepdim=True)
+        total = total + past * kth.double().sub_(ordered[:, :1].double()).div_(t).exp_()
     mass_before = exclusive_prefix_sums(weight)
     p = top_p.double()[:, None]
-    kept = in_top_k & ((mass_before < p * weight.sum(dim=-1, keepdim=True)) | (p >= 1))
+    kept = in_top_k & ((mass_before < p * total) | (p >= 1))
     # ``kept`` is a prefix of the sorted row; its last entry is the smallest kept logit.
     n_kept = kept.sum(dim=-1).clamp(min=1)
-    return ordered.gather(-1, (n_kept - 1)[:, None]).squeeze(-1).float()
+    cutoff = ordered.gather(-1, (n_kept - 1)[:, None]).squeeze(-1).float()
+    return torch.where(k_on | (top_p < 1), cutoff, float("-inf"))  # neither top-k nor top-p: no cut-off
 
 
 def sample_tokens_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

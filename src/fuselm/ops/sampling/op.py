@@ -12,7 +12,9 @@ Paths:
   graph replay (benchmarks/sampling.py): unfiltered 9.8 / 15 / 34 µs at B = 1 / 8 / 32 (the
   previous sampler: 98 / 116 / 246 µs; greedy 8.7 / 10 / 16 µs against argmax's 13 / 15 / 26);
   filtered 0.16 / 0.35 / 1.06 ms (previous: 0.28 / 0.81 / 1.67 ms), nearly all of it the sort
-  and the cut-off's float64 passes.
+  and the cut-off's float64 passes. With ``candidates`` (every filtering row has a top-k, as
+  Qwen3.5's generation_config sets: top_k 20, top_p 0.95) the sort becomes ``torch.topk`` of the
+  candidates and the float64 passes run over them only (not yet measured on the GPU).
 - CPU without the interpreter: the float64 reference ``sample_tokens_ref``.
 Eager calls run the path directly; under ``torch.compile`` the call goes through the
 ``fuselm::sample_tokens`` custom op (traced with its fake implementation). Inference only.
@@ -31,7 +33,7 @@ _ROW_PARAMETERS = (("temperature", torch.float32), ("top_k", torch.int32), ("top
                    ("seeds", torch.int64), ("positions", torch.int64))
 
 
-def _check(logits, temperature, top_k, top_p, seeds, positions, filtered, out) -> None:
+def _check(logits, temperature, top_k, top_p, seeds, positions, filtered, candidates, out) -> None:
     """Metadata checks only (shapes, dtypes, devices, layout): nothing reads device memory."""
     check_tensor("logits", logits)
     if logits.dim() != 2:
@@ -50,6 +52,8 @@ def _check(logits, temperature, top_k, top_p, seeds, positions, filtered, out) -
             raise ValueError(f"{name}: must be contiguous")
     if not isinstance(filtered, bool):
         raise TypeError(f"filtered: expected a bool, got {type(filtered).__name__}")
+    if candidates is not None and (not isinstance(candidates, int) or isinstance(candidates, bool) or candidates < 1):
+        raise ValueError(f"candidates: expected None or an int >= 1, got {candidates!r}")
     if out is not None:
         check_tensor("out", out, (torch.int64,))
         if tuple(out.shape) != (n_rows,):
@@ -59,30 +63,31 @@ def _check(logits, temperature, top_k, top_p, seeds, positions, filtered, out) -
     check_same_device(logits=logits, **{name: t for (name, _), t in zip(_ROW_PARAMETERS, params)}, out=out)
 
 
-def _sample(logits, temperature, top_k, top_p, seeds, positions, filtered: bool, out) -> torch.Tensor:
+def _sample(logits, temperature, top_k, top_p, seeds, positions, filtered: bool, candidates: int | None,
+            out) -> torch.Tensor:
     if out.numel() == 0:
         return out
     if not use_triton(logits):
         return out.copy_(sample_tokens_ref(logits, temperature, top_k, top_p, seeds, positions, filtered=filtered))
-    thresholds = keep_thresholds(logits, temperature, top_k, top_p) if filtered else None
+    thresholds = keep_thresholds(logits, temperature, top_k, top_p, candidates) if filtered else None
     return sample_tokens_kernel(logits, temperature, thresholds, seeds, positions, out)
 
 
 @torch.library.custom_op("fuselm::sample_tokens", mutates_args=())
 def _sample_tokens_op(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                      seeds: torch.Tensor, positions: torch.Tensor, filtered: bool) -> torch.Tensor:
+                      seeds: torch.Tensor, positions: torch.Tensor, filtered: bool, candidates: int) -> torch.Tensor:
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    return _sample(logits, temperature, top_k, top_p, seeds, positions, filtered, out)
+    return _sample(logits, temperature, top_k, top_p, seeds, positions, filtered, candidates or None, out)
 
 
 @_sample_tokens_op.register_fake
-def _(logits, temperature, top_k, top_p, seeds, positions, filtered):
+def _(logits, temperature, top_k, top_p, seeds, positions, filtered, candidates):
     return torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   seeds: torch.Tensor, positions: torch.Tensor, *, filtered: bool = True,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  candidates: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """One token id per row, greedy or sampled per row; CUDA-graph capturable.
 
     Args:
@@ -100,6 +105,10 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         filtered: a static promise, made on the host: False when no row uses top-k or top-p
             (their values are then ignored and the cut-off computation skipped). A CUDA graph is
             captured for one value.
+        candidates: a static promise, made on the host: every filtered row has top_k in
+            1 .. candidates (top-p on or off), every other row neither top-k nor top-p; the
+            cut-offs then need only the ``candidates`` largest logits of a row (``torch.topk``)
+            instead of a sort of it, with the same ids (``keep_thresholds``). None: any settings.
         out: optional contiguous [B] int64 buffer, fully overwritten (e.g. a graph's static output).
     Returns:
         ids: [B] int64 (``out`` when given).
@@ -123,10 +132,10 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     in (0, 1], top_k >= 0. The engine validates them on the host (``SamplingParams``). Out of
     range they are still safe: top_p <= 0 keeps the argmax, top_k < 0 is off.
     """
-    _check(logits, temperature, top_k, top_p, seeds, positions, filtered, out)
+    _check(logits, temperature, top_k, top_p, seeds, positions, filtered, candidates, out)
     if torch.compiler.is_compiling():
-        ids = _sample_tokens_op(logits, temperature, top_k, top_p, seeds, positions, filtered)
+        ids = _sample_tokens_op(logits, temperature, top_k, top_p, seeds, positions, filtered, candidates or 0)
         return ids if out is None else out.copy_(ids)
     if out is None:
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    return _sample(logits, temperature, top_k, top_p, seeds, positions, filtered, out)
+    return _sample(logits, temperature, top_k, top_p, seeds, positions, filtered, candidates, out)
