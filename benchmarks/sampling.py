@@ -47,10 +47,10 @@ def previous_sampler(logits, temperature=0.0, top_k=None, top_p=None, generator=
     return (probs / noise).argmax(dim=-1)
 
 
-def _row_params(batch, temperature, top_p):
+def _row_params(batch, temperature, top_p, top_k=0):
     device = "cuda"
     return (torch.full((batch,), temperature, dtype=torch.float32, device=device),
-            torch.zeros(batch, dtype=torch.int32, device=device),
+            torch.full((batch,), top_k, dtype=torch.int32, device=device),
             torch.full((batch,), top_p, dtype=torch.float32, device=device),
             torch.arange(batch, dtype=torch.int64, device=device) * 7919,
             torch.full((batch,), 100, dtype=torch.int64, device=device))
@@ -63,6 +63,7 @@ def cases(logits):
     greedy = _row_params(batch, 0.0, 1.0)
     sampled = _row_params(batch, TEMPERATURE, 1.0)
     nucleus = _row_params(batch, TEMPERATURE, TOP_P)
+    qwen_defaults = _row_params(batch, 0.6, 0.95, top_k=20)  # Qwen3.5's generation_config
     return [
         ("previous: greedy argmax", lambda: previous_sampler(logits)),
         (f"previous: T={TEMPERATURE}", lambda: previous_sampler(logits, TEMPERATURE)),
@@ -72,6 +73,10 @@ def cases(logits):
          lambda: sample_tokens(logits, *sampled, filtered=False, out=out)),
         (f"sample_tokens: T={TEMPERATURE} top_p={TOP_P}, filtered=True",
          lambda: sample_tokens(logits, *nucleus, filtered=True, out=out)),
+        ("sample_tokens: T=0.6 top_k=20 top_p=0.95, filtered (sort)",
+         lambda: sample_tokens(logits, *qwen_defaults, filtered=True, out=out)),
+        ("sample_tokens: T=0.6 top_k=20 top_p=0.95, candidates=1024 (topk)",
+         lambda: sample_tokens(logits, *qwen_defaults, filtered=True, candidates=1024, out=out)),
     ]
 
 

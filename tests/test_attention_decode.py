@@ -99,6 +99,34 @@ def test_bit_exact_against_reference(B, num_heads, num_kv_heads, head_dim, rotar
 
 
 @pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES, ids=str)
+def test_write_row_writes_into_the_given_cache_rows(dtype):
+    """A paged cache: batch row b writes into cache row (page) write_row[b]; two pages fewer than
+    rows would be needed without it, nothing else is touched, q is unchanged."""
+    B, num_heads, num_kv_heads, head_dim, rotary_dim = 3, 4, 2, 16, 4
+    inputs = make_inputs(B, num_heads, num_kv_heads, head_dim, rotary_dim, dtype, max_batch=7, L=16)
+    write_row = torch.tensor([6, 0, 3], device=DEVICE)
+    before = inputs["key_cache"].clone(), inputs["value_cache"].clone()
+    kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=EPS)
+    ref_in = dict(inputs, key_cache=before[0].clone(), value_cache=before[1].clone())
+    q_ref = qk_norm_rope_kv_write_ref(**ref_in, **kw, write_row=write_row)
+    q = qk_norm_rope_kv_write(**inputs, **kw, write_row=write_row)
+    assert torch.equal(q, q_ref) and torch.equal(q, qk_norm_rope_kv_write_ref(**dict(
+        inputs, key_cache=before[0].clone(), value_cache=before[1].clone()), **kw))
+    assert torch.equal(inputs["key_cache"], ref_in["key_cache"]) and torch.equal(inputs["value_cache"], ref_in["value_cache"])
+    written = torch.zeros(7, 16, dtype=torch.bool, device=DEVICE)
+    written[write_row, inputs["write_column"]] = True
+    for cache, old in zip((inputs["key_cache"], inputs["value_cache"]), before):
+        assert not torch.equal(cache, old)
+        untouched = ~written[:, None, :, None].expand_as(cache)
+        assert torch.equal(cache[untouched], old[untouched])
+    with pytest.raises(ValueError, match="write_row"):
+        qk_norm_rope_kv_write(**inputs, **kw, write_row=write_row[:2])
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match=r"write_row: every row must be in \[0, 7\)"):
+            qk_norm_rope_kv_write(**inputs, **kw, write_row=write_row + 5)
+
+
+@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES, ids=str)
 @pytest.mark.parametrize("qkv_layout, cos_layout", [("2d", "4d"), ("2d", "strided"), ("3d", "strided")])
 def test_strided_layouts(qkv_layout, cos_layout, dtype):
     B, nH, nKV, hd, rot = 3, 4, 2, 16, 4
@@ -253,6 +281,35 @@ def test_decode_attention_matches_reference(B, num_heads, num_kv_heads, head_dim
     assert torch.equal(decode_attention(q[:, :, None], key_cache, value_cache, kv_lengths, head_dim ** -0.5), out)
 
 
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=str)
+@pytest.mark.parametrize("page_size", [16, 32, 128])
+def test_paged_decode_attention_equals_the_contiguous_rows(page_size, dtype):
+    """Rows scattered over shuffled pages (a block table per row, unused entries pointing at a
+    NaN-poisoned page) give the contiguous rows' result."""
+    B, num_heads, num_kv_heads, head_dim, pages_per_row = 3, 8, 2, 32, 3
+    L = pages_per_row * page_size
+    q, key_rows, value_rows, kv_lengths = attention_inputs(B, num_heads, num_kv_heads, head_dim, L, dtype,
+                                                           [L, page_size + 3, 1], seed=9)
+    key_rows, value_rows = key_rows[:B], value_rows[:B]
+    n_pages = B * pages_per_row + 2
+    order = torch.randperm(n_pages - 1, generator=torch.Generator().manual_seed(2))[:B * pages_per_row]
+    table = order.view(B, pages_per_row).to(DEVICE)
+    table[2, 1:] = n_pages - 1  # past row 2's length: the poisoned page
+    pages = []
+    for rows in (key_rows, value_rows):
+        paged = torch.full((n_pages, num_kv_heads, page_size, head_dim), float("nan"), device=DEVICE, dtype=dtype)
+        for b in range(B):
+            for j in range(pages_per_row):
+                if table[b, j] != n_pages - 1:
+                    paged[table[b, j]] = rows[b, :, j * page_size:(j + 1) * page_size]
+        pages.append(paged)
+    contiguous = decode_attention(q, key_rows, value_rows, kv_lengths, 0.2)
+    for index_dtype in (torch.int32, torch.int64):
+        paged_out = decode_attention(q, *pages, kv_lengths, 0.2, block_table=table.to(index_dtype))
+        assert torch.isfinite(paged_out).all()
+        assert (paged_out.double() - contiguous.double()).abs().max() <= ATTENTION_TOL[dtype] / 4
+
+
 def test_decode_attention_equals_masked_sdpa_in_the_model_layout():
     """Against the masked SDPA the model's decode step used before (fp32, GQA)."""
     q, key_cache, value_cache, kv_lengths = attention_inputs(3, 8, 2, 32, 50, torch.float32, [50, 7, 23], seed=4)
@@ -271,6 +328,10 @@ def test_decode_attention_equals_masked_sdpa_in_the_model_layout():
     (lambda a: {**a, "value_cache": a["value_cache"][:, :, :9]}, ValueError, "value_cache"),
     (lambda a: {**a, "key_cache": a["key_cache"][..., :8]}, ValueError, "key_cache"),
     (lambda a: {**a, "q": a["q"][:, :, :, None]}, ValueError, "q: expected"),
+    (lambda a: {**a, "block_table": a["kv_lengths"].float()[:, None]}, TypeError, "block_table"),
+    (lambda a: {**a, "block_table": a["kv_lengths"][:1, None]}, ValueError, "block_table"),
+    (lambda a: {**a, "key_cache": a["key_cache"][:, :, :10], "value_cache": a["value_cache"][:, :, :10],
+                "block_table": a["kv_lengths"][:, None] * 0}, ValueError, "power of two"),
 ])
 def test_decode_attention_bad_input_names_the_argument(change, error, match):
     q, key_cache, value_cache, kv_lengths = attention_inputs(2, 4, 2, 16, 12, torch.float32, [12, 5])

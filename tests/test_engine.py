@@ -151,6 +151,30 @@ def test_more_requests_than_slots_wait_and_all_finish(model):
     assert token_ids(outputs) == solo
 
 
+def test_requests_wait_for_kv_pages_and_get_their_solo_output(model):
+    """A cache of 3 pages of 16 tokens for 4 slots: requests needing 2 pages (prompt + max_tokens
+    over 16) and 1 page share them; the queue's head waits until enough pages are free, every
+    request gets its solo output, all pages come back. A request needing more pages than the cache
+    has is refused, naming max_tokens."""
+    engine = Engine(model, max_batch=4, max_len=32, kv_cache_tokens=48, page_size=16, seed=0)
+    assert (engine.runner.cache.num_pages, engine.runner.cache.page_size) == (3, 16)
+    prompts = [prompt(12, 20), prompt(5, 21), prompt(9, 22), prompt(3, 23)]
+    params = [greedy(8), greedy(4), greedy(10), greedy(6)]  # pages: 2, 1, 2, 1
+    requests = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+    running_pages, running = [], []
+    while engine.has_unfinished_requests():
+        engine.step()
+        running_pages.append(sum(len(r.pages) for r in engine.scheduler.running.values()))
+        running.append(len(engine.scheduler.running))
+    assert max(running_pages) <= 3 and max(running) == 2  # 4 slots, but pages for 2 at a time
+    solo = Engine(model, max_batch=1, max_len=32, seed=0)
+    for request, p, q in zip(requests, prompts, params):
+        assert request.output().outputs[0].token_ids == token_ids(solo.generate([p], q))[0]
+    assert engine.scheduler.free_pages == 3
+    with pytest.raises(ValueError, match="max_tokens: 20 prompt tokens .* need 4 K/V pages of 16 tokens; the cache has 3"):
+        Engine(model, max_batch=2, max_len=64, kv_cache_tokens=48, page_size=16).add_request(prompt(20, 1), greedy(30))
+
+
 def test_bad_input_raises_and_the_engine_stays_usable(model, engine):
     good = prompt(6, 30)
     expected = token_ids(engine.generate([good], greedy(3)))

@@ -141,8 +141,9 @@ def test_varying_length_batch_equals_each_row_alone(models):
 
 
 def test_inactive_rows_write_no_state(models):
-    """A decode step with one inactive row leaves that row's conv, recurrent and (real) KV state
-    and its length untouched, and the active row's step is what it would be alone."""
+    """A decode step with one inactive row leaves that row's conv, recurrent and KV state (its
+    pages: slot r owns page r here, the inactive rows write to the scratch page) and its length
+    untouched, and the active row's step is what it would be alone."""
     _, model = models
     ids = prompt(2, 6, seed=4)
     cache = model.new_cache(max_batch=3, max_len=10)
@@ -154,8 +155,9 @@ def test_inactive_rows_write_no_state(models):
     assert cache.lengths.tolist() == [7, 6, 0]
     for layer, old in zip(cache.layers, before):
         if hasattr(layer, "key"):
+            assert cache.block_table.tolist() == [[0], [1], [2]] and cache.num_pages == 3
             for new, prev in zip((layer.key, layer.value), old):
-                assert torch.equal(new[1:, :, :cache.max_len], prev[1:, :, :cache.max_len])
+                assert torch.equal(new[1:3], prev[1:3])
                 assert not torch.equal(new[0, :, 6], prev[0, :, 6])  # row 0 wrote its token
         else:
             for new, prev in zip((layer.conv, layer.recurrent), old):
@@ -337,6 +339,30 @@ def test_chunked_prefill_equals_one_prefill(models, lengths, chunk_size):
         assert (logits - chunk_logits).abs().max() <= 1e-4
     with pytest.raises(ValueError, match="chunk_size"):
         model.prefill(ids, chunked, mask, slots=[2, 0], chunk_size=0)
+
+
+def test_paged_cache_with_shuffled_pages_equals_the_default_one(models):
+    """Pages of 16 tokens handed out in a shuffled order (slot 2 owns pages 5, 0, 3; slot 0 owns
+    1, 4), fewer pages than max_batch x max_len: the chunked prefill (a chunk crossing pages) and
+    4 decode steps (crossing a page boundary) equal the default cache's within 1e-5."""
+    _, model = models
+    lengths = [30, 13]
+    ids, mask = prompt(2, 30, seed=33), right_padding_mask(lengths, 30)
+    default = model.new_cache(max_batch=3, max_len=40)
+    paged = model.new_cache(max_batch=3, max_len=40, num_pages=6, page_size=16)
+    assert paged.block_table.tolist() == [[6, 6, 6]] * 3  # nobody owns a page yet: all at the scratch page
+    paged.assign_pages([2, 0], [[5, 0, 3], [1, 4]])
+    assert paged.block_table.tolist() == [[1, 4, 6], [6, 6, 6], [5, 0, 3]]
+    expected = model.prefill(ids, default, mask, slots=[2, 0], chunk_size=20)
+    logits = model.prefill(ids, paged, mask, slots=[2, 0], chunk_size=20)
+    assert (logits - expected).abs().max() <= 1e-5
+    tokens = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    for _ in range(4):
+        tokens[[2, 0]] = expected.argmax(-1)
+        expected, logits = (model.decode_step(tokens, cache)[[2, 0]] for cache in (default, paged))
+        assert (logits - expected).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="page_size"):
+        model.new_cache(max_batch=1, max_len=8, page_size=24)
 
 
 def test_prefill_step_padding_rows_and_tokens_change_nothing():

@@ -141,13 +141,13 @@ def _serve(args) -> int:
         on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
         llm = LLM(directory, dtype=args.dtype or ("float32" if on_cpu else None), device=args.device,
                   max_batch=args.max_batch, max_len=args.max_len, seed=args.seed,
-                  max_prefill_tokens=args.max_prefill_tokens)
+                  max_prefill_tokens=args.max_prefill_tokens, kv_cache_tokens=args.kv_cache_tokens)
         model = ServedModel.from_llm(llm, args.served_model_name)
     else:
         device, dtype = _device_and_dtype(args)
         model = ServedModel.random(args.config, dtype=dtype, device=device, max_batch=args.max_batch,
                                    max_len=args.max_len, seed=args.seed, name=args.served_model_name,
-                                   max_prefill_tokens=args.max_prefill_tokens)
+                                   max_prefill_tokens=args.max_prefill_tokens, kv_cache_tokens=args.kv_cache_tokens)
     try:
         run_server(model, args.host, args.port, args.max_queue)
     except OSError as error:  # the address cannot be listened on
@@ -365,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"prompt + completion tokens per request ({TEXT_MAX_LEN})")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name of requests and answers (default: MODEL_DIR's name, or the --config)")
+    serve.add_argument("--kv-cache-tokens", type=int, default=None,
+                       help="attention K/V positions the cache holds, shared by the requests in pages "
+                            "(default: max-batch x max-len)")
     serve.add_argument("--max-prefill-tokens", type=int, default=SERVE_MAX_PREFILL_TOKENS,
                        help=f"prompt tokens prefilled per engine step; longer prompts go in chunks over several "
                             f"steps, between decode steps of the running requests ({SERVE_MAX_PREFILL_TOKENS})")

@@ -34,6 +34,8 @@ from fuselm.engine.runner import DEFAULT_GRAPH_BATCH_SIZES, ModelRunner
 from fuselm.engine.sampling import sampler_variant
 from fuselm.engine.scheduler import Scheduler
 from fuselm.models.qwen35 import Qwen35
+from fuselm.models.qwen35.cache import PAGE_SIZE
+from fuselm.runtime import check_positive_int
 
 
 class _Launched:
@@ -67,15 +69,25 @@ class Engine:
         max_prefill_tokens: prompt tokens prefilled in one step (default: max_batch * max_len):
             a longer prompt is prefilled in chunks over several steps, decode steps of the
             running requests between them, so one long prompt cannot stall them.
+        kv_cache_tokens: attention K/V positions the cache holds, in pages of ``page_size``
+            tokens (a power of two >= 16; default: max_batch * max_len, every slot's whole context). A request takes pages
+            for its prompt + max_tokens when it starts and returns them when it ends; with fewer
+            pages than that default, requests wait for pages as for slots.
         seed: seeds the seeds drawn for requests that bring none (None: fresh entropy).
         use_graphs: capture CUDA graphs (default: when the model is on CUDA).
     """
 
     def __init__(self, model: Qwen35, max_batch: int = 8, max_len: int = 4096,
                  graph_batch_sizes: Sequence[int] = DEFAULT_GRAPH_BATCH_SIZES, *,
-                 max_prefill_tokens: int | None = None, seed: int | None = None, use_graphs: bool | None = None):
-        self.runner = ModelRunner(model, max_batch, max_len, graph_batch_sizes, use_graphs)
-        self.scheduler = Scheduler(max_batch, max_prefill_tokens or max_batch * max_len)
+                 max_prefill_tokens: int | None = None, kv_cache_tokens: int | None = None,
+                 page_size: int = PAGE_SIZE, seed: int | None = None, use_graphs: bool | None = None):
+        if kv_cache_tokens is not None:
+            check_positive_int("kv_cache_tokens", kv_cache_tokens)
+        num_pages = None if kv_cache_tokens is None else -(-kv_cache_tokens // max(1, page_size))
+        self.runner = ModelRunner(model, max_batch, max_len, graph_batch_sizes, use_graphs, num_pages, page_size)
+        cache = self.runner.cache
+        self.scheduler = Scheduler(max_batch, max_prefill_tokens or max_batch * max_len, cache.num_pages,
+                                   cache.page_size)
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.eos_ids = model.config.stop_token_ids
@@ -121,6 +133,10 @@ class Engine:
         request = Request(str(next(self._ids)) if request_id is None else request_id, ids, params,
                           self._seeds.getrandbits(63) if params.seed is None else params.seed, stop_ids,
                           prompt=prompt, detokenizer=detokenizer)
+        pages, cache = self.scheduler.pages_needed(request), self.runner.cache
+        if pages > cache.num_pages:
+            raise ValueError(f"max_tokens: {len(ids)} prompt tokens + max_tokens {params.max_tokens} need {pages} K/V "
+                             f"pages of {cache.page_size} tokens; the cache has {cache.num_pages} (kv_cache_tokens)")
         self.scheduler.add(request)
         return request
 

@@ -1,7 +1,7 @@
 """ModelRunner: runs the model on the device for the engine (prefill, then decode as CUDA graphs).
 
-State: one ``Qwen35Cache`` of ``max_batch`` slots (attention K/V, DeltaNet conv and recurrent
-state), ``SlotSampling`` (each slot's sampling parameters and stop counters) and
+State: one ``Qwen35Cache`` of ``max_batch`` slots (DeltaNet conv and recurrent state, a
+block-table row into the shared attention K/V pages), ``SlotSampling`` (each slot's sampling parameters and stop counters) and
 ``input_tokens`` [max_batch] (each slot's last token: the next decode step's input), allocated
 once. A request owns one slot from its prefill to its end.
 
@@ -23,7 +23,7 @@ Every input and output is a static device buffer, so a step is one ``graph.repla
 is captured per batch size in ``graph_batch_sizes`` (clipped to max_batch, which is always
 added) and per sampler variant (``engine.sampling.SAMPLER_VARIANTS``), all in one memory
 pool; inactive slots inside b write no DeltaNet state and put their K/V in the cache's scratch
-column. Without CUDA (or ``use_graphs=False``) the same step runs eagerly.
+page. Without CUDA (or ``use_graphs=False``) the same step runs eagerly.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch
 from fuselm.engine.request import Request
 from fuselm.engine.sampling import SAMPLER_VARIANTS, SlotSampling, sampler_variant
 from fuselm.models.qwen35 import Qwen35
+from fuselm.models.qwen35.cache import PAGE_SIZE
 
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 # Prefill graph buckets: a group of chunks is padded up to the next bucket in rows and in tokens
@@ -52,12 +53,13 @@ class ModelRunner:
     ``max_len`` tokens."""
 
     def __init__(self, model: Qwen35, max_batch: int, max_len: int,
-                 graph_batch_sizes: Sequence[int] = DEFAULT_GRAPH_BATCH_SIZES, use_graphs: bool | None = None):
+                 graph_batch_sizes: Sequence[int] = DEFAULT_GRAPH_BATCH_SIZES, use_graphs: bool | None = None,
+                 num_pages: int | None = None, page_size: int = PAGE_SIZE):
         if not isinstance(model, Qwen35):
             raise TypeError(f"model: expected a fuselm Qwen35, got {type(model).__name__}")
         self.model = model
         self.device = model.device
-        self.cache = model.new_cache(max_batch, max_len)  # checks max_batch, max_len
+        self.cache = model.new_cache(max_batch, max_len, num_pages, page_size)  # checks them
         sizes = [b for b in graph_batch_sizes if isinstance(b, int) and not isinstance(b, bool) and b >= 1]
         if len(sizes) != len(graph_batch_sizes):
             raise ValueError(f"graph_batch_sizes: expected positive ints, got {tuple(graph_batch_sizes)!r}")
@@ -91,7 +93,8 @@ class ModelRunner:
     @torch.no_grad()
     def prefill(self, plan: list[tuple[Request, int, int]]) -> tuple[list[Request], torch.Tensor]:
         """Prefill ``plan``'s chunks: (request, first prompt position, tokens), each request with
-        its ``slot`` set; a request starting at position 0 gets its sampling parameters in its slot.
+        its ``slot`` and ``pages`` set; a request starting at position 0 gets its sampling parameters
+        and its block-table row in its slot.
         Fresh chunks (position 0) go through one right-padded ``model.prefill_step``, continued ones
         through another. Requests whose prompt ends with this chunk get their first token drawn and
         their slot activated; the others stay inactive until their last chunk. Returns (those
@@ -100,6 +103,7 @@ class ModelRunner:
         fresh = [request for request, start, _ in plan if start == 0]
         if fresh:
             self.sampling.assign(fresh, torch.tensor([r.slot for r in fresh], dtype=torch.int64).to(self.device, non_blocking=True))
+            self.cache.assign_pages([r.slot for r in fresh], [r.pages for r in fresh])
         completed, logits = [], []
         for is_fresh in (True, False):
             chunks = [(request, start, count) for request, start, count in plan if (start == 0) == is_fresh]

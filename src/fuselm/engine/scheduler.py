@@ -1,10 +1,12 @@
-"""Scheduler: which requests wait, which run, which cache slot each one owns, and which prompt
-tokens are prefilled in the next step.
+"""Scheduler: which requests wait, which run, which cache slot and K/V pages each one owns, and
+which prompt tokens are prefilled in the next step.
 
 Requests wait in arrival order. Each step, ``schedule_prefill`` spends a budget of
 ``max_prefill_tokens`` prompt tokens: first on the prompts already admitted but not yet wholly
 in the cache, then on waiting requests, which get the lowest free slots (so the running slots
-stay packed at the bottom and the decode graph stays small). A long prompt is so prefilled over
+stay packed at the bottom and the decode graph stays small) and the K/V pages for their prompt +
+max_tokens positions, taken at admission for the request's life (so a running request never
+waits for memory and nothing is preempted); the head of the queue waits while either is short. A long prompt is so prefilled over
 several steps, and the requests already decoding take a decode step between its chunks.
 ``finish`` frees a request's slot for the next one. A running request keeps its slot for its
 whole life: its state never moves.
@@ -19,16 +21,27 @@ from fuselm.engine.request import Request
 
 
 class Scheduler:
-    """Slots 0 .. max_batch-1; at most ``max_prefill_tokens`` (>= 1) prompt tokens prefilled per step."""
+    """Slots 0 .. max_batch-1, K/V pages 0 .. num_pages-1 of ``page_size`` tokens; at most
+    ``max_prefill_tokens`` (>= 1) prompt tokens prefilled per step."""
 
-    def __init__(self, max_batch: int, max_prefill_tokens: int):
+    def __init__(self, max_batch: int, max_prefill_tokens: int, num_pages: int, page_size: int):
         if not isinstance(max_prefill_tokens, int) or isinstance(max_prefill_tokens, bool) or max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens: expected an int >= 1, got {max_prefill_tokens!r}")
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request (prefilling or decoding)
         self.prefilling: deque[Request] = deque()  # admitted, prompt not yet wholly in the cache
         self._free_slots = list(range(max_batch))
+        self._free_pages = list(range(num_pages))
+        self.page_size = page_size
         self.max_prefill_tokens = max_prefill_tokens
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free_pages)
+
+    def pages_needed(self, request: Request) -> int:
+        """K/V pages for the request's prompt + max_tokens positions."""
+        return -(-(len(request.prompt_token_ids) + request.params.max_tokens) // self.page_size)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -47,9 +60,11 @@ class Scheduler:
             count = min(budget, len(request.prompt_token_ids) - request.num_prompt_computed)
             plan.append((request, request.num_prompt_computed, count))
             budget -= count
-        while self.waiting and self._free_slots and budget:
+        while self.waiting and self._free_slots and budget and \
+                self.pages_needed(self.waiting[0]) <= self.free_pages:
             request = self.waiting.popleft()
             request.slot = heapq.heappop(self._free_slots)
+            request.pages = [heapq.heappop(self._free_pages) for _ in range(self.pages_needed(request))]
             self.running[request.slot] = request
             self.prefilling.append(request)
             count = min(budget, len(request.prompt_token_ids))
@@ -72,10 +87,13 @@ class Scheduler:
         return max(self.running) + 1 if self.running else 0
 
     def finish(self, request: Request) -> None:
-        """Free a finished (or aborted) request's slot."""
+        """Free a finished (or aborted) request's slot and pages."""
         if request.slot is not None and self.running.get(request.slot) is request:
             del self.running[request.slot]
             heapq.heappush(self._free_slots, request.slot)
+            for page in request.pages:
+                heapq.heappush(self._free_pages, page)
+            request.pages = []
             if request in self.prefilling:
                 self.prefilling.remove(request)
         elif request in self.waiting:

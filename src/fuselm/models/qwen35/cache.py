@@ -1,8 +1,12 @@
-"""Decode state of a Qwen3.5 model, preallocated once per (max_batch, max_len).
+"""Decode state of a Qwen3.5 model, preallocated once per (max_batch, max_len, pages).
 
-Slot r of the cache is one request's state for its life: its attention K/V row, its Gated
-DeltaNet conv inputs and recurrent state, its length and whether it takes part in decode. Every
-tensor keeps its address for the cache's life, so a CUDA graph may capture them.
+Slot r of the cache is one request's state for its life: its Gated DeltaNet conv inputs and
+recurrent state, its length, whether it takes part in decode, and its row of the block table:
+the attention K/V pages that hold its positions (position p in page ``block_table[r, p // P]``,
+slot p % P, P = ``page_size``). Pages are shared by all slots, so the K/V memory follows the
+tokens requests can hold (``num_pages``), not max_batch x max_len. Every tensor keeps its
+address for the cache's life, so a CUDA graph may capture them; a request joining rewrites its
+slot's block-table row, never a tensor's address.
 """
 
 from __future__ import annotations
@@ -15,11 +19,15 @@ from fuselm.models.qwen35.config import FULL_ATTENTION, Qwen35Config
 from fuselm.runtime import check_positive_int
 
 
+PAGE_SIZE = 64  # tokens per K/V page (the decode attention kernel reads one page per block)
+
+
 @dataclass
 class AttentionCache:
-    """Static KV cache of one full-attention layer: [max_batch, kv_heads, max_len + 1, head_dim].
-    Column ``max_len`` is a scratch column: inactive rows write their K/V there during decode
-    (an index op with no branch), and no active row ever attends to it."""
+    """Paged K/V of one full-attention layer: [num_pages + 1, kv_heads, page_size, head_dim]
+    each. Page ``num_pages`` is a scratch page: inactive rows write their K/V there during decode
+    (an index op with no branch), block-table entries no request owns point at it, and no active
+    row ever attends to it."""
 
     key: torch.Tensor
     value: torch.Tensor
@@ -41,24 +49,40 @@ class DeltaNetCache:
 class Qwen35Cache:
     """All decode state, preallocated: ``lengths`` [max_batch] int64 (tokens in the cache per
     row = the next token's position), ``active`` [max_batch] bool (rows that take part in decode),
-    and per layer an ``AttentionCache`` or a ``DeltaNetCache``. Every tensor keeps its address
-    for the cache's life (a CUDA graph may capture them)."""
+    ``block_table`` [max_batch, pages_per_slot] int64 (each slot's K/V pages), and per layer an
+    ``AttentionCache`` or a ``DeltaNetCache``. Every tensor keeps its address for the cache's life
+    (a CUDA graph may capture them)."""
 
     config: Qwen35Config
     max_len: int
+    page_size: int
+    num_pages: int  # K/V pages requests can own (page num_pages is the scratch page)
     lengths: torch.Tensor
     active: torch.Tensor
     layers: list
     slots: torch.Tensor = field(repr=False)  # arange(max_batch), int32: each row's state-pool slot
+    block_table: torch.Tensor = field(repr=False)
 
     @classmethod
-    def allocate(cls, config: Qwen35Config, max_batch: int, max_len: int, dtype, device) -> "Qwen35Cache":
+    def allocate(cls, config: Qwen35Config, max_batch: int, max_len: int, dtype, device,
+                 num_pages: int | None = None, page_size: int = PAGE_SIZE) -> "Qwen35Cache":
+        """``num_pages`` K/V pages of ``page_size`` tokens (a power of two >= 16) shared by the
+        slots. Default: enough for every slot's max_len, and slot r owns pages r * pages_per_slot
+        onwards (the block table an owner of the whole cache wants). With fewer, every slot starts
+        with no pages (all at the scratch page): whoever admits requests gives them pages
+        (``assign_pages``)."""
         check_positive_int("max_batch", max_batch)
         check_positive_int("max_len", max_len)
+        check_positive_int("page_size", page_size)
+        if page_size < 16 or page_size & (page_size - 1):
+            raise ValueError(f"page_size: expected a power of two >= 16, got {page_size}")
+        pages_per_slot = -(-max_len // page_size)
+        whole = max_batch * pages_per_slot
+        num_pages = whole if num_pages is None else check_positive_int("num_pages", num_pages)
         layers = []
         for layer_type in config.layer_types:
             if layer_type == FULL_ATTENTION:
-                shape = (max_batch, config.num_key_value_heads, max_len + 1, config.head_dim)
+                shape = (num_pages + 1, config.num_key_value_heads, page_size, config.head_dim)
                 layers.append(AttentionCache(torch.zeros(shape, dtype=dtype, device=device),
                                              torch.zeros(shape, dtype=dtype, device=device)))
             else:
@@ -67,22 +91,42 @@ class Qwen35Cache:
                                 dtype=dtype, device=device),
                     torch.zeros(max_batch, config.linear_num_value_heads, config.linear_key_head_dim,
                                 config.linear_value_head_dim, dtype=torch.float32, device=device)))
-        return cls(config, max_len, torch.zeros(max_batch, dtype=torch.int64, device=device),
+        if num_pages >= whole:
+            table = torch.arange(whole, device=device).view(max_batch, pages_per_slot)
+        else:
+            table = torch.full((max_batch, pages_per_slot), num_pages, device=device)
+        return cls(config, max_len, page_size, num_pages, torch.zeros(max_batch, dtype=torch.int64, device=device),
                    torch.zeros(max_batch, dtype=torch.bool, device=device), layers,
-                   torch.arange(max_batch, dtype=torch.int32, device=device))
+                   torch.arange(max_batch, dtype=torch.int32, device=device), table)
 
     @property
     def max_batch(self) -> int:
         return self.lengths.shape[0]
 
+    @property
+    def pages_per_slot(self) -> int:
+        return self.block_table.shape[1]
+
+    def assign_pages(self, slots: list[int], pages: list[list[int]]) -> None:
+        """Give slot ``slots[i]`` the pages ``pages[i]`` (its positions 0 .. len * page_size - 1;
+        the rest of its row points at the scratch page). One small host-to-device copy, enqueued
+        on the stream (between graph replays)."""
+        rows = torch.full((len(slots), self.pages_per_slot), self.num_pages, dtype=torch.int64)
+        for i, owned in enumerate(pages):
+            rows[i, :len(owned)] = torch.tensor(owned, dtype=torch.int64)
+        index = torch.tensor(slots, dtype=torch.int64)
+        self.block_table.index_copy_(0, index.to(self.block_table.device, non_blocking=True),
+                                     rows.to(self.block_table.device, non_blocking=True))
+
     def first_rows(self, rows: int) -> "Qwen35Cache":
-        """A cache of rows 0 .. rows-1 that shares this one's memory (every tensor a leading-dim
-        view, so contiguous and at the same addresses): a decode step on it reads and writes
-        exactly those rows. The engine captures one CUDA graph per batch size on such views."""
+        """A cache of rows 0 .. rows-1 that shares this one's memory (every per-slot tensor a
+        leading-dim view, so contiguous and at the same addresses; the K/V pages shared whole): a
+        decode step on it reads and writes exactly those rows' state. The engine captures one CUDA
+        graph per batch size on such views."""
         if not isinstance(rows, int) or isinstance(rows, bool) or not 1 <= rows <= self.max_batch:
             raise ValueError(f"rows: expected an int in [1, {self.max_batch}], got {rows!r}")
-        layers = [AttentionCache(layer.key[:rows], layer.value[:rows]) if isinstance(layer, AttentionCache)
-                  else DeltaNetCache(layer.conv[:rows], layer.recurrent[:rows]) for layer in self.layers]
-        return Qwen35Cache(self.config, self.max_len, self.lengths[:rows], self.active[:rows], layers,
-                           self.slots[:rows])
-
+        layers = [layer if isinstance(layer, AttentionCache) else DeltaNetCache(layer.conv[:rows], layer.recurrent[:rows])
+                  for layer in self.layers]
+        return Qwen35Cache(self.config, self.max_len, self.page_size, self.num_pages, self.lengths[:rows],
+                           self.active[:rows], layers,
+                           self.slots[:rows], self.block_table[:rows])

@@ -21,7 +21,7 @@ from torch import nn
 
 from fuselm.models.qwen35.cache import AttentionCache, DeltaNetCache
 from fuselm.models.qwen35.config import LINEAR_ATTENTION, Qwen35Config
-from fuselm.ops.attention_decode import apply_rotary_ref, decode_attention, qk_norm_rope_kv_write
+from fuselm.ops.attention_decode import apply_rotary_ref, decode_attention, gather_pages, qk_norm_rope_kv_write
 from fuselm.ops.decode_linear import decode_linear
 from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_decode_step
 from fuselm.ops.gated_delta_rule.naive import decay_gate
@@ -64,6 +64,7 @@ class PrefillStep:
     token_mask: torch.Tensor  # [B, T] bool, the real tokens
     positions: torch.Tensor  # [B, T] int64, starts + 0 .. T-1
     fresh: bool  # host-known: every row starts at 0 (zero conv history, plain causal attention)
+    pages: torch.Tensor  # [B, pages_per_slot] int64, each row's block-table row (its K/V pages)
     cos: torch.Tensor  # [B, T, 1, rotary_dim], model dtype
     sin: torch.Tensor
 
@@ -74,8 +75,10 @@ class DecodeStep:
 
     cos: torch.Tensor  # [max_batch, 1, 1, rotary_dim]
     sin: torch.Tensor
-    write_column: torch.Tensor  # [max_batch] int64: the token's KV column (max_len for inactive rows)
-    kv_lengths: torch.Tensor  # [max_batch] int64: cache columns the token attends to (position + 1; 0 inactive)
+    write_page: torch.Tensor  # [max_batch] int64: the page of the token's K/V (the scratch page for inactive rows)
+    write_column: torch.Tensor  # [max_batch] int64: its slot in that page
+    kv_lengths: torch.Tensor  # [max_batch] int64: positions the token attends to (position + 1; 0 inactive)
+    block_table: torch.Tensor  # [max_batch, pages_per_slot] int64: each row's K/V pages
     state_slots: torch.Tensor  # [max_batch] int32: pool slot, -1 for inactive rows (no state write)
     positions: torch.Tensor  # [max_batch] int64: the token's position (= cache.lengths before the step)
 
@@ -288,35 +291,41 @@ class GatedAttention(nn.Module):
     def prefill(self, x: torch.Tensor, cache: AttentionCache, step: PrefillStep) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v, gate = self._project(x, step.cos, step.sin)
-        # K/V of position p into column p (the scratch column max_len past the cache's end: only
-        # padding gets there). Padded positions land beyond their row's length, where decode masks
-        # them out and a later token overwrites them.
-        columns = step.positions.clamp(max=cache.key.shape[2] - 1)
-        rows = step.slots[:, None].expand(B, T)
-        cache.key[rows, :, columns] = k.transpose(1, 2)
-        cache.value[rows, :, columns] = v.transpose(1, 2)
+        # K/V of position p into slot p % P of page pages[p // P] (P = page size); positions past
+        # the block-table row (only padding gets there) into the scratch page. Padded positions
+        # land beyond their row's length, where decode never reads and a later token overwrites.
+        page_size, scratch = cache.key.shape[2], cache.key.shape[0] - 1
+        in_table = step.positions < step.pages.shape[1] * page_size
+        page_index = (step.positions // page_size).clamp(max=step.pages.shape[1] - 1)
+        write_page = torch.where(in_table, step.pages.gather(1, page_index), scratch)  # [B, T]
+        write_slot = torch.where(in_table, step.positions % page_size, 0)
+        cache.key[write_page, :, write_slot] = k.transpose(1, 2)
+        cache.value[write_page, :, write_slot] = v.transpose(1, 2)
         # Causal attention (SDPA; HF's sdpa path). A fresh chunk attends within itself; a later one
-        # to its row's cache columns 0 .. position (the earlier chunks' K/V and its own).
+        # to its row's positions 0 .. position (the earlier chunks' K/V and its own), gathered
+        # from its pages.
         if step.fresh:
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
-            keys = torch.arange(cache.key.shape[2], device=x.device)
-            visible = (keys[None, None, :] <= step.positions[:, :, None])[:, None]  # [B, 1, T, max_len + 1]
-            attn = F.scaled_dot_product_attention(q, cache.key[step.slots], cache.value[step.slots], attn_mask=visible,
-                                                  scale=self.scale, enable_gqa=True)
+            keys, values = gather_pages(cache.key, step.pages), gather_pages(cache.value, step.pages)
+            columns = torch.arange(keys.shape[2], device=x.device)
+            visible = (columns[None, None, :] <= step.positions[:, :, None])[:, None]  # [B, 1, T, pages * P]
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=self.scale,
+                                                  enable_gqa=True)
         return self._output(attn, gate)
 
     def decode(self, x: torch.Tensor, cache: AttentionCache, step: DecodeStep) -> torch.Tensor:
-        """qkv GEMM; q/k norm + RoPE + the K/V write at column write_column[r] of each row r in one
-        launch (``qk_norm_rope_kv_write``, the roundings of ``_project``); attention over each row's
-        filled columns 0 .. position only (``decode_attention``: split over the sequence, fp32
-        softmax); the sigmoid gate fused into o_proj (``decode_linear``)."""
+        """qkv GEMM; q/k norm + RoPE + the K/V write into each row's page and slot in one launch
+        (``qk_norm_rope_kv_write``, the roundings of ``_project``); attention over each row's
+        positions 0 .. position only, through its block-table row (``decode_attention``: split
+        over the sequence, fp32 softmax); the sigmoid gate fused into o_proj (``decode_linear``)."""
         B = x.shape[0]
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # x [max_batch, 1, D]
         q = qk_norm_rope_kv_write(qkv, self.q_norm, self.k_norm, step.cos, step.sin, cache.key, cache.value,
                                   step.write_column, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                                  head_dim=self.head_dim, eps=self.eps)
-        attn = decode_attention(q, cache.key, cache.value, step.kv_lengths, self.scale)  # [B, heads, head_dim]
+                                  head_dim=self.head_dim, eps=self.eps, write_row=step.write_page)
+        attn = decode_attention(q, cache.key, cache.value, step.kv_lengths, self.scale,
+                                block_table=step.block_table)  # [B, heads, head_dim]
         gate = qkv[:, 0, :self.q_size].view(B, self.num_heads, 2, self.head_dim)[:, :, 1].reshape(B, -1)
         y = decode_linear(attn.reshape(B, -1), self.o_proj, prologue="sigmoid_gate", gate=gate)
         if self.o_bias is not None:

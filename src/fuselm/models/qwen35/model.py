@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fuselm.models.qwen35.cache import Qwen35Cache
+from fuselm.models.qwen35.cache import PAGE_SIZE, Qwen35Cache
 from fuselm.models.qwen35.config import Qwen35Config
 from fuselm.models.qwen35.layers import (DecodeStep, DecoderLayer, PrefillStep, TakeTensor, _assign, _param,
                                          prefixed, rotary_cos_sin, rotary_inv_freq)
@@ -88,10 +88,12 @@ class Qwen35(nn.Module):
             self.inv_freq = self.inv_freq.to(positions.device)
         return rotary_cos_sin(positions, self.inv_freq, self.dtype)
 
-    def new_cache(self, max_batch: int, max_len: int) -> Qwen35Cache:
+    def new_cache(self, max_batch: int, max_len: int, num_pages: int | None = None,
+                  page_size: int = PAGE_SIZE) -> Qwen35Cache:
         """A cache of ``max_batch`` slots of ``max_len`` tokens each (prompt + generated); every
-        slot starts inactive."""
-        return Qwen35Cache.allocate(self.config, max_batch, max_len, self.dtype, self.device)
+        slot starts inactive. Attention K/V in ``num_pages`` pages of ``page_size`` tokens
+        (default: every slot's max_len, slot r owning its own; ``Qwen35Cache.allocate``)."""
+        return Qwen35Cache.allocate(self.config, max_batch, max_len, self.dtype, self.device, num_pages, page_size)
 
     # ------------------------------------------------------------------------ HF weights
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -158,7 +160,8 @@ class Qwen35(nn.Module):
         token_mask = positions < (starts + lengths)[:, None]
         input_ids = input_ids.masked_fill(~token_mask, 0)  # padding ids may be anything
         cos, sin = self._rotary(positions)
-        step = PrefillStep(slots, starts, lengths, token_mask, positions, fresh, cos[:, :, None], sin[:, :, None])
+        step = PrefillStep(slots, starts, lengths, token_mask, positions, fresh, cache.block_table[slots],
+                           cos[:, :, None], sin[:, :, None])
         hidden = self._layers(F.embedding(input_ids, self.embed_tokens),
                               lambda mixer, x, i: mixer.prefill(x, cache.layers[i], step))
         cache.lengths.index_copy_(0, slots, starts + lengths)
@@ -245,17 +248,21 @@ class Qwen35(nn.Module):
         a graph's private memory pool serves them on replay); its inputs are
         ``token_ids`` and the cache tensors (``lengths``, ``active`` and the per-layer state),
         all updated in place. Inactive rows write no recurrent or conv state and put their K/V in
-        the scratch column; their logits are meaningless. The caller keeps every active row's
-        length < ``cache.max_len``.
+        the scratch page; their logits are meaningless. The caller keeps every active row's
+        length < ``cache.max_len`` and its block-table row holding its positions.
         """
         if token_ids.shape != (cache.max_batch,):  # metadata only: no sync
             raise ValueError(f"token_ids: expected [max_batch] = ({cache.max_batch},), got {tuple(token_ids.shape)}")
         positions = cache.lengths
         cos, sin = self._rotary(positions)  # [max_batch, rotary_dim]
-        write_column = torch.where(cache.active, positions.clamp(max=cache.max_len), cache.max_len)
+        # The token's K/V goes to slot p % P of the row's page p // P; inactive rows write to the
+        # scratch page (an index with no branch) and attend to nothing.
+        page_index = (positions // cache.page_size).clamp(max=cache.pages_per_slot - 1)
         step = DecodeStep(
-            cos=cos[:, None, None], sin=sin[:, None, None], write_column=write_column,
-            kv_lengths=torch.where(cache.active, positions + 1, 0),
+            cos=cos[:, None, None], sin=sin[:, None, None],
+            write_page=torch.where(cache.active, cache.block_table.gather(1, page_index[:, None])[:, 0], cache.num_pages),
+            write_column=torch.where(cache.active, positions % cache.page_size, 0),
+            kv_lengths=torch.where(cache.active, positions + 1, 0), block_table=cache.block_table,
             state_slots=torch.where(cache.active, cache.slots, -1), positions=positions)
         token_ids = torch.where(cache.active, token_ids, 0)  # an inactive row's id may be anything
         hidden = self._layers(F.embedding(token_ids[:, None], self.embed_tokens),

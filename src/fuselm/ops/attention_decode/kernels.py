@@ -15,7 +15,8 @@ power of two), reads the heads from the qkv projection row and, per head (fp32 i
 round = to the model dtype, each step where PyTorch's eager ops round (``naive.py``). The
 partner y[p] is recomputed from x[p] (a second load of the same row) with the same operations,
 so it is bit-equal to y at p. q tiles store ``out`` to q_out [B, nH, 1, hd]; kv tiles store k's
-``out`` to ``key_cache[b, h, write_column[b]]`` and copy v unchanged to ``value_cache``.
+``out`` to ``key_cache[r, h, write_column[b]]`` (r = ``write_row[b]``, a paged cache's page; by
+default b) and copy v unchanged to ``value_cache``.
 
 Bit-exactness with the PyTorch path (which runs fuselm's rms_norm kernel for the norm):
 - the norm is the rms_norm forward kernel's own expression on a tile of the same shape and warp
@@ -93,12 +94,12 @@ def _norm_rope_tile(
 
 @triton.jit
 def _qk_norm_rope_kv_write_kernel(
-    qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, column_ptr, q_out_ptr,
+    qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, column_ptr, write_row_ptr, q_out_ptr,
     stride_qkv, stride_cos, stride_sin,
     stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
     n_heads, n_kv_heads, n_cols, rot, eps, cache_len,
     Q_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    EMULATE_BF16_RNE: tl.constexpr, ADD_RN: tl.constexpr,
+    EMULATE_BF16_RNE: tl.constexpr, ADD_RN: tl.constexpr, HAS_WRITE_ROW: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -128,27 +129,32 @@ def _qk_norm_rope_kv_write_kernel(
         # a column outside [0, L) writes nothing (the host checks it only where that costs no sync)
         mask = mask & (cols < tl.where((column >= 0) & (column < cache_len), n_cols, 0))[None, :]
         h = heads.to(tl.int64)[:, None]
-        tl.store(k_cache_ptr + row * stride_kb + h * stride_kh + column * stride_kl + cols[None, :], out, mask=mask)
+        cache_row = tl.load(write_row_ptr + row).to(tl.int64) if HAS_WRITE_ROW else row  # a paged cache's page
+        tl.store(k_cache_ptr + cache_row * stride_kb + h * stride_kh + column * stride_kl + cols[None, :], out,
+                 mask=mask)
         v = tl.load(v_src + h * n_cols + cols[None, :], mask=mask, other=0.0)
-        tl.store(v_cache_ptr + row * stride_vb + h * stride_vh + column * stride_vl + cols[None, :], v, mask=mask)
+        tl.store(v_cache_ptr + cache_row * stride_vb + h * stride_vh + column * stride_vl + cols[None, :], v,
+                 mask=mask)
 
 
 def qk_norm_rope_kv_write_kernel(qkv, q_norm_weight, k_norm_weight, cos, sin, key_cache, value_cache, write_column,
-                                 q_out, num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> None:
+                                 write_row, q_out, num_heads: int, num_kv_heads: int, head_dim: int,
+                                 eps: float) -> None:
     """Launch on checked arguments: qkv [B, P], cos/sin [B, rotary_dim] (unit column stride, any
-    row stride), weights contiguous [hd], caches [max_batch, nKV, L, hd] with unit last stride,
-    write_column int [B], q_out contiguous [B, nH, 1, hd]."""
+    row stride), weights contiguous [hd], caches [rows, nKV, L, hd] with unit last stride,
+    write_column int [B], write_row int [B] or None (row b), q_out contiguous [B, nH, 1, hd]."""
     B = qkv.shape[0]
     # The rms_norm forward kernel's tile (heads per program, padded head_dim) and warp count.
     block_m, block_n, num_warps = row_block_geometry(head_dim)
     q_tiles = cdiv(num_heads, block_m)
     kv_tiles = cdiv(num_kv_heads, block_m)
     _qk_norm_rope_kv_write_kernel[(B, q_tiles + kv_tiles)](
-        qkv, q_norm_weight, k_norm_weight, cos, sin, key_cache, value_cache, write_column, q_out,
-        qkv.stride(0), cos.stride(0), sin.stride(0),
+        qkv, q_norm_weight, k_norm_weight, cos, sin, key_cache, value_cache, write_column,
+        write_column if write_row is None else write_row, q_out, qkv.stride(0), cos.stride(0), sin.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         num_heads, num_kv_heads, head_dim, cos.shape[-1], eps, key_cache.shape[2],
         Q_TILES=q_tiles, BLOCK_M=block_m, BLOCK_N=block_n,
-        EMULATE_BF16_RNE=INTERPRET and qkv.dtype == torch.bfloat16, ADD_RN=not INTERPRET, num_warps=num_warps,
+        EMULATE_BF16_RNE=INTERPRET and qkv.dtype == torch.bfloat16, ADD_RN=not INTERPRET,
+        HAS_WRITE_ROW=write_row is not None, num_warps=num_warps,
     )

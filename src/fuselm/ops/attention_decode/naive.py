@@ -37,13 +37,14 @@ def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 def qk_norm_rope_kv_write_ref(
     qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, write_column: torch.Tensor, *,
-    num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+    num_heads: int, num_kv_heads: int, head_dim: int, eps: float, write_row: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, num_heads, 1, head_dim] (normed, rotated; contiguous); writes row r's k and v into
-    ``key_cache[r, :, write_column[r]]`` / ``value_cache[r, :, write_column[r]]``.
+    """q [B, num_heads, 1, head_dim] (normed, rotated; contiguous); writes row b's k and v into
+    ``key_cache[r, :, write_column[b]]`` / ``value_cache[r, :, write_column[b]]``, r =
+    ``write_row[b]`` (a paged cache's page; default b).
 
     qkv: [B, 1, P] or [B, P] (P = 2 nH hd + 2 nKV hd); cos, sin: [B, rotary_dim] (or any
-    [B, 1, ..., rotary_dim]); caches [max_batch >= B, nKV, L, hd]; write_column: int [B].
+    [B, 1, ..., rotary_dim]); caches [rows, nKV, L, hd]; write_column, write_row: int [B].
     """
     B = qkv.shape[0]
     x = qkv.reshape(B, 1, qkv.shape[-1])
@@ -57,18 +58,29 @@ def qk_norm_rope_kv_write_ref(
     q, k = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
     v = v.view(B, 1, num_kv_heads, head_dim)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    rows = torch.arange(B, device=qkv.device)
+    rows = torch.arange(B, device=qkv.device) if write_row is None else write_row
     key_cache[rows, :, write_column] = k[:, :, 0]
     value_cache[rows, :, write_column] = v[:, :, 0]
     return q.contiguous()
 
 
+def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """A paged cache [pages, nKV, P, hd] as rows [B, nKV, pages_per_row * P, hd]: row b's column n
+    is ``cache[block_table[b, n // P], :, n % P]``."""
+    B, pages_per_row = block_table.shape
+    _, kv_heads, page_size, head_dim = cache.shape
+    return cache[block_table.long()].permute(0, 2, 1, 3, 4).reshape(B, kv_heads, pages_per_row * page_size, head_dim)
+
+
 def decode_attention_ref(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                         kv_lengths: torch.Tensor, scale: float) -> torch.Tensor:
+                         kv_lengths: torch.Tensor, scale: float, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """One query per row over its cache row's first ``kv_lengths[r]`` columns, in fp32:
     ``softmax(q k^T scale) v`` with GQA (query head h reads kv head h // (nH / nKV)); a row
-    with length 0 gets zeros. q [B, nH, hd]; caches [>= B, nKV, L, hd]; returns [B, nH, hd] in
-    q's dtype (one rounding)."""
+    with length 0 gets zeros. q [B, nH, hd]; caches [>= B, nKV, L, hd], or with ``block_table``
+    [B, pages_per_row] pages [pages, nKV, P, hd] (``gather_pages``); returns [B, nH, hd] in q's
+    dtype (one rounding)."""
+    if block_table is not None:
+        key_cache, value_cache = gather_pages(key_cache, block_table), gather_pages(value_cache, block_table)
     B, num_heads, _ = q.shape
     group = num_heads // key_cache.shape[1]
     keys = key_cache[:B].float().repeat_interleave(group, dim=1)  # [B, nH, L, hd]

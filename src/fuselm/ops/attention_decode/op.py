@@ -28,7 +28,7 @@ def _rows(name: str, t: torch.Tensor, B: int) -> torch.Tensor:
 
 
 def _check(qkv, q_norm_weight, k_norm_weight, cos, sin, key_cache, value_cache, write_column,
-           num_heads, num_kv_heads, head_dim, eps, q_out):
+           num_heads, num_kv_heads, head_dim, eps, q_out, write_row):
     num_heads = check_positive_int("num_heads", num_heads)
     num_kv_heads = check_positive_int("num_kv_heads", num_kv_heads)
     head_dim = check_positive_int("head_dim", head_dim)
@@ -64,8 +64,9 @@ def _check(qkv, q_norm_weight, k_norm_weight, cos, sin, key_cache, value_cache, 
     if rotary_dim > head_dim:
         raise ValueError(f"cos: rotary_dim {rotary_dim} exceeds head_dim {head_dim}")
     for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if c.dim() != 4 or c.shape[0] < B or c.shape[1] != num_kv_heads or c.shape[3] != head_dim or c.shape[2] < 1:
-            raise ValueError(f"{name}: expected [max_batch >= B = {B}, num_kv_heads = {num_kv_heads}, L, "
+        min_rows = B if write_row is None else 1
+        if c.dim() != 4 or c.shape[0] < min_rows or c.shape[1] != num_kv_heads or c.shape[3] != head_dim or c.shape[2] < 1:
+            raise ValueError(f"{name}: expected [rows >= {min_rows}, num_kv_heads = {num_kv_heads}, L, "
                              f"head_dim = {head_dim}], got {tuple(c.shape)}")
         if c.dtype != dtype:
             raise TypeError(f"{name}: dtype {c.dtype} does not match qkv {dtype}")
@@ -78,6 +79,13 @@ def _check(qkv, q_norm_weight, k_norm_weight, cos, sin, key_cache, value_cache, 
     if write_column.device.type == "cpu" and B and not bool(
             ((write_column >= 0) & (write_column < key_cache.shape[2])).all()):  # free on the CPU; trusted on a GPU
         raise ValueError(f"write_column: every column must be in [0, L = {key_cache.shape[2]})")
+    if write_row is not None:
+        if not isinstance(write_row, torch.Tensor) or write_row.shape != (B,) or write_row.dtype not in (torch.int64,
+                                                                                                       torch.int32):
+            raise ValueError(f"write_row: expected None or an int64 (or int32) tensor [B] = ({B},)")
+        check_same_device(qkv=qkv, write_row=write_row)
+        if write_row.device.type == "cpu" and B and not bool(((write_row >= 0) & (write_row < key_cache.shape[0])).all()):
+            raise ValueError(f"write_row: every row must be in [0, {key_cache.shape[0]}) (the cache's rows)")
     shape = (B, num_heads, 1, head_dim)
     if q_out is not None:
         if q_out.shape != shape:
@@ -95,6 +103,7 @@ def qk_norm_rope_kv_write(
     qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, write_column: torch.Tensor, *,
     num_heads: int, num_kv_heads: int, head_dim: int, eps: float, q_out: torch.Tensor | None = None,
+    write_row: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated-attention decode prep (Qwen3.5): q/k zero-centered RMSNorm per head, partial RoPE,
     K/V cache write, in one launch; bit-identical to ``naive.qk_norm_rope_kv_write_ref`` (the
@@ -108,20 +117,23 @@ def qk_norm_rope_kv_write(
         cos, sin: [B, rotary_dim] (or [B, 1, ..., rotary_dim]; row stride allowed) in qkv's
             dtype; rotary_dim even, <= head_dim: the first rotary_dim dims of each q/k head
             rotate (rotate-half pairing), the rest pass through.
-        key_cache, value_cache: [max_batch >= B, nKV, L, hd] in qkv's dtype (any strides, last
-            dim contiguous), written in place: row r's k (normed, rotated) and v (as is) go to
-            column ``write_column[r]``; nothing else changes.
+        key_cache, value_cache: [rows, nKV, L, hd] in qkv's dtype (any strides, last dim
+            contiguous), written in place: batch row b's k (normed, rotated) and v (as is) go to
+            cache row ``write_row[b]`` (default b: then rows >= B), column ``write_column[b]``;
+            nothing else changes. A paged cache passes its pages [pages, nKV, page_size, hd].
         write_column: int64 (or int32) [B], values in [0, L) (checked on the CPU only: no host
             sync on a GPU). Every row writes.
         num_heads, num_kv_heads, head_dim: nH, nKV, hd.
         eps: the RMSNorm epsilon.
         q_out: optional contiguous [B, nH, 1, hd] buffer in qkv's dtype for q (no allocation,
             CUDA-graph safe).
+        write_row: optional int64 (or int32) [B], the cache row (page) of each batch row; values
+            in [0, rows) (checked on the CPU only).
     Returns:
         q [B, nH, 1, hd], contiguous, normed and rotated (``q_out`` when given).
     """
     cos, sin, eps, q_out = _check(qkv, q_norm_weight, k_norm_weight, cos, sin, key_cache, value_cache, write_column,
-                                  num_heads, num_kv_heads, head_dim, eps, q_out)
+                                  num_heads, num_kv_heads, head_dim, eps, q_out, write_row)
     B = qkv.shape[0]
     if B == 0:
         return q_out
@@ -129,9 +141,9 @@ def qk_norm_rope_kv_write(
         with torch.no_grad():
             return q_out.copy_(qk_norm_rope_kv_write_ref(
                 qkv, q_norm_weight, k_norm_weight, cos, sin, key_cache, value_cache, write_column,
-                num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps))
+                num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps, write_row=write_row))
     rows = _rows("qkv", qkv, B)  # [B, 1, P] -> [B, P]: a view
     qkv_norm_weights = [w.contiguous() for w in (q_norm_weight, k_norm_weight)]
-    qk_norm_rope_kv_write_kernel(rows, *qkv_norm_weights, cos, sin, key_cache, value_cache, write_column, q_out,
-                                 num_heads, num_kv_heads, head_dim, eps)
+    qk_norm_rope_kv_write_kernel(rows, *qkv_norm_weights, cos, sin, key_cache, value_cache, write_column, write_row,
+                                 q_out, num_heads, num_kv_heads, head_dim, eps)
     return q_out

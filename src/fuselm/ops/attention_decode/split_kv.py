@@ -16,7 +16,8 @@ a second kernel combines the splits of each (row, head): o = sum_s e^(lse_s - M)
 e^(lse_s - M), rounded once to q's dtype. A row of length 0 gets zeros.
 
 The number of splits depends on the shapes only (B, nKV, the cache's columns, the SM count): a
-CUDA graph may capture the op, and the lengths are read on the device.
+CUDA graph may capture the op, and the lengths are read on the device. A paged cache (pages of P
+columns, a block table per row) is read page by page: a block never straddles two pages.
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ MIN_DOT_K = 16  # and its smallest K: head dims below it are padded with zeros
 
 
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, part_o_ptr, part_lse_ptr,
-                  stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
+def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, part_o_ptr, part_lse_ptr,
+                  stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, stride_tb,
                   num_kv_heads, split_size, scale,
                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                  BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, PAGED: tl.constexpr,
+                  PAGE: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // num_kv_heads
@@ -60,6 +62,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, part_o_ptr, part_lse_ptr,
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
         tile_mask = n_mask[:, None] & d_mask[None, :]
+        if PAGED:  # the block lies in one page (BLOCK_N divides PAGE): the row's page n0 // PAGE
+            page = tl.load(table_ptr + b.to(tl.int64) * stride_tb + n0 // PAGE).to(tl.int64)
+            k_row = k_ptr + page * stride_kb + kv_head.to(tl.int64) * stride_kh
+            v_row = v_ptr + page * stride_vb + kv_head.to(tl.int64) * stride_vh
+            n = n0 % PAGE + tl.arange(0, BLOCK_N)
         k = tl.load(k_row + n.to(tl.int64)[:, None] * stride_kl + d[None, :], mask=tile_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_N] fp32
         s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -96,29 +103,31 @@ def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, HEAD_DIM: tl.constexpr, B
     tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def num_splits(batch: int, num_kv_heads: int, columns: int, device: torch.device) -> tuple[int, int]:
+def num_splits(batch: int, num_kv_heads: int, columns: int, block: int, device: torch.device) -> tuple[int, int]:
     """(splits, split_size): about two programs per SM over the whole cache, splits a multiple of
-    BLOCK_N columns wide. Shapes only (graph safe)."""
+    ``block`` columns wide. Shapes only (graph safe)."""
     wanted = max(1, cdiv(2 * num_sms(device), batch * num_kv_heads))
-    split_size = cdiv(cdiv(columns, min(wanted, cdiv(columns, BLOCK_N))), BLOCK_N) * BLOCK_N
+    split_size = cdiv(cdiv(columns, min(wanted, cdiv(columns, block))), block) * block
     return cdiv(columns, split_size), split_size
 
 
-def decode_attention_kernels(q, key_cache, value_cache, kv_lengths, scale):
+def decode_attention_kernels(q, key_cache, value_cache, kv_lengths, scale, block_table=None):
     B, num_heads, head_dim = q.shape
-    num_kv_heads, columns = key_cache.shape[1], key_cache.shape[2]
+    num_kv_heads, page = key_cache.shape[1], key_cache.shape[2]
+    columns = page if block_table is None else block_table.shape[1] * page
+    block_n = BLOCK_N if block_table is None else min(BLOCK_N, page)
     group = num_heads // num_kv_heads
-    splits, split_size = num_splits(B, num_kv_heads, columns, q.device)
+    splits, split_size = num_splits(B, num_kv_heads, columns, block_n, q.device)
     part_o = torch.empty(B * num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B * num_heads, splits, dtype=torch.float32, device=q.device)
     block_d = max(MIN_DOT_K, next_power_of_2(head_dim))
     _split_kernel[(B * num_kv_heads, splits)](
-        q, key_cache, value_cache, kv_lengths, part_o, part_lse,
+        q, key_cache, value_cache, kv_lengths, kv_lengths if block_table is None else block_table, part_o, part_lse,
         q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
-        num_kv_heads, split_size, float(scale),
+        0 if block_table is None else block_table.stride(0), num_kv_heads, split_size, float(scale),
         GROUP=group, BLOCK_G=max(MIN_GROUP_ROWS, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_N=BLOCK_N, NUM_SPLITS=splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_d <= 128 else 8, num_stages=2)
+        BLOCK_N=block_n, NUM_SPLITS=splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PAGED=block_table is not None, PAGE=page, num_warps=4 if block_d <= 128 else 8, num_stages=2)
     out = torch.empty(B, num_heads, head_dim, dtype=q.dtype, device=q.device)
     _combine_kernel[(B * num_heads,)](part_o, part_lse, out, HEAD_DIM=head_dim, BLOCK_D=block_d,
                                       NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), num_warps=4)
@@ -126,17 +135,21 @@ def decode_attention_kernels(q, key_cache, value_cache, kv_lengths, scale):
 
 
 def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     kv_lengths: torch.Tensor, scale: float) -> torch.Tensor:
+                     kv_lengths: torch.Tensor, scale: float, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per row over its cache row's filled columns (decode).
 
     Args:
         q: [B, nH, hd] or [B, nH, 1, hd] (last dim contiguous), fp32/fp16/bf16.
         key_cache, value_cache: [>= B, nKV, L, hd] in q's dtype, last dim contiguous; row b of
             the batch is cache row b; nH a multiple of nKV (query head h reads kv head
-            h // (nH / nKV)).
+            h // (nH / nKV)). With ``block_table``: pages [pages, nKV, P, hd], P a power of two
+            >= 16.
         kv_lengths: int32/int64 [B] on q's device: row b attends to its columns 0 .. kv_lengths[b] - 1
             (0: the row gets zeros); values in [0, L] (not checked on a GPU: no host sync).
         scale: on q k^T.
+        block_table: optional int32/int64 [B, pages_per_row]: row b's column n is at page
+            ``block_table[b, n // P]``, slot n % P (L = pages_per_row * P); entries past a row's
+            length are never read. Values in [0, pages) (not checked: read on the device).
     Returns:
         [B, nH, hd] in q's dtype (``split_kv.py`` gives the numerics; ``naive.decode_attention_ref``
         is the fp32 reference). Inference only. CUDA-graph safe.
@@ -145,14 +158,18 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         check_tensor(name, t)
     if not isinstance(kv_lengths, torch.Tensor) or kv_lengths.dtype not in (torch.int32, torch.int64):
         raise TypeError("kv_lengths: expected an int32/int64 tensor [B]")
-    check_same_device(q=q, key_cache=key_cache, value_cache=value_cache, kv_lengths=kv_lengths)
+    if block_table is not None and (not isinstance(block_table, torch.Tensor)
+                                    or block_table.dtype not in (torch.int32, torch.int64)):
+        raise TypeError("block_table: expected None or an int32/int64 tensor [B, pages_per_row]")
+    check_same_device(q=q, key_cache=key_cache, value_cache=value_cache, kv_lengths=kv_lengths, block_table=block_table)
     if q.dim() == 4 and q.shape[2] == 1:
         q = q[:, :, 0]
     if q.dim() != 3:
         raise ValueError(f"q: expected [B, nH, hd] or [B, nH, 1, hd], got {tuple(q.shape)}")
     B, num_heads, head_dim = q.shape
-    if key_cache.dim() != 4 or key_cache.shape[0] < B or key_cache.shape[3] != head_dim:
-        raise ValueError(f"key_cache: expected [>= {B}, nKV, L, {head_dim}] (B, head_dim of q), got "
+    min_rows = B if block_table is None else 1
+    if key_cache.dim() != 4 or key_cache.shape[0] < min_rows or key_cache.shape[3] != head_dim:
+        raise ValueError(f"key_cache: expected [>= {min_rows}, nKV, L, {head_dim}] (head_dim of q), got "
                          f"{tuple(key_cache.shape)}")
     if value_cache.shape != key_cache.shape:
         raise ValueError(f"value_cache: shape {tuple(value_cache.shape)} differs from key_cache {tuple(key_cache.shape)}")
@@ -165,10 +182,18 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
             raise ValueError(f"{name}: the last dim must be contiguous")
     if kv_lengths.shape != (B,):
         raise ValueError(f"kv_lengths: expected [B] = ({B},), got {tuple(kv_lengths.shape)}")
-    if not kv_lengths.is_cuda and not bool(((kv_lengths >= 0) & (kv_lengths <= key_cache.shape[2])).all()):
-        raise ValueError(f"kv_lengths: values must be in [0, {key_cache.shape[2]}] (the cache's columns)")
+    columns = key_cache.shape[2]
+    if block_table is not None:
+        page = key_cache.shape[2]
+        if block_table.dim() != 2 or block_table.shape[0] != B:
+            raise ValueError(f"block_table: expected [B = {B}, pages_per_row], got {tuple(block_table.shape)}")
+        if page < 16 or page & (page - 1):
+            raise ValueError(f"key_cache: a paged cache's page size (dim 2) must be a power of two >= 16, got {page}")
+        columns = block_table.shape[1] * page
+    if not kv_lengths.is_cuda and not bool(((kv_lengths >= 0) & (kv_lengths <= columns)).all()):
+        raise ValueError(f"kv_lengths: values must be in [0, {columns}] (the cache's columns)")
     if B == 0:
         return q.new_empty(q.shape)
     if not use_triton(q):
-        return decode_attention_ref(q, key_cache, value_cache, kv_lengths, scale)
-    return decode_attention_kernels(q, key_cache, value_cache, kv_lengths, scale)
+        return decode_attention_ref(q, key_cache, value_cache, kv_lengths, scale, block_table)
+    return decode_attention_kernels(q, key_cache, value_cache, kv_lengths, scale, block_table)
