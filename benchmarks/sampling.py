@@ -18,7 +18,7 @@ import itertools
 
 import torch
 
-from fuselm.ops.sampling import sample_tokens
+from fuselm.ops.sampling import cutoffs, keep_thresholds, sample_tokens
 from fuselm.ops.sampling.kernels import sample_tokens_kernel, split_geometry
 from fuselm.runtime import num_sms
 from timing import bench, graph_bench
@@ -71,12 +71,13 @@ def cases(logits):
         ("sample_tokens: greedy, filtered=False", lambda: sample_tokens(logits, *greedy, filtered=False, out=out)),
         (f"sample_tokens: T={TEMPERATURE}, filtered=False",
          lambda: sample_tokens(logits, *sampled, filtered=False, out=out)),
-        (f"sample_tokens: T={TEMPERATURE} top_p={TOP_P}, filtered=True",
+        (f"sample_tokens: T={TEMPERATURE} top_p={TOP_P}, filtered=True (16-bit logits: histogram cut-offs)",
          lambda: sample_tokens(logits, *nucleus, filtered=True, out=out)),
-        ("sample_tokens: T=0.6 top_k=20 top_p=0.95, filtered (sort)",
-         lambda: sample_tokens(logits, *qwen_defaults, filtered=True, out=out)),
-        ("sample_tokens: T=0.6 top_k=20 top_p=0.95, candidates=1024 (topk)",
+        ("sample_tokens: T=0.6 top_k=20 top_p=0.95, candidates=1024 (topk cut-offs)",
          lambda: sample_tokens(logits, *qwen_defaults, filtered=True, candidates=1024, out=out)),
+        (f"cut-offs alone, T={TEMPERATURE} top_p={TOP_P}: keep_thresholds (the sort, the definition)",
+         lambda: keep_thresholds(logits, *nucleus[:3])),
+        (f"cut-offs alone, T={TEMPERATURE} top_p={TOP_P}: cutoffs (histogram)", lambda: cutoffs(logits, *nucleus[:3])),
     ]
 
 
@@ -84,14 +85,14 @@ def benchmark_sampling(batch_sizes=(1, 8, 32), dtype=torch.bfloat16) -> list[dic
     """Time every case at each batch size; print the table and return its rows."""
     rows = []
     print(f"V = {N_VOCAB}, {str(dtype).removeprefix('torch.')} logits, {torch.cuda.get_device_name()}")
-    print(f"{'B':>3}  {'case':<50} {'graph µs':>9} {'eager µs':>9} {'logits GB/s':>12}")
+    print(f"{'B':>3}  {'case':<80} {'graph µs':>9} {'eager µs':>9} {'logits GB/s':>12}")
     for batch in batch_sizes:
         logits = (torch.randn(batch, N_VOCAB, device="cuda") * 2.5).to(dtype)
         for name, call in cases(logits):
             graph_ms, eager_ms = graph_bench(call), bench(call)
             gbs = logits.numel() * logits.element_size() / graph_ms / 1e6
             rows.append(dict(batch=batch, case=name, graph_us=graph_ms * 1e3, eager_us=eager_ms * 1e3))
-            print(f"{batch:>3}  {name:<50} {graph_ms * 1e3:>9.1f} {eager_ms * 1e3:>9.1f} {gbs:>12.0f}")
+            print(f"{batch:>3}  {name:<80} {graph_ms * 1e3:>9.1f} {eager_ms * 1e3:>9.1f} {gbs:>12.0f}")
     return rows
 
 

@@ -13,8 +13,9 @@
 #   5. GPU tests of the serving path; compute-sanitizer memcheck of the sampling kernel
 # Writes to $OUT (default ./gpu_out), at most 8 files:
 #   serve.md (every bench-serve table), serve.json (their JSON), serve_poisson.png, engine.md,
-#   hf_anchor.md, hf_anchor.json, serve_tests.log, sanitizer.log
-# Usage: bash scripts/gpu_serve.sh [STAGE ...]   stages: engine serve serve256 hf tests sanitizer
+#   hf_anchor.md, hf_anchor.json, serve_tests.log, sanitizer.log; sampling.md (the sampler's cut-off
+#   ways: sort, histogram, top-k candidates; benchmarks/sampling.py) when that stage is named
+# Usage: bash scripts/gpu_serve.sh [STAGE ...]   stages: engine serve serve256 hf tests sanitizer sampling
 #   (default all: ~10 min on an H100, more than one device call allows: name fewer stages per call;
 #   wheels from .whl/ as gpu_env.sh installs them)
 set -uo pipefail
@@ -96,8 +97,12 @@ fi
 if want sanitizer; then  # the kernels new in issue 17: sampling, split-KV decode attention
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest -q -p no:cacheprovider tests/test_sampling.py tests/test_attention_decode.py \
-    -k "full_vocabulary or decode_attention_matches" > "$OUT/sanitizer.log" 2>&1 \
+    -k "full_vocabulary or decode_attention_matches or paged_decode" > "$OUT/sanitizer.log" 2>&1 \
     || status=1
   tail -4 "$OUT/sanitizer.log"
+fi
+if want sampling; then
+  python3 benchmarks/sampling.py > "$OUT/sampling.md" 2>&1 || status=1
+  cat "$OUT/sampling.md"
 fi
 exit $status

@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from conftest import DEVICE
-from fuselm.ops.sampling import gumbel_noise_ref, keep_thresholds, random_bits_ref, sample_tokens, sample_tokens_ref
+from fuselm.ops.sampling import (cutoffs, gumbel_noise_ref, keep_thresholds, random_bits_ref, sample_tokens,
+                                 sample_tokens_ref)
 from fuselm.ops.sampling.kernels import (
     _STREAM_INIT_A, _STREAM_INIT_B, _gumbel_noise, _stream_key, sample_tokens_kernel, split_geometry,
 )
@@ -98,7 +99,7 @@ def test_unfiltered_path_when_no_row_filters():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_candidates_give_the_cut_offs_of_the_whole_row(dtype):
-    """keep_thresholds from the 16 largest logits of each row equals the one from the sorted row
+    """The cut-offs from the 16 largest logits of each row equals the one from the sorted row
     (exactly) for rows that keep the promise: top-k in 1..16 with top-p on or off, or neither;
     including rows whose k-th largest logit is tied with tokens past the 16 candidates (their
     mass counts toward top-p)."""
@@ -112,13 +113,39 @@ def test_candidates_give_the_cut_offs_of_the_whole_row(dtype):
     top_k = torch.tensor([3, 16, 1, 5, 12, 0, 16, 4], dtype=torch.int32, device=DEVICE)
     top_p = torch.tensor([0.5, 0.9, 1.0, 0.3, 1.0, 1.0, 0.999, 0.6], device=DEVICE)
     whole = keep_thresholds(logits, temperature, top_k, top_p)
-    assert torch.equal(keep_thresholds(logits, temperature, top_k, top_p, candidates=16), whole)
-    assert torch.equal(keep_thresholds(logits, temperature, top_k, top_p, candidates=n_vocab + 5), whole)
+    assert torch.equal(cutoffs(logits, temperature, top_k, top_p, candidates=16), whole)
+    assert torch.equal(cutoffs(logits, temperature, top_k, top_p, candidates=n_vocab + 5), whole)
     assert whole[5] == float("-inf")  # no top-k, no top-p: every token kept
     params = (temperature, top_k, top_p, torch.arange(n_rows, device=DEVICE) * 11, torch.full((n_rows,), 3, device=DEVICE))
     assert torch.equal(sample_tokens(logits, *params, candidates=16), sample_tokens_ref(logits, *params))
     with pytest.raises(ValueError, match="candidates"):
         sample_tokens(logits, *params, candidates=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_histogram_gives_the_cut_offs_of_the_sort(dtype):
+    """16-bit logits without candidates: the histogram's cut-offs equal the sort's for top-p alone,
+    top-k alone, both, neither, p <= 0 (the top token), flat rows, -0 beside +0, ties at the k-th
+    largest, over 40 random rows of a 3000-token vocabulary."""
+    g = torch.Generator().manual_seed(8)
+    n_rows, n_vocab = 40, 3000
+    logits = torch.randn(n_rows, n_vocab, generator=g) * torch.linspace(0.5, 8, n_rows)[:, None]
+    logits[0] = 0.0
+    logits[1, ::2] = -0.0
+    logits[2] = (logits[2] * 2).round() / 2  # heavy ties
+    logits = logits.to(DEVICE, dtype)
+    temperature = (torch.rand(n_rows, generator=g) * 1.5 + 0.2).to(DEVICE)
+    temperature[3] = 0.0
+    top_k = torch.randint(0, 50, (n_rows,), generator=g).to(DEVICE, torch.int32)
+    top_k[::3] = 0
+    top_p = (torch.rand(n_rows, generator=g) * 0.99 + 0.01).to(DEVICE)
+    top_p[::4] = 1.0
+    top_p[5] = 0.0
+    expected = keep_thresholds(logits, temperature, top_k, top_p)
+    assert torch.equal(cutoffs(logits, temperature, top_k, top_p), expected)
+    neither = (top_k == 0) & (top_p == 1)
+    assert torch.equal(expected[neither], torch.full_like(expected[neither], float("-inf")))
+    assert expected[5] == logits[5].max().float()  # p = 0 keeps the most likely token
 
 
 def test_geometries_give_the_same_ids():

@@ -22,6 +22,7 @@ from torch import nn
 from fuselm.models.qwen35.cache import AttentionCache, DeltaNetCache
 from fuselm.models.qwen35.config import LINEAR_ATTENTION, Qwen35Config
 from fuselm.ops.attention_decode import apply_rotary_ref, decode_attention, gather_pages, qk_norm_rope_kv_write
+from fuselm.ops.causal_conv1d import causal_conv1d_silu
 from fuselm.ops.decode_linear import decode_linear
 from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_decode_step
 from fuselm.ops.gated_delta_rule.naive import decay_gate
@@ -165,38 +166,12 @@ class GatedDeltaNet(nn.Module):
         gated = (normed.float() * F.silu(z.float())).to(o.dtype)
         return F.linear(gated.flatten(-2), self.out_proj)
 
-    def _conv_history(self, cache: DeltaNetCache, step: PrefillStep) -> torch.Tensor:
-        """The conv inputs at positions start - kernel .. start - 1 of each row [B, conv_dim, kernel]:
-        zeros before position 0 (a fresh request), else the cache's circular columns p % kernel."""
-        B = step.slots.shape[0]
-        if step.fresh:
-            return cache.conv.new_zeros(B, self.conv_dim, self.kernel_size)
-        positions = step.starts[:, None] + torch.arange(-self.kernel_size, 0, device=cache.conv.device)  # [B, kernel]
-        history = cache.conv[step.slots].gather(2, (positions % self.kernel_size)[:, None, :].expand(B, self.conv_dim, -1))
-        return history.masked_fill((positions < 0)[:, None, :], 0)
-
     def prefill(self, x: torch.Tensor, cache: DeltaNetCache, step: PrefillStep) -> torch.Tensor:
-        B, T, _ = x.shape
         qkv, z, b, a = self._project(x)
-        # Causal depthwise conv over the rows' tokens after their history (the kernel inputs before
-        # the chunk), as HF's causal_conv1d_fn: F.conv1d in the weight dtype, SiLU, result in the
-        # model dtype. Right padding: padded positions come after a row's real ones.
-        extended = torch.cat([self._conv_history(cache, step), qkv.transpose(1, 2)], dim=2)  # [B, conv_dim, kernel + T]
-        if step.fresh:  # zero history: HF's own call (padding, then the first T outputs)
-            conv = F.conv1d(extended[..., self.kernel_size:], self.conv_weight, padding=self.kernel_size - 1,
-                            groups=self.conv_dim)[..., :T]
-        else:
-            conv = F.conv1d(extended[..., 1:], self.conv_weight, groups=self.conv_dim)
-        conv_out = F.silu(conv).transpose(1, 2)
-        # Conv state: the inputs at positions L - kernel .. L - 1 of a row that reaches L = start +
-        # length tokens, in their circular columns p % kernel; extended[..., j] is position
-        # start - kernel + j, so position L - kernel + i is extended[..., length + i].
-        columns = step.lengths[:, None] + torch.arange(self.kernel_size, device=x.device)  # [B, kernel]
-        inputs = extended.gather(2, columns[:, None, :].expand(B, self.conv_dim, -1))
-        circular = (step.starts[:, None] + columns - self.kernel_size) % self.kernel_size
-        conv_state = torch.empty_like(inputs).scatter_(2, circular[:, None, :].expand(B, self.conv_dim, -1), inputs)
-        cache.conv.index_copy_(0, step.slots, conv_state)
-
+        # Causal depthwise conv + SiLU over each row's tokens after the inputs before the chunk
+        # (the slot's conv state; zeros before position 0), as HF's causal_conv1d_fn rounds it;
+        # the kernel also leaves the slot's new conv state (``causal_conv1d_silu``).
+        conv_out = causal_conv1d_silu(qkv, self.conv_weight, cache.conv, step.slots, step.starts, step.lengths)
         q, k, v = self._split_heads(conv_out)
         # HF: g = -exp(A_log) * softplus(a + dt_bias) in fp32; beta = sigmoid(b) in the model dtype.
         # Padded tokens get g = 0, beta = 0: S <- S * e^0 + 0, the state passes them unchanged.

@@ -1,6 +1,6 @@
 """Triton kernels and host launcher for ``sample_tokens``: a noisy argmax per row.
 
-For row b with temperature T, cut-off c (from ``keep_thresholds``; no cut-off when unfiltered)
+For row b with temperature T, cut-off c (from ``cutoffs``; no cut-off when unfiltered)
 and stream keys from (seed, position), every token i gets the value
 
     greedy (T = 0):  x_i                           x_i = the logit in fp32 (exact)

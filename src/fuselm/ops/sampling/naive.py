@@ -103,12 +103,12 @@ def exclusive_prefix_sums(weight: torch.Tensor) -> torch.Tensor:
 
 
 def keep_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor, candidates: int | None = None) -> torch.Tensor:
+                    top_p: torch.Tensor) -> torch.Tensor:
     """Per-row cut-off [B] fp32 of top-k then top-p: a row keeps token i iff logit_i >= its cut-off.
+    The definition, by a sort of each row (``cutoffs.py`` has the faster ways to the same values).
 
-    Plain PyTorch with static shapes and no host sync, run on the logits' device by every path of
-    ``sample_tokens``. Comparisons are on the logits themselves: dividing by T > 0 keeps their
-    order, and no rounding enters.
+    Plain PyTorch with static shapes and no host sync. Comparisons are on the logits themselves:
+    dividing by T > 0 keeps their order, and no rounding enters.
 
     - top-k (k in 1 .. V-1; else off): keep logit_i >= the k-th largest logit (ties with it kept).
     - top-p (p < 1; else off): with q the softmax of logits / T over the top-k-kept tokens (float64),
@@ -118,19 +118,17 @@ def keep_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
       token is always kept (also for p <= 0).
     Rows with neither get -inf. Rows with temperature 0 get a cut-off too (computed at T = 1); the
     sampler ignores it.
-
-    ``candidates`` (a static promise, made on the host): every row has top-k in 1 .. candidates,
-    or top-k off and top-p off (no cut-off: -inf). The cut-offs then come from the ``candidates``
-    largest logits of each row (``torch.topk``) instead of a sort of the whole row, with the same
-    result: only tokens tied with the k-th largest can lie past the candidates, and they are
-    counted in (one pass over the row). Rows outside the promise get unspecified cut-offs.
     """
-    n_vocab = logits.shape[-1]
-    truncated = candidates is not None and candidates < n_vocab
-    if truncated:
-        ordered = logits.topk(candidates, dim=-1).values  # [B, C], largest first
-    else:
-        ordered = logits.sort(dim=-1, descending=True).values  # [B, V], largest first
+    ordered = logits.sort(dim=-1, descending=True).values  # [B, V], largest first
+    return cutoffs_of_ordered(ordered, logits.shape[-1], temperature, top_k, top_p)
+
+
+def cutoffs_of_ordered(ordered: torch.Tensor, n_vocab: int, temperature: torch.Tensor, top_k: torch.Tensor,
+                       top_p: torch.Tensor, ties_past: torch.Tensor | None = None) -> torch.Tensor:
+    """``keep_thresholds`` from ``ordered`` [B, C], each row's C largest logits largest first (C = V:
+    the whole sorted row). With C < V every row with top-p on must have top-k in 1 .. C, and
+    ``ties_past`` [B, 1] counts the tokens tied with its k-th largest that lie past the C (they
+    weigh in top-p's total)."""
     n_ordered = ordered.shape[-1]
     k = top_k.long()
     k_on = (k > 0) & (k < n_vocab)
@@ -141,9 +139,8 @@ def keep_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     t = torch.where(temperature > 0, temperature, 1.0).double()[:, None]
     weight = ordered.double().sub_(ordered[:, :1].double()).div_(t).exp_().mul_(in_top_k)
     total = weight.sum(dim=-1, keepdim=True)
-    if truncated:  # tokens tied with the k-th largest past the candidates: same weight, same fate
-        past = (logits == kth).sum(dim=-1, keepdim=True) - (ordered == kth).sum(dim=-1, keepdim=True)
-        total = total + past * kth.double().sub_(ordered[:, :1].double()).div_(t).exp_()
+    if ties_past is not None:  # same weight as the k-th largest, same fate
+        total = total + ties_past * kth.double().sub_(ordered[:, :1].double()).div_(t).exp_()
     mass_before = exclusive_prefix_sums(weight)
     p = top_p.double()[:, None]
     kept = in_top_k & ((mass_before < p * total) | (p >= 1))

@@ -6,15 +6,15 @@ static. A request's draw depends only on its (seed, position) and its logits, ne
 sits in or on the other rows of the batch.
 
 Paths:
-- Triton device (CUDA, or CPU under the interpreter): with ``filtered``, ``keep_thresholds``
-  (PyTorch: one sort of the [B, V] logits, float64 masses) gives each row its cut-off; then the
-  noisy-argmax kernel(s) of ``kernels.py`` read the logits once. H100, bf16 [B, 248320], CUDA
+- Triton device (CUDA, or CPU under the interpreter): with ``filtered``, ``cutoffs.cutoffs``
+  gives each row its cut-off (the values of ``naive.keep_thresholds``, the sort-based
+  definition, without a sort: candidates from ``torch.topk``, or a histogram of 16-bit logits);
+  then the noisy-argmax kernel(s) of ``kernels.py`` read the logits once. H100, bf16 [B, 248320], CUDA
   graph replay (benchmarks/sampling.py): unfiltered 9.8 / 15 / 34 µs at B = 1 / 8 / 32 (the
   previous sampler: 98 / 116 / 246 µs; greedy 8.7 / 10 / 16 µs against argmax's 13 / 15 / 26);
-  filtered 0.16 / 0.35 / 1.06 ms (previous: 0.28 / 0.81 / 1.67 ms), nearly all of it the sort
-  and the cut-off's float64 passes. With ``candidates`` (every filtering row has a top-k, as
-  Qwen3.5's generation_config sets: top_k 20, top_p 0.95) the sort becomes ``torch.topk`` of the
-  candidates and the float64 passes run over them only (not yet measured on the GPU).
+  filtered with the sort 0.16 / 0.35 / 1.06 ms (previous: 0.28 / 0.81 / 1.67 ms), nearly all of it
+  the sort and the cut-off's float64 passes; the candidates and histogram ways are not yet
+  measured on the GPU.
 - CPU without the interpreter: the float64 reference ``sample_tokens_ref``.
 Eager calls run the path directly; under ``torch.compile`` the call goes through the
 ``fuselm::sample_tokens`` custom op (traced with its fake implementation). Inference only.
@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from fuselm.ops.sampling.kernels import sample_tokens_kernel
-from fuselm.ops.sampling.naive import keep_thresholds, sample_tokens_ref
+from fuselm.ops.sampling.cutoffs import cutoffs
+from fuselm.ops.sampling.naive import sample_tokens_ref
 from fuselm.runtime import check_same_device, check_tensor, use_triton
 
 # (name, dtype) of the per-row parameters, in argument order.
@@ -69,7 +70,7 @@ def _sample(logits, temperature, top_k, top_p, seeds, positions, filtered: bool,
         return out
     if not use_triton(logits):
         return out.copy_(sample_tokens_ref(logits, temperature, top_k, top_p, seeds, positions, filtered=filtered))
-    thresholds = keep_thresholds(logits, temperature, top_k, top_p, candidates) if filtered else None
+    thresholds = cutoffs(logits, temperature, top_k, top_p, candidates) if filtered else None
     return sample_tokens_kernel(logits, temperature, thresholds, seeds, positions, out)
 
 
@@ -108,7 +109,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         candidates: a static promise, made on the host: every filtered row has top_k in
             1 .. candidates (top-p on or off), every other row neither top-k nor top-p; the
             cut-offs then need only the ``candidates`` largest logits of a row (``torch.topk``)
-            instead of a sort of it, with the same ids (``keep_thresholds``). None: any settings.
+            instead of a histogram of them (``cutoffs.py``), with the same ids. None: any settings.
         out: optional contiguous [B] int64 buffer, fully overwritten (e.g. a graph's static output).
     Returns:
         ids: [B] int64 (``out`` when given).
