@@ -56,7 +56,7 @@ class PrefillStep:
     earlier chunks left). Device tensors of static shape only, so a CUDA graph may capture a step.
 
     Padded tokens never reach a real one: they come after it (causal), their K/V land beyond the
-    row's length (or in the scratch column), and they enter the DeltaNet state with beta = 0 and
+    row's length (or in the scratch page), and they enter the DeltaNet state with beta = 0 and
     g = 0 (the state passes them unchanged)."""
 
     slots: torch.Tensor  # [B] int64, the cache slot of each row (a padding row may repeat a real row)

@@ -23,10 +23,11 @@ products, per-column results as HF's separate GEMMs up to the BLAS's blocking), 
 DeltaNet kernels round at fla-core's points with their own fp32/tf32 sums (the one bf16
 difference from HF that matters: benchmarks/results/<gpu>/README.md, "Where the gap comes from").
 
-Cache and batching (``Qwen35Cache``): slot r holds one request's state. Prompts of different
-lengths are RIGHT-padded (``attention_mask`` rows are ones then zeros): every row's tokens sit at
-positions 0 .. n_r - 1, so a row's next position is its length. Rows with ``cache.active`` False
-write no state in ``decode_step``.
+Cache and batching (``Qwen35Cache``): slot r holds one request's state (its attention K/V in the
+pages its block-table row names). Prompts of different lengths are RIGHT-padded
+(``attention_mask`` rows are ones then zeros): every row's tokens sit at positions 0 .. n_r - 1,
+so a row's next position is its length. Rows with ``cache.active`` False write no state in
+``decode_step``.
 
 Not implemented (HF has them): RoPE scaling types other than "default" (Qwen3.5 ships
 "default"); multimodal (vision) inputs and the 3-D M-RoPE positions they need (text-only
