@@ -60,11 +60,13 @@ class Scheduler:
             count = min(budget, len(request.prompt_token_ids) - request.num_prompt_computed)
             plan.append((request, request.num_prompt_computed, count))
             budget -= count
-        while self.waiting and self._free_slots and budget and \
-                self.pages_needed(self.waiting[0]) <= self.free_pages:
+        while self.waiting and self._free_slots and budget:
+            pages = self.pages_needed(self.waiting[0])
+            if pages > self.free_pages:
+                break
             request = self.waiting.popleft()
             request.slot = heapq.heappop(self._free_slots)
-            request.pages = [heapq.heappop(self._free_pages) for _ in range(self.pages_needed(request))]
+            request.pages = [heapq.heappop(self._free_pages) for _ in range(pages)]
             self.running[request.slot] = request
             self.prefilling.append(request)
             count = min(budget, len(request.prompt_token_ids))

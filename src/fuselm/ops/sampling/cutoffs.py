@@ -34,10 +34,7 @@ def cutoffs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
     n_vocab = logits.shape[-1]
     if candidates is not None and candidates < n_vocab:
         ordered = logits.topk(candidates, dim=-1).values  # [B, C], largest first
-        k = torch.where((top_k > 0) & (top_k < n_vocab), top_k.long().clamp(max=candidates), candidates)
-        kth = ordered.gather(-1, (k - 1)[:, None])
-        ties_past = (logits == kth).sum(dim=-1, keepdim=True) - (ordered == kth).sum(dim=-1, keepdim=True)
-        return cutoffs_of_ordered(ordered, n_vocab, temperature, top_k, top_p, ties_past)
+        return cutoffs_of_ordered(ordered, logits, temperature, top_k, top_p)
     if logits.dtype in (torch.bfloat16, torch.float16):
         return _cutoffs_by_histogram(logits, temperature, top_k, top_p)
     return keep_thresholds(logits, temperature, top_k, top_p)

@@ -120,16 +120,16 @@ def keep_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     sampler ignores it.
     """
     ordered = logits.sort(dim=-1, descending=True).values  # [B, V], largest first
-    return cutoffs_of_ordered(ordered, logits.shape[-1], temperature, top_k, top_p)
+    return cutoffs_of_ordered(ordered, logits, temperature, top_k, top_p)
 
 
-def cutoffs_of_ordered(ordered: torch.Tensor, n_vocab: int, temperature: torch.Tensor, top_k: torch.Tensor,
-                       top_p: torch.Tensor, ties_past: torch.Tensor | None = None) -> torch.Tensor:
-    """``keep_thresholds`` from ``ordered`` [B, C], each row's C largest logits largest first (C = V:
-    the whole sorted row). With C < V every row with top-p on must have top-k in 1 .. C, and
-    ``ties_past`` [B, 1] counts the tokens tied with its k-th largest that lie past the C (they
-    weigh in top-p's total)."""
-    n_ordered = ordered.shape[-1]
+def cutoffs_of_ordered(ordered: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                       top_p: torch.Tensor) -> torch.Tensor:
+    """``keep_thresholds`` from ``ordered`` [B, C], each row of ``logits`` [B, V]'s C largest
+    logits largest first (C = V: the whole sorted row). With C < V every row with top-p on must
+    have top-k in 1 .. C; the tokens tied with its k-th largest that lie past the C are counted
+    in ``logits`` (one pass: they weigh in top-p's total)."""
+    n_vocab, n_ordered = logits.shape[-1], ordered.shape[-1]
     k = top_k.long()
     k_on = (k > 0) & (k < n_vocab)
     k = torch.where(k_on, k.clamp(max=n_ordered), n_ordered)
@@ -139,7 +139,8 @@ def cutoffs_of_ordered(ordered: torch.Tensor, n_vocab: int, temperature: torch.T
     t = torch.where(temperature > 0, temperature, 1.0).double()[:, None]
     weight = ordered.double().sub_(ordered[:, :1].double()).div_(t).exp_().mul_(in_top_k)
     total = weight.sum(dim=-1, keepdim=True)
-    if ties_past is not None:  # same weight as the k-th largest, same fate
+    if n_ordered < n_vocab:  # tokens tied with the k-th largest past the C: same weight, same fate
+        ties_past = (logits == kth).sum(dim=-1, keepdim=True) - (ordered == kth).sum(dim=-1, keepdim=True)
         total = total + ties_past * kth.double().sub_(ordered[:, :1].double()).div_(t).exp_()
     mass_before = exclusive_prefix_sums(weight)
     p = top_p.double()[:, None]
