@@ -5,9 +5,9 @@
 # transformers on the same directory, all in this run:
 #   1. static Engine, batch 1 (prefill time of one 512-token prompt, decode step), greedy and with
 #      the served requests' sampling (the checkpoint's generation_config): engine.md
-#   2. server with --max-prefill-tokens 2048: 1 client; 32 concurrent clients; Poisson arrivals at
-#      80% of the 32-client request throughput. Server with --max-prefill-tokens 256: 32 clients and
-#      the same Poisson rate (smaller prefill chunks between decode steps: lower ITL p99)
+#   2. server with the CLI's prefill budget: 1 client; 32 concurrent clients; Poisson arrivals at
+#      80% of the 32-client request throughput. Stage serveN: a server with --max-prefill-tokens N,
+#      32 clients and the same Poisson rate (or $RATE)
 #   3. static Engine, batch 32, greedy and with the served sampling: engine.md
 #   4. HF transformers: static generate at batch 1 and 32, and generate_batch checked: hf_anchor.*
 #   5. GPU tests of the serving path; compute-sanitizer memcheck of the sampling kernel
@@ -15,19 +15,19 @@
 #   serve.md (every bench-serve table), serve.json (their JSON), serve_poisson.png, engine.md,
 #   hf_anchor.md, hf_anchor.json, serve_tests.log, sanitizer.log; sampling.md (the sampler's cut-off
 #   ways: sort, histogram, top-k candidates; benchmarks/sampling.py) when that stage is named
-# Usage: bash scripts/gpu_serve.sh [STAGE ...]   stages: engine serve serve256 hf tests sanitizer sampling
+# Usage: bash scripts/gpu_serve.sh [STAGE ...]   stages: engine serve serveN hf tests sanitizer sampling
 #   (default all: ~10 min on an H100, more than one device call allows: name fewer stages per call;
 #   wheels from .whl/ as gpu_env.sh installs them)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 status=0
-stages=" ${*:-engine serve serve256 hf tests sanitizer} "
+stages=" ${*:-engine serve serve2048 hf tests sanitizer} "
 want() { [[ $stages == *" $1 "* ]]; }
 checkpoint=${CHECKPOINT:-/tmp/qwen35-9b-random}
 port=${PORT:-8391}
 url=http://127.0.0.1:$port
 work=$(mktemp -d)
-if { want serve || want serve256 || want hf; } && [ ! -f "$checkpoint/config.json" ]; then
+if [[ $stages =~ " serve"|" hf " ]] && [ ! -f "$checkpoint/config.json" ]; then
   python3 -m fuselm init-checkpoint "$checkpoint" --config 9b > "$work/init.log" 2>&1 || { cat "$work/init.log"; exit 1; }
 fi
 # The served requests bring no sampling fields, so the checkpoint's generation_config applies
@@ -47,19 +47,19 @@ bench() {  # label, then bench-serve options
     --out "$work" --label "$label" "$@" > "$work/$label.log" 2>&1 || status=1
   cat "$work/$label.md" >> "$OUT/serve.md" 2>/dev/null || tail -20 "$work/$label.log"
 }
-serve() {  # max prefill tokens; then the benches run
-  setsid python3 -m fuselm serve "$checkpoint" --max-batch 32 --max-len 1024 --port $port --max-prefill-tokens "$1" \
-    > "$work/server_$1.log" 2>&1 &
+serve() {  # prefill token budget ("" for the CLI's default); then the benches run
+  setsid python3 -m fuselm serve "$checkpoint" --max-batch 32 --max-len 1024 --port $port \
+    ${1:+--max-prefill-tokens $1} > "$work/server_$1.log" 2>&1 &
   server=$!
   for _ in $(seq 240); do healthy && break; sleep 1; done
   healthy || { echo "server did not come up"; tail -40 "$work/server_$1.log"; kill $server; exit 1; }
-  echo "server (prefill budget $1) up at $SECONDS s"
+  echo "server (prefill budget ${1:-default}) up at $SECONDS s"
 }
 stop() {
   kill -INT $server; wait $server; echo "server exit status: $?"
 }
 if want serve; then
-  serve 2048
+  serve ""
   bench serve_c1 --num-prompts 8 --max-concurrency 1 --warmup-requests 2 --goodput ttft:500 tpot:10
   bench serve_c32 --num-prompts 96 --max-concurrency 32 --warmup-requests 4
   rate=$(python3 -c "import json; print(0.8 * json.load(open('$work/serve_c32.json'))['request_throughput'])")
@@ -68,13 +68,15 @@ if want serve; then
   cp "$work/serve_poisson.png" "$OUT/" 2>/dev/null
   stop
 fi
-if want serve256; then
-  serve 256
-  bench serve_c32_budget256 --num-prompts 96 --max-concurrency 32 --warmup-requests 4
-  bench serve_poisson_budget256 --num-prompts 96 --request-rate "${rate:-5.7}" --burstiness 1 --max-concurrency 32 \
-    --goodput ttft:500
+for stage in $stages; do  # serveN: 32 clients and the Poisson rate above (or $RATE) with a budget of N
+  [[ $stage =~ ^serve([0-9]+)$ ]] || continue
+  budget=${BASH_REMATCH[1]}
+  serve "$budget"
+  bench serve_c32_budget$budget --num-prompts 96 --max-concurrency 32 --warmup-requests 4
+  bench serve_poisson_budget$budget --num-prompts 96 --request-rate "${rate:-${RATE:-8.4}}" --burstiness 1 \
+    --max-concurrency 32 --goodput ttft:500
   stop
-fi
+done
 python3 - "$work" "$OUT/serve.json" <<'EOF2'
 import json, sys
 from pathlib import Path
@@ -90,8 +92,8 @@ if want hf; then
   tail -12 "$OUT/hf_anchor.md" 2>/dev/null
 fi
 if want tests; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_attention_decode.py tests/test_engine.py \
-    tests/test_serve.py tests/test_qwen35.py > "$OUT/serve_tests.log" 2>&1 || status=1
+  timeout 200 python3 -m pytest -v -p no:cacheprovider --durations=10 tests/test_engine.py tests/test_serve.py \
+    tests/test_attention_decode.py > "$OUT/serve_tests.log" 2>&1 || status=1
   tail -3 "$OUT/serve_tests.log"
 fi
 if want sanitizer; then  # the kernels new in issue 17: sampling, split-KV decode attention

@@ -307,7 +307,13 @@ def test_paged_decode_attention_equals_the_contiguous_rows(page_size, dtype):
     for index_dtype in (torch.int32, torch.int64):
         paged_out = decode_attention(q, *pages, kv_lengths, 0.2, block_table=table.to(index_dtype))
         assert torch.isfinite(paged_out).all()
-        assert (paged_out.double() - contiguous.double()).abs().max() <= ATTENTION_TOL[dtype] / 4
+        # Pages split the columns differently from the contiguous rows (another fp32 summation
+        # order): equal within one rounding of the output, and as close to the fp64 reference.
+        one_rounding = torch.finfo(dtype).eps * contiguous.double().abs()
+        gap = (paged_out.double() - contiguous.double()).abs()
+        assert (gap <= one_rounding.clamp_min(ATTENTION_TOL[dtype] / 4)).all()
+        ref = decode_attention_ref(q.double(), key_rows.double(), value_rows.double(), kv_lengths, 0.2)
+        assert (paged_out.double() - ref).abs().max() <= ATTENTION_TOL[dtype]
 
 
 def test_decode_attention_equals_masked_sdpa_in_the_model_layout():

@@ -50,10 +50,18 @@ def test_engine_equals_the_reference_loop(model, engine):
     assert all(o.finished and o.metrics.first_token_time >= o.metrics.arrival_time for o in outputs)
 
 
-def test_requests_joining_and_leaving_at_random_steps_get_their_solo_output(model, engine):
+def count_mixed_steps(engine, monkeypatch) -> list:
+    """Record each mixed (prefill + decode) step the engine's runner takes."""
+    calls, mixed = [], engine.runner.mixed
+    monkeypatch.setattr(engine.runner, "mixed", lambda *args: calls.append(args) or mixed(*args))
+    return calls
+
+
+def test_requests_joining_and_leaving_at_random_steps_get_their_solo_output(model, engine, monkeypatch):
     """Prompts of different lengths and max_tokens, added while others run (so they join a running
-    batch at different steps, reuse freed slots, wait when all four slots are busy): each gives
-    exactly what it gives alone on a fresh engine."""
+    batch at different steps, in mixed prefill + decode steps, reuse freed slots, wait when all
+    four slots are busy): each gives exactly what it gives alone on a fresh engine."""
+    mixed_steps = count_mixed_steps(engine, monkeypatch)
     rng = random.Random(0)
     jobs = [(prompt(rng.randint(1, 12), 100 + i), rng.randint(1, 9)) for i in range(9)]
     solo = [token_ids(Engine(model, max_batch=1, max_len=32).generate([p], greedy(n)))[0] for p, n in jobs]
@@ -66,13 +74,15 @@ def test_requests_joining_and_leaving_at_random_steps_get_their_solo_output(mode
         engine.step()
     assert [r.output_token_ids for r in requests] == solo
     assert len({r.slot for r in requests}) <= engine.max_batch  # slots were reused
+    assert len(mixed_steps) >= 3
 
 
-def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(model):
+def test_long_prompts_are_prefilled_in_chunks_beside_decode_steps(model, monkeypatch):
     """A prefill budget of 5 tokens a step: a 17-token prompt arriving while another request
-    decodes takes 4 steps to prefill, the running request gets a token in each of them, and both
-    give their solo outputs (also a prompt longer than the budget admitted alone)."""
+    decodes takes 4 mixed steps to prefill, the running request gets a token in each of them, and
+    both give their solo outputs (also a prompt longer than the budget admitted alone)."""
     engine = Engine(model, max_batch=2, max_len=32, max_prefill_tokens=5)
+    mixed_steps = count_mixed_steps(engine, monkeypatch)
     short, long = prompt(3, 50), prompt(17, 51)
     solo = [token_ids(Engine(model, max_batch=1, max_len=32).generate([p], greedy(8)))[0] for p in (short, long)]
     running = engine.add_request(short, greedy(8))
@@ -84,6 +94,7 @@ def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(model):
         progress.append((late.num_prompt_computed, len(running.output_token_ids)))
     assert [done for done, _ in progress] == [5, 10, 15, 17]
     assert [tokens for _, tokens in progress] == [2, 3, 4, 5]  # one decode step per prefill chunk
+    assert [[count for _, _, count in plan] for plan, _, _ in mixed_steps] == [[5], [5], [5], [2]]
     engine.run()
     assert [running.output_token_ids, late.output_token_ids] == solo
     assert token_ids(engine.generate([long], greedy(8))) == [solo[1]]

@@ -400,6 +400,38 @@ def test_prefill_step_padding_rows_and_tokens_change_nothing():
             assert (x - y).abs().max() <= 1e-5, name
 
 
+def test_mixed_step_equals_a_decode_step_then_a_prefill_step():
+    """One pass of a decode step over rows 0-2 (slot 1 idle) and prompt chunks into slots 3 (fresh)
+    and 1 (continued from 6 cached tokens, inside the decode rows: inactive there) gives the two
+    calls' logits and cache state within 1e-5; the chunks' slots keep their active flags."""
+    model = random_qwen35(tiny_config(), dtype=torch.float32, device=DEVICE, seed=8)
+    ids = prompt(3, 14, seed=42)
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=DEVICE)  # noqa: E731
+    caches = [model.new_cache(max_batch=4, max_len=40, num_pages=12, page_size=16) for _ in range(2)]
+    for cache in caches:
+        cache.assign_pages([0, 2, 3, 1], [[4, 7], [0, 9], [2, 11], [5, 3]])
+        model.prefill(ids[:2, :9], cache, slots=[0, 2])
+        model.prefill(ids[2:, :6], cache, slots=[1])
+        cache.active[1] = False  # slot 1's prompt goes on below: not decoding
+    tokens = as_tensor([5, 0, 17])
+    chunk = torch.zeros(2, 8, dtype=torch.int64, device=DEVICE)
+    chunk[0, :8], chunk[1, :5] = ids[0, :8], ids[2, 6:11]
+    slots, starts, lengths = as_tensor([3, 1]), as_tensor([0, 6]), as_tensor([8, 5])
+    apart, mixed = caches
+    decode_logits = model.decode_step(tokens, apart.first_rows(3))
+    prefill_logits = model.prefill_step(chunk, apart, slots, starts, lengths)
+    apart.active[[3, 1]] = False  # prefill_step activates its slots; mixed_step leaves that to the caller
+    got_decode, got_prefill = model.mixed_step(tokens, mixed, chunk, slots, starts, lengths)
+    assert (got_decode - decode_logits).abs().max() <= 1e-5
+    assert (got_prefill - prefill_logits).abs().max() <= 1e-5
+    assert mixed.lengths.tolist() == apart.lengths.tolist() == [10, 11, 10, 8]
+    assert mixed.active.tolist() == [True, False, True, False]
+    for a, b in zip(apart.layers, mixed.layers):
+        for name in ("conv", "recurrent") if hasattr(a, "conv") else ("key", "value"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x - y).abs().max() <= 1e-5, name
+
+
 def test_stop_ids_are_the_union_of_the_checkpoint_files():
     """Released layout: top-level eos 248046 (<|im_end|>), text_config 248044, generation_config
     both: a chat reply's end and the text end both stop."""

@@ -369,8 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="attention K/V positions the cache holds, shared by the requests in pages "
                             "(default: max-batch x max-len)")
     serve.add_argument("--max-prefill-tokens", type=int, default=SERVE_MAX_PREFILL_TOKENS,
-                       help=f"prompt tokens prefilled per engine step; longer prompts go in chunks over several "
-                            f"steps, between decode steps of the running requests ({SERVE_MAX_PREFILL_TOKENS})")
+                       help=f"prompt tokens prefilled per engine step, in one pass with the running requests' decode "
+                            f"step; longer prompts go in chunks over several steps ({SERVE_MAX_PREFILL_TOKENS})")
     serve.add_argument("--max-queue", type=int, default=None,
                        help="requests that may wait for a slot; more get a 503 (default: no limit)")
     _add_model_arguments(serve, "seeds the sampling seeds of requests without one (and --config's weights)")

@@ -5,12 +5,14 @@ public methods (nano-vllm's shape).
     outputs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=32, temperature=0))
     outputs[0].outputs[0].token_ids
 
-One ``step()``: the scheduler admits waiting requests into free slots and the runner prefills
-up to ``max_prefill_tokens`` prompt tokens (a long prompt in chunks over several steps; a first
-token comes from the logits of a prompt's last chunk); then the runner launches one decode step
-over the requests whose prompts are in (the just-prefilled ones included), and only then does
-the host read: the decode step before it, then the prefill's first ids. Decode is pipelined one
-step deep: step n+1 is on the GPU while the host appends step n's ids, detokenizes and checks
+One ``step()``: the scheduler admits waiting requests into free slots and picks up to
+``max_prefill_tokens`` prompt tokens to prefill (a long prompt in chunks over several steps; a
+first token comes from the logits of a prompt's last chunk). With requests decoding, the runner
+runs those chunks and their decode step as one mixed pass (the chunks share its norms, MLP
+GEMMs and LM head: measured 23.0 ms for 31 rows + 512 tokens against 9.4 + 16.5 ms apart, H100);
+with none, it prefills and then decodes the just-prefilled requests. Only then does the host
+read: the launches of the step before (a mixed pass's first ids too), then a prefill-only step's
+first ids (behind its decode step). Decode is pipelined one step deep: step n+1 is on the GPU while the host appends step n's ids, detokenizes and checks
 stop conditions, so the host's work hides behind the GPU's. A request that ends on the host (a stop
 string) is one step late on the device; that extra step writes only its own slot and is
 discarded. Stop ids and max_tokens also end a slot on the device, inside the step.
@@ -67,8 +69,9 @@ class Engine:
         max_len: tokens per request (prompt + generated).
         graph_batch_sizes: decode graphs to capture (clipped to max_batch, which is added).
         max_prefill_tokens: prompt tokens prefilled in one step (default: max_batch * max_len):
-            a longer prompt is prefilled in chunks over several steps, decode steps of the
-            running requests between them, so one long prompt cannot stall them.
+            a longer prompt is prefilled in chunks over several steps, each in one pass with a
+            decode step of the running requests, so one long prompt cannot stall them: the
+            budget bounds how much longer than a decode step such a step takes.
         kv_cache_tokens: attention K/V positions the cache holds, in pages of ``page_size``
             tokens (a power of two >= 16; default: max_batch * max_len, every slot's whole context). A request takes pages
             for its prompt + max_tokens when it starts and returns them when it ends; with fewer
@@ -93,7 +96,7 @@ class Engine:
         self.eos_ids = model.config.stop_token_ids
         self._seeds = random.Random(seed)
         self._ids = itertools.count()
-        self._in_flight: _Launched | None = None
+        self._in_flight: list[_Launched] = []  # the last step's launches, read in the next step
 
     @property
     def max_batch(self) -> int:
@@ -141,7 +144,7 @@ class Engine:
         return request
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or bool(self._in_flight)
 
     def abort(self, request: Request) -> None:
         """End a request now (its slot is freed; an in-flight step's ids for it are dropped)."""
@@ -188,30 +191,43 @@ class Engine:
         return updated
 
     def step(self) -> list[Request]:
-        """Prefill this step's prompt chunks (the scheduler's budget), launch one decode step over
-        the requests whose prompts are in, read the step before it and the prefill's first ids.
+        """Prefill this step's prompt chunks (the scheduler's budget) and decode the requests whose
+        prompts were in before it: in one mixed pass when there are both (the chunks' requests
+        decode from the next step on, and their first ids are read with that pass's ids on the
+        next step, so the host never waits for a mixed pass with nothing queued behind it), else
+        a prefill and then a decode step that takes in the just-completed prompts (their first ids
+        read at once, behind that decode step). Then read the launches of the step before.
         Returns the requests that got a token (finished ones included)."""
-        updated = []
+        updated, pending = [], []
+        decoding = self.scheduler.decoding()
         plan = self.scheduler.schedule_prefill()
         prefilled = None
         if plan:
-            completed, first = self.runner.prefill(plan)
+            if decoding:
+                batch = self.runner.batch_size_for(self.scheduler.slots_in_use())
+                completed, first, ids = self.runner.mixed(plan, batch, sampler_variant(decoding.values()))
+                pending.append(_Launched(ids, decoding))
+            else:
+                completed, first = self.runner.prefill(plan)
             for request, _, count in plan:
                 self.scheduler.prefilled(request, count)
-            prefilled = _Launched(first, dict(enumerate(completed)))  # first ids, read after the decode launch
-        launched = None
-        decoding = self.scheduler.decoding()
-        if decoding:
-            batch = self.runner.batch_size_for(self.scheduler.slots_in_use())
-            _, ids = self.runner.decode(batch, sampler_variant(decoding.values()))
-            launched = _Launched(ids, decoding)
-        if self._in_flight is not None:
-            updated += self._read(self._in_flight)
+            prefilled = _Launched(first, dict(enumerate(completed)))
+            if decoding:
+                pending.append(prefilled)
+                prefilled = None
+        if not pending:
+            decoding = self.scheduler.decoding()
+            if decoding:
+                batch = self.runner.batch_size_for(self.scheduler.slots_in_use())
+                _, ids = self.runner.decode(batch, sampler_variant(decoding.values()))
+                pending.append(_Launched(ids, decoding))
+        for launched in self._in_flight:
+            updated += self._read(launched)
         if prefilled is not None:
             updated += self._read(prefilled)
-        self._in_flight = launched
-        if launched is not None and not self.scheduler.decoding():  # everyone ended on the step before
-            self._in_flight = None
+        # A launch whose requests all ended meanwhile is dropped unread.
+        self._in_flight = [launched for launched in pending
+                           if any(not request.finished for request in launched.requests.values())]
         return updated
 
     def add_requests(self, requests: Sequence[dict]) -> list[Request]:

@@ -5,13 +5,15 @@ block-table row into the shared attention K/V pages), ``SlotSampling`` (each slo
 ``input_tokens`` [max_batch] (each slot's last token: the next decode step's input), allocated
 once. A request owns one slot from its prefill to its end.
 
-Prefill (``model.prefill_step``, one per step for the fresh chunks and one for continued ones):
-writes the requests' state into their slots and leaves every other slot alone; first tokens are
-drawn from its logits. A prompt may come in chunks over several steps (each continues from the
-state its earlier chunks left); its slot decodes only once the whole prompt is in. With CUDA, a
-prefill is a graph too: rows and tokens padded up to buckets (``ROW_BUCKETS``, ``TOKEN_BUCKETS``),
-one graph per (rows, tokens, fresh) captured the first time the bucket is needed, so a 512-token
-prompt is one replay instead of ~1,200 launches.
+Prefill (``model.prefill_step`` over one right-padded group of chunks): writes the requests'
+state into their slots and leaves every other slot alone; first tokens are drawn from its
+logits. A prompt may come in chunks over several steps (each continues from the state its
+earlier chunks left); its slot decodes only once the whole prompt is in. ``mixed`` runs such a
+group and a decode step as one ``model.mixed_step`` (the chunks share the decode step's read of
+the weights). With CUDA, prefill and mixed steps are graphs too: rows and tokens padded up to
+buckets (``ROW_BUCKETS``, ``TOKEN_BUCKETS``), one graph per (rows, tokens, fresh) and, mixed, per
+decode (batch, variant), captured the first time it is needed, so a 512-token prompt is one
+replay instead of ~1,200 launches.
 
 Decode step (what a graph holds), for batch size b, on the cache's first b slots
 (``Qwen35Cache.first_rows``: views, same addresses):
@@ -70,9 +72,9 @@ class ModelRunner:
         self.sampling = SlotSampling(max_batch, self.device)
         self.input_tokens = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
         self._views = {b: self.cache.first_rows(b) for b in self.batch_sizes}
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # decode (batch, variant); prefill (rows, tokens, fresh)
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # decode (batch, variant); prefill, mixed: see _run_graph
         self._graph_outputs: dict[tuple, object] = {}
-        self._prefill_inputs: dict[tuple[int, int, bool], torch.Tensor] = {}
+        self._graph_inputs: dict[tuple, torch.Tensor] = {}  # a prefill or mixed graph's packed inputs
         self._pool = None  # the memory pool every graph shares (they never run at the same time)
         if self.use_graphs:
             self._capture_graphs()
@@ -93,75 +95,107 @@ class ModelRunner:
     @torch.no_grad()
     def prefill(self, plan: list[tuple[Request, int, int]]) -> tuple[list[Request], torch.Tensor]:
         """Prefill ``plan``'s chunks: (request, first prompt position, tokens), each request with
-        its ``slot`` and ``pages`` set; a request starting at position 0 gets its sampling parameters
-        and its block-table row in its slot.
-        Fresh chunks (position 0) go through one right-padded ``model.prefill_step``, continued ones
-        through another. Requests whose prompt ends with this chunk get their first token drawn and
-        their slot activated; the others stay inactive until their last chunk. Returns (those
-        requests, their first ids [n] on the device: not yet read, so the caller can launch a
-        decode step behind them first); other slots are untouched. No host sync."""
+        its ``slot`` and ``pages`` set, in one right-padded ``model.prefill_step``. Requests whose
+        prompt ends with this chunk get their first token drawn and their slot activated; the
+        others stay inactive until their last chunk. Returns (those requests, their first ids [n]
+        on the device: not yet read, so the caller can launch a decode step behind them first);
+        other slots are untouched. No host sync."""
+        packed, key = self._admit(plan)
+        logits = self._run_graph(("prefill",) + key, packed, lambda inputs: self._prefill_body(inputs, key[2]))
+        return self._first_tokens(plan, logits)
+
+    @torch.no_grad()
+    def mixed(self, plan: list[tuple[Request, int, int]], batch: int,
+              variant: str) -> tuple[list[Request], torch.Tensor, torch.Tensor]:
+        """A decode step over slots 0 .. batch-1 (as :meth:`decode`) and ``plan``'s prompt chunks
+        (as :meth:`prefill`) in one ``model.mixed_step``: the chunks ride on the decode step's
+        read of the weights instead of taking a step of their own between decode steps. The
+        chunks' slots must be inactive (a prompt not yet wholly in). Returns (the requests whose
+        prompt completed, their first ids [n], the decode step's ids [batch]), all on the device.
+        """
+        packed, key = self._admit(plan)
+        body = lambda inputs: self._mixed_body(inputs, batch, variant, key[2])  # noqa: E731
+        logits, ids = self._run_graph(("mixed", batch, variant) + key, packed, body)
+        return self._first_tokens(plan, logits) + (ids,)
+
+    def _admit(self, plan: list[tuple[Request, int, int]]) -> tuple[torch.Tensor, tuple[int, int, bool]]:
+        """Give the fresh requests (position 0) their sampling parameters and block-table row, and
+        pack the chunks' inputs for one host-to-device copy: [rows, tokens + 4] = ids, slot,
+        start, length, completes (rows and tokens padded up to a bucket with graphs; padding rows
+        repeat row 0, which writes the same values again). Returns (packed, (rows, tokens, fresh))."""
         fresh = [request for request, start, _ in plan if start == 0]
         if fresh:
             self.sampling.assign(fresh, torch.tensor([r.slot for r in fresh], dtype=torch.int64).to(self.device, non_blocking=True))
             self.cache.assign_pages([r.slot for r in fresh], [r.pages for r in fresh])
-        completed, logits = [], []
-        for is_fresh in (True, False):
-            chunks = [(request, start, count) for request, start, count in plan if (start == 0) == is_fresh]
-            if chunks:
-                group_logits = self._prefill_group(chunks, is_fresh)
-                ends = [i for i, (request, start, count) in enumerate(chunks)
-                        if start + count == len(request.prompt_token_ids)]
-                completed += [chunks[i][0] for i in ends]
-                if ends:
-                    logits.append(group_logits[torch.tensor(ends, dtype=torch.int64).to(self.device, non_blocking=True)])
-        if not completed:
-            return [], torch.empty(0, dtype=torch.int64, device=self.device)
-        slots = torch.tensor([r.slot for r in completed], dtype=torch.int64).to(self.device, non_blocking=True)
-        first = self.sampling.sample_and_advance(torch.cat(logits), self.cache.active, sampler_variant(completed),
-                                                 slots)
-        self.input_tokens.index_copy_(0, slots, first)
-        return completed, first
-
-    def _prefill_group(self, chunks: list[tuple[Request, int, int]], fresh: bool) -> torch.Tensor:
-        """One ``model.prefill_step`` over the chunks (rows in order): logits [>= rows, V] of each
-        row's last token. With graphs: rows and tokens padded up to a bucket (padding rows repeat
-        row 0, which writes the same values again), one replay of that bucket's graph, captured
-        the first time it is needed (after an eager run that warms its kernels). Every input goes
-        in one host-to-device copy: [rows, tokens + 4] = ids, slot, start, length, completes."""
-        tokens = max(count for _, _, count in chunks)
-        rows = len(chunks)
+        rows, tokens = len(plan), max(count for _, _, count in plan)
         if self.use_graphs:
             rows, tokens = _bucket(rows, ROW_BUCKETS), _bucket(tokens, TOKEN_BUCKETS)
         packed = torch.zeros(rows, tokens + 4, dtype=torch.int64)
         for i in range(rows):
-            request, start, count = chunks[i if i < len(chunks) else 0]
+            request, start, count = plan[i if i < len(plan) else 0]
             packed[i, :count] = torch.tensor(request.prompt_token_ids[start:start + count])
             packed[i, tokens:] = torch.tensor([request.slot, start, count,
                                                start + count == len(request.prompt_token_ids)])
-        key = rows, tokens, fresh
+        return packed, (rows, tokens, len(fresh) == len(plan))
+
+    def _run_graph(self, key: tuple, packed: torch.Tensor, body):
+        """``body(inputs)`` on the packed inputs: eager without graphs; else one replay of
+        ``key``'s graph, captured the first time it is needed (after an eager run that is this
+        call's result and warms its kernels)."""
         if not self.use_graphs:
-            return self._prefill_body(packed.to(self.device), fresh)
+            return body(packed.to(self.device))
         if key in self._graphs:
-            self._prefill_inputs[key].copy_(packed.pin_memory(), non_blocking=True)
+            self._graph_inputs[key].copy_(packed.pin_memory(), non_blocking=True)
             self._graphs[key].replay()
             return self._graph_outputs[key]
         inputs = packed.to(self.device)
-        logits = self._prefill_body(inputs, fresh)  # this call's result; warms the bucket's kernels
-        self._prefill_inputs[key] = inputs
+        result = body(inputs)
+        self._graph_inputs[key] = inputs
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._graph_outputs[key] = self._prefill_body(inputs, fresh)
+            self._graph_outputs[key] = body(inputs)
         self._graphs[key] = graph
-        return logits
+        return result
+
+    def _first_tokens(self, plan: list[tuple[Request, int, int]],
+                      logits: torch.Tensor) -> tuple[list[Request], torch.Tensor]:
+        """Draw the first token of each request whose prompt this plan completed, from its row
+        of ``logits`` [>= rows, V]; it becomes the slot's next decode input."""
+        ends = [i for i, (request, start, count) in enumerate(plan) if start + count == len(request.prompt_token_ids)]
+        if not ends:
+            return [], torch.empty(0, dtype=torch.int64, device=self.device)
+        completed = [plan[i][0] for i in ends]
+        slots = torch.tensor([r.slot for r in completed], dtype=torch.int64).to(self.device, non_blocking=True)
+        rows = torch.tensor(ends, dtype=torch.int64).to(self.device, non_blocking=True)
+        first = self.sampling.sample_and_advance(logits[rows], self.cache.active, sampler_variant(completed), slots)
+        self.input_tokens.index_copy_(0, slots, first)
+        return completed, first
+
+    @staticmethod
+    def _unpack(inputs: torch.Tensor):
+        tokens = inputs.shape[1] - 4
+        return (inputs[:, :tokens],) + tuple(inputs[:, tokens:].unbind(1))
 
     def _prefill_body(self, inputs: torch.Tensor, fresh: bool) -> torch.Tensor:
-        """What a prefill graph holds: ``inputs`` [rows, tokens + 4] (see ``_prefill_group``) ->
-        last-token logits [rows, V]; the slots that complete their prompt become active."""
-        tokens = inputs.shape[1] - 4
-        slots, starts, lengths, completes = inputs[:, tokens:].unbind(1)
-        logits = self.model.prefill_step(inputs[:, :tokens], self.cache, slots, starts, lengths, fresh)
+        """What a prefill graph holds: packed ``inputs`` (see ``_admit``) -> last-token logits
+        [rows, V]; the slots that complete their prompt become active."""
+        ids, slots, starts, lengths, completes = self._unpack(inputs)
+        logits = self.model.prefill_step(ids, self.cache, slots, starts, lengths, fresh)
         self.cache.active.index_copy_(0, slots, completes.bool())  # mid-prompt slots stay out of decode
         return logits
+
+    def _mixed_body(self, inputs: torch.Tensor, batch: int, variant: str,
+                    fresh: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a mixed graph holds: the decode step (its ids drawn while the chunks' slots are
+        still inactive), then the slots that complete their prompt become active. Returns (the
+        chunks' last-token logits [rows, V], the decode ids [batch])."""
+        ids, slots, starts, lengths, completes = self._unpack(inputs)
+        decode_logits, logits = self.model.mixed_step(self.input_tokens[:batch], self.cache, ids, slots, starts,
+                                                      lengths, fresh)
+        decoded = self.sampling.sample_and_advance(decode_logits, self._views[batch].active, variant)
+        self.input_tokens[:batch].copy_(decoded)
+        self.cache.active.index_copy_(0, slots, completes.bool())
+        return logits, decoded
 
     def release(self, slots: Sequence[int]) -> None:
         """Mark slots inactive (their requests ended on the host: a stop string, an abort). One

@@ -6,8 +6,9 @@ Requests wait in arrival order. Each step, ``schedule_prefill`` spends a budget 
 in the cache, then on waiting requests, which get the lowest free slots (so the running slots
 stay packed at the bottom and the decode graph stays small) and the K/V pages for their prompt +
 max_tokens positions, taken at admission for the request's life (so a running request never
-waits for memory and nothing is preempted); the head of the queue waits while either is short. A long prompt is so prefilled over
-several steps, and the requests already decoding take a decode step between its chunks.
+waits for memory and nothing is preempted); the head of the queue waits while either is short.
+A long prompt is so prefilled over several steps, each chunk in one pass with a decode step of
+the requests already decoding.
 ``finish`` frees a request's slot for the next one. A running request keeps its slot for its
 whole life: its state never moves.
 """

@@ -11,9 +11,10 @@ Architecture (HF ``transformers/models/qwen3_5/modeling_qwen3_5.py``):
 
 The model computes logits; it knows nothing of generation loops, sampling or requests (those are
 ``fuselm.engine``'s). Its API: ``model(ids)`` (logits for every position), and the cache-based
-pair the engine drives: ``prefill_step`` (one prompt chunk per row into cache slots) and
-``decode_step`` (one token for every cache row), both CUDA-graph safe; ``prefill`` is the checked,
-chunking front of ``prefill_step`` for direct use.
+pair the engine drives: ``prefill_step`` (one prompt chunk per row into cache slots),
+``decode_step`` (one token for every cache row) and ``mixed_step`` (both in one pass over the
+weights), all CUDA-graph safe; ``prefill`` is the checked, chunking front of ``prefill_step`` for
+direct use.
 
 Numerics: fp32 everywhere reproduces HF to summation order (the tests hold 1e-3 absolute on the
 logits; measured <= 1.1e-5 on the tiny test model). In bf16/fp16 every op rounds where HF's eager
@@ -59,6 +60,7 @@ class Qwen35(nn.Module):
       ``model.prefill_step(ids, cache, slots, starts, lengths)`` -> the same for one chunk per row
       (device tensors only, CUDA-graph-safe);
       ``model.decode_step(token_ids, cache)`` -> logits [max_batch, vocab] (CUDA-graph-safe);
+      ``model.mixed_step(token_ids, cache, ids, slots, starts, lengths)`` -> both at once;
     - ``model.generate(input_ids, max_new_tokens, ...)``: HF-style convenience over the engine.
     """
 
@@ -149,22 +151,47 @@ class Qwen35(nn.Module):
             normed, residual = add_rms_norm(layer.mlp(normed), residual, next_norm, eps, 1.0)
         return normed
 
-    def _prefill(self, input_ids: torch.Tensor, cache: Qwen35Cache, slots: torch.Tensor, starts: torch.Tensor,
-                 lengths: torch.Tensor, fresh: bool) -> torch.Tensor:
-        """Prefill B rows' next T (right-padded) prompt tokens into cache slots ``slots`` [B]
-        after the ``starts`` [B] tokens each already has there; ``lengths`` [B] real tokens per
-        row (all device tensors; ``fresh``: host-known ``starts == 0``). Returns the final normed
-        hidden states [B, T, D]; sets the slots' lengths to starts + lengths and marks them active.
-        Other slots are untouched. No host sync, static shapes (CUDA-graph safe)."""
-        B, T = input_ids.shape
+    def _prefill_inputs(self, input_ids: torch.Tensor, cache: Qwen35Cache, slots: torch.Tensor,
+                        starts: torch.Tensor, lengths: torch.Tensor, fresh: bool):
+        """Embeddings [B, T, D] and the ``PrefillStep`` of B rows' next T (right-padded) prompt
+        tokens into cache slots ``slots`` [B] after the ``starts`` [B] tokens each already has
+        there; ``lengths`` [B] real tokens per row (device tensors; ``fresh``: host-known
+        ``starts == 0``)."""
+        T = input_ids.shape[1]
         positions = starts[:, None] + torch.arange(T, device=input_ids.device)
         token_mask = positions < (starts + lengths)[:, None]
         input_ids = input_ids.masked_fill(~token_mask, 0)  # padding ids may be anything
         cos, sin = self._rotary(positions)
         step = PrefillStep(slots, starts, lengths, token_mask, positions, fresh, cache.block_table[slots],
                            cos[:, :, None], sin[:, :, None])
-        hidden = self._layers(F.embedding(input_ids, self.embed_tokens),
-                              lambda mixer, x, i: mixer.prefill(x, cache.layers[i], step))
+        return F.embedding(input_ids, self.embed_tokens), step
+
+    def _decode_inputs(self, token_ids: torch.Tensor, cache: Qwen35Cache):
+        """Embeddings [max_batch, 1, D] and the ``DecodeStep`` of one token per cache row at
+        position ``cache.lengths``."""
+        if token_ids.shape != (cache.max_batch,):  # metadata only: no sync
+            raise ValueError(f"token_ids: expected [max_batch] = ({cache.max_batch},), got {tuple(token_ids.shape)}")
+        positions = cache.lengths
+        cos, sin = self._rotary(positions)  # [max_batch, rotary_dim]
+        # The token's K/V goes to slot p % P of the row's page p // P; inactive rows write to the
+        # scratch page (an index with no branch) and attend to nothing.
+        page_index = (positions // cache.page_size).clamp(max=cache.pages_per_slot - 1)
+        step = DecodeStep(
+            cos=cos[:, None, None], sin=sin[:, None, None],
+            write_page=torch.where(cache.active, cache.block_table.gather(1, page_index[:, None])[:, 0], cache.num_pages),
+            write_column=torch.where(cache.active, positions % cache.page_size, 0),
+            kv_lengths=torch.where(cache.active, positions + 1, 0), block_table=cache.block_table,
+            state_slots=torch.where(cache.active, cache.slots, -1), positions=positions)
+        token_ids = torch.where(cache.active, token_ids, 0)  # an inactive row's id may be anything
+        return F.embedding(token_ids[:, None], self.embed_tokens), step
+
+    def _prefill(self, input_ids: torch.Tensor, cache: Qwen35Cache, slots: torch.Tensor, starts: torch.Tensor,
+                 lengths: torch.Tensor, fresh: bool) -> torch.Tensor:
+        """Prefill (see ``_prefill_inputs``); returns the final normed hidden states [B, T, D]; sets
+        the slots' lengths to starts + lengths and marks them active. Other slots are untouched.
+        No host sync, static shapes (CUDA-graph safe)."""
+        x, step = self._prefill_inputs(input_ids, cache, slots, starts, lengths, fresh)
+        hidden = self._layers(x, lambda mixer, x, i: mixer.prefill(x, cache.layers[i], step))
         cache.lengths.index_copy_(0, slots, starts + lengths)
         cache.active.index_fill_(0, slots, True)
         return hidden
@@ -252,24 +279,42 @@ class Qwen35(nn.Module):
         the scratch page; their logits are meaningless. The caller keeps every active row's
         length < ``cache.max_len`` and its block-table row holding its positions.
         """
-        if token_ids.shape != (cache.max_batch,):  # metadata only: no sync
-            raise ValueError(f"token_ids: expected [max_batch] = ({cache.max_batch},), got {tuple(token_ids.shape)}")
-        positions = cache.lengths
-        cos, sin = self._rotary(positions)  # [max_batch, rotary_dim]
-        # The token's K/V goes to slot p % P of the row's page p // P; inactive rows write to the
-        # scratch page (an index with no branch) and attend to nothing.
-        page_index = (positions // cache.page_size).clamp(max=cache.pages_per_slot - 1)
-        step = DecodeStep(
-            cos=cos[:, None, None], sin=sin[:, None, None],
-            write_page=torch.where(cache.active, cache.block_table.gather(1, page_index[:, None])[:, 0], cache.num_pages),
-            write_column=torch.where(cache.active, positions % cache.page_size, 0),
-            kv_lengths=torch.where(cache.active, positions + 1, 0), block_table=cache.block_table,
-            state_slots=torch.where(cache.active, cache.slots, -1), positions=positions)
-        token_ids = torch.where(cache.active, token_ids, 0)  # an inactive row's id may be anything
-        hidden = self._layers(F.embedding(token_ids[:, None], self.embed_tokens),
-                              lambda mixer, x, i: mixer.decode(x, cache.layers[i], step))
+        x, step = self._decode_inputs(token_ids, cache)
+        hidden = self._layers(x, lambda mixer, x, i: mixer.decode(x, cache.layers[i], step))
         cache.lengths.add_(cache.active.to(torch.int64))
         return F.linear(hidden[:, 0], self.lm_head_weight)
+
+    @torch.no_grad()
+    def mixed_step(self, token_ids: torch.Tensor, cache: Qwen35Cache, input_ids: torch.Tensor, slots: torch.Tensor,
+                   starts: torch.Tensor, lengths: torch.Tensor, fresh: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step of cache rows 0 .. b-1 (``token_ids`` [b], as :meth:`decode_step` on
+        ``cache.first_rows(b)``) and a prompt chunk per row (``input_ids`` [R, T] into ``slots``, as
+        :meth:`prefill_step`) in one pass, as vLLM's mixed batches: their b + R T tokens share the
+        norms, the MLP GEMMs and the LM head (most of the weight bytes: read once for both), and
+        each half goes through its own token mixers (decode kernels; chunked prefill). Returns (decode logits [b, vocab],
+        the logits of each prefill row's last real token [R, vocab]).
+
+        Decode rows advance as in :meth:`decode_step`; the prefill slots get lengths
+        starts + lengths but keep their ``active`` flag (they must be inactive in the decode half:
+        the caller activates a slot once its whole prompt is in). Same results as the two calls
+        up to the GEMMs' summation order. CUDA-graph safe, no host sync."""
+        b = token_ids.shape[0]
+        rows = cache if b == cache.max_batch else cache.first_rows(b)
+        decode_x, decode = self._decode_inputs(token_ids, rows)
+        prefill_x, prefill = self._prefill_inputs(input_ids, cache, slots, starts, lengths, fresh)
+        R, T = input_ids.shape
+
+        def mix(mixer, x, i):  # x [b + R T, 1, D]: the decode rows, then the prompt tokens
+            decoded = mixer.decode(x[:b], rows.layers[i], decode)
+            prefilled = mixer.prefill(x[b:].view(R, T, -1), cache.layers[i], prefill)
+            return torch.cat([decoded, prefilled.view(R * T, 1, -1)])
+
+        hidden = self._layers(torch.cat([decode_x, prefill_x.view(R * T, 1, -1)]), mix)
+        rows.lengths.add_(rows.active.to(torch.int64))
+        cache.lengths.index_copy_(0, slots, starts + lengths)
+        last = hidden[b:, 0].view(R, T, -1)[torch.arange(R, device=hidden.device), lengths - 1]
+        logits = F.linear(torch.cat([hidden[:b, 0], last]), self.lm_head_weight)  # one LM-head GEMM
+        return logits[:b], logits[b:]
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs):
         """HF-style convenience: ``fuselm.engine.reference.generate(self, input_ids, max_new_tokens,

@@ -1,0 +1,123 @@
+"""A mixed prefill + decode step against the two apart (GPU only; 9B config, random bf16 weights).
+
+    python benchmarks/mixed_step.py [--decode-rows 31] [--chunks 512 1x256 2x256] [--profile]
+
+Cache of 32 slots x 1024 tokens; rows 0 .. decode_rows-1 decode (active, 512 tokens cached; their
+state is random-free zeros, which costs the same), the prompt chunks go into the slots after them.
+Each call is captured in its own CUDA graph and replayed (median of 20 replays, CUDA events):
+``decode_step`` over the 32 rows, ``prefill_step`` of the chunks alone, and ``mixed_step`` of
+both; also the time to capture the mixed graph (what a server pays on a bucket's first use).
+``--profile``: the top kernels of one eager call of each (torch.profiler, CUDA time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from fuselm.models.qwen35.presets import config_9b, random_qwen35
+
+ROWS, MAX_LEN, CACHED = 32, 1024, 512
+
+
+def parse_chunks(spec: str) -> tuple[int, int]:
+    """"512" -> (1, 512); "2x256" -> (2, 256)."""
+    rows, _, tokens = spec.rpartition("x")
+    return int(rows or 1), int(tokens)
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 20) -> float:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def capture(fn) -> tuple[torch.cuda.CUDAGraph, float]:
+    """Warm ``fn`` on a side stream, capture it; returns (graph, seconds the capture took)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph, time.perf_counter() - began
+
+
+def top_kernels(fn, count: int = 12) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=count, max_name_column_width=60)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--decode-rows", type=int, default=31)
+    parser.add_argument("--chunks", nargs="+", default=["512", "256", "2x256"])
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    model = random_qwen35(config_9b(), dtype=torch.bfloat16, device="cuda", seed=0)
+    cache = model.new_cache(ROWS, MAX_LEN)
+    decoding = args.decode_rows
+    print(f"## mixed step: {decoding} decode rows (of {ROWS}) + prompt chunks, 9B bf16, {torch.cuda.get_device_name()}")
+    print("| chunks | decode alone | prefill alone | sum | mixed | mixed - decode | capture of mixed (s) |")
+    print("|---|---|---|---|---|---|---|")
+    for spec in args.chunks:
+        rows, tokens = parse_chunks(spec)
+        cache.lengths.fill_(CACHED)
+        cache.active.zero_()
+        cache.active[:decoding] = True
+        slots = torch.arange(decoding, decoding + rows, device="cuda") % ROWS
+        starts = torch.zeros(rows, dtype=torch.int64, device="cuda")
+        lengths = torch.full((rows,), tokens, dtype=torch.int64, device="cuda")
+        ids = torch.randint(0, 1000, (rows, tokens), device="cuda")
+        token_ids = torch.zeros(ROWS, dtype=torch.int64, device="cuda")
+        fresh = True
+
+        def decode():
+            cache.lengths[:decoding].fill_(CACHED)  # keep the rows' positions fixed across replays
+            model.decode_step(token_ids, cache)
+
+        def prefill():
+            model.prefill_step(ids, cache, slots, starts, lengths, fresh)
+            cache.active.index_fill_(0, slots, False)
+
+        def mixed():
+            cache.lengths[:decoding].fill_(CACHED)
+            model.mixed_step(token_ids, cache, ids, slots, starts, lengths, fresh)
+
+        results = {}
+        for name, fn in (("decode", decode), ("prefill", prefill), ("mixed", mixed)):
+            graph, seconds = capture(fn)
+            results[name] = replay_ms(graph)
+            results[name + "_capture"] = seconds
+            del graph
+        d, p, m = results["decode"], results["prefill"], results["mixed"]
+        print(f"| {rows} x {tokens} | {d:.2f} ms | {p:.2f} ms | {d + p:.2f} ms | {m:.2f} ms | {m - d:.2f} ms | "
+              f"{results['mixed_capture']:.2f} |")
+        if args.profile:
+            for name, fn in (("prefill", prefill), ("mixed", mixed)):
+                print(f"\n### {name}, {rows} x {tokens}: top kernels (one eager call)\n```")
+                print(top_kernels(fn))
+                print("```")
+
+
+if __name__ == "__main__":
+    main()
