@@ -2,7 +2,7 @@
 
 from fuselm.engine import Engine, RequestOutput, SamplingParams
 from fuselm.engine.llm import LLM
-from fuselm.models.qwen35 import Qwen35, Qwen35Cache, Qwen35Config
+from fuselm.models.qwen35 import Qwen35, Qwen35Cache, Qwen35Config, Qwen35Moe
 from fuselm.models.swap_ffn import SwapFFN, SwapFFNConfig, SwapFFNDecoder, SwapFFNState
 from fuselm.ops.common.activation import Activation
 from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
@@ -17,6 +17,6 @@ __all__ = [
     "SwiGLUMLP", "SwiGLUMoE", "gemm_swiglu", "swiglu_mlp", "interleave_gate_up", "deinterleave_gate_up",
     "SwapFFN", "SwapFFNConfig", "SwapFFNState", "SwapFFNDecoder",
     "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
-    "Qwen35", "Qwen35Config", "Qwen35Cache",
+    "Qwen35", "Qwen35Config", "Qwen35Cache", "Qwen35Moe",
     "LLM", "SamplingParams", "RequestOutput", "Engine",
 ]

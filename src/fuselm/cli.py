@@ -1,14 +1,16 @@
 """The ``fuselm`` command: argument parsing and dispatch (every import is lazy).
 
     fuselm generate MODEL_DIR --prompt TEXT [--chat] ...  stream text from a checkpoint directory
-    fuselm generate [--config tiny|9b|config.json] ...     random-weight throughput (fuselm.bench.generate)
+    fuselm generate [--config PRESET|config.json] ...     random-weight throughput (fuselm.bench.generate)
     fuselm chat MODEL_DIR ...                               interactive chat, one line per user turn
-    fuselm init-checkpoint DIR --config tiny|9b ...         a random-weight checkpoint with the real tokenizer
-    fuselm serve MODEL_DIR | --config tiny|9b ...           an OpenAI-compatible HTTP server (fuselm.serve)
+    fuselm init-checkpoint DIR --config PRESET ...         a random-weight checkpoint with the real tokenizer
+    fuselm serve MODEL_DIR | --config PRESET ...           an OpenAI-compatible HTTP server (fuselm.serve)
     fuselm bench-serve [URL] ...                            load generator for such a server (fuselm.bench.serve)
     fuselm audit ...                                        decode-step launches, parity with HF (fuselm.engine.audit)
     fuselm demo                                             every op vs its reference (fuselm.bench.ops_demo)
     fuselm swapffn ...                                      Swap-FFN paths on a GPU (fuselm.bench.swap_ffn)
+
+PRESET: tiny, 9b, tiny-moe or 35b-a3b (``fuselm.models.qwen35.presets``), random weights.
 
 The text commands (``generate MODEL_DIR``, ``chat``) are thin over ``fuselm.engine.llm.LLM``:
 sampling defaults are the checkpoint's generation_config (``LLM.get_default_sampling_params``),
@@ -27,6 +29,7 @@ import sys
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
+PRESETS = ("tiny", "9b", "tiny-moe", "35b-a3b")  # fuselm.models.qwen35.presets.PRESETS (no import here: lazy)
 TEXT_MAX_TOKENS, TEXT_MAX_LEN = 256, 4096
 # Prompt tokens per engine step when serving: the longest stall of running decodes (a 9B prefill on
 # the H100 took 61 ms for 512 tokens and 276 ms for 8192 when measured, issue 18).
@@ -36,20 +39,21 @@ BENCH_PROMPT_LEN, BENCH_MAX_NEW_TOKENS, BENCH_BATCH = 32, 16, 1
 
 # ============================================================================ argument values
 def _model_config(value: str):
-    """``--config`` of the random-weight commands: 'tiny', '9b' or a config.json path ->
-    (Qwen35Config, description). argparse reports a bad value as a usage error."""
+    """``--config`` of the random-weight commands: a preset name ('tiny', '9b', 'tiny-moe',
+    '35b-a3b') or a config.json path -> (Qwen35Config, description). argparse reports a bad value
+    as a usage error."""
     import json
 
     from fuselm.models.qwen35 import Qwen35Config
     from fuselm.models.qwen35.presets import preset_config
 
-    if value == "tiny":
-        return preset_config("tiny"), "tiny (built-in)"
-    if value.lower() == "9b":
-        return preset_config("9b"), "9B (HF Qwen3_5TextConfig() defaults)"
+    described = {"tiny": "tiny (built-in)", "9b": "9B (HF Qwen3_5TextConfig() defaults)",
+                 "tiny-moe": "tiny MoE (built-in)", "35b-a3b": "35B-A3B (HF Qwen3_5MoeTextConfig() defaults)"}
+    if value.lower() in PRESETS:
+        return preset_config(value.lower()), described[value.lower()]
     path = Path(value)
     if not path.is_file():
-        raise argparse.ArgumentTypeError(f"expected 'tiny', '9b' or a config.json file, got {value!r}")
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(PRESETS)} or a config.json file, got {value!r}")
     try:
         return Qwen35Config.from_hf(json.loads(path.read_text())), str(path)
     except (ValueError, TypeError, KeyError) as error:
@@ -178,7 +182,7 @@ def _generate(args) -> int:
 def _init_checkpoint(args) -> int:
     from fuselm.console import init_checkpoint
 
-    dtype = args.dtype or ("float32" if args.config == "tiny" else "bfloat16")
+    dtype = args.dtype or ("float32" if args.config.startswith("tiny") else "bfloat16")
     init_checkpoint(args.directory, args.config, dtype, args.device, args.seed, args.max_shard_size)
     return 0
 
@@ -341,10 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
                                            "sharded safetensors + index, generation_config.json, tokenizer files) "
                                            "with seeded random weights: its text is gibberish.")
     init.add_argument("directory", metavar="DIR", help="created if missing")
-    init.add_argument("--config", required=True, choices=("tiny", "9b"),
-                      help="tiny (with the tokenizer's vocab_size, 248320) or 9b")
+    init.add_argument("--config", required=True, choices=PRESETS,
+                      help="a built-in config (the tiny ones with the tokenizer's vocab_size, 248320)")
     init.add_argument("--dtype", default=None, choices=DTYPES,
-                      help="default: float32 for tiny (a CPU and test model), bfloat16 for 9b")
+                      help="default: float32 for the tiny configs (CPU and test models), else bfloat16")
     init.add_argument("--device", default=None, help="where the weights are drawn (default: cuda when available)")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--max-shard-size", default="4GB", help="e.g. 4GB, 500MB")
@@ -356,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "prompts on /v1/completions) over HTTP in OpenAI's API until SIGINT or SIGTERM. Requests "
                     "beyond --max-batch wait in the engine's queue.")
     serve.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR", help="a checkpoint directory")
-    serve.add_argument("--config", default=None, choices=("tiny", "9b"),
+    serve.add_argument("--config", default=None, choices=PRESETS,
                        help="random weights of a built-in config instead of MODEL_DIR (weights from --seed)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)

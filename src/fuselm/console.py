@@ -121,7 +121,7 @@ def _human_size(size: float) -> str:
 
 def init_checkpoint(directory, config_name: str, dtype: str = "bfloat16", device: str | None = None, seed: int = 0,
                     max_shard_size: str = "4GB") -> None:
-    """Write a random-weight checkpoint of the preset ``config_name`` ("tiny" or "9b") in the
+    """Write a random-weight checkpoint of the preset ``config_name`` (``presets.PRESETS``) in the
     released Qwen3.5 layout with the real tokenizer (``write_random_checkpoint`` +
     ``write_tokenizer_files``) and list what was written."""
     import torch
@@ -129,7 +129,7 @@ def init_checkpoint(directory, config_name: str, dtype: str = "bfloat16", device
     from fuselm.models.qwen35.presets import preset_config, write_random_checkpoint
     from fuselm.tokenizer import write_tokenizer_files
 
-    config = preset_config(config_name, vocab_size=QWEN35_VOCAB_SIZE if config_name == "tiny" else None)
+    config = preset_config(config_name, vocab_size=QWEN35_VOCAB_SIZE if config_name.startswith("tiny") else None)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     directory = Path(directory)
     write_random_checkpoint(directory, config, dtype=getattr(torch, dtype), device=device, seed=seed,

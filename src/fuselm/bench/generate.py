@@ -9,7 +9,7 @@ every time point follows a device read, so the device work is in them):
     decode   = last finish - first first token            (the remaining tokens, pipelined steps)
     decode tok/s = sum over requests of (tokens - 1) / decode
 
-On a GPU, the weight-bandwidth floor of a decode step is ``decode_weight_bytes(model)`` over the
+On a GPU, the weight-bandwidth floor of a decode step is ``decode_weight_bytes(model, batch)`` over the
 measured device copy bandwidth (``fuselm.runtime.copy_bandwidth``), and the decode step time is
 reported as a share of it.
 """
@@ -81,7 +81,7 @@ def run_generate_benchmark(config: Qwen35Config, description: str, *, batch: int
     timings = request_timings(outputs)
     prefill_tps = batch * prompt_len / timings["prefill_seconds"]
     step_ms = timings["decode_ms_per_step"]
-    weight_bytes = decode_weight_bytes(model)
+    weight_bytes = decode_weight_bytes(model, batch)
     results = {"model": description, "parameters": parameters, "dtype": str(dtype)[6:], "device": str(device),
                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "backend": backend,
                "batch": batch, "prompt_len": prompt_len, "max_new_tokens": max_new_tokens, "sampling": sampling,

@@ -1,6 +1,6 @@
 """What the engine's decode step launches, and how close the model is to Hugging Face transformers.
 
-    decode_weight_bytes(model)      bytes of weights one decode step reads (the bandwidth floor)
+    decode_weight_bytes(model, batch)  bytes of weights one decode step reads (the bandwidth floor)
     launch_audit(engine, requests)  per decode step, on CUDA: kernels, device copies, graph
                                     launches, kernel launches outside graphs, host syncs
     parity_with_hf(hf, model, ...)  greedy HF generate vs greedy generation through the Engine,
@@ -34,13 +34,21 @@ HALF_SAME_DTYPE_COSINE = 0.999
 _FP32_MARGIN_BYTES = 2 << 30
 
 
-def decode_weight_bytes(model: Qwen35) -> int:
-    """Bytes of weights one decode step reads: every parameter, except that the embedding table
-    contributes one row per token (counted as zero here) unless it is also the LM head (tied).
-    The weight-bandwidth floor of a step is this over the device's copy bandwidth."""
+def decode_weight_bytes(model: Qwen35, batch: int = 1) -> int:
+    """Bytes of weights one decode step of ``batch`` tokens reads: every parameter, except that
+    the embedding table contributes one row per token (counted as zero here) unless it is also the
+    LM head (tied), and that an MoE layer reads only the routed experts its tokens pick: for
+    uniform routing E (1 - (1 - k/E)^batch) of its E experts on average (the shared expert and the
+    router always). The weight-bandwidth floor of a step is this over the device's copy bandwidth."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     if model.lm_head is not None:
         total -= model.embed_tokens.numel() * model.embed_tokens.element_size()
+    if model.config.is_moe:
+        E, k = model.config.num_experts, model.config.num_experts_per_tok
+        untouched = (1 - k / E) ** batch  # the chance an expert gets none of the batch's tokens
+        for layer in model.layers:
+            routed = sum(w[:E].numel() * w.element_size() for w in (layer.mlp.w13, layer.mlp.w2))
+            total -= round(routed * untouched)
     return total
 
 

@@ -70,7 +70,7 @@ class ServedModel:
     def random(cls, config_name: str, *, dtype, device, max_batch: int, max_len: int, seed: int | None = None,
                name: str | None = None, max_prefill_tokens: int | None = None,
                kv_cache_tokens: int | None = None) -> ServedModel:
-        """Seeded random weights of the preset ``config_name`` ("tiny" or "9b"; weights from
+        """Seeded random weights of the preset ``config_name`` (``presets.PRESETS``; weights from
         ``seed``, default 0), without a tokenizer; name: default ``config_name``."""
         from fuselm.models.qwen35.presets import preset_config, random_qwen35
 

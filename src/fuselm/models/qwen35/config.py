@@ -1,4 +1,5 @@
-"""Qwen3.5 text-model configuration: the fields of HF ``Qwen3_5TextConfig`` (transformers >= 5.2).
+"""Qwen3.5 text-model configuration: the fields of HF ``Qwen3_5TextConfig`` (transformers >= 5.2),
+and of ``Qwen3_5MoeTextConfig`` for the MoE models (the same model with sparse MoE MLPs).
 
 ``Qwen35Config.from_hf`` reads a text config, the vision-language wrapper's ``config.json``
 (``Qwen3_5ForConditionalGeneration``: the text model under ``text_config``) or either as a dict,
@@ -53,6 +54,13 @@ class Qwen35Config:
     max_position_embeddings: int = 32768
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    # Qwen3.5-MoE (HF ``Qwen3_5MoeTextConfig``): every layer's MLP is a sparse MoE block of
+    # ``num_experts`` routed SwiGLU experts (``num_experts_per_tok`` per token, each
+    # ``moe_intermediate_size`` wide) plus a gated shared expert; 0 experts: the dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self):
         if not self.layer_types:
@@ -74,6 +82,13 @@ class Qwen35Config:
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError(f"linear_num_key_heads: {self.linear_num_key_heads} does not divide "
                              f"linear_num_value_heads = {self.linear_num_value_heads}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok: expected 1 .. num_experts = {self.num_experts}, "
+                                 f"got {self.num_experts_per_tok}")
+            for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+                if getattr(self, name) < 1:
+                    raise ValueError(f"{name}: expected >= 1 for an MoE model, got {getattr(self, name)}")
         if self.rotary_dim < 2 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ValueError(f"partial_rotary_factor: head_dim {self.head_dim} x {self.partial_rotary_factor} gives "
                              f"rotary dim {self.rotary_dim}; it must be even, >= 2 and <= head_dim")
@@ -97,6 +112,11 @@ class Qwen35Config:
         return 2 * self.linear_key_dim + self.linear_value_dim
 
     @property
+    def is_moe(self) -> bool:
+        """Sparse MoE MLPs (Qwen3.5-MoE) instead of dense ones."""
+        return self.num_experts > 0
+
+    @property
     def stop_token_ids(self) -> tuple[int, ...]:
         """The ids that end a sequence (``eos_token_id`` as a tuple; empty when none is known)."""
         return _ids(self.eos_token_id)
@@ -113,8 +133,10 @@ class Qwen35Config:
         if not isinstance(text, dict):
             text = text.to_dict()
         model_type = text.get("model_type", "qwen3_5_text")
-        if model_type not in ("qwen3_5_text", "qwen3_5"):
-            raise ValueError(f"config: model_type {model_type!r} is not a Qwen3.5 text model")
+        if model_type not in ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe"):
+            raise ValueError(f"config: model_type {model_type!r} is not a Qwen3.5 (or Qwen3.5-MoE) text model")
+        if model_type.startswith("qwen3_5_moe") and not text.get("num_experts"):
+            raise ValueError(f"config: a {model_type} config without num_experts")
         values = {f.name: text[f.name] for f in fields(cls) if f.name in text and text[f.name] is not None
                   and f.name not in ("rope_theta", "partial_rotary_factor", "layer_types", "eos_token_id")}
         if text is not top:  # multimodal: HF ties the LM head by the top-level flag

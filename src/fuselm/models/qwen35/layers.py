@@ -1,7 +1,8 @@
 """The layers of a Qwen3.5 text model, each mapping its own Hugging Face tensors.
 
 Read top to bottom: what a prefill / decode step hands every layer, the rotary embedding, the
-two token mixers (Gated DeltaNet and gated full attention), the SwiGLU MLP, the decoder layer.
+two token mixers (Gated DeltaNet and gated full attention), the SwiGLU MLP, the sparse MoE block
+(Qwen3.5-MoE's MLP), the decoder layer.
 
 Every module has ``hf_shapes()`` (its HF tensor names, relative to the module's HF prefix, and
 their shapes under the config) and ``load_hf(take)`` (``take(name)`` returns that HF tensor on
@@ -26,6 +27,7 @@ from fuselm.ops.causal_conv1d import causal_conv1d_silu
 from fuselm.ops.decode_linear import decode_linear
 from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_decode_step
 from fuselm.ops.gated_delta_rule.naive import decay_gate
+from fuselm.ops.moe import SwiGLUMoE
 from fuselm.ops.rms_norm import rms_norm
 from fuselm.ops.swiglu_mlp import SwiGLUMLP, interleave_gate_up
 
@@ -327,6 +329,64 @@ class MLP(SwiGLUMLP):
         _assign(self, "w2", take("down_proj.weight"))
 
 
+# ============================================================================ MoE
+class MoE(SwiGLUMoE):
+    """HF ``Qwen3_5MoeSparseMoeBlock`` on ``SwiGLUMoE`` (routing and grouped expert GEMMs): a
+    router over ``num_experts`` SwiGLU experts, ``num_experts_per_tok`` per token, plus the shared
+    expert scaled by its sigmoid gate. HF names are the checkpoints' (one tensor per expert:
+    ``experts.{j}.gate_proj.weight``, as ``save_pretrained`` writes them; a live model's fused
+    ``experts.gate_up_proj`` is split into those views by the loader); ``load_hf`` stacks them into
+    the kernels' layout once."""
+
+    def __init__(self, config: Qwen35Config):
+        c = config
+        E, H, F_, F_s = c.num_experts, c.hidden_size, c.moe_intermediate_size, c.shared_expert_intermediate_size
+        meta = lambda *shape: torch.empty(*shape, device="meta")  # noqa: E731
+        super().__init__(meta(E, H), c.num_experts_per_tok, meta(E, 2 * F_, H), meta(E, H, F_), meta(F_s, H),
+                         meta(F_s, H), meta(H, F_s), meta(1, H))
+        self.shared_intermediate_size = F_s
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        E, H, F_, F_s = self.num_experts, self.hidden_size, self.intermediate_size, self.shared_intermediate_size
+        shapes = {"gate.weight": (E, H), "shared_expert_gate.weight": (1, H),
+                  "shared_expert.gate_proj.weight": (F_s, H), "shared_expert.up_proj.weight": (F_s, H),
+                  "shared_expert.down_proj.weight": (H, F_s)}
+        for j in range(E):
+            shapes.update({f"experts.{j}.gate_proj.weight": (F_, H), f"experts.{j}.up_proj.weight": (F_, H),
+                           f"experts.{j}.down_proj.weight": (H, F_)})
+        return shapes
+
+    def load_hf(self, take: TakeTensor) -> None:
+        E = self.num_experts
+        gate_up = torch.stack([torch.cat([take(f"experts.{j}.gate_proj.weight"), take(f"experts.{j}.up_proj.weight")])
+                               for j in range(E)])
+        down = torch.stack([take(f"experts.{j}.down_proj.weight") for j in range(E)])
+        weights = self.kernel_weights(take("gate.weight"), gate_up, down, take("shared_expert.gate_proj.weight"),
+                                      take("shared_expert.up_proj.weight"), take("shared_expert.down_proj.weight"),
+                                      take("shared_expert_gate.weight"))
+        for name, tensor in weights.items():
+            _assign(self, name, tensor)
+
+
+def split_fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A live HF MoE model's state dict with each fused ``mlp.experts.gate_up_proj`` [E, 2F, H] /
+    ``down_proj`` [E, H, F] replaced by the checkpoints' per-expert names (views, no copies)."""
+    out = {}
+    for name, tensor in state.items():
+        prefix, _, leaf = name.rpartition("experts.")
+        if leaf == "gate_up_proj":
+            F_ = tensor.shape[1] // 2
+            for j in range(tensor.shape[0]):
+                out[f"{prefix}experts.{j}.gate_proj.weight"] = tensor[j, :F_]
+                out[f"{prefix}experts.{j}.up_proj.weight"] = tensor[j, F_:]
+        elif leaf == "down_proj":
+            for j in range(tensor.shape[0]):
+                out[f"{prefix}experts.{j}.down_proj.weight"] = tensor[j]
+        else:
+            out[name] = tensor
+    return out
+
+
 # ============================================================================ decoder layer
 class DecoderLayer(nn.Module):
     """Token mixer + MLP. ``input_norm`` / ``post_attention_norm`` [D] are HF's input_layernorm /
@@ -338,7 +398,7 @@ class DecoderLayer(nn.Module):
         self.layer_type = layer_type
         self.mixer = GatedDeltaNet(config) if layer_type == LINEAR_ATTENTION else GatedAttention(config)
         self.mixer_hf_prefix = "linear_attn." if layer_type == LINEAR_ATTENTION else "self_attn."
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.is_moe else MLP(config)
         self.input_norm = _param(config.hidden_size)
         self.post_attention_norm = _param(config.hidden_size)
 

@@ -64,7 +64,13 @@ class Qwen35(nn.Module):
     - ``model.generate(input_ids, max_new_tokens, ...)``: HF-style convenience over the engine.
     """
 
+    moe = False  # Qwen35Moe: sparse MoE MLPs
+
     def __init__(self, config: Qwen35Config):
+        if config.is_moe != self.moe:
+            raise ValueError(f"config: {'an MoE' if config.is_moe else 'a dense'} config (num_experts = "
+                             f"{config.num_experts}) needs {'Qwen35Moe' if config.is_moe else 'Qwen35'} "
+                             f"(Qwen35.for_config picks it)")
         super().__init__()
         self.config = config
         self.embed_tokens = _param(config.vocab_size, config.hidden_size)
@@ -73,6 +79,11 @@ class Qwen35(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size)
         # fp32 always (a plain attribute, so ``model.to(dtype)`` cannot round it); follows the device.
         self.inv_freq = rotary_inv_freq(config)
+
+    @staticmethod
+    def for_config(config: Qwen35Config) -> "Qwen35":
+        """A bare model (meta weights) of ``config``'s class: ``Qwen35Moe`` for an MoE config."""
+        return (Qwen35Moe if config.is_moe else Qwen35)(config)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -391,3 +402,13 @@ class Qwen35(nn.Module):
         if len(set(values)) != batch or not all(0 <= s < cache.max_batch for s in values):
             raise ValueError(f"slots: expected distinct slots in [0, {cache.max_batch}), got {values}")
         return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+class Qwen35Moe(Qwen35):
+    """Qwen3.5-MoE (HF ``Qwen3_5MoeForCausalLM``: 35B-A3B, 122B-A10B, 397B-A17B): the same
+    Gated DeltaNet / gated attention hybrid with every MLP a sparse MoE block (``layers.MoE``:
+    routing and grouped expert GEMMs, ``fuselm.ops.moe``). Everything else, the cache, prefill,
+    decode and mixed steps, the engine and its graphs, is ``Qwen35``'s. Build it as the dense
+    model: ``from_hf``, ``from_pretrained``, ``presets.random_qwen35``."""
+
+    moe = True

@@ -3,7 +3,9 @@
 - ``tiny_config()``: a 4-layer Qwen3.5-architecture model (DeltaNet, attention, DeltaNet,
   attention; GQA in both mixers) small enough for the Triton interpreter on a CPU;
 - ``config_9b()``: HF ``Qwen3_5TextConfig()`` defaults (the 9B text model);
-- ``preset_config(name)``: "tiny" or "9b" by name;
+- ``tiny_moe_config()`` / ``config_35b_a3b()``: the same for Qwen3.5-MoE (``Qwen35Moe``; the
+  latter HF ``Qwen3_5MoeTextConfig()`` defaults, 35B-A3B);
+- ``preset_config(name)``: "tiny", "9b", "tiny-moe" or "35b-a3b" by name;
 - ``random_qwen35(config, ...)``: a ``Qwen35`` with seeded random weights made directly on the
   device in the model dtype (9B parameters in bf16 never pass through a CPU fp32 copy);
 - ``randomize_hf_weights_(hf_model, ...)``: the same scheme on a live HF model, for parity runs;
@@ -50,17 +52,38 @@ def config_9b() -> Qwen35Config:
     return Qwen35Config.from_hf(Qwen3_5TextConfig())
 
 
-PRESETS = ("tiny", "9b")
+def tiny_moe_config(vocab_size: int = 512) -> Qwen35Config:
+    """``tiny_config`` with MoE MLPs: 8 experts of 32 features, 2 per token, a 48-wide shared
+    expert (wider than a routed one: two chunks in the kernels' layout)."""
+    from dataclasses import replace
+
+    return replace(tiny_config(vocab_size), num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=48)
+
+
+def config_35b_a3b() -> Qwen35Config:
+    """HF ``Qwen3_5MoeTextConfig()`` defaults, Qwen3.5-35B-A3B: 40 layers (every 4th full
+    attention), hidden 2048, 256 experts of 512 features, 8 per token, a 512-wide shared expert."""
+    try:
+        from transformers import Qwen3_5MoeTextConfig
+    except ImportError:
+        return Qwen35Config(hidden_size=2048, num_hidden_layers=40, num_key_value_heads=2, num_experts=256,
+                            num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512)
+    return Qwen35Config.from_hf(Qwen3_5MoeTextConfig())
+
+
+PRESETS = ("tiny", "9b", "tiny-moe", "35b-a3b")
 
 
 def preset_config(name: str, vocab_size: int | None = None) -> Qwen35Config:
-    """The built-in config called ``name`` ("tiny" or "9b"); ``vocab_size`` overrides the tiny
-    model's (a checkpoint with the real tokenizer needs 248320)."""
-    if name == "tiny":
-        return tiny_config(**({} if vocab_size is None else {"vocab_size": vocab_size}))
-    if name.lower() == "9b":
-        return config_9b()
-    raise ValueError(f"config: expected one of {PRESETS}, got {name!r}")
+    """The built-in config called ``name`` (``PRESETS``); ``vocab_size`` overrides the tiny
+    models' (a checkpoint with the real tokenizer needs 248320)."""
+    tiny = {} if vocab_size is None else {"vocab_size": vocab_size}
+    builders = {"tiny": lambda: tiny_config(**tiny), "9b": config_9b, "tiny-moe": lambda: tiny_moe_config(**tiny),
+                "35b-a3b": config_35b_a3b}
+    if not isinstance(name, str) or name.lower() not in builders:
+        raise ValueError(f"config: expected one of {PRESETS}, got {name!r}")
+    return builders[name.lower()]()
 
 
 def _fill_random_(name: str, weight: torch.Tensor, generator: torch.Generator) -> None:
@@ -71,8 +94,8 @@ def _fill_random_(name: str, weight: torch.Tensor, generator: torch.Generator) -
         weight.normal_(1.0, 0.3, generator=generator)
     elif "embed_tokens" in name:
         weight.normal_(0.0, 1.0, generator=generator)
-    elif weight.dim() >= 2:
-        weight.normal_(0.0, weight[0].numel() ** -0.5, generator=generator)
+    elif weight.dim() >= 2:  # fan-in: the last dim (a depthwise conv's: its kernel width)
+        weight.normal_(0.0, weight.shape[-1] ** -0.5, generator=generator)
     else:
         weight.normal_(0.0, 0.3, generator=generator)
 
@@ -82,7 +105,7 @@ def random_qwen35(config: Qwen35Config, dtype: torch.dtype = torch.float32, devi
     """A ``Qwen35`` with seeded random weights, each drawn on ``device`` in ``dtype``."""
     device = torch.device(device)
     generator = torch.Generator(device).manual_seed(seed)
-    model = Qwen35(config)
+    model = Qwen35.for_config(config)
     weights = {}
     for name, meta in model.named_parameters():
         weight = torch.empty(meta.shape, dtype=dtype, device=device)
@@ -102,19 +125,25 @@ def randomize_hf_weights_(hf_model: torch.nn.Module, seed: int = 0) -> torch.nn.
     return hf_model
 
 
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
 def to_hf_config(config: Qwen35Config):
-    """The HF ``Qwen3_5TextConfig`` of ``config`` (the inverse of ``Qwen35Config.from_hf``)."""
+    """The HF ``Qwen3_5TextConfig`` (``Qwen3_5MoeTextConfig`` for MoE) of ``config`` (the inverse
+    of ``Qwen35Config.from_hf``)."""
     from dataclasses import asdict
 
-    from transformers import Qwen3_5TextConfig
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     fields = asdict(config)
+    for name in ("intermediate_size",) if config.is_moe else MOE_FIELDS:  # not a field of that HF class
+        fields.pop(name)
     rope = {"rope_type": "default", "rope_theta": fields.pop("rope_theta"),
             "partial_rotary_factor": fields.pop("partial_rotary_factor")}
     fields["layer_types"] = list(fields["layer_types"])
     if isinstance(fields["eos_token_id"], tuple):
         fields["eos_token_id"] = list(fields["eos_token_id"])
-    return Qwen3_5TextConfig(**fields, rope_parameters=rope)
+    return (Qwen3_5MoeTextConfig if config.is_moe else Qwen3_5TextConfig)(**fields, rope_parameters=rope)
 
 
 WEIGHT_SCHEMES = ("spread", "hf-init")
@@ -123,19 +152,20 @@ WEIGHT_SCHEMES = ("spread", "hf-init")
 @torch.no_grad()
 def random_hf_qwen35(config: Qwen35Config, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0,
                      weights: str = "spread"):
-    """An HF ``Qwen3_5ForCausalLM`` of ``config`` built on ``device`` in ``dtype`` (no fp32 CPU
+    """An HF ``Qwen3_5ForCausalLM`` (``Qwen3_5MoeForCausalLM``) of ``config`` built on ``device`` in ``dtype`` (no fp32 CPU
     copy first). ``weights``: "spread", drawn by ``randomize_hf_weights_`` (the module
     docstring's scheme); "hf-init", HF's own initialisation (``_init_weights``: N(0, 0.02)
     matrices and embeddings, zero-centered norms at 0, ...) drawn from torch's global RNG seeded
     with ``seed`` inside ``torch.random.fork_rng`` (the caller's RNG state is left as it was)."""
-    from transformers import Qwen3_5ForCausalLM
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 
     if weights not in WEIGHT_SCHEMES:
         raise ValueError(f"weights: expected one of {WEIGHT_SCHEMES}, got {weights!r}")
     device = torch.device(device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
         torch.manual_seed(seed)
-        hf_model = Qwen3_5ForCausalLM._from_config(to_hf_config(config), dtype=dtype)
+        hf_class = Qwen3_5MoeForCausalLM if config.is_moe else Qwen3_5ForCausalLM
+        hf_model = hf_class._from_config(to_hf_config(config), dtype=dtype)
     return (randomize_hf_weights_(hf_model, seed) if weights == "spread" else hf_model).eval()
 
 
@@ -160,19 +190,23 @@ def write_random_checkpoint(directory, config: Qwen35Config, dtype: torch.dtype 
     ``generation_config.json``. The weights are drawn on ``device`` in ``dtype``; HF transformers
     writes the files, so they are what its ``from_pretrained`` expects. Tokenizer files are
     ``fuselm.tokenizer.write_tokenizer_files``'s."""
-    from transformers import GenerationConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers import (GenerationConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
+                              Qwen3_5MoeForConditionalGeneration)
+
+    wrapper, model_class = ((Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration) if config.is_moe
+                            else (Qwen3_5Config, Qwen3_5ForConditionalGeneration))
 
     text = to_hf_config(config).to_dict()
     text["eos_token_id"] = END_OF_TEXT_ID if config.vocab_size > IM_END_ID else text.get("eos_token_id")
     eos = [IM_END_ID, END_OF_TEXT_ID] if config.vocab_size > IM_END_ID else config.stop_token_ids
-    hf_config = Qwen3_5Config(text_config=text, vision_config=dict(_FIXTURE_VISION, out_hidden_size=config.hidden_size),
+    hf_config = wrapper(text_config=text, vision_config=dict(_FIXTURE_VISION, out_hidden_size=config.hidden_size),
                               tie_word_embeddings=config.tie_word_embeddings)
     hf_config.eos_token_id = eos[0] if eos else None
-    hf_config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    hf_config.architectures = [model_class.__name__]
     device = torch.device(device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
         torch.manual_seed(seed)
-        hf_model = Qwen3_5ForConditionalGeneration._from_config(hf_config, dtype=dtype)
+        hf_model = model_class._from_config(hf_config, dtype=dtype)
     randomize_hf_weights_(hf_model, seed)
     hf_model.generation_config = GenerationConfig(
         eos_token_id=list(eos), pad_token_id=END_OF_TEXT_ID if config.vocab_size > IM_END_ID else config.pad_token_id,

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from fuselm.models.qwen35.config import Qwen35Config
+from fuselm.models.qwen35.layers import split_fused_experts
 from fuselm.models.qwen35.model import Qwen35
 from fuselm.runtime import parse_dtype
 
@@ -80,7 +81,8 @@ def load_from_hf_model(hf_model: nn.Module, dtype: torch.dtype | str | None = No
         text_name = text_model_name(name)
         if text_name is not None:
             state[text_name] = tensor
-    model = Qwen35(config)
+    state = split_fused_experts(state)  # MoE: the checkpoints' per-expert names (views)
+    model = Qwen35.for_config(config)
     _check_names_and_shapes(model, {k: tuple(v.shape) for k, v in state.items()}, "hf_model")
     embed = state["model.embed_tokens.weight"]
     dtype = embed.dtype if dtype is None else parse_dtype(dtype)
@@ -214,7 +216,7 @@ def load_checkpoint(path, dtype: torch.dtype | str | None = None, device=None, p
             text_name = text_model_name(name)
             if text_name is not None:
                 entries[text_name] = (file, stored, shape, begin, end)
-    model = Qwen35(config)
+    model = Qwen35.for_config(config)
     _check_names_and_shapes(model, {name: entry[2] for name, entry in entries.items()}, f"checkpoint {directory}")
     entries = {name: entries[name] for name in model.hf_shapes()}  # a tied lm_head is skipped, as HF does
     for name, (file, stored, shape, begin, end) in entries.items():

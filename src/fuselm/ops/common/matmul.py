@@ -1,5 +1,6 @@
-"""Matmul pieces shared by the GEMM and GEMV kernels (swiglu_mlp, decode_linear, swap_ffn): the
-accumulating dot, the grouped tile order of a GEMM grid and the decode path's token padding."""
+"""Matmul pieces shared by the GEMM and GEMV kernels (swiglu_mlp, decode_linear, swap_ffn, moe): the
+accumulating dot, one K step's operand loads, the grouped tile order of a GEMM grid and the decode
+path's token padding."""
 
 from __future__ import annotations
 
@@ -23,6 +24,21 @@ def dot_acc(a, b, acc, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def load_k_step(a_ptrs, b_ptrs, k, k_left, EVEN_K: tl.constexpr):
+    """One K step's operands: A [M, BLOCK_K] at ``a_ptrs`` and B [BLOCK_K, N] at ``b_ptrs``, K
+    offsets ``k`` [BLOCK_K]; with ``EVEN_K`` False the columns at k >= ``k_left`` (past K) load as
+    zeros, so they add nothing to the dot."""
+    if EVEN_K:
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+    else:
+        k_ok = k < k_left
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+    return a, b
 
 
 @triton.jit

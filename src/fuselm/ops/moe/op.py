@@ -1,21 +1,49 @@
 """``SwiGLUMoE``: the Qwen3.5-MoE sparse block (router, routed SwiGLU experts, the gated shared
-expert) as a module built from HF's block. Today it computes the contract of ``naive.py`` with
-PyTorch ops (every path: GPU and CPU); the fused routing and grouped-GEMM kernels of issue 19
-will replace that body, with this module's interface. Inference only."""
+expert) on fuselm's kernels, built from HF's block. Inference only.
+
+    moe = SwiGLUMoE.from_hf(hf_block)        # or SwiGLUMoE(router, top_k, gate_up, down, ...)
+    y = moe(x)                                # x [..., H]
+
+Five launches per call (``routing.route``: the router + shared-gate GEMM with softmax / top-k, then
+the pair sort; ``grouped_gemm``: gate/up with the activation, down with the routing weight, the
+per-token combine), fixed grids and no host sync whatever the routing (CUDA-graph capturable). On
+a CPU without TRITON_INTERPRET every step runs its plain-PyTorch reference. Not yet: a decode path
+(<= 16 tokens: no sort, the k + 1 experts' weights streamed once, the combine in the down kernel:
+issue 19's <= 4 launches), tuning, a GPU run.
+
+Weights are kept in the kernels' layout, made once here: ``router_with_gate`` [E + 1, H] (HF's
+router rows, then ``shared_expert_gate``); ``w13`` [E_total, 2F, H] (each expert's gate and up rows
+interleaved); ``w2`` [E_total, H, F]. The shared expert is ``num_shared`` = ceil(F_s / F) more
+experts of F features each, always selected, weighted by sigmoid(x w_sg^T): its F_s features
+zero-padded to num_shared F (a zero gate and up row gives an activation of 0 for every
+``Activation``, and a zero down column adds nothing) and split in chunks of F.
+
+Numerics: ``naive.swiglu_moe_ref``'s contract (routing as HF with ties to the lower expert id;
+products rounded to the model dtype; the weighted expert outputs and the gated shared output
+summed in fp32, rounded once), except that a shared expert wider than F (num_shared > 1) has each
+chunk's down product rounded on its own (in fp32 the same up to summation order).
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fuselm.ops.common.activation import Activation
-from fuselm.ops.moe.naive import swiglu_moe_ref
+from fuselm.ops.moe.grouped_gemm import combine, expert_down, expert_gate_up
+from fuselm.ops.moe.routing import route
+from fuselm.runtime import cdiv
+
+# The grouped GEMMs' row tile: 16 rows when the pairs are few (decode), 64 otherwise.
+SMALL_BLOCK_M, BLOCK_M, SMALL_PAIRS = 16, 64, 256
 
 
 class SwiGLUMoE(nn.Module):
-    """Routed SwiGLU experts + a gated shared expert. Weights: ``router`` [E, H], ``gate_up``
-    [E, 2F, H] (gate rows then up rows per expert), ``down`` [E, H, F], ``shared_gate`` /
-    ``shared_up`` [F_s, H], ``shared_down`` [H, F_s], ``shared_expert_gate`` [1, H]."""
+    """Routed SwiGLU experts + a gated shared expert, from HF-layout tensors: ``router`` [E, H],
+    ``gate_up`` [E, 2F, H] (gate rows then up rows per expert), ``down`` [E, H, F],
+    ``shared_gate`` / ``shared_up`` [F_s, H], ``shared_down`` [H, F_s], ``shared_expert_gate``
+    [1, H], all one dtype and device."""
 
     def __init__(self, router: torch.Tensor, top_k: int, gate_up: torch.Tensor, down: torch.Tensor,
                  shared_gate: torch.Tensor, shared_up: torch.Tensor, shared_down: torch.Tensor,
@@ -39,9 +67,29 @@ class SwiGLUMoE(nn.Module):
             raise ValueError("weights: expected one dtype and one device for every tensor")
         self.top_k = top_k
         self.activation = Activation.parse(activation)
-        names = ("router", "gate_up", "down", "shared_gate", "shared_up", "shared_down", "shared_expert_gate")
-        for name, t in zip(names, tensors):
-            setattr(self, name, nn.Parameter(t.detach().contiguous(), requires_grad=False))
+        self.num_experts, self.hidden_size, self.intermediate_size = E, H, F_
+        self.num_shared = cdiv(F_s, F_)
+        for name, t in self.kernel_weights(*tensors).items():
+            setattr(self, name, nn.Parameter(t, requires_grad=False))
+
+    @staticmethod
+    @torch.no_grad()
+    def kernel_weights(router, gate_up, down, shared_gate, shared_up, shared_down,
+                       shared_expert_gate) -> dict[str, torch.Tensor]:
+        """The kernels' layout (module docstring) of HF-layout tensors (shapes as the class
+        docstring's, already checked): {"router_with_gate", "w13", "w2"}, new contiguous tensors."""
+        E, H = router.shape
+        F_, F_s = down.shape[2], shared_gate.shape[0]
+        num_shared = cdiv(F_s, F_)
+        pad = num_shared * F_ - F_s
+        # Shared chunks [num_shared, F, H] (gate, up) and [num_shared, H, F] (down), zero-padded.
+        chunk = lambda w: F.pad(w, (0, 0, 0, pad)).view(num_shared, F_, H)  # noqa: E731
+        gate = torch.cat([gate_up[:, :F_], chunk(shared_gate)])
+        up = torch.cat([gate_up[:, F_:], chunk(shared_up)])
+        shared_w2 = F.pad(shared_down, (0, pad)).view(H, num_shared, F_).transpose(0, 1)
+        return {"router_with_gate": torch.cat([router, shared_expert_gate]).contiguous(),
+                "w13": torch.stack([gate, up], dim=2).reshape(E + num_shared, 2 * F_, H),  # row 2f gate, 2f+1 up
+                "w2": torch.cat([down, shared_w2]).contiguous()}
 
     @classmethod
     def from_hf(cls, block: nn.Module, activation: Activation | str | None = None) -> "SwiGLUMoE":
@@ -59,10 +107,21 @@ class SwiGLUMoE(nn.Module):
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] in the weights' dtype and device -> [..., H]."""
-        if not isinstance(x, torch.Tensor) or x.shape[-1] != self.router.shape[1]:
-            raise ValueError(f"x: expected [..., H = {self.router.shape[1]}], got "
+        w = self.router_with_gate
+        if not isinstance(x, torch.Tensor) or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x: expected [..., H = {self.hidden_size}], got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if x.dtype != self.router.dtype or x.device != self.router.device:
-            raise ValueError(f"x: expected {self.router.dtype} on {self.router.device}, got {x.dtype} on {x.device}")
-        return swiglu_moe_ref(x, self.router, self.top_k, self.gate_up, self.down, self.shared_gate, self.shared_up,
-                              self.shared_down, self.shared_expert_gate, self.activation)
+        if x.dtype != w.dtype or x.device != w.device:
+            raise ValueError(f"x: expected {w.dtype} on {w.device}, got {x.dtype} on {x.device}")
+        rows = x.reshape(-1, self.hidden_size).contiguous()
+        slots = self.top_k + self.num_shared
+        block_m = SMALL_BLOCK_M if rows.shape[0] * slots <= SMALL_PAIRS else BLOCK_M
+        routing = route(rows, w, self.top_k, self.num_shared, block_m)
+        pairs = routing.sorted_pairs, routing.block_experts
+        h = expert_gate_up(rows, self.w13, *pairs, slots, self.activation, block_m)
+        y = expert_down(h, self.w2, routing.weights, *pairs, block_m)
+        return combine(y, rows.shape[0], slots, x.dtype).view(x.shape)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+                f"intermediate={self.intermediate_size}, shared_chunks={self.num_shared}, {self.activation}")

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.common.activation import Activation, gate_factor, gate_factor_grad, up_factor, up_factor_grad
-from fuselm.ops.common.matmul import DECODE_MAX_M, dot_acc, grouped_tile
+from fuselm.ops.common.matmul import DECODE_MAX_M, dot_acc, grouped_tile, load_k_step
 from fuselm.runtime import arch_major, cdiv
 
 
@@ -54,13 +54,7 @@ def _gemm_swiglu_kernel(
     acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
     sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
-        if EVEN_K:
-            xt = tl.load(x_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            k_ok = k < D - k0
-            xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        xt, w = load_k_step(x_ptrs, w_ptrs, k, D - k0, EVEN_K)
         acc = dot_acc(xt, w, acc, IEEE)
         if RMS:
             xf = xt.to(tl.float32)

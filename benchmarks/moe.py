@@ -1,0 +1,134 @@
+"""The Qwen3.5-MoE sparse block: fuselm's ``SwiGLUMoE`` against HF's ``Qwen3_5MoeSparseMoeBlock``
+(grouped_mm experts path, as a user calls it) and the floor, at the 35B-A3B layer shape (GPU only).
+
+    python benchmarks/moe.py [--tokens 1 8 64 256 4096 16384] [--skewed] [--out DIR]
+
+H 2048, E 256, k 8, F 512, F_s 512, bf16, random weights. Per token count: GPU time of one call
+replayed from a CUDA graph (fuselm; do_bench median), HF's block as called (eager: its experts
+path syncs on the host, so no graph), our unfused path (the same routing and pair list, then a
+grouped gate/up GEMM without the activation, ``silu_mul``, the down GEMM: the epilogue's worth),
+and the floor: max(weight bytes touched / copy bandwidth, FLOPs / matrix rate), both measured in
+this run (a device copy; a bf16 mm of 8192^3). Weight bytes touched: the router, the experts the
+routing hits (counted from it; for uniform routing about E (1 - (1 - k/E)^N)), the shared expert. ``--skewed``: routing biased so half the tokens' picks fall on 16 experts (bytes counted
+from the actual routing). Writes moe.md and moe.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from fuselm.ops.moe import SwiGLUMoE
+from fuselm.ops.moe.grouped_gemm import combine, expert_down
+from fuselm.ops.moe.routing import route
+from fuselm.ops.silu_mul import silu_mul
+from timing import bench, graph_bench
+
+H, E, K, F_, F_S = 2048, 256, 8, 512, 512
+
+
+def hf_block(experts_implementation: str = "grouped_mm", dtype=torch.bfloat16):
+    """HF's block with its experts path ``experts_implementation`` ("grouped_mm", or "eager": the
+    loop over experts), weights N(0, fan_in^-1/2)."""
+    from transformers import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+
+    config = Qwen3_5MoeTextConfig(hidden_size=H, moe_intermediate_size=F_, shared_expert_intermediate_size=F_S,
+                                  num_experts=E, num_experts_per_tok=K)
+    config._experts_implementation = experts_implementation
+    with torch.device("cuda"):
+        block = Qwen3_5MoeSparseMoeBlock(config).to(dtype)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, p.shape[-1] ** -0.5)
+    return block.eval()
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 1 GiB device-to-device copy (read + write)."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() / (bench(lambda: b.copy_(a)) * 1e-3)
+
+
+def matrix_rate() -> float:
+    """FLOP/s of a bf16 8192^3 mm."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192 ** 3 / (bench(lambda: a @ a) * 1e-3)
+
+
+def floor_ms(moe: SwiGLUMoE, experts_hit: float, tokens: int, bandwidth: float, rate: float) -> float:
+    """max(weight bytes touched / bandwidth, FLOPs / rate) in ms."""
+    elem = moe.w13.element_size()
+    expert_bytes = (2 * F_ * H + H * F_) * elem
+    bytes_ = moe.router_with_gate.numel() * elem + (experts_hit + moe.num_shared) * expert_bytes
+    flops = 2 * tokens * (E + 1) * H + 2 * tokens * (K + moe.num_shared) * 3 * F_ * H
+    return max(bytes_ / bandwidth, flops / rate) * 1e3
+
+
+def unfused(moe: SwiGLUMoE, x: torch.Tensor, x_per_pair: torch.Tensor):
+    """Routing, down GEMM and combine as fuselm's; gate/up as a grouped GEMM with no epilogue
+    writing [P, 2F] (``expert_down`` on w13 with unit weights, reading ``x_per_pair`` [N S, H],
+    x repeated per slot, made outside the timing), then ``silu_mul``, then the down GEMM."""
+    slots = moe.top_k + moe.num_shared
+    routing = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 64)
+    pairs = routing.sorted_pairs, routing.block_experts
+    ones = torch.ones_like(routing.weights)
+    gu = expert_down(x_per_pair, moe.w13, ones, *pairs, 64).to(x.dtype)  # [P, 2F], gate/up interleaved
+    h = silu_mul(gu[:, 0::2], gu[:, 1::2])
+    y = expert_down(h, moe.w2, routing.weights, *pairs, 64)
+    return combine(y, x.shape[0], slots, x.dtype)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 4096, 16384])
+    parser.add_argument("--skewed", action="store_true")
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    block = hf_block()
+    moe = SwiGLUMoE.from_hf(block)
+    bandwidth, rate = copy_bandwidth(), matrix_rate()
+    rows = []
+    for tokens in args.tokens:
+        x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+        if args.skewed:  # half the tokens lean towards experts 0..15
+            lean = moe.router_with_gate[:16].float().mean(0)
+            x[: tokens // 2] += (4 * lean / lean.norm()).to(x.dtype)
+        routing = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 64)
+        hit = int(routing.experts[:, : moe.top_k].unique().numel())
+        ours = graph_bench(lambda: moe(x))
+        with torch.no_grad():
+            hf = bench(lambda: block(x[None]))
+        x_per_pair = x.repeat_interleave(moe.top_k + moe.num_shared, 0)
+        plain = graph_bench(lambda: unfused(moe, x, x_per_pair))
+        floor = floor_ms(moe, hit, tokens, bandwidth, rate)
+        rows.append({"tokens": tokens, "experts_hit": hit, "fuselm_ms": ours, "hf_ms": hf, "unfused_ms": plain,
+                     "floor_ms": floor, "pct_of_floor": 100 * floor / ours, "vs_hf": hf / ours,
+                     "vs_unfused": plain / ours, "tflops": 2 * tokens * (K + moe.num_shared) * 3 * F_ * H / ours / 1e9})
+    name = torch.cuda.get_device_name()
+    lines = [f"## SwiGLUMoE vs HF Qwen3_5MoeSparseMoeBlock, 35B-A3B layer (H {H}, E {E}, k {K}, F {F_}, F_s {F_S}), "
+             f"bf16, {name}{', skewed routing' if args.skewed else ''}",
+             f"copy {bandwidth / 1e12:.2f} TB/s, bf16 mm {rate / 1e12:.0f} TFLOP/s (this run)", "",
+             "| tokens | experts hit | fuselm (graph) ms | % of floor | HF ms | vs HF | unfused ms | vs unfused | TFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['tokens']} | {r['experts_hit']} | {r['fuselm_ms']:.4f} | {r['pct_of_floor']:.0f}% | "
+                     f"{r['hf_ms']:.4f} | {r['vs_hf']:.2f}x | {r['unfused_ms']:.4f} | {r['vs_unfused']:.2f}x | "
+                     f"{r['tflops']:.0f} |")
+    text = "\n".join(lines)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = "_skewed" if args.skewed else ""
+    (out / f"moe{suffix}.md").write_text(text + "\n")
+    (out / f"moe{suffix}.json").write_text(json.dumps({"device": name, "bandwidth": bandwidth, "rate": rate,
+                                                       "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

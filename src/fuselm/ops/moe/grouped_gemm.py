@@ -1,0 +1,380 @@
+"""Grouped expert GEMMs of the Qwen3.5-MoE sparse block (issue 19): the gate/up GEMM with SwiGLU
+in its epilogue, the down GEMM with the routing weight in its epilogue, and the per-token combine,
+all reading the sorted, block-padded pair list that the routing kernel writes.
+
+Pair list (the input contract). N tokens, S slots per token (the top-k routed experts, then the
+shared expert's chunks: a shared expert is just more experts, E_total in all); pair p = n * S + j
+is token n's slot j. ``sorted_pairs`` [P_max] int32 holds the pair ids grouped by expert,
+ascending, each expert's group padded to a multiple of ``block_m`` with the sentinel N * S;
+``block_experts`` [P_max // block_m] int32 is the expert of each block of ``block_m`` entries, -1
+for an unused block. Its length P_max is ``routing.max_pairs`` (any multiple of block_m with a
+matching ``block_experts`` works). The grids are fixed by P_max, so no launch depends on the routing's
+values: no host sync, CUDA-graph safe. Unused blocks return at once.
+
+Shapes: x [N, H]; w13 [E_total, 2F, H], each expert's gate and up rows interleaved (row 2f =
+gate f, row 2f + 1 = up f: ``interleave_gate_up`` per expert); w2 [E_total, H, F];
+weights [N, S] fp32; h [N * S, F] in x's dtype; y [N * S, H] fp32; out [N, H].
+
+- ``expert_gate_up``: a program owns one block of ``block_m`` pairs (all of one expert e) and
+  BLOCK_N features of h: the block's rows of x are gathered through the pair list (x[p // S], no
+  permuted copy of x; sentinel rows read row 0 and are never stored) and multiplied by 2 BLOCK_N
+  interleaved rows of w13[e] in one fp32 [block_m, 2 BLOCK_N] dot per K step. Epilogue as the
+  dense ``_gemm_swiglu_kernel``: G and U rounded to x's dtype, the gate factor rounded, the
+  product rounded once. Row p of h is pair p's (h in pair order); rows of pairs not listed are
+  not written.
+- ``expert_down``: per block, rows of h gathered by pair id, times w2[e]^T in fp32, the product
+  rounded to h's dtype (as HF's down_proj linear rounds it), times the pair's fp32 weight, stored
+  in fp32 at row p of y.
+- ``combine``: out[n] = sum_j y[n * S + j] in fp32, j = 0..S-1 in order (deterministic, no
+  atomics), rounded once to the output dtype.
+
+Numerics: the contract of ``naive.swiglu_moe_ref`` (products rounded to the model dtype, weighted
+expert outputs summed in fp32, one rounding), with the shared expert's gated output entering as
+S - top_k more slots whose weight is the fp32 sigmoid gate. Only the summation order differs
+from the reference (fp32 sums over K; the slots summed in slot order).
+
+Launches: three per block (gate/up, down, combine), after the routing's.
+
+Not done yet: the decode-specialised weight-streaming path (<= 16 tokens, where each expert's
+weight should be read once by a GEMV-shaped kernel rather than by block_m-row tiles mostly
+padding); tuning (the tile constants below are reasoned, not measured); the combine fused into
+the down kernel (a token's slots live in different blocks, so that needs atomics or a
+slot-ordered second pass; today y [N * S, H] fp32 makes one round trip through memory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselm.ops.common.activation import Activation, gate_factor, up_factor
+from fuselm.ops.common.matmul import dot_acc, load_k_step
+from fuselm.ops.common.precision import work_dtype
+from fuselm.ops.swiglu_mlp.naive import gemm_swiglu_ref
+from fuselm.runtime import KERNEL_DTYPES, cdiv, next_power_of_2, parse_dtype, use_triton
+
+
+# ----------------------------------------------------------------------------- kernels
+@triton.jit
+def _block_rows(pairs_ptr, experts_ptr, NUM_PAIRS, SLOTS, BLOCK_M: tl.constexpr):
+    """(expert, pair ids, valid, token rows) of this program's block of the pair list."""
+    b = tl.program_id(0)
+    e = tl.load(experts_ptr + b)
+    pairs = tl.load(pairs_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = (pairs >= 0) & (pairs < NUM_PAIRS)
+    pairs = tl.where(valid, pairs, 0)  # sentinel rows read row 0; their results are never stored
+    return e, pairs, valid, pairs // SLOTS
+
+
+@triton.jit
+def _expert_gate_up_kernel(
+    x_ptr, w_ptr, pairs_ptr, experts_ptr, h_ptr,
+    NUM_PAIRS, SLOTS, F, H, stride_xm, stride_we, stride_wn, stride_hm,
+    limit, alpha,
+    ACT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    e, pairs, valid, tokens = _block_rows(pairs_ptr, experts_ptr, NUM_PAIRS, SLOTS, BLOCK_M)
+    if e < 0:
+        return
+    pid_n = tl.program_id(1)
+    wrows = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)  # interleaved gate/up rows of w13[e]
+    k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * stride_xm + k[None, :]  # the gather: rows x[p // S]
+    w_ptrs = (w_ptr + e.to(tl.int64) * stride_we + (wrows % (2 * F)).to(tl.int64)[None, :] * stride_wn
+              + k[:, None])  # [BLOCK_K, 2 BLOCK_N] of w13[e].T; rows past 2F wrap, never stored
+    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        xt, w = load_k_step(x_ptrs, w_ptrs, k, H - k0, EVEN_K)
+        acc = dot_acc(xt, w, acc, IEEE)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    g, u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+    # The dense kernel's roundings: G and U to x's dtype, the gate factor, the product once.
+    g = g.to(x_ptr.dtype.element_ty).to(tl.float32)
+    u = u.to(x_ptr.dtype.element_ty).to(tl.float32)
+    a = gate_factor(g, ACT, limit, alpha).to(x_ptr.dtype.element_ty).to(tl.float32)
+    hv = a * up_factor(u, ACT, limit)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = valid[:, None] & (cols < F)[None, :]
+    tl.store(h_ptr + pairs.to(tl.int64)[:, None] * stride_hm + cols[None, :], hv.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _expert_down_kernel(
+    h_ptr, w_ptr, weights_ptr, pairs_ptr, experts_ptr, y_ptr,
+    NUM_PAIRS, H, F, stride_hm, stride_we, stride_wn, stride_ym,
+    IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    e, pairs, valid, _ = _block_rows(pairs_ptr, experts_ptr, NUM_PAIRS, 1, BLOCK_M)
+    if e < 0:
+        return
+    pid_n = tl.program_id(1)
+    wrows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features: rows of w2[e]
+    k = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * stride_hm + k[None, :]  # the gather: rows h[p]
+    w_ptrs = (w_ptr + e.to(tl.int64) * stride_we + (wrows % H).to(tl.int64)[None, :] * stride_wn
+              + k[:, None])  # [BLOCK_K, BLOCK_N] of w2[e].T
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, F, BLOCK_K):
+        ht, w = load_k_step(h_ptrs, w_ptrs, k, F - k0, EVEN_K)
+        acc = dot_acc(ht, w, acc, IEEE)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    # The product rounded to h's dtype (HF's down_proj output), then weighted in fp32.
+    weight = tl.load(weights_ptr + pairs, mask=valid, other=0.0)
+    yv = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = valid[:, None] & (cols < H)[None, :]
+    tl.store(y_ptr + pairs.to(tl.int64)[:, None] * stride_ym + cols[None, :], yv, mask=mask)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, out_ptr, H, SLOTS, stride_ym, stride_om, BLOCK_H: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    row_ptr = y_ptr + n * SLOTS * stride_ym + cols
+    for _ in range(0, SLOTS):  # slot order: deterministic
+        acc += tl.load(row_ptr, mask=ok, other=0.0)
+        row_ptr += stride_ym
+    tl.store(out_ptr + n * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# ----------------------------------------------------------------------------- tile configs
+@dataclass(frozen=True)
+class GroupedGemmConfig:
+    """Features per program (``block_n``; gate/up: h features, so 2 * block_n rows of w13), the K
+    step, warps and pipeline stages. The token rows per program are the routing's ``block_m``."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# UNTUNED (reasoned for H100, bf16, not measured): gate/up 64 features = a [block_m, 128] fp32
+# accumulator; down 128 output features; K step 64 (128 B rows of 16-bit operands); 3 stages;
+# 4 warps up to block_m = 64, 8 beyond. fp32 halves the K step (shared memory).
+GATE_UP_BLOCK_N = 64
+DOWN_BLOCK_N = 128
+BLOCK_K = 64
+NUM_STAGES = 3
+COMBINE_BLOCK_H = 1024  # combine: hidden features per program (4 warps)
+
+
+def grouped_gemm_config(kind: str, dtype: torch.dtype, block_m: int) -> GroupedGemmConfig:
+    """The (untuned) tile config of ``kind`` in {"gate_up", "down"} for ``dtype`` operands."""
+    block_n = GATE_UP_BLOCK_N if kind == "gate_up" else DOWN_BLOCK_N
+    block_k = BLOCK_K // 2 if dtype == torch.float32 else BLOCK_K
+    return GroupedGemmConfig(block_n, block_k, 4 if block_m <= 64 else 8, NUM_STAGES)
+
+
+# ----------------------------------------------------------------------------- checks
+def _check_tensor(name, t, dims: int, dtypes=KERNEL_DTYPES) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name}: expected {dims} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name}: dtype {str(t.dtype).removeprefix('torch.')} is not supported (use {allowed})")
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(f"{name}: rows must be contiguous (last-dim stride 1)")
+
+
+def _check_int(name, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+def _check_pair_list(sorted_pairs, block_experts, block_m, device) -> None:
+    _check_int("block_m", block_m)
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m: expected a power of two >= 16 (the routing's block), got {block_m}")
+    _check_tensor("sorted_pairs", sorted_pairs, 1, (torch.int32,))
+    _check_tensor("block_experts", block_experts, 1, (torch.int32,))
+    if sorted_pairs.numel() % block_m:
+        raise ValueError(f"sorted_pairs: length {sorted_pairs.numel()} is not a multiple of block_m = {block_m}")
+    if block_experts.numel() != sorted_pairs.numel() // block_m:
+        raise ValueError(f"block_experts: expected {sorted_pairs.numel() // block_m} entries (one per block of "
+                         f"sorted_pairs), got {block_experts.numel()}")
+    for name, t in (("sorted_pairs", sorted_pairs), ("block_experts", block_experts)):
+        if t.device != device:
+            raise ValueError(f"{name}: on {t.device}, expected {device}")
+
+
+def _check_out(name, out, shape, dtype, device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+        got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"{name}: expected {tuple(shape)} {dtype}, got {got}")
+    if out.device != device or not out.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor on {device}")
+    return out
+
+
+def _check_gate_up(x, w13, sorted_pairs, block_experts, slots, activation, block_m) -> None:
+    _check_tensor("x", x, 2)
+    _check_tensor("w13", w13, 3)
+    if w13.shape[1] % 2 or w13.shape[2] != x.shape[1]:
+        raise ValueError(f"w13: expected [E_total, 2F, H = {x.shape[1]}] (gate/up rows interleaved), "
+                         f"got {tuple(w13.shape)}")
+    if w13.dtype != x.dtype:
+        raise ValueError(f"w13: dtype {w13.dtype} does not match x {x.dtype}")
+    if w13.device != x.device:
+        raise ValueError(f"w13: on {w13.device}, x on {x.device}")
+    _check_int("slots", slots)
+    if not isinstance(activation, Activation):
+        raise ValueError(f"activation: expected an Activation, got {activation!r}")
+    _check_pair_list(sorted_pairs, block_experts, block_m, x.device)
+
+
+def _check_down(h, w2, weights, sorted_pairs, block_experts, block_m) -> None:
+    _check_tensor("h", h, 2)
+    _check_tensor("w2", w2, 3)
+    _check_tensor("weights", weights, 2, (torch.float32,))
+    if weights.numel() != h.shape[0]:
+        raise ValueError(f"weights: expected [N, S] with N * S = {h.shape[0]} (the rows of h), "
+                         f"got {tuple(weights.shape)}")
+    if not weights.is_contiguous():
+        raise ValueError("weights: must be contiguous")
+    if w2.shape[2] != h.shape[1]:
+        raise ValueError(f"w2: expected [E_total, H, F = {h.shape[1]}], got {tuple(w2.shape)}")
+    if w2.dtype != h.dtype:
+        raise ValueError(f"w2: dtype {w2.dtype} does not match h {h.dtype}")
+    for name, t in (("w2", w2), ("weights", weights)):
+        if t.device != h.device:
+            raise ValueError(f"{name}: on {t.device}, h on {h.device}")
+    _check_pair_list(sorted_pairs, block_experts, block_m, h.device)
+
+
+def _check_combine(y, num_tokens, slots, out_dtype) -> torch.dtype:
+    _check_tensor("y", y, 2, (torch.float32,))
+    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+        raise ValueError(f"num_tokens: expected an int >= 0, got {num_tokens!r}")
+    _check_int("slots", slots)
+    if y.shape[0] != num_tokens * slots:
+        raise ValueError(f"y: expected N * S = {num_tokens * slots} rows, got shape {tuple(y.shape)}")
+    return parse_dtype(out_dtype, "out_dtype")
+
+
+# ----------------------------------------------------------------------------- host functions
+def expert_gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_pairs: torch.Tensor, block_experts: torch.Tensor,
+                   slots: int, activation: Activation, block_m: int, *, out: torch.Tensor | None = None,
+                   config: GroupedGemmConfig | None = None) -> torch.Tensor:
+    """h [N * S, F] in x's dtype, row p = SwiGLU of token p // S through expert w13[e] for each
+    listed pair p (module docstring); rows of unlisted pairs keep ``out``'s values (or are
+    uninitialised). x [N, H], w13 [E_total, 2F, H] interleaved, S = ``slots``."""
+    _check_gate_up(x, w13, sorted_pairs, block_experts, slots, activation, block_m)
+    N, H = x.shape
+    F = w13.shape[1] // 2
+    h = _check_out("out", out, (N * slots, F), x.dtype, x.device)
+    if not use_triton(x):
+        return expert_gate_up_ref(x, w13, sorted_pairs, block_experts, slots, activation, block_m, out=h)
+    if N == 0 or F == 0 or sorted_pairs.numel() == 0:
+        return h
+    cfg = config or grouped_gemm_config("gate_up", x.dtype, block_m)
+    grid = (block_experts.numel(), cdiv(F, cfg.block_n))
+    _expert_gate_up_kernel[grid](
+        x, w13, sorted_pairs, block_experts, h,
+        N * slots, slots, F, H, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        activation.kernel_limit, float(activation.alpha),
+        ACT=activation.code, IEEE=x.dtype == torch.float32, EVEN_K=H % cfg.block_k == 0,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return h
+
+
+def expert_down(h: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, sorted_pairs: torch.Tensor,
+                block_experts: torch.Tensor, block_m: int, *, out: torch.Tensor | None = None,
+                config: GroupedGemmConfig | None = None) -> torch.Tensor:
+    """y [N * S, H] fp32, row p = weights[p] * round(h[p] @ w2[e]^T) for each listed pair p;
+    rows of unlisted pairs keep ``out``'s values (or are uninitialised). weights [N, S] fp32."""
+    _check_down(h, w2, weights, sorted_pairs, block_experts, block_m)
+    P, F = h.shape
+    H = w2.shape[1]
+    y = _check_out("out", out, (P, H), torch.float32, h.device)
+    if not use_triton(h):
+        return expert_down_ref(h, w2, weights, sorted_pairs, block_experts, block_m, out=y)
+    if P == 0 or H == 0 or sorted_pairs.numel() == 0:
+        return y
+    cfg = config or grouped_gemm_config("down", h.dtype, block_m)
+    grid = (block_experts.numel(), cdiv(H, cfg.block_n))
+    _expert_down_kernel[grid](
+        h, w2, weights, sorted_pairs, block_experts, y,
+        P, H, F, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        IEEE=h.dtype == torch.float32, EVEN_K=F % cfg.block_k == 0,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y
+
+
+def combine(y: torch.Tensor, num_tokens: int, slots: int, out_dtype: torch.dtype | str,
+            *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, H] in ``out_dtype``: out[n] = sum_j y[n * S + j], fp32, slot order, one rounding."""
+    out_dtype = _check_combine(y, num_tokens, slots, out_dtype)
+    H = y.shape[1]
+    o = _check_out("out", out, (num_tokens, H), out_dtype, y.device)
+    if not use_triton(y):
+        return o.copy_(combine_ref(y, num_tokens, slots, out_dtype))
+    if num_tokens == 0 or H == 0:
+        return o
+    block_h = min(COMBINE_BLOCK_H, next_power_of_2(H))
+    _combine_kernel[(num_tokens, cdiv(H, block_h))](y, o, H, slots, y.stride(0), o.stride(0), BLOCK_H=block_h,
+                                                    num_warps=4)
+    return o
+
+
+# ----------------------------------------------------------------------------- references
+def _listed_pairs(sorted_pairs, block_experts, block_m, num_pairs):
+    """(pair ids, their experts) of every listed (non-sentinel, used-block) entry."""
+    experts = block_experts.long().repeat_interleave(block_m)
+    pairs = sorted_pairs.long()
+    keep = (experts >= 0) & (pairs >= 0) & (pairs < num_pairs)
+    return pairs[keep], experts[keep]
+
+
+def expert_gate_up_ref(x, w13, sorted_pairs, block_experts, slots: int, activation: Activation, block_m: int,
+                       *, out=None) -> torch.Tensor:
+    """``expert_gate_up`` in plain PyTorch: ``gemm_swiglu_ref`` (the dense contract) per expert on
+    its gathered rows; unlisted rows of a new h are zero."""
+    N, F = x.shape[0], w13.shape[1] // 2
+    h = torch.zeros((N * slots, F), dtype=x.dtype, device=x.device) if out is None else out
+    pairs, experts = _listed_pairs(sorted_pairs, block_experts, block_m, N * slots)
+    for e in experts.unique().tolist():
+        p = pairs[experts == e]
+        h[p] = gemm_swiglu_ref(x[p // slots], w13[e], activation)
+    return h
+
+
+def expert_down_ref(h, w2, weights, sorted_pairs, block_experts, block_m: int, *, out=None) -> torch.Tensor:
+    """``expert_down`` in plain PyTorch: fp32 product, rounded to h's dtype, times the fp32
+    weight; unlisted rows of a new y are zero."""
+    y = torch.zeros((h.shape[0], w2.shape[1]), dtype=torch.float32, device=h.device) if out is None else out
+    pairs, experts = _listed_pairs(sorted_pairs, block_experts, block_m, h.shape[0])
+    flat_weights = weights.reshape(-1).float()
+    work = work_dtype(h)
+    for e in experts.unique().tolist():
+        p = pairs[experts == e]
+        prod = (h[p].to(work) @ w2[e].to(work).T).to(h.dtype)
+        y[p] = (prod.float() * flat_weights[p, None]).to(y.dtype)
+    return y
+
+
+def combine_ref(y, num_tokens: int, slots: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """``combine`` in plain PyTorch: the slots added in order in fp32, one rounding."""
+    rows = y.float().reshape(num_tokens, slots, y.shape[1])
+    acc = rows[:, 0].clone()
+    for j in range(1, slots):
+        acc += rows[:, j]
+    return acc.to(out_dtype)

@@ -1,0 +1,309 @@
+"""The grouped expert GEMMs of the MoE block (ops/moe/grouped_gemm.py, issue 19) against their
+plain-PyTorch references, on pair lists built here in plain PyTorch: every activation, fp32 and
+fp16 (bf16 on the GPU), odd shapes and tiles, poisoned outputs, an idle expert, every pair on one
+expert, unlisted pairs left untouched; the combine bit-exact; gate/up -> down -> combine with the
+shared expert as extra expert columns against ``swiglu_moe_ref``; bad input; the CPU fallback."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import DEVICE
+from helpers import randn
+from fuselm import Activation, interleave_gate_up
+from fuselm.ops.moe import route_ref, swiglu_moe_ref
+from fuselm.ops.moe.grouped_gemm import (GroupedGemmConfig, combine, combine_ref, expert_down, expert_down_ref,
+                                         expert_gate_up, expert_gate_up_ref)
+from fuselm.ops.moe.routing import max_pairs
+from fuselm.testing import assert_close, poisoned_like
+
+ACTIVATIONS = [Activation(), Activation.swiglu_limit(0.5), Activation.swiglu_oai(0.6, 1.702)]
+ACT_IDS = ["silu", "limit", "oai"]
+# Matrix kernels: bf16 only on the GPU (the interpreter's bf16 tl.dot is wrong, triton 11584).
+DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
+# ||out - ref|| / ||ref|| against the reference with the same roundings: only fp32 summation order
+# differs, so 16-bit results differ only where a product sits at a rounding boundary (one ulp);
+# a missing rounding of G/U or of the down product is several times larger.
+TOL = {torch.float32: 1e-5, torch.float16: 2e-4, torch.bfloat16: 2e-3}
+# Odd shapes: H, F not multiples of any tile; E_total = 4 routed + 1 shared expert; S = 2 + 1.
+H, F_, E_TOTAL, N, TOP_K, SHARED = 40, 24, 5, 7, 2, 1
+SMALL_TILES = GroupedGemmConfig(block_n=16, block_k=16, num_warps=4, num_stages=1)  # several N and K tiles
+
+
+# ----------------------------------------------------------------------------- pair lists (plain PyTorch)
+def random_experts(n=N, top_k=TOP_K, routed=E_TOTAL - SHARED, shared=SHARED):
+    """[n, top_k + shared] int32: distinct random routed experts per token, then the shared columns."""
+    routed_ids = torch.rand(n, routed).argsort(dim=1)[:, :top_k]
+    shared_ids = torch.arange(routed, routed + shared).expand(n, shared)
+    return torch.cat([routed_ids, shared_ids], dim=1).to(torch.int32).to(DEVICE)
+
+
+def pair_list(experts, num_experts, block_m, listed=None):
+    """(sorted_pairs, block_experts) of the contract: pair ids n * S + j grouped by expert ascending,
+    each group padded to a multiple of block_m with the sentinel N * S; -1 for unused blocks.
+    ``listed`` [N, S] bool: only those pairs enter the list (default all)."""
+    n, s = experts.shape
+    flat = experts.reshape(-1).long().cpu()
+    ids = torch.arange(n * s)
+    if listed is not None:
+        keep = listed.reshape(-1).cpu()
+        flat, ids = flat[keep], ids[keep]
+    p_max = max_pairs(n, s, num_experts, block_m)
+    sorted_pairs = torch.full((p_max,), n * s, dtype=torch.int32)
+    block_experts = torch.full((p_max // block_m,), -1, dtype=torch.int32)
+    start = 0
+    for e in range(num_experts):
+        group = ids[flat == e]
+        sorted_pairs[start:start + len(group)] = group.to(torch.int32)
+        blocks = math.ceil(len(group) / block_m)
+        block_experts[start // block_m:start // block_m + blocks] = e
+        start += blocks * block_m
+    assert start <= p_max
+    return sorted_pairs.to(DEVICE), block_experts.to(DEVICE)
+
+
+def expert_weights(dtype, e=E_TOTAL, h=H, f=F_):
+    w13 = torch.stack([interleave_gate_up(randn(f, h, dtype=dtype, scale=h ** -0.5),
+                                          randn(f, h, dtype=dtype, scale=h ** -0.5)) for _ in range(e)])
+    return w13, randn(e, h, f, dtype=dtype, scale=f ** -0.5)
+
+
+def assert_matches(out, ref, dtype, name):
+    """Against the same-rounding reference, in float64: norm-relative (TOL), and elementwise. fp32:
+    within 1e-5 of the largest element (summation order only). 16-bit: the order only matters where
+    a product sits at a rounding boundary, so each element is within a few ulps of ``dtype``
+    relative to itself (a floor of 1% of an ulp of the largest element for values near zero)."""
+    assert not out.isnan().any(), f"{name}: an element was not written"
+    assert_close(out, ref, TOL[dtype], name)
+    o, r = out.double(), ref.double()
+    if dtype == torch.float32:
+        bound = 1e-5 * r.abs().max()
+    else:
+        eps = torch.finfo(dtype).eps
+        bound = 4 * eps * r.abs() + eps * 1e-2 * r.abs().max()
+    assert ((o - r).abs() <= bound).all(), f"{name}: max diff {(o - r).abs().max().item():.3e}"
+
+
+def run_gate_up(x, w13, experts, act, block_m, config=None, listed=None):
+    sorted_pairs, block_experts = pair_list(experts, w13.shape[0], block_m, listed)
+    s = experts.shape[1]
+    h = expert_gate_up(x, w13, sorted_pairs, block_experts, s, act, block_m,
+                       out=poisoned_like(torch.empty(x.shape[0] * s, w13.shape[1] // 2, dtype=x.dtype, device=DEVICE)),
+                       config=config)
+    ref = expert_gate_up_ref(x, w13, sorted_pairs, block_experts, s, act, block_m)
+    return h, ref
+
+
+def run_down(h, w2, weights, experts, block_m, config=None):
+    sorted_pairs, block_experts = pair_list(experts, w2.shape[0], block_m)
+    y = expert_down(h, w2, weights, sorted_pairs, block_experts, block_m,
+                    out=poisoned_like(torch.empty(h.shape[0], w2.shape[1], device=DEVICE)), config=config)
+    return y, expert_down_ref(h, w2, weights, sorted_pairs, block_experts, block_m)
+
+
+# ----------------------------------------------------------------------------- the pair list itself
+def test_pair_list_helper_follows_the_contract():
+    experts = random_experts()
+    sorted_pairs, block_experts = pair_list(experts, E_TOTAL, 16)
+    n_s = N * (TOP_K + SHARED)
+    assert sorted_pairs.numel() == math.ceil((n_s + E_TOTAL * 15) / 16) * 16
+    entries = block_experts.long().repeat_interleave(16)
+    real = sorted_pairs < n_s
+    assert sorted(sorted_pairs[real].tolist()) == list(range(n_s))  # each pair once
+    assert torch.equal(entries[real], experts.reshape(-1).long()[sorted_pairs[real].long()])
+    assert (entries[real].diff() >= 0).all()  # grouped by expert, ascending
+
+
+# ----------------------------------------------------------------------------- gate/up
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_m, config", [(16, None), (32, SMALL_TILES)], ids=["bm16", "bm32-small-tiles"])
+def test_gate_up_matches_reference(block_m, config, dtype, act):
+    x = randn(N, H, dtype=dtype) * 3  # large enough that the clamps at 0.5 / 0.6 bite
+    w13, _ = expert_weights(dtype)
+    h, ref = run_gate_up(x, w13, random_experts(), act, block_m, config)
+    assert h.shape == (N * (TOP_K + SHARED), F_) and h.dtype == dtype
+    assert_matches(h, ref, dtype, "h")
+
+
+def test_gate_up_rows_are_pairs_and_rounded_as_the_dense_kernel():
+    """Row p of h is SwiGLU(x[p // S] through expert experts[p]) with G and U rounded first; fp16."""
+    dtype = torch.float16
+    x = randn(N, H, dtype=dtype)
+    w13, _ = expert_weights(dtype)
+    experts = random_experts()
+    h, _ = run_gate_up(x, w13, experts, Activation(), 16)
+    s = experts.shape[1]
+    for p in range(N * s):
+        e = experts.reshape(-1)[p]
+        g, u = (x[p // s].double() @ w13[e, i::2].double().T for i in (0, 1))
+        g, u = g.to(dtype).double(), u.to(dtype).double()
+        exact = F.silu(g) * u
+        assert ((h[p].double() - exact).abs() <= 3 * torch.finfo(dtype).eps * exact.abs() + 1e-6).all(), p
+
+
+def test_unlisted_pairs_are_left_untouched():
+    dtype = torch.float32
+    x = randn(N, H, dtype=dtype)
+    w13, w2 = expert_weights(dtype)
+    experts = random_experts()
+    listed = torch.rand(experts.shape) < 0.6
+    listed[0, 0] = False  # pair 0 (row 0, which sentinel rows read) is not listed: stays NaN
+    h, ref = run_gate_up(x, w13, experts, Activation(), 16, listed=listed)
+    rows = listed.reshape(-1).to(DEVICE)
+    assert h[~rows].isnan().all()
+    assert_close(h[rows], ref[rows], TOL[dtype], "h")
+    # down reads only listed rows: the NaN rows of h do not leak into them
+    sorted_pairs, block_experts = pair_list(experts, E_TOTAL, 16, listed)
+    y = expert_down(h, w2, torch.rand(experts.shape, device=DEVICE), sorted_pairs, block_experts, 16,
+                    out=poisoned_like(torch.empty(h.shape[0], H, device=DEVICE)))
+    assert y[~rows].isnan().all() and not y[rows].isnan().any()
+
+
+# ----------------------------------------------------------------------------- down
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_m, config", [(16, None), (32, SMALL_TILES)], ids=["bm16", "bm32-small-tiles"])
+def test_down_matches_reference(block_m, config, dtype):
+    experts = random_experts()
+    h = randn(experts.numel(), F_, dtype=dtype)
+    _, w2 = expert_weights(dtype)
+    weights = torch.rand(experts.shape, device=DEVICE)
+    y, ref = run_down(h, w2, weights, experts, block_m, config)
+    assert y.shape == (experts.numel(), H) and y.dtype == torch.float32
+    assert_matches(y, ref, dtype, "y")
+    # the product is rounded to h's dtype before the fp32 weight: y / w is a value of that dtype
+    unweighted = y / weights.reshape(-1, 1)
+    assert_close(unweighted, unweighted.to(dtype).float(), 1e-6, "y / weight")
+
+
+# ----------------------------------------------------------------------------- combine
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("n, s, h", [(7, 3, 40), (5, 1, 1500)])
+def test_combine_is_exact(n, s, h, out_dtype):
+    y = randn(n * s, h)
+    out = combine(y, n, s, out_dtype, out=poisoned_like(torch.empty(n, h, dtype=out_dtype, device=DEVICE)))
+    assert out.dtype == out_dtype
+    assert torch.equal(out, combine_ref(y, n, s, out_dtype))  # same fp32 adds in the same order
+    assert_close(out, y.double().reshape(n, s, h).sum(1), 1e-6 if out_dtype == torch.float32 else 1e-3)
+
+
+# ----------------------------------------------------------------------------- routing corner cases
+@pytest.mark.parametrize("case", ["idle_expert", "one_expert"])
+def test_idle_expert_and_all_pairs_on_one_expert(case):
+    dtype = torch.float32
+    x = randn(N, H, dtype=dtype)
+    w13, w2 = expert_weights(dtype)
+    if case == "idle_expert":  # expert 1 gets no pair: its blocks do not exist
+        experts = random_experts(routed=3, shared=1)  # routed experts 0..2, shared 3, expert 4 idle...
+        experts = torch.where(experts == 1, 4, experts)  # ... and expert 1 idle
+        assert not (experts == 1).any() and (experts == 4).any()
+    else:  # every pair on expert 3 (one slot per token)
+        experts = torch.full((N, 1), 3, dtype=torch.int32, device=DEVICE)
+    sorted_pairs, block_experts = pair_list(experts, E_TOTAL, 16)
+    assert (block_experts == -1).any()
+    h, ref = run_gate_up(x, w13, experts, Activation(), 16)
+    assert_matches(h, ref, dtype, "h")
+    weights = torch.rand(experts.shape, device=DEVICE)
+    y, y_ref = run_down(h, w2, weights, experts, 16)
+    assert_matches(y, y_ref, dtype, "y")
+    assert_close(combine(y, N, experts.shape[1], dtype), combine_ref(y_ref, N, experts.shape[1], dtype), 1e-6)
+
+
+# ----------------------------------------------------------------------------- end to end
+def moe_weights(experts=6, hidden=H, ffn=F_, shared=2 * F_):
+    g = torch.Generator().manual_seed(7)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * 0.2).to(DEVICE)
+
+    return dict(router_weight=w(experts, hidden), gate_up=w(experts, 2 * ffn, hidden), down=w(experts, hidden, ffn),
+                shared_gate=w(shared, hidden), shared_up=w(shared, hidden), shared_down=w(hidden, shared),
+                shared_expert_gate=w(1, hidden))
+
+
+@pytest.mark.parametrize("act", [Activation(), Activation.swiglu_limit(0.5)], ids=["silu", "limit"])
+@pytest.mark.parametrize("n", [7, 33])
+def test_end_to_end_matches_swiglu_moe_ref(n, act):
+    """gate/up -> down -> combine, routing from route_ref plus the shared expert (F_s = 2F) as two
+    chunk experts with weight sigmoid(gate logit), equals swiglu_moe_ref in fp32 within 1e-5."""
+    top_k, block_m = 2, 16
+    m = moe_weights()
+    x = randn(n, H) * 2
+    E, ffn = m["gate_up"].shape[0], m["down"].shape[2]
+    chunks = m["shared_gate"].shape[0] // ffn
+    # experts: the routed ones (HF's [gate rows; up rows] interleaved), then the shared expert's chunks
+    shared_gate, shared_up = m["shared_gate"].split(ffn), m["shared_up"].split(ffn)
+    w13 = torch.stack([interleave_gate_up(m["gate_up"][e, :ffn], m["gate_up"][e, ffn:]) for e in range(E)]
+                      + [interleave_gate_up(shared_gate[c], shared_up[c]) for c in range(chunks)])
+    w2 = torch.cat([m["down"], torch.stack(m["shared_down"].split(ffn, dim=1))])
+    routed_weights, routed = route_ref(x, m["router_weight"], top_k)
+    scale = torch.sigmoid(F.linear(x, m["shared_expert_gate"]).float())  # [n, 1]
+    experts = torch.cat([routed, torch.arange(E, E + chunks, device=DEVICE).expand(n, chunks)], dim=1).to(torch.int32)
+    weights = torch.cat([routed_weights.float(), scale.expand(n, chunks)], dim=1).contiguous()
+    s = top_k + chunks
+    sorted_pairs, block_experts = pair_list(experts, E + chunks, block_m)
+
+    h = expert_gate_up(x, w13, sorted_pairs, block_experts, s, act, block_m)
+    y = expert_down(h, w2, weights, sorted_pairs, block_experts, block_m)
+    out = combine(y, n, s, x.dtype)
+    expected = swiglu_moe_ref(x, m["router_weight"], top_k, m["gate_up"], m["down"], m["shared_gate"],
+                              m["shared_up"], m["shared_down"], m["shared_expert_gate"], act)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert (out - expected).abs().max() <= 1e-5 * expected.abs().max().clamp(min=1)
+
+
+# ----------------------------------------------------------------------------- bad input
+def _inputs():
+    x = randn(N, H)
+    w13, w2 = expert_weights(torch.float32)
+    experts = random_experts()
+    sorted_pairs, block_experts = pair_list(experts, E_TOTAL, 16)
+    h = randn(experts.numel(), F_)
+    weights = torch.rand(experts.shape, device=DEVICE)
+    return dict(x=x, w13=w13, w2=w2, sp=sorted_pairs, be=block_experts, h=h, weights=weights)
+
+
+S = TOP_K + SHARED
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda a: expert_gate_up(a["x"][:, :30], a["w13"], a["sp"], a["be"], S, Activation(), 16), "w13: expected"),
+    (lambda a: expert_gate_up(a["x"], a["w13"][:, :-1], a["sp"], a["be"], S, Activation(), 16), "w13: expected"),
+    (lambda a: expert_gate_up(a["x"], a["w13"].half(), a["sp"], a["be"], S, Activation(), 16), "w13: dtype"),
+    (lambda a: expert_gate_up(a["x"].long(), a["w13"], a["sp"], a["be"], S, Activation(), 16), "x: dtype"),
+    (lambda a: expert_gate_up(a["x"], a["w13"], a["sp"], a["be"], S, "silu", 16), "activation"),
+    (lambda a: expert_gate_up(a["x"], a["w13"], a["sp"].long(), a["be"], S, Activation(), 16), "sorted_pairs: dtype"),
+    (lambda a: expert_gate_up(a["x"], a["w13"], a["sp"], a["be"][:-1], S, Activation(), 16), "block_experts"),
+    (lambda a: expert_gate_up(a["x"], a["w13"], a["sp"], a["be"], S, Activation(), 24), "block_m"),
+    (lambda a: expert_gate_up(a["x"], a["w13"], a["sp"][:-3], a["be"], S, Activation(), 16), "sorted_pairs: length"),
+    (lambda a: expert_gate_up(a["x"], a["w13"], a["sp"], a["be"], 0, Activation(), 16), "slots"),
+    (lambda a: expert_gate_up(a["x"], a["w13"], a["sp"], a["be"], S, Activation(), 16,
+                              out=torch.empty(N * S, F_ + 1, device=DEVICE)), "out: expected"),
+    (lambda a: expert_down(a["h"], a["w2"][:, :, :-1], a["weights"], a["sp"], a["be"], 16), "w2: expected"),
+    (lambda a: expert_down(a["h"], a["w2"].half(), a["weights"], a["sp"], a["be"], 16), "w2: dtype"),
+    (lambda a: expert_down(a["h"], a["w2"], a["weights"][:-1], a["sp"], a["be"], 16), "weights: expected"),
+    (lambda a: expert_down(a["h"], a["w2"], a["weights"].half(), a["sp"], a["be"], 16), "weights: dtype"),
+    (lambda a: combine(a["h"].float(), N + 1, S, torch.float32), "y: expected"),
+    (lambda a: combine(a["h"].half(), N, S, torch.float32), "y: dtype"),
+    (lambda a: combine(a["h"], N, S, torch.int8), "out_dtype"),
+])
+def test_bad_input_names_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(_inputs())
+
+
+# ----------------------------------------------------------------------------- CPU fallback
+def test_cpu_without_interpreter_uses_reference(monkeypatch):
+    import fuselm.ops.moe.grouped_gemm as gg
+
+    monkeypatch.setattr(gg, "use_triton", lambda t: False)
+    a = _inputs()
+    a = {k: v.cpu() for k, v in a.items()}
+    act = Activation.swiglu_oai(0.6, 1.702)
+    h = expert_gate_up(a["x"], a["w13"], a["sp"], a["be"], S, act, 16)
+    assert torch.equal(h, expert_gate_up_ref(a["x"], a["w13"], a["sp"], a["be"], S, act, 16))
+    y = expert_down(h, a["w2"], a["weights"], a["sp"], a["be"], 16)
+    assert torch.equal(y, expert_down_ref(h, a["w2"], a["weights"], a["sp"], a["be"], 16))
+    assert torch.equal(combine(y, N, S, torch.float16), combine_ref(y, N, S, torch.float16))

@@ -1,0 +1,277 @@
+"""MoE routing kernels (ops/moe/routing.py, issue 19): weights and expert ids against the PyTorch
+reference (fp32: ids identical, weights within 1e-6; 16-bit: ids identical off near-ties, weights
+within the dtype's rounding); ties to the lower id on exactly representable inputs; the sorted pair
+list and block experts against a brute-force build, exactly (N = 1, odd N, idle experts, all tokens
+on the same experts, N S not a multiple of block_m, 0-2 shared chunks); outputs written in full
+into poisoned buffers; the reference against naive.route_ref; bad arguments."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import DEVICE, ON_GPU
+from helpers import randn
+from fuselm.ops.moe import route_ref, routing
+from fuselm.ops.moe.routing import Routing, max_pairs, route, route_pairs_ref, sort_kernel, sort_pairs_ref
+
+# Matrix kernel: bf16 only on the GPU (the interpreter's bf16 tl.dot is wrong, triton 11584).
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+GARBAGE = 777  # prefilled into the int outputs: an unwritten entry shows
+
+
+def router(E, H, dtype, scale=1.0):
+    """[E + 1, H]: the router's E rows and the shared gate's row."""
+    return randn(E + 1, H, dtype=dtype, scale=scale * H ** -0.5)
+
+
+def poisoned_routing(N, S, E_total, block_m):
+    p_max = max_pairs(N, S, E_total, block_m)
+    ints = {"dtype": torch.int32, "device": DEVICE}
+    return Routing(torch.full((N, S), float("nan"), device=DEVICE), torch.full((N, S), GARBAGE, **ints),
+                   torch.full((p_max,), GARBAGE, **ints), torch.full((p_max // block_m,), GARBAGE, **ints), 0, 0, 0)
+
+
+def expected_pairs(experts, E_total, block_m):
+    """Brute force: per expert ascending, its pair ids ascending, padded with N S to block_m."""
+    flat = experts.reshape(-1).tolist()
+    sentinel = len(flat)
+    pairs, blocks = [], []
+    for e in range(E_total):
+        mine = [p for p, x in enumerate(flat) if x == e]
+        if mine:
+            padded = -(-len(mine) // block_m) * block_m
+            pairs += mine + [sentinel] * (padded - len(mine))
+            blocks += [e] * (padded // block_m)
+    p_max = max_pairs(experts.shape[0], experts.shape[1], E_total, block_m)
+    assert len(pairs) <= p_max
+    return pairs + [sentinel] * (p_max - len(pairs)), blocks + [-1] * (p_max // block_m - len(blocks))
+
+
+def assert_pairs(r: Routing, E_total):
+    pairs, blocks = expected_pairs(r.experts.cpu(), E_total, r.block_m)
+    assert r.sorted_pairs.tolist() == pairs, "sorted_pairs"
+    assert r.block_experts.tolist() == blocks, "block_experts"
+
+
+def tie_free_tokens(x, w, top_k, dtype):
+    """Tokens whose exact (fp64) top k + 1 logits are more than two roundings apart (each rounding
+    moves a logit by at most eps / 2 of its size): no rounding to ``dtype`` can reorder or tie them."""
+    E = w.shape[0] - 1
+    logits = (x.double() @ w[:E].double().T).cpu()
+    top = logits.sort(dim=-1, descending=True).values[:, :min(top_k + 1, E)]
+    gap = (top[:, :-1] - top[:, 1:]).min(dim=-1).values if top.shape[1] > 1 else torch.full((len(x),), 1e9)
+    return gap > 2 * torch.finfo(dtype).eps * top.abs().max(dim=-1).values.clamp(min=1)
+
+
+# 16-bit weights against the reference: the same rounded value but where a sum order moves one
+# across a rounding boundary (one ulp); on the GPU cuBLAS and tl.dot may also round a logit one
+# ulp apart, which moves a weight by up to |logit| ulps.
+ULPS = 4 if ON_GPU else 1
+
+
+def assert_ulps(out, ref, dtype, ulps=ULPS):
+    finfo = torch.finfo(dtype)
+    ulp = torch.maximum(ref.abs() * finfo.eps, torch.tensor(finfo.smallest_normal * finfo.eps, device=ref.device))
+    worst = ((out - ref).abs() / ulp).max().item() if ref.numel() else 0.0
+    assert worst <= ulps, f"weights: {worst:.1f} ulps from the reference"
+
+
+CASES = [  # N, H, E, top_k, num_shared, block_m
+    (1, 40, 7, 3, 1, 16),
+    (13, 40, 7, 3, 1, 16),
+    (13, 33, 7, 3, 0, 16),
+    (13, 33, 7, 3, 2, 16),
+    (37, 70, 20, 4, 2, 32),
+    (5, 16, 1, 1, 1, 16),
+    (19, 64, 40, 8, 1, 64),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N, H, E, top_k, num_shared, block_m", CASES)
+def test_route_matches_reference(N, H, E, top_k, num_shared, block_m, dtype):
+    x, w = randn(N, H, dtype=dtype), router(E, H, dtype, scale=2.0)
+    S, E_total = top_k + num_shared, E + num_shared
+    r = route(x, w, top_k, num_shared, block_m, out=poisoned_routing(N, S, E_total, block_m))
+    assert (r.top_k, r.num_shared, r.block_m) == (top_k, num_shared, block_m)
+    assert not r.weights.isnan().any(), "an element of weights was not written"
+    ref = route_pairs_ref(x, w, top_k, num_shared, block_m)
+    if dtype == torch.float32:
+        assert torch.equal(r.experts, ref.experts)
+        assert (r.weights - ref.weights).abs().max() <= 1e-6
+    else:
+        ok = tie_free_tokens(x, w, top_k, dtype)
+        assert ok.sum() >= (N + 1) // 2, "too few tie-free tokens to test"
+        assert torch.equal(r.experts[ok], ref.experts[ok])
+        assert torch.equal(r.experts[:, top_k:], ref.experts[:, top_k:])
+        assert_ulps(r.weights[ok], ref.weights[ok], dtype)
+        assert torch.equal(r.weights[:, :top_k], r.weights[:, :top_k].to(dtype).float()), "routed weights not rounded"
+        # The shared scale is an fp32 sigmoid of the rounded logit: fp32-close where both round
+        # the logit alike (always in the interpreter; cuBLAS and tl.dot may differ by an ulp).
+        if ON_GPU:
+            assert_ulps(r.weights[:, top_k:], ref.weights[:, top_k:], dtype)
+        elif num_shared:
+            assert (r.weights[:, top_k:] - ref.weights[:, top_k:]).abs().max() <= 1e-6
+    # Each routed weight row sums to 1 up to the rounding; shared slots hold one scale per token.
+    assert ((r.weights[:, :top_k].sum(-1) - 1).abs() <= top_k * torch.finfo(dtype).eps).all()
+    if num_shared:
+        assert torch.equal(r.weights[:, top_k:], r.weights[:, top_k:top_k + 1].expand(N, num_shared))
+    assert_pairs(r, E_total)  # the kernel's list from the kernel's ids, exactly
+    if torch.equal(r.experts, ref.experts):
+        assert torch.equal(r.sorted_pairs, ref.sorted_pairs) and torch.equal(r.block_experts, ref.block_experts)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_exact_logits_and_ties_go_to_the_lower_id(dtype):
+    """Small integer tokens and quarter-integer router weights: every logit is exact in each dtype,
+    so both sides see the same logits, with many exact ties: ids identical, ties to the lower id."""
+    N, H, E, top_k = 29, 24, 9, 3
+    x = torch.randint(-2, 3, (N, H)).to(DEVICE, dtype)
+    w = (torch.randint(-1, 2, (E + 1, H)) * 0.25).to(DEVICE, dtype)
+    r = route(x, w, top_k, 1, 16, out=poisoned_routing(N, top_k + 1, E + 1, 16))
+    ref = route_pairs_ref(x, w, top_k, 1, 16)
+    logits = (x.double() @ w[:E].double().T).cpu()
+    top = logits.sort(dim=-1, descending=True).values[:, :top_k + 1]
+    assert (top[:, 1:] == top[:, :-1]).any(dim=-1).sum() >= N // 4, "too few ties to test"
+    assert torch.equal(r.experts, ref.experts)
+    for n in range(N):  # ties: lower id first
+        for j in range(top_k - 1):
+            a, b = ref.experts[n, j].item(), ref.experts[n, j + 1].item()
+            assert logits[n, a] > logits[n, b] or a < b
+    if dtype == torch.float32:
+        assert (r.weights - ref.weights).abs().max() <= 1e-6
+    else:
+        assert_ulps(r.weights, ref.weights, dtype)
+    assert torch.equal(r.sorted_pairs, ref.sorted_pairs) and torch.equal(r.block_experts, ref.block_experts)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_tokens_on_the_same_experts_and_idle_experts(dtype):
+    """Router rows favour experts 5 then 2; every other logit is 0 (a tie: the third choice is 0);
+    experts 1, 3, 4 and 6 get nothing. Layout written out by hand."""
+    N, H, E, top_k = 13, 20, 7, 3
+    w = torch.zeros(E + 1, H)
+    w[5], w[2], w[E] = 1.0, 0.5, 0.1
+    w = w.to(DEVICE, dtype)
+    x = (torch.rand(N, H) + 0.1).to(DEVICE, dtype)  # positive: expert 5 first, then 2
+    r = route(x, w, top_k, 1, 16, out=poisoned_routing(N, 4, 8, 16))
+    assert r.experts.tolist() == [[5, 2, 0, 7]] * N
+    pairs = []
+    for slot in (2, 1, 0, 3):  # experts 0, 2, 5, 7: 13 pairs each, padded to 16
+        pairs += [n * 4 + slot for n in range(N)] + [4 * N] * 3
+    p_max = max_pairs(N, 4, 8, 16)
+    assert p_max == 176
+    assert r.sorted_pairs.tolist() == pairs + [4 * N] * (p_max - len(pairs))
+    assert r.block_experts.tolist() == [0, 2, 5, 7] + [-1] * 7
+    ref = route_pairs_ref(x, w, top_k, 1, 16)
+    assert torch.equal(r.experts, ref.experts) and torch.equal(r.sorted_pairs, ref.sorted_pairs)
+    if dtype == torch.float32:
+        assert (r.weights - ref.weights).abs().max() <= 1e-6
+    else:
+        assert_ulps(r.weights, ref.weights, dtype)
+    assert (r.weights[:, 2] > 0).all()
+
+
+@pytest.mark.parametrize("N, S, E_total, block_m, hot", [
+    (1, 1, 3, 16, None),
+    (7, 5, 12, 16, None),  # 35 pairs: not a multiple of block_m
+    (61, 11, 9, 16, None),  # several loop steps of the sort program
+    (40, 3, 300, 32, None),  # E_total > 256: wide one-hot, narrow pair blocks
+    (53, 4, 6, 64, 3),  # every pair on expert 3; the others idle
+    (9, 2, 40, 128, None),  # most experts idle, block_m larger than all pairs
+])
+def test_sort_kernel_against_a_brute_force_build(N, S, E_total, block_m, hot):
+    if hot is None:
+        experts = torch.randint(0, E_total, (N, S), dtype=torch.int32)
+        experts[experts % 4 == 1] = 0  # a crowded expert 0 beside idle ones
+    else:
+        experts = torch.full((N, S), hot, dtype=torch.int32)
+    experts = experts.to(DEVICE)
+    p_max = max_pairs(N, S, E_total, block_m)
+    sorted_pairs = torch.full((p_max,), GARBAGE, dtype=torch.int32, device=DEVICE)
+    block_experts = torch.full((p_max // block_m,), GARBAGE, dtype=torch.int32, device=DEVICE)
+    if routing.use_triton(experts):
+        sort_kernel(experts, E_total, block_m, sorted_pairs, block_experts)
+    else:
+        sorted_pairs, block_experts = sort_pairs_ref(experts, E_total, block_m)
+    pairs, blocks = expected_pairs(experts.cpu(), E_total, block_m)
+    assert sorted_pairs.tolist() == pairs
+    assert block_experts.tolist() == blocks
+    ref_pairs, ref_blocks = sort_pairs_ref(experts, E_total, block_m)
+    assert ref_pairs.tolist() == pairs and ref_blocks.tolist() == blocks
+
+
+def test_reference_agrees_with_naive_route_ref_and_the_gate():
+    N, H, E, top_k = 17, 48, 11, 4
+    x, w = randn(N, H), router(E, H, torch.float32)
+    ref = route_pairs_ref(x, w, top_k, 2, 16)
+    weights, experts = route_ref(x, w[:E], top_k)  # no ties in fp32 random logits
+    assert torch.equal(ref.experts[:, :top_k].long(), experts)
+    assert torch.equal(ref.weights[:, :top_k], weights)
+    scale = torch.sigmoid(F.linear(x, w[E:]))
+    assert torch.equal(ref.weights[:, top_k:], scale.expand(N, 2))
+    assert ref.experts[:, top_k:].tolist() == [[E, E + 1]] * N
+
+
+def test_fixed_size_outputs_and_the_pytorch_fallback(monkeypatch):
+    """Output sizes follow the shapes only; without Triton (plain CPU) route runs the reference
+    into the same buffers; N = 0 gives empty outputs."""
+    x, w = randn(6, 32), router(5, 32, torch.float32)
+    a = route(x, w, 2, 1, 16)
+    b = route(x * -3, w, 2, 1, 16)
+    fields = ("weights", "experts", "sorted_pairs", "block_experts")
+    assert all(getattr(a, f).shape == getattr(b, f).shape for f in fields)
+    assert a.sorted_pairs.shape == (max_pairs(6, 3, 6, 16),)
+    assert a.block_experts.shape == (a.sorted_pairs.numel() // 16,)
+    monkeypatch.setattr(routing, "use_triton", lambda t: False)
+    fallback = route(x, w, 2, 1, 16, out=poisoned_routing(6, 3, 6, 16))
+    ref = route_pairs_ref(x, w, 2, 1, 16)
+    for f in fields:
+        assert torch.equal(getattr(fallback, f), getattr(ref, f)), f
+    empty = route(x[:0], w, 2, 1, 16)
+    assert empty.weights.shape == (0, 3) and empty.sorted_pairs.numel() == 0 and empty.block_experts.numel() == 0
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay():
+    from fuselm.runtime import capture_graph
+
+    N, H, E, top_k = 24, 128, 64, 8
+    w = router(E, H, torch.bfloat16)
+    static = randn(N, H, dtype=torch.bfloat16)
+    graph, out = capture_graph(lambda: route(static, w, top_k, 1, 64))
+    fresh = randn(N, H, dtype=torch.bfloat16)
+    static.copy_(fresh)
+    graph.replay()
+    direct = route(fresh, w, top_k, 1, 64)
+    for f in ("weights", "experts", "sorted_pairs", "block_experts"):
+        assert torch.equal(getattr(out, f), getattr(direct, f)), f
+    assert_pairs(out, E + 1)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda x, w: route(x, w, 0, 1, 16), "top_k"),
+    (lambda x, w: route(x, w, 8, 1, 16), "top_k"),
+    (lambda x, w: route(x, w, True, 1, 16), "top_k"),
+    (lambda x, w: route(x, w, 2, -1, 16), "num_shared"),
+    (lambda x, w: route(x, w, 2, 1.0, 16), "num_shared"),
+    (lambda x, w: route(x, w, 2, 1, 8), "block_m"),
+    (lambda x, w: route(x, w, 2, 1, 48), "block_m"),
+    (lambda x, w: route(x[None], w, 2, 1, 16), "x"),
+    (lambda x, w: route(x, w[:, :10], 2, 1, 16), "router_with_gate"),
+    (lambda x, w: route(x, w[:1], 1, 1, 16), "router_with_gate"),
+    (lambda x, w: route(x, w.half(), 2, 1, 16), "router_with_gate"),
+    (lambda x, w: route(x, torch.zeros(514, 20, device=DEVICE), 2, 1, 16), "router_with_gate"),
+    (lambda x, w: route(x, torch.zeros(8, 20, device="meta"), 2, 1, 16), "one device"),
+    (lambda x, w: route(x, w, 2, 1, 16, out=poisoned_routing(5, 2, 8, 16)), "out.weights"),
+    (lambda x, w: route(x, w, 2, 1, 16, out=poisoned_routing(5, 3, 9, 32)), "out.sorted_pairs"),
+])
+def test_bad_arguments_name_the_argument(call, match):
+    x, w = randn(5, 20), router(7, 20, torch.float32)
+    with pytest.raises(ValueError, match=match):
+        call(x, w)
+
+
+def test_bad_dtype_is_a_type_error():
+    with pytest.raises(TypeError, match="x"):
+        route(torch.zeros(3, 8, dtype=torch.int64, device=DEVICE), torch.zeros(4, 8, device=DEVICE), 1, 1, 16)
