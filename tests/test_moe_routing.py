@@ -275,3 +275,22 @@ def test_bad_arguments_name_the_argument(call, match):
 def test_bad_dtype_is_a_type_error():
     with pytest.raises(TypeError, match="x"):
         route(torch.zeros(3, 8, dtype=torch.int64, device=DEVICE), torch.zeros(4, 8, device=DEVICE), 1, 1, 16)
+
+
+@pytest.mark.parametrize("N", [1, 16, 17])
+def test_decode_routes_in_one_launch(N, monkeypatch):
+    """Up to 16 tokens the routing kernel sorts the pairs itself (one launch); past that the sort
+    is a second launch. Same result either way."""
+    from fuselm.ops.moe import routing
+
+    sorts = []
+    launch = routing.sort_kernel
+    monkeypatch.setattr(routing, "sort_kernel", lambda *args: sorts.append(1) or launch(*args))
+    x = torch.randn(N, 40, generator=torch.Generator().manual_seed(N)).to(DEVICE)
+    w = torch.randn(8, 40, generator=torch.Generator().manual_seed(99)).to(DEVICE) * 0.2
+    got = route(x, w, 3, 1, 16)
+    assert len(sorts) == (N > 16)
+    expected = route_pairs_ref(x, w, 3, 1, 16)
+    assert torch.equal(got.experts, expected.experts)
+    assert torch.equal(got.sorted_pairs, expected.sorted_pairs)
+    assert torch.equal(got.block_experts, expected.block_experts)

@@ -4,12 +4,12 @@ expert) on fuselm's kernels, built from HF's block. Inference only.
     moe = SwiGLUMoE.from_hf(hf_block)        # or SwiGLUMoE(router, top_k, gate_up, down, ...)
     y = moe(x)                                # x [..., H]
 
-Five launches per call (``routing.route``: the router + shared-gate GEMM with softmax / top-k, then
-the pair sort; ``grouped_gemm``: gate/up with the activation, down with the routing weight, the
-per-token combine), fixed grids and no host sync whatever the routing (CUDA-graph capturable). On
-a CPU without TRITON_INTERPRET every step runs its plain-PyTorch reference. Not yet: a decode path
-(<= 16 tokens: no sort, the k + 1 experts' weights streamed once, the combine in the down kernel:
-issue 19's <= 4 launches), tuning, a GPU run.
+Four launches per call up to 16 tokens (decode), five past that (``routing.route``: the router +
+shared-gate GEMM with softmax / top-k and the pair sort, one launch up to 16 tokens, two past;
+``grouped_gemm``: gate/up with the activation, down with the routing weight, the per-token
+combine), fixed grids and no host sync whatever the routing (CUDA-graph capturable). On a CPU
+without TRITON_INTERPRET every step runs its plain-PyTorch reference. Not yet: GEMM tiles for
+decode's few rows per expert (today 16-row tiles, mostly padding at one token), tuning, a GPU run.
 
 Weights are kept in the kernels' layout, made once here: ``router_with_gate`` [E + 1, H] (HF's
 router rows, then ``shared_expert_gate``); ``w13`` [E_total, 2F, H] (each expert's gate and up rows

@@ -33,12 +33,14 @@ Outputs (``Routing``):
   block_m) block_m: at most min(E_total, N S) experts have a pair, each padding fewer than
   block_m entries, so the list always fits.
 
-Launches: ``_route_kernel`` (a program per BLOCK_T tokens: the fused router/gate GEMM over H,
-softmax, k rounds of argmax, the gate's sigmoid) writes weights and experts; ``_sort_kernel`` (one
-program, deterministic, no atomics) counts the pairs per expert, takes the exclusive prefix sum of
-the padded counts, writes the sentinel at every padding position and the expert of every block,
-and scatters each pair id to start[e] + (earlier pairs of e). The scatter and the sentinel fill
-write disjoint positions, so no barrier orders them.
+Launches: ``_route_kernel`` (a program per BLOCK_T = 16 tokens: the fused router/gate GEMM over
+H, softmax, k rounds of argmax, the gate's sigmoid) writes weights and experts; the counting sort
+(``_sort_kernel``: one program, deterministic, no atomics) counts the pairs per expert, takes the
+exclusive prefix sum of the padded counts, writes the sentinel at every padding position and the
+expert of every block, and scatters each pair id to start[e] + (earlier pairs of e); the scatter
+and the sentinel fill write disjoint positions, so no barrier orders them. Up to 16 tokens (decode)
+the routing kernel is that one program and sorts too, after a barrier: one launch; more tokens
+take it as a second launch.
 """
 
 from __future__ import annotations
@@ -128,10 +130,11 @@ def route_pairs_ref(x: torch.Tensor, router_with_gate: torch.Tensor, top_k: int,
 # ----------------------------------------------------------------------------- kernels
 @triton.jit
 def _route_kernel(
-    x_ptr, w_ptr, weights_ptr, experts_ptr,
-    N, H, stride_xn, stride_wn,
+    x_ptr, w_ptr, weights_ptr, experts_ptr, sorted_ptr, block_experts_ptr,
+    N, H, stride_xn, stride_wn, num_slots, num_blocks,
     E: tl.constexpr, TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, IEEE: tl.constexpr, EVEN_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, E_PAD: tl.constexpr, S_PAD: tl.constexpr,
+    SORT: tl.constexpr, BLOCK_M: tl.constexpr, SORT_BLOCK: tl.constexpr, E_TOTAL_PAD: tl.constexpr,
 ):
     S: tl.constexpr = TOP_K + NUM_SHARED
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -189,6 +192,10 @@ def _route_kernel(
     mask = (rows < N)[:, None] & (slots < S)
     tl.store(weights_ptr + offs, out_w, mask=mask)
     tl.store(experts_ptr + offs, out_e, mask=mask)
+    if SORT:  # the only program (N <= BLOCK_T): sort the pairs here too, one launch in all
+        tl.debug_barrier()  # this program's expert ids are in memory for all its threads
+        _sort_kernel(experts_ptr, sorted_ptr, block_experts_ptr, N * S, num_slots, num_blocks, E + NUM_SHARED,
+                     BLOCK_M, SORT_BLOCK, E_TOTAL_PAD)
 
 
 @triton.jit
@@ -197,6 +204,8 @@ def _sort_kernel(
     num_pairs, num_slots, num_blocks, E_TOTAL,
     BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, E_PAD: tl.constexpr,
 ):
+    """The counting sort of one program (module docstring), over the [num_pairs] expert ids: a
+    kernel of its own past 16 tokens, inlined into ``_route_kernel`` up to 16."""
     ecols = tl.arange(0, E_PAD)
     lanes = tl.arange(0, BLOCK)
 
@@ -252,28 +261,46 @@ def _route_geometry(E: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     return 16, block_h, e_pad, 8 if e_pad >= 256 else 4
 
 
-def route_kernel(x, router_with_gate, top_k: int, num_shared: int, weights, experts) -> None:
-    """Launch 1: weights, experts [N, S] of x [N, H] (N >= 1) and the fused router/gate weight."""
+def _sort_geometry(num_experts_total: int) -> tuple[int, int, int]:
+    """(E_TOTAL_PAD, BLOCK pairs per step, num_warps) of the counting sort: a one-hot step of
+    about 16K elements."""
+    e_pad = max(16, next_power_of_2(num_experts_total))
+    return e_pad, min(256, max(16, 16384 // e_pad)), 8 if e_pad >= 256 else 4
+
+
+def route_kernel(x, router_with_gate, top_k: int, num_shared: int, weights, experts,
+                 sorted_pairs=None, block_experts=None, block_m: int = 16) -> None:
+    """Launch 1: weights, experts [N, S] of x [N, H] (N >= 1) and the fused router/gate weight;
+    with ``sorted_pairs`` / ``block_experts`` given and one program holding every token (N <=
+    BLOCK_T = 16, decode), the pair sort too (``sort_kernel``'s work, no second launch)."""
     N, H = x.shape
     E = router_with_gate.shape[0] - 1
     block_t, block_h, e_pad, num_warps = _route_geometry(E, x.dtype)
+    sort = sorted_pairs is not None and N <= block_t
+    e_total_pad, sort_block, sort_warps = _sort_geometry(E + num_shared)
     _route_kernel[(cdiv(N, block_t),)](
-        x, router_with_gate, weights, experts,
+        x, router_with_gate, weights, experts, sorted_pairs if sort else experts, block_experts if sort else experts,
         N, H, x.stride(0), router_with_gate.stride(0),
+        sorted_pairs.numel() if sort else 0, block_experts.numel() if sort else 0,
         E=E, TOP_K=top_k, NUM_SHARED=num_shared, IEEE=x.dtype == torch.float32, EVEN_H=H % block_h == 0,
         BLOCK_T=block_t, BLOCK_H=block_h, E_PAD=e_pad, S_PAD=max(2, next_power_of_2(top_k + num_shared)),
-        num_warps=num_warps,
+        SORT=sort, BLOCK_M=block_m, SORT_BLOCK=sort_block, E_TOTAL_PAD=e_total_pad,
+        num_warps=max(num_warps, sort_warps) if sort else num_warps,
     )
 
 
+def routes_and_sorts_in_one_launch(num_tokens: int) -> bool:
+    """Whether ``route`` takes one launch (the routing kernel sorts the pairs too) for N tokens."""
+    return num_tokens <= _route_geometry(1, torch.float32)[0]
+
+
 def sort_kernel(experts, num_experts_total: int, block_m: int, sorted_pairs, block_experts) -> None:
-    """Launch 2: sorted_pairs and block_experts of the [N, S] int32 expert ids (one program)."""
-    e_pad = max(16, next_power_of_2(num_experts_total))
-    block = min(256, max(16, 16384 // e_pad))
+    """Launch 2 (N > 16): sorted_pairs and block_experts of the [N, S] int32 expert ids (one program)."""
+    e_pad, block, num_warps = _sort_geometry(num_experts_total)
     _sort_kernel[(1,)](
         experts, sorted_pairs, block_experts,
         experts.numel(), sorted_pairs.numel(), block_experts.numel(), num_experts_total,
-        BLOCK_M=block_m, BLOCK=block, E_PAD=e_pad, num_warps=8 if e_pad >= 256 else 4,
+        BLOCK_M=block_m, BLOCK=block, E_PAD=e_pad, num_warps=num_warps,
     )
 
 
@@ -360,6 +387,8 @@ def route(x: torch.Tensor, router_with_gate: torch.Tensor, top_k: int, num_share
         x = x.contiguous()
     if router_with_gate.stride(1) != 1:
         router_with_gate = router_with_gate.contiguous()
-    route_kernel(x, router_with_gate, top_k, num_shared, out.weights, out.experts)
-    sort_kernel(out.experts, E_total, block_m, out.sorted_pairs, out.block_experts)
+    route_kernel(x, router_with_gate, top_k, num_shared, out.weights, out.experts, out.sorted_pairs,
+                 out.block_experts, block_m)
+    if not routes_and_sorts_in_one_launch(N):
+        sort_kernel(out.experts, E_total, block_m, out.sorted_pairs, out.block_experts)
     return out
