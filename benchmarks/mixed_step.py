@@ -1,12 +1,14 @@
 """A mixed prefill + decode step against the two apart (GPU only; 9B config, random bf16 weights).
 
-    python benchmarks/mixed_step.py [--decode-rows 31] [--chunks 512 1x256 2x256] [--profile]
+    python benchmarks/mixed_step.py [--decode-rows 31] [--chunks 512 256 2x256 256@256] [--profile]
 
 Cache of 32 slots x 1024 tokens; rows 0 .. decode_rows-1 decode (active, 512 tokens cached; their
 state is random-free zeros, which costs the same), the prompt chunks go into the slots after them.
 Each call is captured in its own CUDA graph and replayed (median of 20 replays, CUDA events):
 ``decode_step`` over the 32 rows, ``prefill_step`` of the chunks alone, and ``mixed_step`` of
 both; also the time to capture the mixed graph (what a server pays on a bucket's first use).
+A chunk spec is [ROWSx]TOKENS[@START]: START > 0 is a continued chunk (its rows already hold START
+tokens: the second chunk of a longer prompt).
 ``--profile``: the top kernels of one eager call of each (torch.profiler, CUDA time).
 """
 
@@ -22,10 +24,11 @@ from fuselm.models.qwen35.presets import config_9b, random_qwen35
 ROWS, MAX_LEN, CACHED = 32, 1024, 512
 
 
-def parse_chunks(spec: str) -> tuple[int, int]:
-    """"512" -> (1, 512); "2x256" -> (2, 256)."""
+def parse_chunks(spec: str) -> tuple[int, int, int]:
+    """"512" -> (1, 512, 0); "2x256" -> (2, 256, 0); "256@256" -> (1, 256, 256)."""
+    spec, _, start = spec.partition("@")
     rows, _, tokens = spec.rpartition("x")
-    return int(rows or 1), int(tokens)
+    return int(rows or 1), int(tokens), int(start or 0)
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 20) -> float:
@@ -70,7 +73,7 @@ def top_kernels(fn, count: int = 12) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decode-rows", type=int, default=31)
-    parser.add_argument("--chunks", nargs="+", default=["512", "256", "2x256"])
+    parser.add_argument("--chunks", nargs="+", default=["512", "256", "2x256", "256@256"])
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     model = random_qwen35(config_9b(), dtype=torch.bfloat16, device="cuda", seed=0)
@@ -80,16 +83,16 @@ def main():
     print("| chunks | decode alone | prefill alone | sum | mixed | mixed - decode | capture of mixed (s) |")
     print("|---|---|---|---|---|---|---|")
     for spec in args.chunks:
-        rows, tokens = parse_chunks(spec)
+        rows, tokens, start = parse_chunks(spec)
         cache.lengths.fill_(CACHED)
         cache.active.zero_()
         cache.active[:decoding] = True
         slots = torch.arange(decoding, decoding + rows, device="cuda") % ROWS
-        starts = torch.zeros(rows, dtype=torch.int64, device="cuda")
+        starts = torch.full((rows,), start, dtype=torch.int64, device="cuda")
         lengths = torch.full((rows,), tokens, dtype=torch.int64, device="cuda")
         ids = torch.randint(0, 1000, (rows, tokens), device="cuda")
         token_ids = torch.zeros(ROWS, dtype=torch.int64, device="cuda")
-        fresh = True
+        fresh = start == 0
 
         def decode():
             cache.lengths[:decoding].fill_(CACHED)  # keep the rows' positions fixed across replays
@@ -110,7 +113,7 @@ def main():
             results[name + "_capture"] = seconds
             del graph
         d, p, m = results["decode"], results["prefill"], results["mixed"]
-        print(f"| {rows} x {tokens} | {d:.2f} ms | {p:.2f} ms | {d + p:.2f} ms | {m:.2f} ms | {m - d:.2f} ms | "
+        print(f"| {rows} x {tokens}{f' after {start}' if start else ''} | {d:.2f} ms | {p:.2f} ms | {d + p:.2f} ms | {m:.2f} ms | {m - d:.2f} ms | "
               f"{results['mixed_capture']:.2f} |")
         if args.profile:
             for name, fn in (("prefill", prefill), ("mixed", mixed)):

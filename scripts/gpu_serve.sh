@@ -92,15 +92,15 @@ if want hf; then
   tail -12 "$OUT/hf_anchor.md" 2>/dev/null
 fi
 if want tests; then
-  timeout 200 python3 -m pytest -v -p no:cacheprovider --durations=10 tests/test_engine.py tests/test_serve.py \
-    tests/test_attention_decode.py > "$OUT/serve_tests.log" 2>&1 || status=1
+  timeout 240 python3 -m pytest -v -p no:cacheprovider --durations=10 tests/test_engine.py tests/test_serve.py \
+    tests/test_attention_decode.py tests/test_attention_prefill.py > "$OUT/serve_tests.log" 2>&1 || status=1
   tail -3 "$OUT/serve_tests.log"
 fi
-if want sanitizer; then  # the kernels new in issue 17: sampling, split-KV decode attention
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
+if want sanitizer; then  # the kernels new in issue 17: sampling, split-KV decode attention, paged prefill attention
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest -q -p no:cacheprovider tests/test_sampling.py tests/test_attention_decode.py \
-    -k "full_vocabulary or decode_attention_matches or paged_decode" > "$OUT/sanitizer.log" 2>&1 \
-    || status=1
+    tests/test_attention_prefill.py -k "full_vocabulary or decode_attention_matches or paged_decode or prefill" \
+    > "$OUT/sanitizer.log" 2>&1 || status=1
   tail -4 "$OUT/sanitizer.log"
 fi
 if want sampling; then

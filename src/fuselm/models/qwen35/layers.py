@@ -22,7 +22,8 @@ from torch import nn
 
 from fuselm.models.qwen35.cache import AttentionCache, DeltaNetCache
 from fuselm.models.qwen35.config import LINEAR_ATTENTION, Qwen35Config
-from fuselm.ops.attention_decode import apply_rotary_ref, decode_attention, gather_pages, qk_norm_rope_kv_write
+from fuselm.ops.attention_decode import apply_rotary_ref, decode_attention, qk_norm_rope_kv_write
+from fuselm.ops.attention_prefill import prefill_attention
 from fuselm.ops.causal_conv1d import causal_conv1d_silu
 from fuselm.ops.decode_linear import decode_linear
 from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_decode_step
@@ -278,17 +279,14 @@ class GatedAttention(nn.Module):
         write_slot = torch.where(in_table, step.positions % page_size, 0)
         cache.key[write_page, :, write_slot] = k.transpose(1, 2)
         cache.value[write_page, :, write_slot] = v.transpose(1, 2)
-        # Causal attention (SDPA; HF's sdpa path). A fresh chunk attends within itself; a later one
-        # to its row's positions 0 .. position (the earlier chunks' K/V and its own), gathered
-        # from its pages.
+        # Causal attention, fp32 softmax. A fresh chunk attends within itself (SDPA, HF's sdpa
+        # path); a later one to its row's positions 0 .. position, the earlier chunks' K/V and its
+        # own, read from its pages where they lie (``prefill_attention``: no gather, no mask
+        # tensor; padded queries give zeros).
         if step.fresh:
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
-            keys, values = gather_pages(cache.key, step.pages), gather_pages(cache.value, step.pages)
-            columns = torch.arange(keys.shape[2], device=x.device)
-            visible = (columns[None, None, :] <= step.positions[:, :, None])[:, None]  # [B, 1, T, pages * P]
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=self.scale,
-                                                  enable_gqa=True)
+            attn = prefill_attention(q, cache.key, cache.value, step.pages, step.starts, step.lengths, self.scale)
         return self._output(attn, gate)
 
     def decode(self, x: torch.Tensor, cache: AttentionCache, step: DecodeStep) -> torch.Tensor:
