@@ -138,9 +138,13 @@ def tile_config(T: int, group: int, head_dim: int, page: int, element_size: int)
     """BLOCK_M (flat query-head rows per program), warps and pipeline stages, from shapes only."""
     block_d = max(MIN_DOT, next_power_of_2(head_dim))
     block_m = 128 if block_d <= 128 else 64
+    if block_d * element_size > 512:  # fp32 at head dim 256: the q tile and K/V pages would not fit
+        block_m = 32
     block_m = min(block_m, max(MIN_DOT, next_power_of_2(T * group)))
-    # K and V tiles of one page, double-buffered, within ~160 KiB of shared memory; else 1 stage.
-    stages = 2 if 2 * 2 * page * block_d * element_size <= 160 * 1024 else 1
+    # The q tile plus the K and V tiles of one page, double-buffered, within ~160 KiB of shared
+    # memory (an H100 has 227 KiB per block; the rest is layout-conversion scratch); else 1 stage.
+    q_bytes = block_m * block_d * element_size
+    stages = 2 if q_bytes + 2 * 2 * page * block_d * element_size <= 160 * 1024 else 1
     return dict(BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4 if block_d <= 64 else 8, num_stages=stages)
 
 

@@ -37,8 +37,8 @@ Launches: ``_route_kernel`` (a program per BLOCK_T = 16 tokens: the fused router
 H, softmax, k rounds of argmax, the gate's sigmoid) writes weights and experts; the counting sort
 (``_sort_kernel``: one program, deterministic, no atomics) counts the pairs per expert, takes the
 exclusive prefix sum of the padded counts, writes the sentinel at every padding position and the
-expert of every block, and scatters each pair id to start[e] + (earlier pairs of e); the scatter
-and the sentinel fill write disjoint positions, so no barrier orders them. Up to 16 tokens (decode)
+expert of every block, fills the list with the sentinel and, after a barrier, scatters each pair
+id to start[e] + (earlier pairs of e). Up to 16 tokens (decode)
 the routing kernel is that one program and sorts too, after a barrier: one launch; more tokens
 take it as a second launch.
 """
@@ -147,7 +147,7 @@ def _route_kernel(
     # The gate row E as a 16-column operand (the smallest dot) with only column 0 non-zero: 16
     # extra columns instead of doubling E_PAD when E is a power of two.
     gcols = tl.arange(0, 16)
-    g_ptrs = w_ptr + E * stride_wn + k[:, None] + gcols[None, :] * 0
+    g_ptrs = w_ptr + tl.full([], E, tl.int64) * stride_wn + k[:, None] + gcols[None, :] * 0
     acc_g = tl.zeros([BLOCK_T, 16], dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         xt, w = load_k_step(x_ptrs, w_ptrs, k, H - h0, EVEN_H)
@@ -221,12 +221,12 @@ def _sort_kernel(
     start = end - padded  # exclusive prefix sum: each expert's first entry
     used = tl.sum(padded, axis=0)
 
-    # The sentinel at every entry no pair lands on: past ``used``, or in an expert's padding.
+    # The sentinel everywhere first; the scatter below overwrites the pairs' entries after a
+    # barrier (this program's threads see each other's stores past it).
     for q0 in range(0, num_slots, BLOCK):
         q = q0 + lanes
-        holds = (start[None, :] <= q[:, None]) & (q[:, None] < start[None, :] + counts[None, :])
-        is_pair = tl.sum(holds.to(tl.int32), axis=1) > 0
-        tl.store(sorted_ptr + q, tl.zeros([BLOCK], dtype=tl.int32) + num_pairs, mask=(q < num_slots) & ~is_pair)
+        tl.store(sorted_ptr + q, tl.zeros([BLOCK], dtype=tl.int32) + num_pairs, mask=q < num_slots)
+    tl.debug_barrier()
 
     # Each block's expert: the number of experts whose range ends at or before the block's first
     # entry (empty experts end where they start); -1 past ``used``.
