@@ -201,25 +201,24 @@ class Engine:
         updated, pending = [], []
         decoding = self.scheduler.decoding()
         plan = self.scheduler.schedule_prefill()
+        mixed = bool(plan and decoding)
         prefilled = None
+        if mixed:
+            completed, first, ids = self.runner.mixed(plan, *self._decode_shape(decoding))
+            pending.append(_Launched(ids, decoding))
+        elif plan:
+            completed, first = self.runner.prefill(plan)
         if plan:
-            if decoding:
-                batch = self.runner.batch_size_for(self.scheduler.slots_in_use())
-                completed, first, ids = self.runner.mixed(plan, batch, sampler_variant(decoding.values()))
-                pending.append(_Launched(ids, decoding))
-            else:
-                completed, first = self.runner.prefill(plan)
             for request, _, count in plan:
                 self.scheduler.prefilled(request, count)
             prefilled = _Launched(first, dict(enumerate(completed)))
-            if decoding:
-                pending.append(prefilled)
-                prefilled = None
-        if not pending:
+        if mixed:
+            pending.append(prefilled)  # read on the next step, with the mixed pass's ids
+            prefilled = None
+        else:
             decoding = self.scheduler.decoding()
             if decoding:
-                batch = self.runner.batch_size_for(self.scheduler.slots_in_use())
-                _, ids = self.runner.decode(batch, sampler_variant(decoding.values()))
+                _, ids = self.runner.decode(*self._decode_shape(decoding))
                 pending.append(_Launched(ids, decoding))
         for launched in self._in_flight:
             updated += self._read(launched)
@@ -229,6 +228,11 @@ class Engine:
         self._in_flight = [launched for launched in pending
                            if any(not request.finished for request in launched.requests.values())]
         return updated
+
+    def _decode_shape(self, decoding: dict[int, Request]) -> tuple[int, str]:
+        """(decode batch size, sampler variant) of a step over the ``decoding`` requests: the
+        smallest graph covering the slots in use, the variant their sampling settings allow."""
+        return self.runner.batch_size_for(self.scheduler.slots_in_use()), sampler_variant(decoding.values())
 
     def add_requests(self, requests: Sequence[dict]) -> list[Request]:
         """Queue several requests, each given as ``add_request``'s keyword arguments, all or none:

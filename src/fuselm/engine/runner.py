@@ -192,8 +192,7 @@ class ModelRunner:
         ids, slots, starts, lengths, completes = self._unpack(inputs)
         decode_logits, logits = self.model.mixed_step(self.input_tokens[:batch], self.cache, ids, slots, starts,
                                                       lengths, fresh)
-        decoded = self.sampling.sample_and_advance(decode_logits, self._views[batch].active, variant)
-        self.input_tokens[:batch].copy_(decoded)
+        decoded = self._next_inputs(decode_logits, batch, variant)
         self.cache.active.index_copy_(0, slots, completes.bool())
         return logits, decoded
 
@@ -207,11 +206,15 @@ class ModelRunner:
     @torch.no_grad()
     def _step_body(self, batch: int, variant: str) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step over slots 0 .. batch-1: (logits [batch, V], ids [batch])."""
-        cache = self._views[batch]
-        logits = self.model.decode_step(self.input_tokens[:batch], cache)
-        ids = self.sampling.sample_and_advance(logits, cache.active, variant)
+        logits = self.model.decode_step(self.input_tokens[:batch], self._views[batch])
+        return logits, self._next_inputs(logits, batch, variant)
+
+    def _next_inputs(self, logits: torch.Tensor, batch: int, variant: str) -> torch.Tensor:
+        """A decode step's ids [batch] from its logits (per-slot sampling; stops clear the slots'
+        active flags), written as slots 0 .. batch-1's next inputs."""
+        ids = self.sampling.sample_and_advance(logits, self._views[batch].active, variant)
         self.input_tokens[:batch].copy_(ids)
-        return logits, ids
+        return ids
 
     def _capture_graphs(self) -> None:
         """Warm up every (batch size, sampler) on a side stream (Triton JIT, cuBLAS workspaces,

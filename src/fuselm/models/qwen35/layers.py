@@ -355,13 +355,12 @@ class MoE(SwiGLUMoE):
         return shapes
 
     def load_hf(self, take: TakeTensor) -> None:
-        E = self.num_experts
-        gate_up = torch.stack([torch.cat([take(f"experts.{j}.gate_proj.weight"), take(f"experts.{j}.up_proj.weight")])
-                               for j in range(E)])
-        down = torch.stack([take(f"experts.{j}.down_proj.weight") for j in range(E)])
-        weights = self.kernel_weights(take("gate.weight"), gate_up, down, take("shared_expert.gate_proj.weight"),
-                                      take("shared_expert.up_proj.weight"), take("shared_expert.down_proj.weight"),
-                                      take("shared_expert_gate.weight"))
+        experts = range(self.num_experts)
+        weights = self.kernel_weights(take("gate.weight"), [take(f"experts.{j}.gate_proj.weight") for j in experts],
+                                      [take(f"experts.{j}.up_proj.weight") for j in experts],
+                                      [take(f"experts.{j}.down_proj.weight") for j in experts],
+                                      take("shared_expert.gate_proj.weight"), take("shared_expert.up_proj.weight"),
+                                      take("shared_expert.down_proj.weight"), take("shared_expert_gate.weight"))
         for name, tensor in weights.items():
             _assign(self, name, tensor)
 

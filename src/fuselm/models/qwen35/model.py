@@ -232,8 +232,7 @@ class Qwen35(nn.Module):
         caller keeps ids in the vocabulary, slots distinct (or a repeated row identical: it writes
         the same values), and starts + lengths <= cache.max_len."""
         hidden = self._prefill(input_ids, cache, slots, starts, lengths, fresh)
-        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
-        return F.linear(last, self.lm_head_weight)
+        return F.linear(self._last_tokens(hidden, lengths), self.lm_head_weight)
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, cache: Qwen35Cache, attention_mask: torch.Tensor | None = None,
@@ -323,9 +322,14 @@ class Qwen35(nn.Module):
         hidden = self._layers(torch.cat([decode_x, prefill_x.view(R * T, 1, -1)]), mix)
         rows.lengths.add_(rows.active.to(torch.int64))
         cache.lengths.index_copy_(0, slots, starts + lengths)
-        last = hidden[b:, 0].view(R, T, -1)[torch.arange(R, device=hidden.device), lengths - 1]
+        last = self._last_tokens(hidden[b:, 0].view(R, T, -1), lengths)
         logits = F.linear(torch.cat([hidden[:b, 0], last]), self.lm_head_weight)  # one LM-head GEMM
         return logits[:b], logits[b:]
+
+    @staticmethod
+    def _last_tokens(hidden: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Each row's last real token of right-padded hidden states [B, T, D] -> [B, D]."""
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs):
         """HF-style convenience: ``fuselm.engine.reference.generate(self, input_ids, max_new_tokens,

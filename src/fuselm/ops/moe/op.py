@@ -68,28 +68,38 @@ class SwiGLUMoE(nn.Module):
         self.top_k = top_k
         self.activation = Activation.parse(activation)
         self.num_experts, self.hidden_size, self.intermediate_size = E, H, F_
-        self.num_shared = cdiv(F_s, F_)
-        for name, t in self.kernel_weights(*tensors).items():
+        weights = self.kernel_weights(router, gate_up[:, :F_], gate_up[:, F_:], down, shared_gate, shared_up,
+                                      shared_down, shared_expert_gate)
+        for name, t in weights.items():
             setattr(self, name, nn.Parameter(t, requires_grad=False))
+        self.num_shared = self.w13.shape[0] - E
 
     @staticmethod
     @torch.no_grad()
-    def kernel_weights(router, gate_up, down, shared_gate, shared_up, shared_down,
+    def kernel_weights(router, gate, up, down, shared_gate, shared_up, shared_down,
                        shared_expert_gate) -> dict[str, torch.Tensor]:
-        """The kernels' layout (module docstring) of HF-layout tensors (shapes as the class
-        docstring's, already checked): {"router_with_gate", "w13", "w2"}, new contiguous tensors."""
+        """The kernels' layout (module docstring): {"router_with_gate", "w13", "w2"}, new
+        contiguous tensors, each expert's weights written into them once. ``gate``, ``up`` [E, F, H]
+        and ``down`` [E, H, F]: tensors or sequences of the E experts' tensors (a checkpoint's
+        per-expert tensors need no stacking first); the rest as the class docstring's."""
         E, H = router.shape
-        F_, F_s = down.shape[2], shared_gate.shape[0]
+        F_, F_s = down[0].shape[1], shared_gate.shape[0]
         num_shared = cdiv(F_s, F_)
-        pad = num_shared * F_ - F_s
-        # Shared chunks [num_shared, F, H] (gate, up) and [num_shared, H, F] (down), zero-padded.
-        chunk = lambda w: F.pad(w, (0, 0, 0, pad)).view(num_shared, F_, H)  # noqa: E731
-        gate = torch.cat([gate_up[:, :F_], chunk(shared_gate)])
-        up = torch.cat([gate_up[:, F_:], chunk(shared_up)])
-        shared_w2 = F.pad(shared_down, (0, pad)).view(H, num_shared, F_).transpose(0, 1)
-        return {"router_with_gate": torch.cat([router, shared_expert_gate]).contiguous(),
-                "w13": torch.stack([gate, up], dim=2).reshape(E + num_shared, 2 * F_, H),  # row 2f gate, 2f+1 up
-                "w2": torch.cat([down, shared_w2]).contiguous()}
+        # w13 [E + num_shared, F, 2, H]: expert e's gate row f at [e, f, 0], its up row at [e, f, 1]
+        # (interleaved); the shared expert's F_s rows in chunks of F after the routed experts, the
+        # padding rows zero. w2 likewise, the shared down's columns in chunks of F.
+        w13 = router.new_zeros(E + num_shared, F_, 2, H)
+        w2 = router.new_zeros(E + num_shared, H, F_)
+        if isinstance(gate, torch.Tensor):
+            w13[:E, :, 0], w13[:E, :, 1], w2[:E] = gate, up, down
+        else:
+            for e in range(E):
+                w13[e, :, 0], w13[e, :, 1], w2[e] = gate[e], up[e], down[e]
+        shared = w13[E:].view(num_shared * F_, 2, H)
+        shared[:F_s, 0], shared[:F_s, 1] = shared_gate, shared_up
+        w2[E:] = F.pad(shared_down, (0, num_shared * F_ - F_s)).view(H, num_shared, F_).transpose(0, 1)
+        return {"router_with_gate": torch.cat([router, shared_expert_gate]),
+                "w13": w13.view(E + num_shared, 2 * F_, H), "w2": w2}
 
     @classmethod
     def from_hf(cls, block: nn.Module, activation: Activation | str | None = None) -> "SwiGLUMoE":
