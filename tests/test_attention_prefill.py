@@ -177,6 +177,10 @@ def test_empty_batch():
     assert out.shape == (0, 4, 4, 16)
 
 
+ON_THE_HOST_ONLY = pytest.mark.skipif(DEVICE != "cpu", reason="index values are checked on the host for CPU tensors "
+                                      "only (a GPU call does not sync): test_bad_values_read_nothing_out_of_bounds")
+
+
 def _arguments():
     q, key_pages, value_pages, table, starts, lengths = make_case([3, 0], [6, 4], 6, 4, 2, 16, 16, torch.float32)
     return {"q": q, "key_pages": key_pages, "value_pages": value_pages, "block_table": table, "starts": starts,
@@ -204,12 +208,38 @@ def _arguments():
     (lambda a: {**a, "starts": a["starts"].float()}, TypeError, "starts"),
     (lambda a: {**a, "starts": a["starts"][:1]}, ValueError, "starts: expected"),
     (lambda a: {**a, "lengths": a["lengths"][:, None]}, ValueError, "lengths: expected"),
-    (lambda a: {**a, "lengths": a["lengths"] + 1}, ValueError, r"lengths: values must be in \[0, T = 6\]"),
-    (lambda a: {**a, "starts": a["starts"] + 30}, ValueError, "starts: values must be"),
-    (lambda a: {**a, "starts": a["starts"] - 4}, ValueError, "starts: values must be"),
+    pytest.param(lambda a: {**a, "lengths": a["lengths"] + 1}, ValueError, r"lengths: values must be in \[0, T = 6\]",
+                 marks=ON_THE_HOST_ONLY),
+    pytest.param(lambda a: {**a, "starts": a["starts"] + 30}, ValueError, "starts: values must be", marks=ON_THE_HOST_ONLY),
+    pytest.param(lambda a: {**a, "starts": a["starts"] - 4}, ValueError, "starts: values must be", marks=ON_THE_HOST_ONLY),
     (lambda a: {**a, "scale": float("nan")}, ValueError, "scale"),
     (lambda a: {**a, "lengths": a["lengths"].to("meta")}, ValueError, "one device"),
 ])
 def test_bad_input_names_the_argument(change, error, match):
     with pytest.raises(error, match=match):
         prefill_attention(**change(_arguments()))
+
+
+@pytest.mark.parametrize("bad", ["lengths past T", "starts past the table", "negative starts"])
+def test_bad_values_read_nothing_out_of_bounds(bad):
+    """Values a GPU call cannot check without a sync reach the kernel: it must not read past the
+    block table (memcheck in scripts/gpu_serve.sh's sanitizer stage); the result is not defined."""
+    args = _arguments()
+    change = {"lengths past T": ("lengths", args["lengths"] + 1), "starts past the table": ("starts", args["starts"] + 30),
+              "negative starts": ("starts", args["starts"] - 4)}[bad]
+    args[change[0]] = change[1]
+    out = prefill_attention_kernel(*(args[k] for k in ("q", "key_pages", "value_pages", "block_table", "starts",
+                                                      "lengths", "scale")))
+    assert out.shape == args["q"].shape
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def test_index_columns_of_a_packed_tensor():
+    """starts and lengths as the engine passes them: strided columns of one packed int64 tensor."""
+    case = make_case([24, 0, 40], [18, 11, 5], 18, 4, 2, 16, 16, torch.float32, seed=9)
+    q, key_pages, value_pages, table, starts, lengths = case
+    packed = torch.stack([torch.full_like(starts, 10 ** 6), starts, lengths, torch.full_like(starts, -7)], 1)
+    out = prefill_attention(q, key_pages, value_pages, table, packed[:, 1], packed[:, 2], 0.25)
+    assert not packed[:, 1].is_contiguous()
+    assert torch.equal(out, prefill_attention(*case, 0.25))

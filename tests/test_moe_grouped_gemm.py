@@ -186,7 +186,8 @@ def test_combine_is_exact(n, s, h, out_dtype):
     out = combine(y, n, s, out_dtype, out=poisoned_like(torch.empty(n, h, dtype=out_dtype, device=DEVICE)))
     assert out.dtype == out_dtype
     assert torch.equal(out, combine_ref(y, n, s, out_dtype))  # same fp32 adds in the same order
-    assert_close(out, y.double().reshape(n, s, h).sum(1), 1e-6 if out_dtype == torch.float32 else 1e-3)
+    # One rounding of the fp32 sum: half an ulp, 2^-11 (fp16) / 2^-8 (bf16) relative, at most.
+    assert_close(out, y.double().reshape(n, s, h).sum(1), {torch.float32: 1e-6, torch.float16: 1e-3}.get(out_dtype, 4e-3))
 
 
 # ----------------------------------------------------------------------------- routing corner cases

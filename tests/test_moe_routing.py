@@ -91,6 +91,13 @@ CASES = [  # N, H, E, top_k, num_shared, block_m
 @pytest.mark.parametrize("N, H, E, top_k, num_shared, block_m", CASES)
 def test_route_matches_reference(N, H, E, top_k, num_shared, block_m, dtype):
     x, w = randn(N, H, dtype=dtype), router(E, H, dtype, scale=2.0)
+    # 16-bit: redraw until enough tokens are tie-free (bf16's 8-bit mantissa leaves ~10% of the
+    # tokens tie-free at E 40, k 8: an eighth of them is asked for there, half in fp16)
+    need = (N + 1) // 2 if dtype == torch.float16 else max(1, N // 8)
+    for _ in range(20 if dtype != torch.float32 else 0):
+        if tie_free_tokens(x, w, top_k, dtype).sum() >= need:
+            break
+        x = randn(N, H, dtype=dtype)
     S, E_total = top_k + num_shared, E + num_shared
     r = route(x, w, top_k, num_shared, block_m, out=poisoned_routing(N, S, E_total, block_m))
     assert (r.top_k, r.num_shared, r.block_m) == (top_k, num_shared, block_m)
@@ -101,7 +108,7 @@ def test_route_matches_reference(N, H, E, top_k, num_shared, block_m, dtype):
         assert (r.weights - ref.weights).abs().max() <= 1e-6
     else:
         ok = tie_free_tokens(x, w, top_k, dtype)
-        assert ok.sum() >= (N + 1) // 2, "too few tie-free tokens to test"
+        assert ok.sum() >= need, "too few tie-free tokens to test"
         assert torch.equal(r.experts[ok], ref.experts[ok])
         assert torch.equal(r.experts[:, top_k:], ref.experts[:, top_k:])
         assert_ulps(r.weights[ok], ref.weights[ok], dtype)

@@ -55,7 +55,7 @@ def _prefill_attention_kernel(
     stride_kp, stride_kh, stride_kl, stride_vp, stride_vh, stride_vl,
     stride_tb, stride_tp,
     stride_ob, stride_oh, stride_ot,
-    num_kv_heads, T, qk_scale,
+    num_kv_heads, T, table_columns, qk_scale,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -82,8 +82,10 @@ def _prefill_attention_kernel(
     t_first = (tile * BLOCK_M) // GROUP
     t_last = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // GROUP, T - 1)
     has_real = t_first < length
-    end = tl.where(has_real, start + tl.minimum(t_last, length - 1) + 1, 0)  # columns [0, end)
-    full_end = tl.where(has_real, (start + t_first + 1) // PAGE * PAGE, 0)  # seen by every row
+    # Columns [0, end), never past the block table's (bad starts / lengths that a GPU call does
+    # not check on the host then give a wrong answer, not an out-of-bounds read).
+    end = tl.minimum(tl.where(has_real, start + tl.minimum(t_last, length - 1) + 1, 0), table_columns)
+    full_end = tl.minimum(tl.where(has_real, (start + t_first + 1) // PAGE * PAGE, 0), end)  # seen by every row
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -167,6 +169,6 @@ def prefill_attention_kernel(q, key_pages, value_pages, block_table, starts, len
         *key_pages.stride()[:3], *value_pages.stride()[:3],
         block_table.stride(0), block_table.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        num_kv_heads, T, float(scale) * LOG2E,
+        num_kv_heads, T, block_table.shape[1] * page, float(scale) * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, IEEE=q.dtype == torch.float32, **config)
     return out

@@ -103,4 +103,5 @@ def prefill_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages: tor
     if not use_triton(q):  # the reference, in the kernel's output layout
         out = torch.empty(B, T, num_heads, head_dim, dtype=q.dtype, device=q.device).transpose(1, 2)
         return out.copy_(prefill_attention_ref(q, key_pages, value_pages, block_table, starts, lengths, scale))
+    starts, lengths = starts.contiguous(), lengths.contiguous()  # the kernel indexes them densely
     return prefill_attention_kernel(q, key_pages, value_pages, block_table, starts, lengths, scale)
