@@ -1,6 +1,6 @@
 """A mixed prefill + decode step against the two apart (GPU only; 9B config, random bf16 weights).
 
-    python benchmarks/mixed_step.py [--decode-rows 31] [--chunks 512 256 2x256 256@256] [--profile]
+    python benchmarks/mixed_step.py [--decode-rows 31] [--chunks 480 224 96 224@256 512 256] [--profile]
 
 Cache of 32 slots x 1024 tokens; rows 0 .. decode_rows-1 decode (active, 512 tokens cached; their
 state is random-free zeros, which costs the same), the prompt chunks go into the slots after them.
@@ -73,15 +73,15 @@ def top_kernels(fn, count: int = 12) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decode-rows", type=int, default=31)
-    parser.add_argument("--chunks", nargs="+", default=["512", "256", "2x256", "256@256"])
+    parser.add_argument("--chunks", nargs="+", default=["480", "224", "96", "224@256", "512", "256"])
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     model = random_qwen35(config_9b(), dtype=torch.bfloat16, device="cuda", seed=0)
     cache = model.new_cache(ROWS, MAX_LEN)
     decoding = args.decode_rows
     print(f"## mixed step: {decoding} decode rows (of {ROWS}) + prompt chunks, 9B bf16, {torch.cuda.get_device_name()}")
-    print("| chunks | decode alone | prefill alone | sum | mixed | mixed - decode | capture of mixed (s) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| chunks | decode alone | prefill alone | sum | mixed | mixed - decode | per prompt token | capture of mixed (s) |")
+    print("|---|---|---|---|---|---|---|---|")
     for spec in args.chunks:
         rows, tokens, start = parse_chunks(spec)
         cache.lengths.fill_(CACHED)
@@ -114,7 +114,7 @@ def main():
             del graph
         d, p, m = results["decode"], results["prefill"], results["mixed"]
         print(f"| {rows} x {tokens}{f' after {start}' if start else ''} | {d:.2f} ms | {p:.2f} ms | {d + p:.2f} ms | {m:.2f} ms | {m - d:.2f} ms | "
-              f"{results['mixed_capture']:.2f} |")
+              f"{1e3 * (m - d) / (rows * tokens):.1f} us | {results['mixed_capture']:.2f} |")
         if args.profile:
             for name, fn in (("prefill", prefill), ("mixed", mixed)):
                 print(f"\n### {name}, {rows} x {tokens}: top kernels (one eager call)\n```")

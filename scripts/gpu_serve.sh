@@ -11,8 +11,9 @@
 #   3. static Engine, batch 32, greedy and with the served sampling: engine.md
 #   4. HF transformers: static generate at batch 1 and 32, and generate_batch checked: hf_anchor.*
 #   5. GPU tests of the serving path; compute-sanitizer memcheck of the sampling kernel
-# Writes to $OUT (default ./gpu_out), at most 8 files:
+# Writes to $OUT (default ./gpu_out):
 #   serve.md (every bench-serve table), serve.json (their JSON), serve_poisson.png, engine.md,
+#   server_*.log (each server's log tail: graph captures),
 #   hf_anchor.md, hf_anchor.json, serve_tests.log, sanitizer.log; sampling.md (the sampler's cut-off
 #   ways: sort, histogram, top-k candidates; benchmarks/sampling.py) when that stage is named
 # Usage: bash scripts/gpu_serve.sh [STAGE ...]   stages: engine serve serveN hf tests sanitizer sampling
@@ -67,15 +68,20 @@ if want serve; then
   bench serve_poisson --num-prompts 96 --request-rate "$rate" --burstiness 1 --max-concurrency 32 --goodput ttft:500
   cp "$work/serve_poisson.png" "$OUT/" 2>/dev/null
   stop
+  tail -c 20000 "$work/server_.log" > "$OUT/server_default.log"
 fi
-for stage in $stages; do  # serveN: 32 clients and the Poisson rate above (or $RATE) with a budget of N
+for stage in $stages; do  # serveN: 32 clients, then Poisson at 80% of their throughput (or $RATE), budget N
   [[ $stage =~ ^serve([0-9]+)$ ]] || continue
   budget=${BASH_REMATCH[1]}
   serve "$budget"
   bench serve_c32_budget$budget --num-prompts 96 --max-concurrency 32 --warmup-requests 4
-  bench serve_poisson_budget$budget --num-prompts 96 --request-rate "${rate:-${RATE:-8.4}}" --burstiness 1 \
+  budget_rate=${RATE:-$(python3 -c "import json; print(0.8 * json.load(open('$work/serve_c32_budget$budget.json'))['request_throughput'])")}
+  echo "Poisson rate at budget $budget: $budget_rate req/s"
+  bench serve_poisson_budget$budget --num-prompts 96 --request-rate "$budget_rate" --burstiness 1 \
     --max-concurrency 32 --goodput ttft:500
   stop
+  grep -c "graph (" "$work/server_$budget.log" | sed "s/^/graph captures at budget $budget: /"
+  tail -c 20000 "$work/server_$budget.log" > "$OUT/server_$budget.log"
 done
 python3 - "$work" "$OUT/serve.json" <<'EOF2'
 import json, sys

@@ -142,22 +142,16 @@ def test_strided_layouts(qkv_layout, cos_layout, dtype):
 
 @pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES, ids=str)
 def test_matches_the_models_gated_attention_path(dtype):
-    """Against ``GatedAttention._project`` + the KV write of ``decode`` themselves: an identity
-    qkv_proj makes the projection the given qkv exactly."""
+    """Against ``GatedAttention._split_projection`` (q/k norms, RoPE) + the KV write of
+    ``decode`` themselves, on the given qkv projection."""
     nH, nKV, hd, B = 4, 2, 32, 3
     config = Qwen35Config(hidden_size=2 * nH * hd + 2 * nKV * hd, num_attention_heads=nH, num_key_value_heads=nKV,
                           head_dim=hd, num_hidden_layers=4)
     attention = GatedAttention(config)
     inputs = make_inputs(B, nH, nKV, hd, hd // 4, dtype, max_batch=B + 1, L=7, cos_layout="4d", seed=2)
-    attention.qkv_proj = nn.Parameter(torch.eye(config.hidden_size, device=DEVICE, dtype=dtype), requires_grad=False)
     attention.q_norm = nn.Parameter(inputs["q_norm_weight"], requires_grad=False)
     attention.k_norm = nn.Parameter(inputs["k_norm_weight"], requires_grad=False)
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False  # the identity GEMM must be exact in fp32 on a GPU
-    try:
-        q_model, k, v, _ = attention._project(inputs["qkv"], inputs["cos"], inputs["sin"])
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+    q_model, k, v, _ = attention._split_projection(inputs["qkv"], inputs["cos"], inputs["sin"])
     key_model, value_model = inputs["key_cache"].clone(), inputs["value_cache"].clone()
     rows, columns = torch.arange(B, device=DEVICE), inputs["write_column"]
     key_model[rows, :, columns] = k[:, :, 0]

@@ -100,6 +100,73 @@ def test_long_prompts_are_prefilled_in_chunks_beside_decode_steps(model, monkeyp
     assert token_ids(engine.generate([long], greedy(8))) == [solo[1]]
 
 
+def test_the_budget_counts_the_decode_rows():
+    """vLLM's max_num_batched_tokens: a step's prompt tokens are the budget less its decode rows,
+    but never fewer than MIN_PREFILL_TOKENS (nor more than the budget)."""
+    from fuselm.engine.request import Request
+    from fuselm.engine.scheduler import MIN_PREFILL_TOKENS, Scheduler
+
+    def chunk(budget, decode_rows):
+        scheduler = Scheduler(max_batch=4, max_prefill_tokens=budget, num_pages=64, page_size=16)
+        scheduler.add(Request("r", list(range(500)), greedy(4), 0, ()))
+        return [count for _, _, count in scheduler.schedule_prefill(decode_rows)]
+
+    assert chunk(256, 0) == [256] and chunk(256, 32) == [224] and chunk(256, 250) == [MIN_PREFILL_TOKENS]
+    assert chunk(8, 32) == [8]
+
+
+def test_a_mixed_chunk_fills_whole_gemm_tiles(model):
+    """A mixed step's one chunk is padded so that decode rows + chunk tokens are a multiple of
+    GEMM_TILE_M (the GEMMs' row tile); with graphs, several chunks use the row and token
+    buckets; steps of more than GRAPH_MAX_TOKENS padded tokens run eagerly, unpadded."""
+    from fuselm.engine.request import Request
+    from fuselm.engine.runner import GEMM_TILE_M, GRAPH_MAX_TOKENS, ModelRunner
+
+    runner = ModelRunner(model, max_batch=4, max_len=32, use_graphs=False)
+    requests = [Request(f"r{i}", prompt(n, i), greedy(4), 0, (), slot=i, pages=[i]) for i, n in enumerate((20, 9))]
+    packed, (rows, tokens, fresh, graphed) = runner._admit([(requests[0], 0, 20)], decode_rows=3)
+    assert (rows, (3 + tokens) % GEMM_TILE_M, tokens >= 20, fresh, graphed) == (1, 0, True, True, False)
+    assert packed.shape == (1, tokens + 4) and packed[0, :20].tolist() == requests[0].prompt_token_ids
+    runner.use_graphs = True  # the padding rules only (nothing is captured here)
+    two = [(requests[0], 0, 20), (requests[1], 0, 9)]
+    assert runner._admit(two, decode_rows=3)[1] == (2, 24, True, True)  # row and token buckets
+    many = [(requests[0], 0, 20)] * (GRAPH_MAX_TOKENS // 24 + 1)
+    assert runner._admit(many)[1] == (len(many), 20, True, False)  # eager: no padding
+
+
+def test_the_decode_rows_of_a_step_cover_the_slot_it_admits_into():
+    from fuselm.engine.request import Request
+    from fuselm.engine.scheduler import Scheduler
+
+    scheduler = Scheduler(max_batch=8, max_prefill_tokens=64, num_pages=64, page_size=16)
+    assert scheduler.slots_in_use_after_admission() == 0
+    for i in range(3):
+        scheduler.add(Request(f"r{i}", list(range(10)), greedy(4), 0, ()))
+    scheduler.schedule_prefill()  # slots 0, 1, 2
+    assert scheduler.slots_in_use() == scheduler.slots_in_use_after_admission() == 3
+    scheduler.add(Request("late", list(range(10)), greedy(4), 0, ()))
+    assert scheduler.slots_in_use_after_admission() == 4
+
+
+def test_a_plan_counts_its_rows_padded_to_the_longest():
+    """R chunks run as R rows of the longest one's tokens: the plan keeps R x longest within the
+    budget (a continuing 300-token chunk leaves no room for a second row at a budget of 512)."""
+    from fuselm.engine.request import Request
+    from fuselm.engine.scheduler import Scheduler
+
+    scheduler = Scheduler(max_batch=8, max_prefill_tokens=512, num_pages=256, page_size=16)
+    for i, n in enumerate((800, 100, 100, 100, 100, 100)):
+        scheduler.add(Request(f"r{i}", list(range(n)), greedy(4), 0, ()))
+    plans = []
+    while scheduler.waiting or scheduler.prefilling:
+        plan = scheduler.schedule_prefill()
+        plans.append([count for _, _, count in plan])
+        for request, _, count in plan:
+            scheduler.prefilled(request, count)
+    assert plans == [[512], [288], [100] * 5]
+    assert all(len(p) * max(p) <= 512 for p in plans)
+
+
 def test_seeded_sampling_is_the_same_alone_and_in_any_batch(model, engine):
     params = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     target = prompt(7, 5)
@@ -251,6 +318,29 @@ def test_prefill_graphs_equal_eager_prefill(model, budget):
     for _ in range(2):  # the second pass replays what the first captured
         assert token_ids(engine.generate(prompts, greedy(5))) == expected
     assert len(engine.runner._graphs) > decode_graphs
+
+
+@pytest.mark.gpu
+def test_mixed_graphs_captured_up_front_serve_the_run(model):
+    """Engine.capture_mixed_graphs before any request: a run whose mixed steps carry one chunk
+    each (budget 12, prompts joining one by one) captures no mixed graph of one chunk, and gives
+    the eager engine's tokens; the cache is left idle and empty."""
+    params = [greedy(6 + i) for i in range(4)]
+    prompts = [prompt(n, 70 + i) for i, n in enumerate((9, 17, 6, 13))]
+    expected = token_ids(Engine(model, max_batch=4, max_len=32, max_prefill_tokens=12,
+                                use_graphs=False).generate(prompts, params))
+    engine = Engine(model, max_batch=4, max_len=32, max_prefill_tokens=12)
+    assert engine.capture_mixed_graphs() > 0
+    assert not bool(engine.runner.cache.active.any()) and int(engine.runner.cache.lengths.abs().sum()) == 0
+    before = set(engine.runner._graphs)
+    outputs = []
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        outputs.append(engine.add_request(p, sp))
+        engine.step()
+    engine.run()
+    assert [r.output_token_ids for r in outputs] == expected
+    new = [key for key in set(engine.runner._graphs) - before if key[0] == "mixed"]
+    assert all(key[2] > 1 for key in new), new  # only steps of several chunks were captured late
 
 
 @pytest.mark.gpu

@@ -373,8 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="attention K/V positions the cache holds, shared by the requests in pages "
                             "(default: max-batch x max-len)")
     serve.add_argument("--max-prefill-tokens", type=int, default=SERVE_MAX_PREFILL_TOKENS,
-                       help=f"prompt tokens prefilled per engine step, in one pass with the running requests' decode "
-                            f"step; longer prompts go in chunks over several steps ({SERVE_MAX_PREFILL_TOKENS})")
+                       help=f"tokens per engine step, the running requests' decode rows included (vLLM's "
+                            f"max_num_batched_tokens): prompt chunks fill the rest, in one pass with the decode step; "
+                            f"longer prompts go in chunks over several steps ({SERVE_MAX_PREFILL_TOKENS})")
     serve.add_argument("--max-queue", type=int, default=None,
                        help="requests that may wait for a slot; more get a 503 (default: no limit)")
     _add_model_arguments(serve, "seeds the sampling seeds of requests without one (and --config's weights)")

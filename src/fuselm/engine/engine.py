@@ -6,7 +6,7 @@ public methods (nano-vllm's shape).
     outputs[0].outputs[0].token_ids
 
 One ``step()``: the scheduler admits waiting requests into free slots and picks up to
-``max_prefill_tokens`` prompt tokens to prefill (a long prompt in chunks over several steps; a
+``max_prefill_tokens`` tokens less the step's decode rows, prompt tokens to prefill (a long prompt in chunks over several steps; a
 first token comes from the logits of a prompt's last chunk). With requests decoding, the runner
 runs those chunks and their decode step as one mixed pass (the chunks share its norms, MLP
 GEMMs and LM head: measured 23.0 ms for 31 rows + 512 tokens against 9.4 + 16.5 ms apart, H100);
@@ -68,10 +68,12 @@ class Engine:
         max_batch: requests running at once (cache slots); more wait in a queue.
         max_len: tokens per request (prompt + generated).
         graph_batch_sizes: decode graphs to capture (clipped to max_batch, which is added).
-        max_prefill_tokens: prompt tokens prefilled in one step (default: max_batch * max_len):
-            a longer prompt is prefilled in chunks over several steps, each in one pass with a
-            decode step of the running requests, so one long prompt cannot stall them: the
-            budget bounds how much longer than a decode step such a step takes.
+        max_prefill_tokens: tokens of one step, the decode rows included as in vLLM's
+            max_num_batched_tokens (default: max_batch * max_len; prompt tokens get at least
+            ``scheduler.MIN_PREFILL_TOKENS`` of it): a longer prompt is prefilled in chunks over
+            several steps, each in one pass with a decode step of the running requests, so one
+            long prompt cannot stall them: the budget bounds how much longer than a decode step
+            such a step takes.
         kv_cache_tokens: attention K/V positions the cache holds, in pages of ``page_size``
             tokens (a power of two >= 16; default: max_batch * max_len, every slot's whole context). A request takes pages
             for its prompt + max_tokens when it starts and returns them when it ends; with fewer
@@ -200,7 +202,10 @@ class Engine:
         Returns the requests that got a token (finished ones included)."""
         updated, pending = [], []
         decoding = self.scheduler.decoding()
-        plan = self.scheduler.schedule_prefill()
+        # The budget less the decode rows this step will run (the decode batch covers the slot a
+        # newly admitted request takes: mixed graphs are keyed by it, captured up front).
+        decode_rows = self.runner.batch_size_for(self.scheduler.slots_in_use_after_admission()) if decoding else 0
+        plan = self.scheduler.schedule_prefill(decode_rows)
         mixed = bool(plan and decoding)
         prefilled = None
         if mixed:
@@ -228,6 +233,15 @@ class Engine:
         self._in_flight = [launched for launched in pending
                            if any(not request.finished for request in launched.requests.values())]
         return updated
+
+    def capture_mixed_graphs(self) -> int:
+        """Capture, before any request runs, the mixed prefill + decode graphs that one prompt
+        chunk beside a decode step uses under this engine's token budget (``ModelRunner.
+        capture_mixed_graphs``: otherwise each is captured on first use, stalling the running
+        requests). Returns how many were captured (0 without graphs)."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("capture_mixed_graphs: the engine has requests; call it before adding any")
+        return self.runner.capture_mixed_graphs(self.scheduler.max_prefill_tokens)
 
     def _decode_shape(self, decoding: dict[int, Request]) -> tuple[int, str]:
         """(decode batch size, sampler variant) of a step over the ``decoding`` requests: the

@@ -13,7 +13,9 @@ group and a decode step as one ``model.mixed_step`` (the chunks share the decode
 the weights). With CUDA, prefill and mixed steps are graphs too: rows and tokens padded up to
 buckets (``ROW_BUCKETS``, ``TOKEN_BUCKETS``), one graph per (rows, tokens, fresh) and, mixed, per
 decode (batch, variant), captured the first time it is needed, so a 512-token prompt is one
-replay instead of ~1,200 launches.
+replay instead of ~1,200 launches. A mixed step of one chunk pads its tokens so that the decode
+rows and the chunk fill whole ``GEMM_TILE_M`` tiles (32 rows + 224 tokens: one 256-row GEMM, not
+288 rows in three 128-row tiles with the third nearly empty).
 
 Decode step (what a graph holds), for batch size b, on the cache's first b slots
 (``Qwen35Cache.first_rows``: views, same addresses):
@@ -30,6 +32,8 @@ page. Without CUDA (or ``use_graphs=False``) the same step runs eagerly.
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Sequence
 
 import torch
@@ -39,11 +43,19 @@ from fuselm.engine.sampling import SAMPLER_VARIANTS, SlotSampling, sampler_varia
 from fuselm.models.qwen35 import Qwen35
 from fuselm.models.qwen35.cache import PAGE_SIZE
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 # Prefill graph buckets: a group of chunks is padded up to the next bucket in rows and in tokens
 # (tokens: 16 and 24 times powers of two, so at most a third of a graph's tokens are padding).
 ROW_BUCKETS = tuple(2 ** i for i in range(12))
 TOKEN_BUCKETS = tuple(sorted({m * 2 ** i for m in (16, 24) for i in range(16)}))
+GEMM_TILE_M = 64  # a mixed step's decode rows + chunk tokens are padded to a multiple of this
+# Prefill and mixed steps of more (padded) prompt tokens run eagerly: their GPU time (>= ~17 ms on
+# the 9B) hides their ~1,200 launches, and a burst's shapes (several long prompts in one step)
+# would each cost a capture on first use, a stall of the running requests (measured on the H100:
+# up to 2 s between two tokens of a request at 32 clients).
+GRAPH_MAX_TOKENS = 512
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:
@@ -71,6 +83,8 @@ class ModelRunner:
             raise ValueError(f"use_graphs: CUDA graphs need the model on a CUDA device, it is on {self.device}")
         self.sampling = SlotSampling(max_batch, self.device)
         self.input_tokens = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
+        # A mixed step's decode logits, for the sampler graphs (the mixed graphs write them here).
+        self.decode_logits = torch.zeros(max_batch, model.config.vocab_size, dtype=model.dtype, device=self.device)
         self._views = {b: self.cache.first_rows(b) for b in self.batch_sizes}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # decode (batch, variant); prefill, mixed: see _run_graph
         self._graph_outputs: dict[tuple, object] = {}
@@ -113,41 +127,80 @@ class ModelRunner:
         chunks' slots must be inactive (a prompt not yet wholly in). Returns (the requests whose
         prompt completed, their first ids [n], the decode step's ids [batch]), all on the device.
         """
-        packed, key = self._admit(plan)
-        body = lambda inputs: self._mixed_body(inputs, batch, variant, key[2])  # noqa: E731
-        logits, ids = self._run_graph(("mixed", batch, variant) + key, packed, body)
+        packed, key = self._admit(plan, batch)
+        body = lambda inputs: self._mixed_body(inputs, batch, key[2])  # noqa: E731
+        logits, slots, completes = self._run_graph(("mixed", batch) + key, packed, body)
+        ids = self._sample_decode_logits(batch, variant)  # the chunks' slots still inactive
+        self.cache.active.index_copy_(0, slots, completes.bool())
         return self._first_tokens(plan, logits) + (ids,)
 
-    def _admit(self, plan: list[tuple[Request, int, int]]) -> tuple[torch.Tensor, tuple[int, int, bool]]:
+    def capture_mixed_graphs(self, max_tokens: int) -> int:
+        """Capture now the mixed graphs of one prompt chunk beside every decode batch size: each
+        chunk length the scheduler gives such a step under a budget of ``max_tokens`` tokens
+        (decode rows included), padded as ``_admit`` pads it, fresh and continued (a server calls
+        this at start-up: a capture while requests run stalls them all, ~0.1 s). Writes only
+        into idle slots' state and leaves the cache as it found it. Returns the graphs captured."""
+        if not self.use_graphs:
+            return 0
+        if bool(self.cache.active.any()):
+            raise RuntimeError("graphs are captured on an idle cache")
+        slot = self.max_batch - 1
+        captured = 0
+        for batch in self.batch_sizes:
+            budget = min(max(max_tokens, batch + 1), batch + GRAPH_MAX_TOKENS)
+            for tokens in range(GEMM_TILE_M - batch % GEMM_TILE_M, budget - batch + GEMM_TILE_M, GEMM_TILE_M):
+                if tokens < 1 or tokens > GRAPH_MAX_TOKENS:
+                    continue
+                for start in (0, 1):  # fresh, continued
+                    packed = torch.zeros(1, tokens + 4, dtype=torch.int64)
+                    packed[0, tokens:] = torch.tensor([slot, start, tokens, 0])
+                    key = ("mixed", batch, 1, tokens, start == 0, True)
+                    if key not in self._graphs:
+                        self._run_graph(key, packed, lambda inputs, b=batch, f=start == 0: self._mixed_body(inputs, b, f))
+                        captured += 1
+        self.cache.lengths.zero_()
+        torch.cuda.synchronize(self.device)
+        return captured
+
+    def _admit(self, plan: list[tuple[Request, int, int]],
+               decode_rows: int = 0) -> tuple[torch.Tensor, tuple[int, int, bool, bool]]:
         """Give the fresh requests (position 0) their sampling parameters and block-table row, and
         pack the chunks' inputs for one host-to-device copy: [rows, tokens + 4] = ids, slot,
-        start, length, completes (rows and tokens padded up to a bucket with graphs; padding rows
-        repeat row 0, which writes the same values again). Returns (packed, (rows, tokens, fresh))."""
+        start, length, completes. One chunk beside ``decode_rows`` rows of a mixed step is
+        padded so that both fill whole GEMM tiles; otherwise, with graphs, rows and tokens are
+        padded up to a bucket (padding rows repeat row 0, which writes the same values again).
+        Returns (packed, (rows, tokens, fresh, graphed)): ``graphed`` when the step is a graph
+        (at most ``GRAPH_MAX_TOKENS`` padded tokens)."""
         fresh = [request for request, start, _ in plan if start == 0]
         if fresh:
             self.sampling.assign(fresh, torch.tensor([r.slot for r in fresh], dtype=torch.int64).to(self.device, non_blocking=True))
             self.cache.assign_pages([r.slot for r in fresh], [r.pages for r in fresh])
         rows, tokens = len(plan), max(count for _, _, count in plan)
-        if self.use_graphs:
-            rows, tokens = _bucket(rows, ROW_BUCKETS), _bucket(tokens, TOKEN_BUCKETS)
+        if rows == 1 and decode_rows:
+            tokens = -(-(decode_rows + tokens) // GEMM_TILE_M) * GEMM_TILE_M - decode_rows
+        padded = (rows, tokens) if rows == 1 and decode_rows else (_bucket(rows, ROW_BUCKETS), _bucket(tokens, TOKEN_BUCKETS))
+        graphed = self.use_graphs and padded[0] * padded[1] <= GRAPH_MAX_TOKENS
+        if graphed:
+            rows, tokens = padded
         packed = torch.zeros(rows, tokens + 4, dtype=torch.int64)
         for i in range(rows):
             request, start, count = plan[i if i < len(plan) else 0]
             packed[i, :count] = torch.tensor(request.prompt_token_ids[start:start + count])
             packed[i, tokens:] = torch.tensor([request.slot, start, count,
                                                start + count == len(request.prompt_token_ids)])
-        return packed, (rows, tokens, len(fresh) == len(plan))
+        return packed, (rows, tokens, len(fresh) == len(plan), graphed)
 
     def _run_graph(self, key: tuple, packed: torch.Tensor, body):
-        """``body(inputs)`` on the packed inputs: eager without graphs; else one replay of
-        ``key``'s graph, captured the first time it is needed (after an eager run that is this
-        call's result and warms its kernels)."""
-        if not self.use_graphs:
-            return body(packed.to(self.device))
+        """``body(inputs)`` on the packed inputs: eager when ``key`` ends with graphed False;
+        else one replay of ``key``'s graph, captured the first time it is needed (after an eager
+        run that is this call's result and warms its kernels)."""
+        if not key[-1]:  # pinned: a copy from pageable memory would wait for the steps before it
+            return body((packed.pin_memory() if self.device.type == "cuda" else packed).to(self.device, non_blocking=True))
         if key in self._graphs:
             self._graph_inputs[key].copy_(packed.pin_memory(), non_blocking=True)
             self._graphs[key].replay()
             return self._graph_outputs[key]
+        began = time.perf_counter()
         inputs = packed.to(self.device)
         result = body(inputs)
         self._graph_inputs[key] = inputs
@@ -155,6 +208,8 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             self._graph_outputs[key] = body(inputs)
         self._graphs[key] = graph
+        logger.info("graph %s: warm-up run and capture in %.2f s (%d graphs)", key, time.perf_counter() - began,
+                    len(self._graphs))
         return result
 
     def _first_tokens(self, plan: list[tuple[Request, int, int]],
@@ -184,17 +239,24 @@ class ModelRunner:
         self.cache.active.index_copy_(0, slots, completes.bool())  # mid-prompt slots stay out of decode
         return logits
 
-    def _mixed_body(self, inputs: torch.Tensor, batch: int, variant: str,
-                    fresh: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a mixed graph holds: the decode step (its ids drawn while the chunks' slots are
-        still inactive), then the slots that complete their prompt become active. Returns (the
-        chunks' last-token logits [rows, V], the decode ids [batch])."""
+    def _mixed_body(self, inputs: torch.Tensor, batch: int,
+                    fresh: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a mixed graph holds: the model pass, its decode logits into the static
+        ``decode_logits`` buffer (drawn from by the (batch, variant) sampler graph after it: one
+        mixed graph serves every sampler). Returns (the chunks' last-token logits [rows, V], their
+        slots and completes flags: the caller activates those slots after the draw)."""
         ids, slots, starts, lengths, completes = self._unpack(inputs)
         decode_logits, logits = self.model.mixed_step(self.input_tokens[:batch], self.cache, ids, slots, starts,
                                                       lengths, fresh)
-        decoded = self._next_inputs(decode_logits, batch, variant)
-        self.cache.active.index_copy_(0, slots, completes.bool())
-        return logits, decoded
+        self.decode_logits[:batch].copy_(decode_logits)
+        return logits, slots, completes
+
+    def _sample_decode_logits(self, batch: int, variant: str) -> torch.Tensor:
+        """The next ids [batch] drawn from ``decode_logits[:batch]``: a graph replay, or eager."""
+        if self.use_graphs:
+            self._graphs["sample", batch, variant].replay()
+            return self._graph_outputs["sample", batch, variant]
+        return self._next_inputs(self.decode_logits[:batch], batch, variant)
 
     def release(self, slots: Sequence[int]) -> None:
         """Mark slots inactive (their requests ended on the host: a stop string, an abort). One
@@ -230,14 +292,18 @@ class ModelRunner:
                 for variant in SAMPLER_VARIANTS:
                     for _ in range(2):
                         self._step_body(batch, variant)
+                        self._next_inputs(self.decode_logits[:batch], batch, variant)
         torch.cuda.current_stream(self.device).wait_stream(side)
         for batch in reversed(self.batch_sizes):
             for variant in SAMPLER_VARIANTS:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    self._graph_outputs[batch, variant] = self._step_body(batch, variant)
-                self._pool = graph.pool()
-                self._graphs[batch, variant] = graph
+                for key, body in (((batch, variant), lambda: self._step_body(batch, variant)),
+                                  (("sample", batch, variant),
+                                   lambda: self._next_inputs(self.decode_logits[:batch], batch, variant))):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self._pool):
+                        self._graph_outputs[key] = body()
+                    self._pool = graph.pool()
+                    self._graphs[key] = graph
         torch.cuda.synchronize(self.device)
 
     def decode(self, batch: int, variant: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,8 +2,11 @@
 which prompt tokens are prefilled in the next step.
 
 Requests wait in arrival order. Each step, ``schedule_prefill`` spends a budget of
-``max_prefill_tokens`` prompt tokens: first on the prompts already admitted but not yet wholly
-in the cache, then on waiting requests, which get the lowest free slots (so the running slots
+``max_prefill_tokens`` tokens, the step's decode rows included (as vLLM's
+max_num_batched_tokens: a mixed step's GEMMs then have at most that many rows, its time stays
+bounded, and a budget that is a multiple of the GEMM tile keeps them whole), at least
+``MIN_PREFILL_TOKENS`` of them prompt tokens: first on the prompts already admitted but not yet
+wholly in the cache, then on waiting requests, which get the lowest free slots (so the running slots
 stay packed at the bottom and the decode graph stays small) and the K/V pages for their prompt +
 max_tokens positions, taken at admission for the request's life (so a running request never
 waits for memory and nothing is preempted); the head of the queue waits while either is short.
@@ -20,10 +23,13 @@ from collections import deque
 
 from fuselm.engine.request import Request
 
+MIN_PREFILL_TOKENS = 16  # prompt tokens a step may always take, however many rows decode
+
 
 class Scheduler:
     """Slots 0 .. max_batch-1, K/V pages 0 .. num_pages-1 of ``page_size`` tokens; at most
-    ``max_prefill_tokens`` (>= 1) prompt tokens prefilled per step."""
+    ``max_prefill_tokens`` (>= 1) tokens per step, decode rows and prompt tokens together (but
+    min(max_prefill_tokens, MIN_PREFILL_TOKENS) prompt tokens whatever decodes)."""
 
     def __init__(self, max_batch: int, max_prefill_tokens: int, num_pages: int, page_size: int):
         if not isinstance(max_prefill_tokens, int) or isinstance(max_prefill_tokens, bool) or max_prefill_tokens < 1:
@@ -50,29 +56,38 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule_prefill(self) -> list[tuple[Request, int, int]]:
+    def schedule_prefill(self, decode_rows: int = 0) -> list[tuple[Request, int, int]]:
         """This step's prefill work as (request, first prompt position, tokens): the prompts in
-        progress first, then newly admitted ones, within the token budget. Empty when there is
-        none."""
-        plan, budget = [], self.max_prefill_tokens
+        progress first, then newly admitted ones, within the token budget less the step's
+        ``decode_rows``, counting each row as long as the plan's longest (the rows are padded to
+        it). Empty when there is none."""
+        # The chunks run right-padded to the longest one: R rows of T tokens cost R T, so a plan
+        # of R rows keeps R x its longest chunk within the budget.
+        budget = max(self.max_prefill_tokens - decode_rows, min(self.max_prefill_tokens, MIN_PREFILL_TOKENS))
+        plan, longest = [], 0
+
+        def chunk(remaining: int) -> int:  # tokens the next row may take (0: it does not fit)
+            rows = len(plan) + 1
+            return min(remaining, budget // rows) if rows * longest <= budget else 0
+
         for request in self.prefilling:
-            if budget == 0:
+            count = chunk(len(request.prompt_token_ids) - request.num_prompt_computed)
+            if count == 0:
                 return plan
-            count = min(budget, len(request.prompt_token_ids) - request.num_prompt_computed)
             plan.append((request, request.num_prompt_computed, count))
-            budget -= count
-        while self.waiting and self._free_slots and budget:
+            longest = max(longest, count)
+        while self.waiting and self._free_slots:
+            count = chunk(len(self.waiting[0].prompt_token_ids))
             pages = self.pages_needed(self.waiting[0])
-            if pages > self.free_pages:
+            if count == 0 or pages > self.free_pages:
                 break
             request = self.waiting.popleft()
             request.slot = heapq.heappop(self._free_slots)
             request.pages = [heapq.heappop(self._free_pages) for _ in range(pages)]
             self.running[request.slot] = request
             self.prefilling.append(request)
-            count = min(budget, len(request.prompt_token_ids))
             plan.append((request, 0, count))
-            budget -= count
+            longest = max(longest, count)
         return plan
 
     def prefilled(self, request: Request, tokens: int) -> None:
@@ -88,6 +103,13 @@ class Scheduler:
     def slots_in_use(self) -> int:
         """1 + the highest running slot (0 when none runs): the decode step must cover these."""
         return max(self.running) + 1 if self.running else 0
+
+    def slots_in_use_after_admission(self) -> int:
+        """``slots_in_use`` once the next waiting request takes the lowest free slot (what a step
+        that admits it covers; the same when nothing waits or no slot is free)."""
+        if self.waiting and self._free_slots:
+            return max(self.slots_in_use(), self._free_slots[0] + 1)
+        return self.slots_in_use()
 
     def finish(self, request: Request) -> None:
         """Free a finished (or aborted) request's slot and pages."""

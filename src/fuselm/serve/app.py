@@ -245,6 +245,11 @@ def run_server(model: ServedModel, host: str = "127.0.0.1", port: int = 8000, ma
     print(f"fuselm serve: {model.name} (max_batch {engine.max_batch}, max_len {engine.max_len}, "
           f"{'text and token-id prompts' if model.tokenizer is not None else 'token-id prompts only'})",
           file=sys.stderr, flush=True)
+    began = time.perf_counter()
+    captured = engine.capture_mixed_graphs()
+    if captured:
+        print(f"fuselm serve: {captured} mixed prefill + decode graphs captured in {time.perf_counter() - began:.1f} s",
+              file=sys.stderr, flush=True)
     # The engine thread and the event loop share one interpreter: the engine thread must get the
     # GIL back well within a decode step (the default 5 ms switch interval is half a batch-32
     # step), and a full garbage collection walking the objects loaded at start-up would stall one:

@@ -150,9 +150,14 @@ class GatedDeltaNet(nn.Module):
         _assign(self, "norm", take("norm.weight"))
         _assign(self, "out_proj", take("out_proj.weight"))
 
-    def _project(self, x):
-        """x [B, T, D] -> (qkv [B, T, conv_dim], z [B, T, HV, Vd], b, a [B, T, HV]), model dtype."""
-        proj = F.linear(x, self.in_proj)
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The input projection x [..., D] -> [..., conv_dim + value_dim + 2 HV] (one GEMM);
+        ``prefill`` and ``decode`` take it ready-made as ``projected`` (a mixed step computes it
+        for its decode rows and prompt tokens in one GEMM)."""
+        return F.linear(x, self.in_proj)
+
+    def _split_projection(self, proj):
+        """proj [B, T, P] -> (qkv [B, T, conv_dim], z [B, T, HV, Vd], b, a [B, T, HV]), model dtype."""
         qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
         return qkv, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)), b, a
 
@@ -169,8 +174,10 @@ class GatedDeltaNet(nn.Module):
         gated = (normed.float() * F.silu(z.float())).to(o.dtype)
         return F.linear(gated.flatten(-2), self.out_proj)
 
-    def prefill(self, x: torch.Tensor, cache: DeltaNetCache, step: PrefillStep) -> torch.Tensor:
-        qkv, z, b, a = self._project(x)
+    def prefill(self, x: torch.Tensor, cache: DeltaNetCache, step: PrefillStep,
+                projected: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D] (or ``projected`` = ``project(x)`` [B, T, P]) -> [B, T, D]."""
+        qkv, z, b, a = self._split_projection(self.project(x) if projected is None else projected)
         # Causal depthwise conv + SiLU over each row's tokens after the inputs before the chunk
         # (the slot's conv state; zeros before position 0), as HF's causal_conv1d_fn rounds it;
         # the kernel also leaves the slot's new conv state (``causal_conv1d_silu``).
@@ -188,11 +195,13 @@ class GatedDeltaNet(nn.Module):
         cache.recurrent.index_copy_(0, step.slots, final)  # fp32 [B, HV, Kd, Vd]
         return self._output(o, z)
 
-    def decode(self, x: torch.Tensor, cache: DeltaNetCache, step: DecodeStep) -> torch.Tensor:
-        """Three launches: in_proj; conv update + gates + l2-norm + recurrence on the state pool
-        (slot -1, an inactive row, reads zeros and writes no state); gated RMSNorm fused into
-        out_proj (``decode_linear``). Same math and roundings as ``prefill`` / HF."""
-        proj = F.linear(x, self.in_proj)[:, 0]  # x [max_batch, 1, D] -> [max_batch, P]
+    def decode(self, x: torch.Tensor, cache: DeltaNetCache, step: DecodeStep,
+               projected: torch.Tensor | None = None) -> torch.Tensor:
+        """x [max_batch, 1, D] (or ``projected`` = ``project(x)``) -> [max_batch, 1, D]. Three
+        launches: in_proj; conv update + gates + l2-norm + recurrence on the state pool (slot -1,
+        an inactive row, reads zeros and writes no state); gated RMSNorm fused into out_proj
+        (``decode_linear``). Same math and roundings as ``prefill`` / HF."""
+        proj = (self.project(x) if projected is None else projected)[:, 0]  # [max_batch, P]
         o = gated_delta_rule_decode_step(
             proj, cache.conv, self.conv_weight, self.A_log, self.dt_bias, cache.recurrent, step.state_slots,
             step.positions, num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim,
@@ -249,10 +258,15 @@ class GatedAttention(nn.Module):
         _assign(self, "k_norm", take("k_norm.weight"))
         _assign(self, "o_proj", take("o_proj.weight"))
 
-    def _project(self, x, cos, sin):
-        """x [B, T, D] -> q [B, nH, T, hd], k, v [B, nKV, T, hd], gate [B, T, nH hd]."""
-        B, T, _ = x.shape
-        q_gate, k, v = F.linear(x, self.qkv_proj, self.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], -1)
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The q/gate, k, v projection x [..., D] -> [..., 2 nH hd + 2 nKV hd] (one GEMM; see
+        ``GatedDeltaNet.project``)."""
+        return F.linear(x, self.qkv_proj, self.qkv_bias)
+
+    def _split_projection(self, qkv, cos, sin):
+        """qkv [B, T, P] -> q [B, nH, T, hd], k, v [B, nKV, T, hd], gate [B, T, nH hd]."""
+        B, T, _ = qkv.shape
+        q_gate, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
         q, gate = q_gate.view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         # Zero-centered RMSNorm per head: fp32 statistics, (x_normed * (1 + w)) rounded once.
         q = rms_norm(q, self.q_norm, self.eps, 1.0)
@@ -266,9 +280,10 @@ class GatedAttention(nn.Module):
         attn = attn.transpose(1, 2).flatten(2)
         return F.linear(attn * torch.sigmoid(gate), self.o_proj, self.o_bias)
 
-    def prefill(self, x: torch.Tensor, cache: AttentionCache, step: PrefillStep) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v, gate = self._project(x, step.cos, step.sin)
+    def prefill(self, x: torch.Tensor, cache: AttentionCache, step: PrefillStep,
+                projected: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D] (or ``projected`` = ``project(x)`` [B, T, P]) -> [B, T, D]."""
+        q, k, v, gate = self._split_projection(self.project(x) if projected is None else projected, step.cos, step.sin)
         # K/V of position p into slot p % P of page pages[p // P] (P = page size); positions past
         # the block-table row (only padding gets there) into the scratch page. Padded positions
         # land beyond their row's length, where decode never reads and a later token overwrites.
@@ -289,13 +304,14 @@ class GatedAttention(nn.Module):
             attn = prefill_attention(q, cache.key, cache.value, step.pages, step.starts, step.lengths, self.scale)
         return self._output(attn, gate)
 
-    def decode(self, x: torch.Tensor, cache: AttentionCache, step: DecodeStep) -> torch.Tensor:
-        """qkv GEMM; q/k norm + RoPE + the K/V write into each row's page and slot in one launch
-        (``qk_norm_rope_kv_write``, the roundings of ``_project``); attention over each row's
+    def decode(self, x: torch.Tensor, cache: AttentionCache, step: DecodeStep,
+               projected: torch.Tensor | None = None) -> torch.Tensor:
+        """x [max_batch, 1, D] (or ``projected`` = ``project(x)``) -> [max_batch, 1, D]. qkv GEMM; q/k norm + RoPE + the K/V write into each row's page and slot in one launch
+        (``qk_norm_rope_kv_write``, the roundings of ``_split_projection``); attention over each row's
         positions 0 .. position only, through its block-table row (``decode_attention``: split
         over the sequence, fp32 softmax); the sigmoid gate fused into o_proj (``decode_linear``)."""
-        B = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # x [max_batch, 1, D]
+        qkv = self.project(x) if projected is None else projected  # [max_batch, 1, P]
+        B = qkv.shape[0]
         q = qk_norm_rope_kv_write(qkv, self.q_norm, self.k_norm, step.cos, step.sin, cache.key, cache.value,
                                   step.write_column, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                   head_dim=self.head_dim, eps=self.eps, write_row=step.write_page)

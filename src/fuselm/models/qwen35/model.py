@@ -300,9 +300,10 @@ class Qwen35(nn.Module):
         """A decode step of cache rows 0 .. b-1 (``token_ids`` [b], as :meth:`decode_step` on
         ``cache.first_rows(b)``) and a prompt chunk per row (``input_ids`` [R, T] into ``slots``, as
         :meth:`prefill_step`) in one pass, as vLLM's mixed batches: their b + R T tokens share the
-        norms, the MLP GEMMs and the LM head (most of the weight bytes: read once for both), and
-        each half goes through its own token mixers (decode kernels; chunked prefill). Returns (decode logits [b, vocab],
-        the logits of each prefill row's last real token [R, vocab]).
+        norms, the token mixers' input projections, the MLP GEMMs and the LM head (most of the
+        weight bytes: read once for both), and each half goes through its own token mixing
+        (decode kernels; chunked prefill). Returns (decode logits [b, vocab], the logits of each
+        prefill row's last real token [R, vocab]).
 
         Decode rows advance as in :meth:`decode_step`; the prefill slots get lengths
         starts + lengths but keep their ``active`` flag (they must be inactive in the decode half:
@@ -315,8 +316,9 @@ class Qwen35(nn.Module):
         R, T = input_ids.shape
 
         def mix(mixer, x, i):  # x [b + R T, 1, D]: the decode rows, then the prompt tokens
-            decoded = mixer.decode(x[:b], rows.layers[i], decode)
-            prefilled = mixer.prefill(x[b:].view(R, T, -1), cache.layers[i], prefill)
+            projected = mixer.project(x)  # one input-projection GEMM for both halves
+            decoded = mixer.decode(x[:b], rows.layers[i], decode, projected[:b])
+            prefilled = mixer.prefill(x[b:].view(R, T, -1), cache.layers[i], prefill, projected[b:].view(R, T, -1))
             return torch.cat([decoded, prefilled.view(R * T, 1, -1)])
 
         hidden = self._layers(torch.cat([decode_x, prefill_x.view(R * T, 1, -1)]), mix)
