@@ -80,6 +80,7 @@ for stage in $stages; do  # serveN: 32 clients, then Poisson at 80% of their thr
   bench serve_poisson_budget$budget --num-prompts 96 --request-rate "$budget_rate" --burstiness 1 \
     --max-concurrency 32 --goodput ttft:500
   stop
+  cp "$work/serve_poisson_budget$budget.png" "$OUT/" 2>/dev/null
   grep -c "graph (" "$work/server_$budget.log" | sed "s/^/graph captures at budget $budget: /"
   tail -c 20000 "$work/server_$budget.log" > "$OUT/server_$budget.log"
 done
