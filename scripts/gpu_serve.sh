@@ -13,7 +13,8 @@
 #   5. GPU tests of the serving path; compute-sanitizer memcheck of the sampling kernel
 # Writes to $OUT (default ./gpu_out):
 #   serve.md (every bench-serve table), serve.json (their JSON), serve_poisson.png, engine.md,
-#   server_*.log (each server's log tail: graph captures),
+#   server_*.log (each server's log tail: graph captures), steps_*.md (benchmarks/step_log.py: step
+#   durations by kind, per benchmark run),
 #   hf_anchor.md, hf_anchor.json, serve_tests.log, sanitizer.log; sampling.md (the sampler's cut-off
 #   ways: sort, histogram, top-k candidates; benchmarks/sampling.py) when that stage is named
 # Usage: bash scripts/gpu_serve.sh [STAGE ...]   stages: engine serve serveN hf tests sanitizer sampling
@@ -50,7 +51,7 @@ bench() {  # label, then bench-serve options
 }
 serve() {  # prefill token budget ("" for the CLI's default); then the benches run
   setsid python3 -m fuselm serve "$checkpoint" --max-batch 32 --max-len 1024 --port $port \
-    ${1:+--max-prefill-tokens $1} > "$work/server_$1.log" 2>&1 &
+    ${1:+--max-prefill-tokens $1} --step-log "$work/steps_$1.jsonl" > "$work/server_$1.log" 2>&1 &
   server=$!
   for _ in $(seq 240); do healthy && break; sleep 1; done
   healthy || { echo "server did not come up"; tail -40 "$work/server_$1.log"; kill $server; exit 1; }
@@ -69,6 +70,7 @@ if want serve; then
   cp "$work/serve_poisson.png" "$OUT/" 2>/dev/null
   stop
   tail -c 20000 "$work/server_.log" > "$OUT/server_default.log"
+  python3 benchmarks/step_log.py "$work/steps_.jsonl" > "$OUT/steps_default.md" 2>&1
 fi
 for stage in $stages; do  # serveN: 32 clients, then Poisson at 80% of their throughput (or $RATE), budget N
   [[ $stage =~ ^serve([0-9]+)$ ]] || continue
@@ -81,6 +83,7 @@ for stage in $stages; do  # serveN: 32 clients, then Poisson at 80% of their thr
     --max-concurrency 32 --goodput ttft:500
   stop
   cp "$work/serve_poisson_budget$budget.png" "$OUT/" 2>/dev/null
+  python3 benchmarks/step_log.py "$work/steps_$budget.jsonl" > "$OUT/steps_$budget.md" 2>&1
   grep -c "graph (" "$work/server_$budget.log" | sed "s/^/graph captures at budget $budget: /"
   tail -c 20000 "$work/server_$budget.log" > "$OUT/server_$budget.log"
 done

@@ -167,6 +167,26 @@ def test_a_plan_counts_its_rows_padded_to_the_longest():
     assert all(len(p) * max(p) <= 512 for p in plans)
 
 
+def test_the_step_log_records_each_step(model):
+    """Engine.step_log (fuselm serve --step-log): one entry per step with its kind, decode rows and
+    prompt tokens; benchmarks/step_log.py times them by the gaps between reads."""
+    import importlib.util
+    from pathlib import Path
+
+    engine = Engine(model, max_batch=2, max_len=32, max_prefill_tokens=6)
+    engine.step_log = []
+    engine.generate([prompt(4, 80), prompt(13, 81)], greedy(3))
+    kinds = [step["kind"] for step in engine.step_log]
+    assert kinds[0] == "prefill+decode" and "mixed" in kinds and kinds[-1] in ("decode", "idle")
+    assert sum(step["prompt_tokens"] for step in engine.step_log) == 17
+    assert all(step["read"] >= step["began"] for step in engine.step_log)
+    spec = importlib.util.spec_from_file_location("step_log", Path(__file__).parents[1] / "benchmarks" / "step_log.py")
+    step_log = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step_log)
+    table = step_log.summarise(engine.step_log)
+    assert "| mixed |" in table and "| all |" in table
+
+
 def test_seeded_sampling_is_the_same_alone_and_in_any_batch(model, engine):
     params = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     target = prompt(7, 5)

@@ -315,11 +315,13 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_fuselm_serve_config_tiny_takes_token_ids_and_exits_0_on_sigterm():
+def test_fuselm_serve_config_tiny_takes_token_ids_and_exits_0_on_sigterm(tmp_path):
+    """... and writes its step log (--step-log) on the way out."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
+    step_log = tmp_path / "steps.jsonl"
     command = [sys.executable, "-m", "fuselm", "serve", "--config", "tiny", "--device", "cpu", "--port", str(port),
-               "--max-batch", "1", "--max-len", "32"]
+               "--max-batch", "1", "--max-len", "32", "--step-log", str(step_log)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ))
 
     async def use():
@@ -350,3 +352,5 @@ def test_fuselm_serve_config_tiny_takes_token_ids_and_exits_0_on_sigterm():
     assert len(ids_answer["choices"][0]["token_ids"]) == ids_answer["usage"]["completion_tokens"] >= 1
     assert text_status == 400 and "no tokenizer" in text_answer["error"]["message"]
     assert process.returncode == 0, output
+    steps = [json.loads(line) for line in step_log.read_text().splitlines()]
+    assert steps and steps[0]["kind"] == "prefill+decode" and steps[0]["prompt_tokens"] == 3

@@ -25,6 +25,7 @@ exit status 1.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -152,10 +153,15 @@ def _serve(args) -> int:
         model = ServedModel.random(args.config, dtype=dtype, device=device, max_batch=args.max_batch,
                                    max_len=args.max_len, seed=args.seed, name=args.served_model_name,
                                    max_prefill_tokens=args.max_prefill_tokens, kv_cache_tokens=args.kv_cache_tokens)
+    if args.step_log is not None:
+        model.engine.step_log = []
     try:
         run_server(model, args.host, args.port, args.max_queue)
     except OSError as error:  # the address cannot be listened on
         raise ValueError(f"--host/--port: {error}") from None
+    if args.step_log is not None:
+        with open(args.step_log, "w") as handle:
+            handle.writelines(json.dumps(step) + "\n" for step in model.engine.step_log)
     return 0
 
 
@@ -378,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
                             f"longer prompts go in chunks over several steps ({SERVE_MAX_PREFILL_TOKENS})")
     serve.add_argument("--max-queue", type=int, default=None,
                        help="requests that may wait for a slot; more get a 503 (default: no limit)")
+    serve.add_argument("--step-log", default=None, metavar="PATH",
+                       help="write one JSON line per engine step to PATH at shutdown (kind, decode rows, prompt "
+                            "tokens, host times; benchmarks/step_log.py summarises it)")
     _add_model_arguments(serve, "seeds the sampling seeds of requests without one (and --config's weights)")
     serve.set_defaults(run=_serve, command_parser=serve)
 

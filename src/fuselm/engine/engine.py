@@ -94,6 +94,10 @@ class Engine:
         self.scheduler = Scheduler(max_batch, max_prefill_tokens or max_batch * max_len, cache.num_pages,
                                    cache.page_size)
         self.model = model
+        # Set to a list to record each step (``step()``: what it launched, when its host work
+        # began and when it had read the step before's ids: the gaps between "read" times are the
+        # steps' durations as a decoding request sees them); ``fuselm serve --step-log``.
+        self.step_log: list[dict] | None = None
         self.vocab_size = model.config.vocab_size
         self.eos_ids = model.config.stop_token_ids
         self._seeds = random.Random(seed)
@@ -201,6 +205,7 @@ class Engine:
         read at once, behind that decode step). Then read the launches of the step before.
         Returns the requests that got a token (finished ones included)."""
         updated, pending = [], []
+        began = time.perf_counter()
         decoding = self.scheduler.decoding()
         # The budget less the decode rows this step will run (the decode batch covers the slot a
         # newly admitted request takes: mixed graphs are keyed by it, captured up front).
@@ -232,6 +237,12 @@ class Engine:
         # A launch whose requests all ended meanwhile is dropped unread.
         self._in_flight = [launched for launched in pending
                            if any(not request.finished for request in launched.requests.values())]
+        if self.step_log is not None:
+            kind = "mixed" if mixed else "prefill+decode" if plan and decoding else "prefill" if plan else \
+                "decode" if decoding else "idle"
+            self.step_log.append({"began": began, "read": time.perf_counter(), "kind": kind,
+                                  "decode_rows": len(decoding), "chunks": len(plan),
+                                  "prompt_tokens": sum(count for _, _, count in plan)})
         return updated
 
     def capture_mixed_graphs(self) -> int:

@@ -1,0 +1,85 @@
+"""Summarise an engine step log (``fuselm serve --step-log PATH``): how long each kind of step
+takes as a decoding request sees it, and which steps make the slowest 1%.
+
+    python benchmarks/step_log.py PATH [--skip-first 0] [--split-gap 1.0]
+
+The engine enqueues step n and then reads step n-1's ids, so the gap between the "read" times of
+steps n-1 and n is step n-1's duration (its GPU time when the GPU is the bottleneck, else the
+host's work) — the inter-token latency of every request decoding in it. Gaps are attributed to
+the kind of the step they time: decode, mixed (prompt chunks + decode in one pass), prefill (no
+decode rows), prefill+decode (a prefill step with a decode step behind it). Idle steps (nothing
+to run) and the gap after them are left out. Prints a markdown table per kind (count, share,
+median, p90, p99, max, mean prompt tokens) and the kinds / sizes of the slowest 1% of gaps, for
+each run of steps without a pause of more than --split-gap seconds (a server's benchmarks, one
+after another, come out as separate runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def gaps(steps: list[dict]) -> list[tuple[float, dict]]:
+    """(duration in ms, the step it times) for each pair of consecutive non-idle steps."""
+    timed = []
+    for before, after in zip(steps, steps[1:]):
+        if before["kind"] != "idle" and after["kind"] != "idle":
+            timed.append((1e3 * (after["read"] - before["read"]), before))
+    return timed
+
+
+def summarise(steps: list[dict]) -> str:
+    timed = gaps(steps)
+    if not timed:
+        return "no timed steps"
+    lines = ["| step kind | steps | share | median ms | p90 ms | p99 ms | max ms | mean prompt tokens |",
+             "|---|---|---|---|---|---|---|---|"]
+    kinds = Counter(step["kind"] for _, step in timed)
+    for kind, count in kinds.most_common():
+        ms = [gap for gap, step in timed if step["kind"] == kind]
+        tokens = [step["prompt_tokens"] for _, step in timed if step["kind"] == kind]
+        lines.append(f"| {kind} | {count} | {count / len(timed):.1%} | {percentile(ms, 0.5):.2f} | "
+                     f"{percentile(ms, 0.9):.2f} | {percentile(ms, 0.99):.2f} | {max(ms):.2f} | "
+                     f"{sum(tokens) / count:.0f} |")
+    every = [gap for gap, _ in timed]
+    lines.append(f"| all | {len(timed)} | 100% | {percentile(every, 0.5):.2f} | {percentile(every, 0.9):.2f} | "
+                 f"{percentile(every, 0.99):.2f} | {max(every):.2f} | |")
+    slowest = sorted(timed, key=lambda item: -item[0])[:max(1, len(timed) // 100)]
+    lines += ["", f"slowest 1% ({len(slowest)} steps): " + ", ".join(
+        f"{gap:.1f} ms {step['kind']} (rows {step['decode_rows']}, chunks {step['chunks']}, "
+        f"prompt tokens {step['prompt_tokens']})" for gap, step in slowest[:20])]
+    return "\n".join(lines)
+
+
+def runs(steps: list[dict], split_gap: float) -> list[list[dict]]:
+    """The steps cut wherever the engine paused (nothing to do) for more than ``split_gap`` s."""
+    out = [[]]
+    for step in steps:
+        if out[-1] and step["began"] - out[-1][-1]["read"] > split_gap:
+            out.append([])
+        out[-1].append(step)
+    return [run for run in out if run]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path")
+    parser.add_argument("--skip-first", type=int, default=0, help="steps to leave out at the start (warm-up)")
+    parser.add_argument("--split-gap", type=float, default=1.0, help="a pause (s) that starts a new run")
+    args = parser.parse_args()
+    with open(args.path) as handle:
+        steps = [json.loads(line) for line in handle if line.strip()]
+    for i, run in enumerate(runs(steps[args.skip_first:], args.split_gap)):
+        print(f"### run {i + 1}: {len(run)} steps over {run[-1]['read'] - run[0]['began']:.1f} s\n")
+        print(summarise(run) + "\n")
+
+
+if __name__ == "__main__":
+    main()
