@@ -1,7 +1,7 @@
 """The Qwen3.5-MoE sparse block: fuselm's ``SwiGLUMoE`` against HF's ``Qwen3_5MoeSparseMoeBlock``
 (grouped_mm experts path, as a user calls it) and the floor, at the 35B-A3B layer shape (GPU only).
 
-    python benchmarks/moe.py [--tokens 1 8 64 256 4096 16384] [--skewed] [--out DIR]
+    python benchmarks/moe.py [--tokens 1 8 64 256 4096 16384] [--skewed] [--profile] [--out DIR]
 
 H 2048, E 256, k 8, F 512, F_s 512, bf16, random weights. Per token count: GPU time of one call
 replayed from a CUDA graph (fuselm; do_bench median), HF's block as called (eager: its experts
@@ -25,7 +25,7 @@ from fuselm.ops.moe import SwiGLUMoE
 from fuselm.ops.moe.grouped_gemm import combine, expert_down
 from fuselm.ops.moe.routing import route
 from fuselm.ops.silu_mul import silu_mul
-from timing import bench, graph_bench
+from timing import bench, graph_bench, kernel_breakdown
 
 H, E, K, F_, F_S = 2048, 256, 8, 512, 512
 
@@ -88,12 +88,14 @@ def main():
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 4096, 16384])
     parser.add_argument("--skewed", action="store_true")
     parser.add_argument("--out", default=".")
+    parser.add_argument("--profile", action="store_true",
+                        help="also each kernel's GPU time per call (torch.profiler, eager calls): moe_kernels.md")
     args = parser.parse_args()
     torch.manual_seed(0)
     block = hf_block()
     moe = SwiGLUMoE.from_hf(block)
     bandwidth, rate = copy_bandwidth(), matrix_rate()
-    rows = []
+    rows, profiles = [], []
     for tokens in args.tokens:
         x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
         if args.skewed:  # half the tokens lean towards experts 0..15
@@ -107,6 +109,10 @@ def main():
         x_per_pair = x.repeat_interleave(moe.top_k + moe.num_shared, 0)
         plain = graph_bench(lambda: unfused(moe, x, x_per_pair))
         floor = floor_ms(moe, hit, tokens, bandwidth, rate)
+        if args.profile:
+            kernels = kernel_breakdown(lambda: moe(x))
+            profiles.append(f"### {tokens} tokens: GPU us per call\n\n| kernel | us |\n|---|---|\n" + "\n".join(
+                f"| {name} | {us} |" for name, us in sorted(kernels.items(), key=lambda item: -item[1])))
         rows.append({"tokens": tokens, "experts_hit": hit, "fuselm_ms": ours, "hf_ms": hf, "unfused_ms": plain,
                      "floor_ms": floor, "pct_of_floor": 100 * floor / ours, "vs_hf": hf / ours,
                      "vs_unfused": plain / ours, "tflops": 2 * tokens * (K + moe.num_shared) * 3 * F_ * H / ours / 1e9})
@@ -126,6 +132,9 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     suffix = "_skewed" if args.skewed else ""
     (out / f"moe{suffix}.md").write_text(text + "\n")
+    if profiles:
+        (out / f"moe_kernels{suffix}.md").write_text("\n\n".join(profiles) + "\n")
+        print("\n\n".join(profiles))
     (out / f"moe{suffix}.json").write_text(json.dumps({"device": name, "bandwidth": bandwidth, "rate": rate,
                                                        "rows": rows}, indent=1))
 

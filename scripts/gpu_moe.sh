@@ -5,7 +5,8 @@
 #   sanitizer  compute-sanitizer memcheck of the routing, grouped-GEMM and combine kernels (skewed and
 #              empty-expert cases included; graph-capture tests apart): moe_sanitizer.log
 #   bench      benchmarks/moe.py: the 35B-A3B block at 1 .. 16384 tokens vs HF's block, the unfused
-#              path and the floor, uniform and skewed routing: moe.md / moe.json, moe_skewed.*
+#              path and the floor, uniform and skewed routing: moe.md / moe.json, moe_skewed.*;
+#              each kernel's GPU time per token count: moe_kernels.md
 #   generate   `fuselm generate --config 35b-a3b` (random bf16 weights drawn on the device, ~69 GB:
 #              use the nvidia-h200 kind), batch 1 and 8: moe_generate.md
 # Usage: bash scripts/gpu_moe.sh [STAGE ...]   (default: tests sanitizer bench)
@@ -26,7 +27,7 @@ if want sanitizer; then
   tail -4 "$OUT/moe_sanitizer.log"
 fi
 if want bench; then
-  PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 400 python3 benchmarks/moe.py --out "$OUT" || status=1
+  PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 400 python3 benchmarks/moe.py --profile --out "$OUT" || status=1
   PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 300 python3 benchmarks/moe.py --skewed --tokens 64 4096 \
     --out "$OUT" || status=1
 fi
