@@ -135,7 +135,7 @@ def test_a_bad_sampling_flag_is_one_error_line(checkpoint, capsys):
     (["generate", "--prompt", "Hi"], "need MODEL_DIR"),
     (["generate", "some-dir", "--prompt", "Hi", "--batch", "2"], "--batch"),
     (["generate", "some-dir", "--prompt", "Hi", "--system", "S"], "add --chat"),
-    (["generate", "--config", "7b"], "expected one of tiny, 9b, tiny-moe, 35b-a3b or a config.json file"),
+    (["generate", "--config", "7b"], "expected one of tiny, 9b, tiny-moe, 35b-a3b, 0.8b or a config.json file"),
     (["chat"], "MODEL_DIR"),
     (["init-checkpoint", "some-dir"], "--config"),
     (["audit", "--config", "tiny", "--checkpoint", "some-dir"], "exclusive"),

@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
-PRESETS = ("tiny", "9b", "tiny-moe", "35b-a3b")  # fuselm.models.qwen35.presets.PRESETS (no import here: lazy)
+PRESETS = ("tiny", "9b", "tiny-moe", "35b-a3b", "0.8b")  # fuselm.models.qwen35.presets.PRESETS (no import here: lazy)
 TEXT_MAX_TOKENS, TEXT_MAX_LEN = 256, 4096
 # Prompt tokens per engine step when serving: the longest stall of running decodes (a 9B prefill on
 # the H100 took 61 ms for 512 tokens and 276 ms for 8192 when measured, issue 18).

@@ -72,7 +72,19 @@ def config_35b_a3b() -> Qwen35Config:
     return Qwen35Config.from_hf(Qwen3_5MoeTextConfig())
 
 
-PRESETS = ("tiny", "9b", "tiny-moe", "35b-a3b")
+def config_0_8b() -> Qwen35Config:
+    """A Qwen3.5-shaped config of ~0.8B parameters for training runs and benchmarks (issue 20; not
+    a released checkpoint's config): hidden 1024, 24 layers (every 4th full attention, 8 query
+    and 2 KV heads of 256), Gated DeltaNet with 16 key and 16 value heads of 128, MLP 4096, the
+    real 248,320-token vocabulary with tied embeddings (254M of the parameters)."""
+    return Qwen35Config(vocab_size=248320, hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                        num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_key_head_dim=128,
+                        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=16,
+                        tie_word_embeddings=True,
+                        layer_types=tuple("full_attention" if i % 4 == 3 else "linear_attention" for i in range(24)))
+
+
+PRESETS = ("tiny", "9b", "tiny-moe", "35b-a3b", "0.8b")
 
 
 def preset_config(name: str, vocab_size: int | None = None) -> Qwen35Config:
@@ -80,7 +92,7 @@ def preset_config(name: str, vocab_size: int | None = None) -> Qwen35Config:
     models' (a checkpoint with the real tokenizer needs 248320)."""
     tiny = {} if vocab_size is None else {"vocab_size": vocab_size}
     builders = {"tiny": lambda: tiny_config(**tiny), "9b": config_9b, "tiny-moe": lambda: tiny_moe_config(**tiny),
-                "35b-a3b": config_35b_a3b}
+                "35b-a3b": config_35b_a3b, "0.8b": config_0_8b}
     if not isinstance(name, str) or name.lower() not in builders:
         raise ValueError(f"config: expected one of {PRESETS}, got {name!r}")
     return builders[name.lower()]()
