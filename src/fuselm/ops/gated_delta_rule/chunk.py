@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselm.ops.gated_delta_rule.fused_recurrent import _check, _NoBackward
+from fuselm.ops.gated_delta_rule.fused_recurrent import _check
 from fuselm.ops.gated_delta_rule.naive import chunk_gated_delta_rule_ref
 from fuselm.runtime import cdiv, needs_autograd, next_power_of_2, num_sms, use_triton
 
@@ -334,16 +334,18 @@ def chunk_gated_delta_rule(
         cu_seqlens: [N + 1] offsets of N packed sequences (B = 1); no host sync while a CUDA
             graph is being captured.
     Returns:
-        (o [B, T, HV, V] in v's dtype, final_state or None). No backward yet (a clear error).
+        (o [B, T, HV, V] in v's dtype, final_state or None). Differentiable in q, k, v, g, beta and
+        initial_state (also through final_state): ``chunk_backward.ChunkGatedDeltaRuleFunction``.
     """
     N = _check(q, k, v, g, beta, None, initial_state, cu_seqlens, None)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     args = (q, k, v, g, beta)
-    if needs_autograd(*args):
-        o, final = chunk_gated_delta_rule(*(t.detach() for t in args), scale, initial_state, output_final_state,
-                                          use_qk_l2norm_in_kernel, cu_seqlens)
-        return _NoBackward.apply(o, *args), final
-    if not use_triton(q):
+    if use_triton(q) and needs_autograd(*args, *(() if initial_state is None else (initial_state,))):
+        from fuselm.ops.gated_delta_rule.chunk_backward import ChunkGatedDeltaRuleFunction  # imports this module
+
+        return ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_state, scale, output_final_state,
+                                                 use_qk_l2norm_in_kernel, cu_seqlens)
+    if not use_triton(q):  # plain PyTorch: autograd goes through the reference
         return chunk_gated_delta_rule_ref(q, k, v, g, beta, scale, initial_state, output_final_state,
                                           use_qk_l2norm_in_kernel, cu_seqlens)
     B, T = q.shape[:2]
