@@ -67,10 +67,8 @@ def build_model(config_name: str, variant: str, dtype: torch.dtype, device: str,
     model = random_hf_qwen35(preset_config(config_name, vocab_size=248320), dtype=dtype, device=device, seed=seed,
                              weights="hf-init").train()
     if variant == "fuselm":
-        try:
-            from fuselm import patch_hf
-        except ImportError:
-            raise RuntimeError("variant fuselm: fuselm.patch_hf is not in this version yet (issue 20)") from None
+        from fuselm import patch_hf
+
         patch_hf(model)
     elif variant == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_qwen3_5

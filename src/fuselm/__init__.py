@@ -11,6 +11,7 @@ from fuselm.ops.moe import SwiGLUMoE
 from fuselm.ops.rms_norm import RMSNorm, add_rms_norm, rms_norm
 from fuselm.ops.silu_mul import SiLUMul, silu_mul
 from fuselm.ops.swiglu_mlp import SwiGLUMLP, gemm_swiglu, interleave_gate_up, swiglu_mlp, deinterleave_gate_up
+from fuselm.patch import patch_hf
 
 __version__ = "0.1.0"
 __all__ = [
@@ -19,5 +20,5 @@ __all__ = [
     "SwapFFN", "SwapFFNConfig", "SwapFFNState", "SwapFFNDecoder",
     "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "LinearCrossEntropy", "linear_cross_entropy",
     "Qwen35", "Qwen35Config", "Qwen35Cache", "Qwen35Moe",
-    "LLM", "SamplingParams", "RequestOutput", "Engine",
+    "LLM", "SamplingParams", "RequestOutput", "Engine", "patch_hf",
 ]
