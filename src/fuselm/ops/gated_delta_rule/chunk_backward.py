@@ -7,7 +7,9 @@ gradient of the state at its end:
     dN  = Aqk^T dO + Kd dS1,        dS0 = e^{G_C} dS1 + Qg^T dO - W^T dN      (sequential over chunks)
     dQg = dO S0^T,  dAqk = lower(dO N^T),  dKd = N dS1^T,  dW = -dN S0^T       (parallel per chunk)
     dVb = T^T dN,   dKb = T^T dW,   dT = dN Vb^T + dW Kb^T,   dA = strictly_lower(-T^T dT T^T)
-and from those the leaves dq, dk, dv, dg (reverse cumsum of dG), dbeta.
+and from those the leaves dq, dk, dv, dg, dbeta. dg = reverse_cumsum(dG) (G = cumsum(g)) is summed
+pair by pair, dg_t = sum_{i >= t} x_i + e^{G_C} <dS1, S0> + sum_{i < t} r_i + sum_{i >= t > j} M_ij
+(``chunk_backward_naive.py``), so that no O(1) terms cancel into a tiny dg under strong decay.
 
 Kernels, per backward call:
 1. ``_chunk_prepare_kernel`` (the forward's, re-run): G, U, W, Kd = K e^{G_C - G}, Aqk.
@@ -25,6 +27,11 @@ Saved by the forward: only its inputs (q, k, v, g, beta, initial_state, cu_seqle
 G, U, W, Kd, Aqk and the chunk-start states h[c] and new values N (kernels 1 and 2, the cost of
 the forward minus its output kernel; storing h[c] would hold N_chunks x HV x K x V values from the
 forward to the backward), and T = (I + A)^-1 inside kernel 4 (it is not stored by the forward).
+
+Not yet run on a GPU. Kernel 4 builds for sm_90 (triton.compile for the target, here without a
+GPU), but holds many [BT, K] and [BT, BT] fp32 tiles at once: at K = V = 128, bf16, 8 warps,
+ptxas reports 255 registers and ~3 KB of spills per thread. If it is slow, split it as
+flash-linear-attention does (a dq/dk/dW/dg kernel over the value blocks, then the WY part).
 
 Numerics as the forward: products take operands in the input dtype (h, dh, N, dN and the
 gradient matrices dP, dB rounded to it) with fp32 accumulation; dS, G, T, dA and all per-token
@@ -204,7 +211,8 @@ def _chunk_bwd_grads_kernel(
         # sum_{j < t} M_ij for every (i, t) as one product with the strictly upper ones; ieee also
         # for 16-bit inputs (tf32 would round M's entries to 10 bits)
         m_before = tl.dot(M, tl.where(at_or_after, 0.0, 1.0), input_precision="ieee")
-        dg = (tl.sum(tl.where(at_or_after, x[:, None], 0.0), axis=0) + tl.sum(tl.where(at_or_after, 0.0, r[:, None]), axis=0)
+        dg = (tl.sum(tl.where(at_or_after, x[:, None], 0.0), axis=0)
+              + tl.sum(tl.where(at_or_after, 0.0, r[:, None]), axis=0)
               + tl.sum(tl.where(at_or_after, m_before, 0.0), axis=0)
               + tl.exp(G_last) * tl.sum(dS_S, axis=0))
         if L2NORM:  # y = x r: dx = r (dy - y <y, dy>)
