@@ -5,11 +5,12 @@ public methods (nano-vllm's shape).
     outputs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=32, temperature=0))
     outputs[0].outputs[0].token_ids
 
-One ``step()``: the scheduler admits waiting requests into free slots and picks up to
-``max_prefill_tokens`` tokens less the step's decode rows, prompt tokens to prefill (a long prompt in chunks over several steps; a
-first token comes from the logits of a prompt's last chunk). With requests decoding, the runner
-runs those chunks and their decode step as one mixed pass (the chunks share its norms, MLP
-GEMMs and LM head: measured 23.0 ms for 31 rows + 512 tokens against 9.4 + 16.5 ms apart, H100);
+One ``step()``: the scheduler admits waiting requests into free slots and picks the prompt
+tokens to prefill, up to ``max_prefill_tokens`` less the step's decode rows (a long prompt in
+chunks over several steps; a first token comes from the logits of a prompt's last chunk). With
+requests decoding, the runner runs those chunks and their decode step as one mixed pass (the
+chunks share its norms, input projections, MLP GEMMs and LM head: measured 19.4 ms for 32 rows
++ 480 tokens against a 9.4 ms decode step, H100, benchmarks/results/.../mixed_step.md);
 with none, it prefills and then decodes the just-prefilled requests. Only then does the host
 read: the launches of the step before (a mixed pass's first ids too), then a prefill-only step's
 first ids (behind its decode step). Decode is pipelined one step deep: step n+1 is on the GPU while the host appends step n's ids, detokenizes and checks
@@ -252,7 +253,7 @@ class Engine:
         requests). Returns how many were captured (0 without graphs)."""
         if self.has_unfinished_requests():
             raise RuntimeError("capture_mixed_graphs: the engine has requests; call it before adding any")
-        return self.runner.capture_mixed_graphs(self.scheduler.max_prefill_tokens)
+        return self.runner.capture_mixed_graphs({b: self.scheduler.prompt_budget(b) for b in self.runner.batch_sizes})
 
     def _decode_shape(self, decoding: dict[int, Request]) -> tuple[int, str]:
         """(decode batch size, sampler variant) of a step over the ``decoding`` requests: the

@@ -134,54 +134,60 @@ class ModelRunner:
         self.cache.active.index_copy_(0, slots, completes.bool())
         return self._first_tokens(plan, logits) + (ids,)
 
-    def capture_mixed_graphs(self, max_tokens: int) -> int:
-        """Capture now the mixed graphs of one prompt chunk beside every decode batch size: each
-        chunk length the scheduler gives such a step under a budget of ``max_tokens`` tokens
-        (decode rows included), padded as ``_admit`` pads it, fresh and continued (a server calls
-        this at start-up: a capture while requests run stalls them all, ~0.1 s). Writes only
-        into idle slots' state and leaves the cache as it found it. Returns the graphs captured."""
+    def capture_mixed_graphs(self, longest_chunk: dict[int, int]) -> int:
+        """Capture now the mixed graphs of one prompt chunk beside each decode batch size b in
+        ``longest_chunk``: every chunk of 1 .. longest_chunk[b] tokens (the scheduler's budget at b
+        decode rows), padded as ``_admit`` pads it (``_padded_shape``), fresh and continued (a
+        server calls this at start-up: a capture while requests run stalls them all, ~0.1 s).
+        Writes only into idle slots' state and leaves the cache as it found it. Returns the
+        graphs captured."""
         if not self.use_graphs:
             return 0
         if bool(self.cache.active.any()):
             raise RuntimeError("graphs are captured on an idle cache")
         slot = self.max_batch - 1
         captured = 0
-        for batch in self.batch_sizes:
-            budget = min(max(max_tokens, batch + 1), batch + GRAPH_MAX_TOKENS)
-            for tokens in range(GEMM_TILE_M - batch % GEMM_TILE_M, budget - batch + GEMM_TILE_M, GEMM_TILE_M):
-                if tokens < 1 or tokens > GRAPH_MAX_TOKENS:
-                    continue
-                for start in (0, 1):  # fresh, continued
-                    packed = torch.zeros(1, tokens + 4, dtype=torch.int64)
-                    packed[0, tokens:] = torch.tensor([slot, start, tokens, 0])
-                    key = ("mixed", batch, 1, tokens, start == 0, True)
+        for batch, longest in longest_chunk.items():
+            # (a chunk of more than GRAPH_MAX_TOKENS tokens runs eagerly whatever its padding)
+            shapes = {self._padded_shape(1, count, batch) for count in range(1, min(longest, GRAPH_MAX_TOKENS) + 1)}
+            for rows, tokens, graphed in sorted(shapes):
+                for start in (0, 1) if graphed else ():  # fresh, continued
+                    key = ("mixed", batch, rows, tokens, start == 0, graphed)
                     if key not in self._graphs:
+                        packed = torch.zeros(1, tokens + 4, dtype=torch.int64)
+                        packed[0, tokens:] = torch.tensor([slot, start, tokens, 0])
                         self._run_graph(key, packed, lambda inputs, b=batch, f=start == 0: self._mixed_body(inputs, b, f))
                         captured += 1
         self.cache.lengths.zero_()
         torch.cuda.synchronize(self.device)
         return captured
 
+    def _padded_shape(self, rows: int, tokens: int, decode_rows: int) -> tuple[int, int, bool]:
+        """(rows, tokens, graphed) of a step of ``rows`` chunks of at most ``tokens`` tokens beside
+        ``decode_rows`` decode rows: one chunk of a mixed step padded so that both fill whole
+        GEMM tiles; otherwise, with graphs, rows and tokens padded up to a bucket. ``graphed``:
+        a graph runs it (at most ``GRAPH_MAX_TOKENS`` padded tokens); an eager step keeps its rows
+        and tokens unbucketed."""
+        if rows == 1 and decode_rows:
+            tokens = -(-(decode_rows + tokens) // GEMM_TILE_M) * GEMM_TILE_M - decode_rows
+            padded = rows, tokens
+        else:
+            padded = _bucket(rows, ROW_BUCKETS), _bucket(tokens, TOKEN_BUCKETS)
+        if self.use_graphs and padded[0] * padded[1] <= GRAPH_MAX_TOKENS:
+            return padded + (True,)
+        return rows, tokens, False
+
     def _admit(self, plan: list[tuple[Request, int, int]],
                decode_rows: int = 0) -> tuple[torch.Tensor, tuple[int, int, bool, bool]]:
         """Give the fresh requests (position 0) their sampling parameters and block-table row, and
         pack the chunks' inputs for one host-to-device copy: [rows, tokens + 4] = ids, slot,
-        start, length, completes. One chunk beside ``decode_rows`` rows of a mixed step is
-        padded so that both fill whole GEMM tiles; otherwise, with graphs, rows and tokens are
-        padded up to a bucket (padding rows repeat row 0, which writes the same values again).
-        Returns (packed, (rows, tokens, fresh, graphed)): ``graphed`` when the step is a graph
-        (at most ``GRAPH_MAX_TOKENS`` padded tokens)."""
+        start, length, completes, padded as ``_padded_shape`` says (padding rows repeat row 0,
+        which writes the same values again). Returns (packed, (rows, tokens, fresh, graphed))."""
         fresh = [request for request, start, _ in plan if start == 0]
         if fresh:
             self.sampling.assign(fresh, torch.tensor([r.slot for r in fresh], dtype=torch.int64).to(self.device, non_blocking=True))
             self.cache.assign_pages([r.slot for r in fresh], [r.pages for r in fresh])
-        rows, tokens = len(plan), max(count for _, _, count in plan)
-        if rows == 1 and decode_rows:
-            tokens = -(-(decode_rows + tokens) // GEMM_TILE_M) * GEMM_TILE_M - decode_rows
-        padded = (rows, tokens) if rows == 1 and decode_rows else (_bucket(rows, ROW_BUCKETS), _bucket(tokens, TOKEN_BUCKETS))
-        graphed = self.use_graphs and padded[0] * padded[1] <= GRAPH_MAX_TOKENS
-        if graphed:
-            rows, tokens = padded
+        rows, tokens, graphed = self._padded_shape(len(plan), max(count for _, _, count in plan), decode_rows)
         packed = torch.zeros(rows, tokens + 4, dtype=torch.int64)
         for i in range(rows):
             request, start, count = plan[i if i < len(plan) else 0]

@@ -56,6 +56,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def prompt_budget(self, decode_rows: int) -> int:
+        """Prompt tokens (padded rows counted) a step with ``decode_rows`` decode rows may take."""
+        return max(self.max_prefill_tokens - decode_rows, min(self.max_prefill_tokens, MIN_PREFILL_TOKENS))
+
     def schedule_prefill(self, decode_rows: int = 0) -> list[tuple[Request, int, int]]:
         """This step's prefill work as (request, first prompt position, tokens): the prompts in
         progress first, then newly admitted ones, within the token budget less the step's
@@ -63,7 +67,7 @@ class Scheduler:
         it). Empty when there is none."""
         # The chunks run right-padded to the longest one: R rows of T tokens cost R T, so a plan
         # of R rows keeps R x its longest chunk within the budget.
-        budget = max(self.max_prefill_tokens - decode_rows, min(self.max_prefill_tokens, MIN_PREFILL_TOKENS))
+        budget = self.prompt_budget(decode_rows)
         plan, longest = [], 0
 
         def chunk(remaining: int) -> int:  # tokens the next row may take (0: it does not fit)
