@@ -9,7 +9,8 @@ Each call is captured in its own CUDA graph and replayed (median of 20 replays, 
 both; also the time to capture the mixed graph (what a server pays on a bucket's first use).
 A chunk spec is [ROWSx]TOKENS[@START]: START > 0 is a continued chunk (its rows already hold START
 tokens: the second chunk of a longer prompt).
-``--profile``: the top kernels of one eager call of each (torch.profiler, CUDA time).
+``--profile``: per kernel, the GPU time of one eager decode step and one eager mixed step
+(torch.profiler), ordered by what the mixed step adds.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def capture(fn) -> tuple[torch.cuda.CUDAGraph, float]:
     return graph, time.perf_counter() - began
 
 
-def top_kernels(fn, count: int = 12) -> str:
+def kernel_times(fn) -> dict[str, tuple[float, int]]:
+    """GPU us and launches per kernel name of one eager call of ``fn`` (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -67,7 +69,20 @@ def top_kernels(fn, count: int = 12) -> str:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=count, max_name_column_width=60)
+    return {e.key: (e.self_device_time_total, e.count) for e in prof.key_averages() if e.self_device_time_total > 0}
+
+
+def kernel_difference(decode: dict, mixed: dict, count: int = 15) -> str:
+    """Markdown: the kernels that the mixed step spends more time in than the decode step, by difference."""
+    names = sorted(set(decode) | set(mixed), key=lambda n: decode.get(n, (0, 0))[0] - mixed.get(n, (0, 0))[0])
+    lines = ["| kernel | decode us (launches) | mixed us (launches) | mixed - decode us |", "|---|---|---|---|"]
+    for name in names[:count]:
+        (d, dn), (m, mn) = decode.get(name, (0.0, 0)), mixed.get(name, (0.0, 0))
+        lines.append(f"| {name[:70]} | {d:.0f} ({dn}) | {m:.0f} ({mn}) | {m - d:+.0f} |")
+    total_d, total_m = sum(v[0] for v in decode.values()), sum(v[0] for v in mixed.values())
+    launches_d, launches_m = sum(v[1] for v in decode.values()), sum(v[1] for v in mixed.values())
+    lines.append(f"| all kernels | {total_d:.0f} ({launches_d}) | {total_m:.0f} ({launches_m}) | {total_m - total_d:+.0f} |")
+    return "\n".join(lines)
 
 
 def main():
@@ -116,10 +131,9 @@ def main():
         print(f"| {rows} x {tokens}{f' after {start}' if start else ''} | {d:.2f} ms | {p:.2f} ms | {d + p:.2f} ms | {m:.2f} ms | {m - d:.2f} ms | "
               f"{1e3 * (m - d) / (rows * tokens):.1f} us | {results['mixed_capture']:.2f} |")
         if args.profile:
-            for name, fn in (("prefill", prefill), ("mixed", mixed)):
-                print(f"\n### {name}, {rows} x {tokens}: top kernels (one eager call)\n```")
-                print(top_kernels(fn))
-                print("```")
+            print(f"\n### where the mixed step's extra time goes, {rows} x {tokens}: kernel GPU time of one eager "
+                  "call (torch.profiler)\n")
+            print(kernel_difference(kernel_times(decode), kernel_times(mixed)))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def exact_h(x, w13, act, dtype):
 
 @pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 3, 17, 128, 1000])
+@pytest.mark.parametrize("m", [1, 3, 17, 32, 33, 128, 1000])  # decode tiles 16 / 32, then the GEMM
 def test_gemm_swiglu_and_mlp_forward(m, dtype, act):
     x = randn(m, D, dtype=dtype)
     w13, w2 = weights(dtype)
@@ -150,7 +150,7 @@ def test_cpu_without_interpreter_uses_reference(monkeypatch):
 # ----------------------------------------------------------------------------- GPU: real shapes
 @pytest.mark.gpu
 @pytest.mark.large
-@pytest.mark.parametrize("m", [1, 4, 16, 1024])
+@pytest.mark.parametrize("m", [1, 4, 16, 32, 1024])
 def test_llama8b_mlp_bf16(m):
     d, f = 4096, 14336
     w13, w2 = weights(torch.bfloat16, d, f)
@@ -162,9 +162,10 @@ def test_llama8b_mlp_bf16(m):
 
 
 @pytest.mark.gpu
-def test_decode_mlp_is_two_launches_and_graph_capturable():
+@pytest.mark.parametrize("m", [4, 32])
+def test_decode_mlp_is_two_launches_and_graph_capturable(m):
     w13, w2 = weights(torch.bfloat16, 512, 1376)
-    x = randn(4, 512, dtype=torch.bfloat16)
+    x = randn(m, 512, dtype=torch.bfloat16)
     swiglu_mlp(x, w13, w2)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -175,7 +176,7 @@ def test_decode_mlp_is_two_launches_and_graph_capturable():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = swiglu_mlp(x, w13, w2)
-    x.copy_(randn(4, 512, dtype=torch.bfloat16))
+    x.copy_(randn(m, 512, dtype=torch.bfloat16))
     graph.replay()
     torch.testing.assert_close(y, swiglu_mlp(x, w13, w2), rtol=0, atol=0)
 

@@ -6,8 +6,8 @@ their module; this package re-exports nothing.
   and the Triton pieces (``gate_factor``, ``up_factor`` and their derivatives, the kind
   constexprs ``SILU``, ``SWIGLU_LIMIT``, ``SWIGLU_OAI``). Used by silu_mul, swiglu_mlp, swap_ffn.
 - ``matmul.py``: ``dot_acc`` (the fp32-accumulating ``tl.dot``, ieee for fp32 operands),
-  ``grouped_tile`` (the GEMM grid's grouped tile order) and ``DECODE_MAX_M`` (the decode GEMVs'
-  token padding). Used by swiglu_mlp, decode_linear, swap_ffn.
+  ``grouped_tile`` (the GEMM grid's grouped tile order) and ``DECODE_MAX_M`` / ``decode_block_m`` (the
+  decode GEMVs' token padding). Used by swiglu_mlp, decode_linear, swap_ffn.
 - ``rows.py``: ``MAX_COLS`` and ``row_block_geometry``, the tile of the kernels that hold whole
   rows in registers. Used by rms_norm and attention_decode (whose q/k norm must reduce a head in
   rms_norm's order).

@@ -7,12 +7,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Decode path for M <= DECODE_MAX_M tokens: the dot's token dimension is padded to 16.
-DECODE_MAX_M = 16
+# Decode path for M <= DECODE_MAX_M tokens: the dot's token dimension is padded to 16 or 32.
+DECODE_MAX_M = 32
 """The most tokens (rows of x) a decode GEMV kernel takes (swiglu_mlp's ``_decode_gemv_kernel``,
-decode_linear): the kernels pad the token dimension of the dot to BLOCK_M = DECODE_MAX_M = 16,
-the smallest ``tl.dot`` tile, and stream the weight once for all of them. Larger M goes to the GEMM
+decode_linear): the kernels pad the token dimension of the dot to ``decode_block_m(M)`` and stream
+the weight once for all of them (a decode batch of up to 32 rows). Larger M goes to the GEMM
 (swiglu_mlp) or the PyTorch path (decode_linear)."""
+
+
+def decode_block_m(m: int) -> int:
+    """The token tile of a decode GEMV for m <= DECODE_MAX_M rows: 16 (the smallest ``tl.dot``
+    tile) up to 16 rows, else 32. The weight is read once either way; the wider tile doubles the
+    x tile and the accumulator, not the weight traffic."""
+    return 16 if m <= 16 else 32
 
 
 @triton.jit

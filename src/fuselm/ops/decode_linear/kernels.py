@@ -1,4 +1,4 @@
-"""Triton kernel for ``decode_linear``: a weight-streaming GEMV (M <= 16 tokens) with an
+"""Triton kernel for ``decode_linear``: a weight-streaming GEMV (M <= 32 tokens) with an
 elementwise prologue applied to the input rows on the fly.
 
 Shapes: x, gate [M, K] (row strides free, unit column stride); weight [N, K] (nn.Linear layout,
@@ -6,15 +6,16 @@ unit column stride); norm_weight [HEAD_DIM]; out [M, N] (row stride free, unit c
 
 Design (as ``_decode_gemv_kernel`` in ``fuselm/ops/swiglu_mlp/kernels.py``): a program owns
 BLOCK_N output features and streams their weight rows once, as the wide operand of the dot
-(out.T = W_tile @ a.T, the token dimension padded to BLOCK_M = 16), so the weight bytes are read
-exactly once and dominate the traffic. At each K step the program loads the [16, BLOCK_K] tile of
+(out.T = W_tile @ a.T, the token dimension padded to BLOCK_M = 16 or 32: ``decode_block_m``), so
+the weight bytes are read exactly once and dominate the traffic. At each K step the program loads
+the [BLOCK_M, BLOCK_K] tile of
 x (and gate), computes the prologue's ``a`` tile in fp32 registers, rounds it to the input
 dtype (the contract's rounding, also the dot's operand type) and feeds it to the dot. Every
 program recomputes the prologue of the whole input: M * K elements, L2-resident and small next to
 its BLOCK_N * K weight elements.
 
 ``gated_rms_norm`` needs each head's sum of squares inside one K tile: BLOCK_K is a multiple of
-HEAD_DIM (a power of two), the tile is viewed as [16, BLOCK_K / HEAD_DIM, HEAD_DIM] and reduced
+HEAD_DIM (a power of two), the tile is viewed as [BLOCK_M, BLOCK_K / HEAD_DIM, HEAD_DIM] and reduced
 over the last axis. The host launcher only takes this path when the config allows it
 (``fused_prologue_ok``); otherwise the op computes the prologue in PyTorch and runs the plain kernel.
 
@@ -31,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselm.ops.common.matmul import DECODE_MAX_M, dot_acc  # the same token padding and dot as swiglu_mlp
-from fuselm.runtime import cdiv
+from fuselm.ops.common.matmul import decode_block_m, dot_acc  # the same token padding and dot as swiglu_mlp
+from fuselm.runtime import arch_major, cdiv
 
 # Prologue codes, as the constexpr the kernel takes.
 PROLOGUE_NONE = 0
@@ -43,13 +44,56 @@ PROLOGUE_CODES = {None: PROLOGUE_NONE, "sigmoid_gate": PROLOGUE_SIGMOID_GATE, "g
 
 
 @triton.jit
+def _prologue_tile(xt, g_ptrs, ok, nw, eps, PROLOGUE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The GEMV input ``a`` for an x tile ``xt`` [BLOCK_M, BLOCK_K] (entries outside ``ok`` loaded
+    as 0), in x's dtype; the gate tile is loaded at ``g_ptrs``; ``nw`` [1, BLOCK_K] is the norm
+    weight per column (gated_rms_norm; the tile starts on a head boundary)."""
+    dt = xt.dtype
+    if PROLOGUE == 1:
+        # s = round(sigmoid(gate)); a = round(x * s)
+        gf = tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32)
+        s = (1.0 / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32)
+        xt = (xt.to(tl.float32) * s).to(dt)
+    elif PROLOGUE == 2:
+        # r = rsqrt(mean(x^2 over the head) + eps); n1 = round(x r); n2 = round(w n1);
+        # a = round(n2 silu(z)). Masked entries (padding rows, the K tail) are zeros, whose
+        # r may be inf (eps = 0): they are forced back to 0.
+        xf = xt.to(tl.float32)
+        zf = tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32)
+        x3 = tl.reshape(xf, [BLOCK_M, BLOCK_K // HEAD_DIM, HEAD_DIM])
+        r = tl.rsqrt(tl.sum(x3 * x3, axis=2) / HEAD_DIM + eps)  # [BLOCK_M, heads]
+        n1 = tl.reshape((x3 * r[:, :, None]).to(dt), [BLOCK_M, BLOCK_K]).to(tl.float32)
+        n2 = (nw * n1).to(dt).to(tl.float32)
+        a = (n2 * (zf / (1.0 + tl.exp(-zf)))).to(dt)
+        xt = tl.where(ok, a, 0.0).to(dt)
+    return xt
+
+
+@triton.jit
+def _prologue_kernel(
+    x_ptr, g_ptr, nw_ptr, a_ptr, M, K, stride_xm, stride_gm, stride_am, eps,
+    PROLOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """a [M, K] = the prologue of x (and gate), written once: a program per [BLOCK_M, BLOCK_K] tile."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (rows < M) & (k < K)[None, :]
+    nw = 0.0
+    if PROLOGUE == 2:
+        nw = tl.load(nw_ptr + k % HEAD_DIM).to(tl.float32)[None, :]
+    xt = tl.load(x_ptr + rows * stride_xm + k[None, :], mask=ok, other=0.0)
+    a = _prologue_tile(xt, g_ptr + rows * stride_gm + k[None, :], ok, nw, eps, PROLOGUE, HEAD_DIM, BLOCK_M, BLOCK_K)
+    tl.store(a_ptr + rows * stride_am + k[None, :], a, mask=ok)
+
+
+@triton.jit
 def _decode_linear_kernel(
     x_ptr, g_ptr, nw_ptr, w_ptr, out_ptr,
     M, N, K, stride_xm, stride_gm, stride_wn, stride_om, eps,
     PROLOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    dt = x_ptr.dtype.element_ty
     wrows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)  # tokens, padded to BLOCK_M
     k = tl.arange(0, BLOCK_K)
@@ -61,6 +105,7 @@ def _decode_linear_kernel(
     x_ptrs = x_ptr + rows64 * stride_xm + k[None, :]
     g_ptrs = g_ptr + rows64 * stride_gm + k[None, :]
     row_ok = (rows < M)[:, None]
+    nw = 0.0
     if PROLOGUE == 2:
         # Each tile starts on a head boundary (BLOCK_K % HEAD_DIM == 0): one load of the norm weight.
         nw = tl.load(nw_ptr + k % HEAD_DIM).to(tl.float32)[None, :]
@@ -72,24 +117,7 @@ def _decode_linear_kernel(
         else:
             ok = row_ok & (k < K - k0)[None, :]
             w = tl.load(w_ptrs, mask=(k < K - k0)[None, :], other=0.0)
-        xt = tl.load(x_ptrs, mask=ok, other=0.0)
-        if PROLOGUE == 1:
-            # s = round(sigmoid(gate)); a = round(x * s)
-            gf = tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32)
-            s = (1.0 / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32)
-            xt = (xt.to(tl.float32) * s).to(dt)
-        elif PROLOGUE == 2:
-            # r = rsqrt(mean(x^2 over the head) + eps); n1 = round(x r); n2 = round(w n1);
-            # a = round(n2 silu(z)). Masked entries (padding rows, the K tail) are zeros, whose
-            # r may be inf (eps = 0): they are forced back to 0 before the dot.
-            xf = xt.to(tl.float32)
-            zf = tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32)
-            x3 = tl.reshape(xf, [BLOCK_M, BLOCK_K // HEAD_DIM, HEAD_DIM])
-            r = tl.rsqrt(tl.sum(x3 * x3, axis=2) / HEAD_DIM + eps)  # [BLOCK_M, heads]
-            n1 = tl.reshape((x3 * r[:, :, None]).to(dt), [BLOCK_M, BLOCK_K]).to(tl.float32)
-            n2 = (nw * n1).to(dt).to(tl.float32)
-            a = (n2 * (zf / (1.0 + tl.exp(-zf)))).to(dt)
-            xt = tl.where(ok, a, 0.0).to(dt)
+        xt = _prologue_tile(tl.load(x_ptrs, mask=ok, other=0.0), g_ptrs, ok, nw, eps, PROLOGUE, HEAD_DIM, BLOCK_M, BLOCK_K)
         acc = dot_acc(w, tl.trans(xt), acc, IEEE)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -116,10 +144,9 @@ class DecodeLinearConfig:
 # M = 1 / 8 / 16, 20 calls per CUDA graph; scratch sweep of 2026-11-22, NOTES.md entry 16):
 # BLOCK_N 16/32/64 x BLOCK_K 128/256/512 x 3/4/6 stages. Best, as % of copy bandwidth on the
 # weight: plain 77% (32 x 256, 4 stages; cuBLAS 66-70%), gated_rms_norm 71% / 51% / 53% (32 x 256,
-# 4 stages), sigmoid_gate 57% / 55% / 55% with 64 features per program (fewer programs recompute
-# the prologue). The previous 32 x 512 x 3 fell to 26-27% at M = 8 with a prologue.
+# 4 stages), sigmoid_gate 57% / 55% / 55%. The previous 32 x 512 x 3 fell to 26-27% at M = 8 with
+# a prologue.
 HOPPER_BLOCK_N = 32
-HOPPER_BLOCK_N_SIGMOID_GATE = 64
 HOPPER_BLOCK_K = 256
 HOPPER_NUM_WARPS = 4
 HOPPER_NUM_STAGES = 4
@@ -127,6 +154,19 @@ HOPPER_NUM_STAGES = 4
 # gemv_config does.
 FP32_BLOCK_K_DIVISOR = 2
 FP32_NUM_STAGES = 3
+# The prologue is fused into the GEMV for at most this many rows (per prologue); more rows run it
+# first on its own (``_prologue_kernel``, one small launch) and then the plain GEMV. Every GEMV
+# program recomputes the prologue over the whole [BLOCK_M, K] input, which costs more than the
+# extra launch except for gated_rms_norm at one row. H100 (decode_gemv.md, N = K = 4096, bf16,
+# session 12), us per call fused / apart: gated_rms_norm 16.6 / 18.6 at 1 row, 22.5 / 18.8 at 2,
+# 21.7 / 21.0 at 16, 34.5 / 21.3 at 32; sigmoid_gate 20.3 / 17.8 at 1 row, 21.0 / 19.0 at 16
+# (fused past 16 rows its 64 x 256 tile does not fit in shared memory).
+FUSED_PROLOGUE_MAX_M = {"sigmoid_gate": 0, "gated_rms_norm": 1}
+# The standalone prologue kernel's tile: rows x columns per program (columns a multiple of the
+# head for gated_rms_norm).
+PROLOGUE_BLOCK_M = 8
+PROLOGUE_BLOCK_K = 512
+INTERPRET_PROLOGUE_BLOCK_K = 64
 # Other GPUs: the Hopper values (untuned).
 # The Triton interpreter (arch 0, the CPU test suite): small tiles, so that the tests' odd shapes
 # have several programs and a K tail.
@@ -140,14 +180,14 @@ MAX_FUSED_HEAD_DIM = 1024
 @functools.lru_cache(maxsize=128)
 def decode_linear_config(arch: int, dtype: torch.dtype, prologue: str | None = None,
                          head_dim: int | None = None) -> DecodeLinearConfig:
-    """The launch config for compute capability major ``arch`` (0 = interpreter) and ``dtype``.
-    For ``gated_rms_norm`` BLOCK_K is a multiple of ``head_dim`` whenever the fused path can
+    """The launch config for compute capability major ``arch`` (0 = interpreter) and ``dtype``
+    (the same for 16- and 32-row token tiles: the 24/32-row sweep's best plain tile is 16 rows'
+    32 x 256 x 4 stages). For ``gated_rms_norm`` BLOCK_K is a multiple of ``head_dim`` whenever the fused path can
     take it (power-of-two head_dim <= MAX_FUSED_HEAD_DIM)."""
     if arch == 0:
         cfg = DecodeLinearConfig(INTERPRET_BLOCK_N, INTERPRET_BLOCK_K, 4, 1)
     else:
-        block_n = HOPPER_BLOCK_N_SIGMOID_GATE if prologue == "sigmoid_gate" else HOPPER_BLOCK_N
-        cfg = DecodeLinearConfig(block_n, HOPPER_BLOCK_K, HOPPER_NUM_WARPS, HOPPER_NUM_STAGES)
+        cfg = DecodeLinearConfig(HOPPER_BLOCK_N, HOPPER_BLOCK_K, HOPPER_NUM_WARPS, HOPPER_NUM_STAGES)
         if dtype == torch.float32:
             cfg = DecodeLinearConfig(cfg.block_n, cfg.block_k // FP32_BLOCK_K_DIVISOR, cfg.num_warps, FP32_NUM_STAGES)
     if prologue == "gated_rms_norm" and head_dim is not None and _pow2(head_dim) and head_dim <= MAX_FUSED_HEAD_DIM:
@@ -182,10 +222,16 @@ def fused_prologue_ok(prologue: str | None, head_dim: int | None, cfg: DecodeLin
     return _pow2(head_dim) and cfg.block_k % head_dim == 0
 
 
+def prologue_kernel_ok(prologue: str | None, head_dim: int | None) -> bool:
+    """Whether ``prologue_kernel`` takes ``prologue``: gated_rms_norm needs a power-of-two
+    head_dim <= MAX_FUSED_HEAD_DIM (whole heads per tile)."""
+    return prologue != "gated_rms_norm" or (_pow2(head_dim) and head_dim <= MAX_FUSED_HEAD_DIM)
+
+
 # ----------------------------------------------------------------------------- host launcher
 def decode_linear_kernel(x, weight, out, prologue: str | None = None, gate=None, norm_weight=None,
                          eps: float = 1e-6, head_dim: int | None = None, *, config: DecodeLinearConfig):
-    """out [M, N] = prologue(x) @ weight.T for x (and gate) [M, K], M <= DECODE_MAX_M, weight
+    """out [M, N] = prologue(x) @ weight.T for x (and gate) [M, K], M <= DECODE_MAX_M (32), weight
     [N, K]; all with unit column stride. No checks (``op.py`` does them); no allocation, no sync.
     The caller makes sure ``fused_prologue_ok(prologue, head_dim, config)``."""
     M, K = x.shape
@@ -196,7 +242,23 @@ def decode_linear_kernel(x, weight, out, prologue: str | None = None, gate=None,
         M, N, K, x.stride(0), gate.stride(0) if gate is not None else 0, weight.stride(0), out.stride(0), float(eps),
         PROLOGUE=code, HEAD_DIM=head_dim if code == PROLOGUE_GATED_RMS_NORM else 1,
         IEEE=x.dtype == torch.float32, EVEN_K=K % config.block_k == 0,
-        BLOCK_M=DECODE_MAX_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_M=decode_block_m(M), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
+
+
+def prologue_kernel(x, prologue: str, gate, norm_weight=None, eps: float = 1e-6, head_dim: int | None = None):
+    """a [M, K] = prologue(x) for x and gate [M, K] (unit column stride), in x's dtype: one launch,
+    the roundings of ``naive.py``. No checks (``op.py`` does them); the caller makes sure
+    ``prologue_kernel_ok(prologue, head_dim)``."""
+    M, K = x.shape
+    a = torch.empty((M, K), dtype=x.dtype, device=x.device)
+    code = PROLOGUE_CODES[prologue]
+    head = head_dim if code == PROLOGUE_GATED_RMS_NORM else 1
+    block_k = max(INTERPRET_PROLOGUE_BLOCK_K if arch_major(x.device) == 0 else PROLOGUE_BLOCK_K, head)
+    _prologue_kernel[(cdiv(M, PROLOGUE_BLOCK_M), cdiv(K, block_k))](
+        x, gate, norm_weight if norm_weight is not None else x, a, M, K, x.stride(0), gate.stride(0), a.stride(0),
+        float(eps), PROLOGUE=code, HEAD_DIM=head, BLOCK_M=PROLOGUE_BLOCK_M, BLOCK_K=block_k,
+    )
+    return a

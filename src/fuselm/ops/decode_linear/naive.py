@@ -3,7 +3,7 @@
 Each function follows the numerics contract in the input dtype (fp32 math, a rounding to the
 dtype where PyTorch eager rounds). Given float64 tensors it is the exact function: every rounding
 is then a no-op. Used by the tests, as the CPU fallback and for the paths the fused kernel does
-not cover (M > 16, a head_dim the kernel cannot tile).
+not cover (a head_dim the prologue kernel cannot tile).
 
 Prologues, for x and gate [..., K] in dtype ``dt``:
 - ``"sigmoid_gate"`` (Qwen3.5 gated attention, ``attn * torch.sigmoid(gate)`` in eager):

@@ -1,21 +1,22 @@
-"""``decode_linear``: a decode-time linear layer (<= 16 tokens) with a fused elementwise prologue.
+"""``decode_linear``: a decode-time linear layer (<= 32 tokens) with a fused elementwise prologue.
 
     y = prologue(x) @ weight.T        x, gate [..., K]; weight [N, K]; y [..., N] in x's dtype
 
-Paths:
-- M = prod(x.shape[:-1]) <= 16 on a Triton device: one launch of ``_decode_linear_kernel``, which
-  streams the weight once and applies the prologue to the input tile in registers.
-  ``gated_rms_norm`` with a head_dim the kernel cannot tile (not a power of two, or not dividing
-  the config's BLOCK_K, e.g. under an overriding ``config``): the prologue in PyTorch
-  (``naive.py``, one temporary [M, K]), then the same kernel without a prologue.
-- M > 16: this is a decode-only op; the prologue in PyTorch, then ``torch.mm`` (cuBLAS).
+Paths (M = prod(x.shape[:-1]) rows):
+- M <= FUSED_PROLOGUE_MAX_M[prologue] (or no prologue), M <= 32 (``DECODE_MAX_M``), on a Triton
+  device: one launch of ``_decode_linear_kernel``, which streams the weight once and applies the
+  prologue to the input tile in registers.
+- More rows with a prologue: the prologue on its own first (``_prologue_kernel``, one launch and
+  one temporary [M, K]; PyTorch's ``naive.py`` for a head_dim the kernel cannot tile: not a power
+  of two, or not dividing an overriding ``config``'s BLOCK_K), then the plain kernel.
+- M > 32: this is a decode-only op; the prologue as above, then ``torch.mm`` (cuBLAS).
 - CPU without the Triton interpreter: the reference ``decode_linear_ref``.
 
 Numerics (all paths): the prologue's roundings of ``naive.py``, an fp32 accumulator, one
 rounding of y to x's dtype (the cuBLAS path follows torch's matmul settings, e.g. TF32).
 
 CUDA-graph safe: only metadata checks, no host sync, and with ``out`` given the kernel path
-allocates nothing (inputs whose rows cannot be viewed with a unit column stride are copied, as
+allocates nothing but the prologue's temporary past FUSED_PROLOGUE_MAX_M rows (inputs whose rows cannot be viewed with a unit column stride are copied, as
 ``fuselm.runtime.as_rows`` does). Inference only: no autograd.
 """
 
@@ -27,7 +28,8 @@ import torch
 
 from fuselm.ops.common.matmul import DECODE_MAX_M
 from fuselm.ops.decode_linear.kernels import (
-    PROLOGUE_CODES, DecodeLinearConfig, check_config, decode_linear_config, decode_linear_kernel, fused_prologue_ok,
+    FUSED_PROLOGUE_MAX_M, PROLOGUE_CODES, DecodeLinearConfig, check_config, decode_linear_config, decode_linear_kernel,
+    fused_prologue_ok, prologue_kernel, prologue_kernel_ok,
 )
 from fuselm.ops.decode_linear.naive import decode_linear_ref, prologue_ref
 from fuselm.runtime import (
@@ -124,8 +126,8 @@ def decode_linear(
     """``prologue(x) @ weight.T`` for decode: the weight is streamed once, the prologue fused.
 
     Args:
-        x: [..., K] fp16/bf16/fp32, at most 16 rows in all for the fused kernel (more run the
-            prologue in PyTorch, then cuBLAS). Rows may be strided (e.g. a ``proj.split`` view);
+        x: [..., K] fp16/bf16/fp32, at most 32 rows in all for the weight-streaming kernel (more
+            run the prologue, then cuBLAS). Rows may be strided (e.g. a ``proj.split`` view);
             the last dim must be contiguous.
         weight: [N, K] (nn.Linear layout) in x's dtype, rows contiguous.
         prologue: None (y = x @ weight.T); ``"sigmoid_gate"``: a = x * sigmoid(gate) (Qwen3.5
@@ -155,13 +157,18 @@ def decode_linear(
         return out.copy_(decode_linear_ref(x, weight, prologue, gate, norm_weight, eps, head_dim))
     x2 = as_rows("x", x)
     gate2 = as_rows("gate", gate) if gate is not None else None
-    if M > DECODE_MAX_M:
-        a = prologue_ref(x2, prologue, gate2, norm_weight, eps, head_dim)
-        return torch.mm(a, weight.T, out=out2).view(out_shape)
-
-    cfg = config or decode_linear_config(arch_major(x.device), x.dtype, prologue, head_dim)
-    if not fused_prologue_ok(prologue, head_dim, cfg):
-        x2 = prologue_ref(x2, prologue, gate2, norm_weight, eps, head_dim)
+    arch = arch_major(x.device)
+    cfg = config or decode_linear_config(arch, x.dtype, prologue, head_dim)
+    if prologue is not None and not (M <= FUSED_PROLOGUE_MAX_M[prologue] and fused_prologue_ok(prologue, head_dim, cfg)):
+        # The prologue on its own first (one launch; PyTorch for heads the kernel cannot tile),
+        # then the plain product: a fused GEMV's every program would recompute it over all rows.
+        if prologue_kernel_ok(prologue, head_dim):
+            x2 = prologue_kernel(x2, prologue, gate2, norm_weight, eps, head_dim)
+        else:
+            x2 = prologue_ref(x2, prologue, gate2, norm_weight, eps, head_dim)
         prologue, gate2, norm_weight, head_dim = None, None, None, None
+        cfg = config or decode_linear_config(arch, x.dtype)
+    if M > DECODE_MAX_M:
+        return torch.mm(x2, weight.T, out=out2).view(out_shape)
     decode_linear_kernel(x2, weight, out2, prologue, gate2, norm_weight, eps, head_dim, config=cfg)
     return out

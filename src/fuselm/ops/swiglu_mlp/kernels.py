@@ -14,8 +14,9 @@ to the input dtype first as an unfused GEMM would write them. Backward epilogue
 (BACKWARD): loads dh and writes d_gate_up [M, 2F] in w13's interleaved column order, and h when
 STORE_H, recomputing G and U instead of saving them.
 
-``_decode_gemv_kernel``: for M <= 16. A program owns BLOCK_N output features and streams their
-weight rows once, as the wide operand of the dot (out.T = W_tile @ x.T, M padded to 16), so the
+``_decode_gemv_kernel``: for M <= DECODE_MAX_M = 32. A program owns BLOCK_N output features and
+streams their weight rows once, as the wide operand of the dot (out.T = W_tile @ x.T, M padded to
+BLOCK_M = 16 or 32: ``decode_block_m``), so the
 weight bytes dominate and are read exactly once. SWIGLU: the rows are interleaved gate/up pairs
 (2 * BLOCK_N of them) and the epilogue applies SwiGLU; otherwise a plain x @ W.T (down).
 """
@@ -30,7 +31,7 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.common.activation import Activation, gate_factor, gate_factor_grad, up_factor, up_factor_grad
-from fuselm.ops.common.matmul import DECODE_MAX_M, dot_acc, grouped_tile, load_k_step
+from fuselm.ops.common.matmul import decode_block_m, dot_acc, grouped_tile, load_k_step
 from fuselm.runtime import arch_major, cdiv
 
 
@@ -166,8 +167,10 @@ def gemm_config(arch: int, dtype: torch.dtype) -> GemmConfig:
 def gemv_config(arch: int, dtype: torch.dtype, swiglu: bool) -> GemvConfig:
     """Decode GEMV config: output features per program, the K step, warps, stages. Hopper,
     16-bit, from the H100 sweep at M=1 and 16 (benchmarks/results/, mlp.md): gate/up 64 features
-    (128 weight rows) x 128, 4 stages; down 32 x 512, 3 stages. fp32 halves BLOCK_K (shared
-    memory); the interpreter uses small tiles."""
+    (128 weight rows) x 128, 4 stages; down 32 x 512, 3 stages. The same at 17-32 rows (32-row
+    token tile; decode_gemv_sweep.md, 9B shapes: gate/up 87% of copy, cuBLAS 85%; down 78%, as
+    cuBLAS; the best configs there within 2%). fp32 halves BLOCK_K (shared memory); the
+    interpreter uses small tiles."""
     if arch == 0:
         return GemvConfig(16, 64, 4, 1)
     cfg = GemvConfig(64, 128, 4, 4) if swiglu else GemvConfig(32, 512, 4, 3)
@@ -201,7 +204,7 @@ def gemm_swiglu_kernel(x, w13, act: Activation, out, dh=None, h=None, config: Ge
 
 def decode_gemv_kernel(x, w, out, act: Activation | None = None, config: GemvConfig | None = None):
     """out [M, N] = x [M, K] @ w.T for w [N, K]; or, with ``act``, w = w13 [2N, K] (interleaved)
-    and out = SwiGLU(x @ w_gate.T, x @ w_up.T). M <= DECODE_MAX_M."""
+    and out = SwiGLU(x @ w_gate.T, x @ w_up.T). M <= DECODE_MAX_M (32)."""
     M, K = x.shape
     swiglu = act is not None
     N = w.shape[0] // 2 if swiglu else w.shape[0]
@@ -211,7 +214,7 @@ def decode_gemv_kernel(x, w, out, act: Activation | None = None, config: GemvCon
         x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
         act.kernel_limit, float(act.alpha),
         SWIGLU=swiglu, ACT=act.code, IEEE=x.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0,
-        BLOCK_M=DECODE_MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=decode_block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

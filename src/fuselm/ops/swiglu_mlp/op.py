@@ -2,9 +2,9 @@
 checks, the compute paths, autograd (eager) and ``torch.library`` ops (compile), and the module.
 
 Paths by token count M (rows of x):
-- M <= 16 (decode): ``_decode_gemv_kernel`` streams the gate/up weight once with SwiGLU in its
-  epilogue, then the down weight once: two launches for the whole MLP.
-- M > 16 (prefill, training): ``_gemm_swiglu_kernel`` (tensor cores, fp32 accumulators, SwiGLU
+- M <= 32 (decode, ``DECODE_MAX_M``): ``_decode_gemv_kernel`` streams the gate/up weight once with
+  SwiGLU in its epilogue, then the down weight once: two launches for the whole MLP.
+- M > 32 (prefill, training): ``_gemm_swiglu_kernel`` (tensor cores, fp32 accumulators, SwiGLU
   epilogue, no [M, 2F] intermediate), then the down GEMM through ``torch.mm`` (cuBLAS).
 - Backward: the GEMM kernel recomputes G and U and writes dG, dU (and h for the down weight's
   gradient); only x and the weights are saved. dx and the weight gradients are cuBLAS GEMMs.
@@ -275,7 +275,7 @@ def swiglu_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation:
         w13: [2F, D] from :func:`interleave_gate_up`; w2: [D, F] (``down_proj.weight``); x's dtype.
         activation: "silu" or an :class:`~fuselm.ops.common.activation.Activation`.
     Returns:
-        y: [..., D]. Decode (<= 16 rows) is two weight-streaming launches; prefill is the fused
+        y: [..., D]. Decode (<= 32 rows) is two weight-streaming launches; prefill is the fused
         gate/up GEMM then a cuBLAS down GEMM.
     """
     _check_inputs(x, w13, w2)
