@@ -9,7 +9,9 @@ host's work) — the inter-token latency of every request decoding in it. Gaps a
 the kind of the step they time: decode, mixed (prompt chunks + decode in one pass), prefill (no
 decode rows), prefill+decode (a prefill step with a decode step behind it). Idle steps (nothing
 to run) and the gap after them are left out. Prints a markdown table per kind (count, share,
-median, p90, p99, max, mean prompt tokens) and the kinds / sizes of the slowest 1% of gaps, for
+median, p90, p99, max, mean prompt tokens; and the host's share of each step: median ms from
+the step's start to its last launch, "host launch", and from there to having read the step
+before's ids, "wait") and the kinds / sizes of the slowest 1% of gaps, for
 each run of steps without a pause of more than --split-gap seconds (a server's benchmarks, one
 after another, come out as separate runs).
 """
@@ -39,18 +41,24 @@ def summarise(steps: list[dict]) -> str:
     timed = gaps(steps)
     if not timed:
         return "no timed steps"
-    lines = ["| step kind | steps | share | median ms | p90 ms | p99 ms | max ms | mean prompt tokens |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| step kind | steps | share | median ms | p90 ms | p99 ms | max ms | mean prompt tokens | host launch ms | wait ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     kinds = Counter(step["kind"] for _, step in timed)
     for kind, count in kinds.most_common():
         ms = [gap for gap, step in timed if step["kind"] == kind]
         tokens = [step["prompt_tokens"] for _, step in timed if step["kind"] == kind]
+        mine = [step for _, step in timed if step["kind"] == kind]
+        split = "| |"
+        if all("launched" in step for step in mine):
+            host = [1e3 * (step["launched"] - step["began"]) for step in mine]
+            wait = [1e3 * (step["read"] - step["launched"]) for step in mine]
+            split = f"{percentile(host, 0.5):.2f} | {percentile(wait, 0.5):.2f} |"
         lines.append(f"| {kind} | {count} | {count / len(timed):.1%} | {percentile(ms, 0.5):.2f} | "
                      f"{percentile(ms, 0.9):.2f} | {percentile(ms, 0.99):.2f} | {max(ms):.2f} | "
-                     f"{sum(tokens) / count:.0f} |")
+                     f"{sum(tokens) / count:.0f} | {split}")
     every = [gap for gap, _ in timed]
     lines.append(f"| all | {len(timed)} | 100% | {percentile(every, 0.5):.2f} | {percentile(every, 0.9):.2f} | "
-                 f"{percentile(every, 0.99):.2f} | {max(every):.2f} | |")
+                 f"{percentile(every, 0.99):.2f} | {max(every):.2f} | | | |")
     slowest = sorted(timed, key=lambda item: -item[0])[:max(1, len(timed) // 100)]
     lines += ["", f"slowest 1% ({len(slowest)} steps): " + ", ".join(
         f"{gap:.1f} ms {step['kind']} (rows {step['decode_rows']}, chunks {step['chunks']}, "

@@ -115,6 +115,29 @@ def test_the_budget_counts_the_decode_rows():
     assert chunk(8, 32) == [8]
 
 
+def test_a_mixed_step_takes_one_prompt_chunk():
+    """Beside decode rows a step takes one prompt's chunk (MIXED_MAX_CHUNKS), even with budget left
+    (a remainder beside a new prompt would pad to two long continued rows); with nothing decoding
+    it takes several prompts."""
+    from fuselm.engine.request import Request
+    from fuselm.engine.scheduler import MIXED_MAX_CHUNKS, Scheduler
+
+    assert MIXED_MAX_CHUNKS == 1
+    scheduler = Scheduler(max_batch=8, max_prefill_tokens=512, num_pages=256, page_size=16)
+    for i, n in enumerate((500, 100, 100)):
+        scheduler.add(Request(f"r{i}", list(range(n)), greedy(4), 0, ()))
+    plans = []
+    while scheduler.waiting or scheduler.prefilling:
+        plan = scheduler.schedule_prefill(decode_rows=32)
+        plans.append([(request.request_id, start, count) for request, start, count in plan])
+        for request, _, count in plan:
+            scheduler.prefilled(request, count)
+    assert plans == [[("r0", 0, 480)], [("r0", 480, 20)], [("r1", 0, 100)], [("r2", 0, 100)]]
+    scheduler.add(Request("a", list(range(100)), greedy(4), 0, ()))
+    scheduler.add(Request("b", list(range(100)), greedy(4), 0, ()))
+    assert len(scheduler.schedule_prefill(decode_rows=0)) == 2
+
+
 def test_a_mixed_chunk_fills_whole_gemm_tiles(model):
     """A mixed step's one chunk is padded so that decode rows + chunk tokens are a multiple of
     GEMM_TILE_M (the GEMMs' row tile); with graphs, several chunks use the row and token
@@ -179,7 +202,7 @@ def test_the_step_log_records_each_step(model):
     kinds = [step["kind"] for step in engine.step_log]
     assert kinds[0] == "prefill+decode" and "mixed" in kinds and kinds[-1] in ("decode", "idle")
     assert sum(step["prompt_tokens"] for step in engine.step_log) == 17
-    assert all(step["read"] >= step["began"] for step in engine.step_log)
+    assert all(step["read"] >= step["launched"] >= step["began"] for step in engine.step_log)
     spec = importlib.util.spec_from_file_location("step_log", Path(__file__).parents[1] / "benchmarks" / "step_log.py")
     step_log = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(step_log)
@@ -343,7 +366,7 @@ def test_prefill_graphs_equal_eager_prefill(model, budget):
 @pytest.mark.gpu
 def test_mixed_graphs_captured_up_front_serve_the_run(model):
     """Engine.capture_mixed_graphs before any request: a run whose mixed steps carry one chunk
-    each (budget 12, prompts joining one by one) captures no mixed graph of one chunk, and gives
+    each (budget 12, prompts joining one by one) captures no mixed graph at all, and gives
     the eager engine's tokens; the cache is left idle and empty."""
     params = [greedy(6 + i) for i in range(4)]
     prompts = [prompt(n, 70 + i) for i, n in enumerate((9, 17, 6, 13))]
@@ -360,7 +383,7 @@ def test_mixed_graphs_captured_up_front_serve_the_run(model):
     engine.run()
     assert [r.output_token_ids for r in outputs] == expected
     new = [key for key in set(engine.runner._graphs) - before if key[0] == "mixed"]
-    assert all(key[2] > 1 for key in new), new  # only steps of several chunks were captured late
+    assert not new, new  # one chunk per mixed step: all captured up front
 
 
 @pytest.mark.gpu

@@ -86,6 +86,16 @@ def num_sms(device: torch.device) -> int:
     return _device_properties(index).multi_processor_count
 
 
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A small host tensor on ``device`` without waiting for the GPU: to CUDA through pinned memory,
+    asynchronously. (A copy from pageable memory first waits for all the work queued on the stream,
+    as CUDA documents it; between an engine's graph replays that stall drains the pipeline.)"""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def copy_bandwidth(device: torch.device | str = "cuda", dtype=torch.bfloat16) -> float:
     """Measured device-to-device copy of 512 MiB on a CUDA ``device``: bytes read + written per
     second, in TB/s (do_bench median after warm-up) - the ceiling bandwidth-bound kernels and

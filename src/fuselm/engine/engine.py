@@ -96,7 +96,7 @@ class Engine:
                                    cache.page_size)
         self.model = model
         # Set to a list to record each step (``step()``: what it launched, when its host work
-        # began and when it had read the step before's ids: the gaps between "read" times are the
+        # began, when its launches were done, and when it had read the step before's ids: the gaps between "read" times are the
         # steps' durations as a decoding request sees them); ``fuselm serve --step-log``.
         self.step_log: list[dict] | None = None
         self.vocab_size = model.config.vocab_size
@@ -231,6 +231,7 @@ class Engine:
             if decoding:
                 _, ids = self.runner.decode(*self._decode_shape(decoding))
                 pending.append(_Launched(ids, decoding))
+        launched_at = time.perf_counter()
         for launched in self._in_flight:
             updated += self._read(launched)
         if prefilled is not None:
@@ -241,7 +242,7 @@ class Engine:
         if self.step_log is not None:
             kind = "mixed" if mixed else "prefill+decode" if plan and decoding else "prefill" if plan else \
                 "decode" if decoding else "idle"
-            self.step_log.append({"began": began, "read": time.perf_counter(), "kind": kind,
+            self.step_log.append({"began": began, "launched": launched_at, "read": time.perf_counter(), "kind": kind,
                                   "decode_rows": len(decoding), "chunks": len(plan),
                                   "prompt_tokens": sum(count for _, _, count in plan)})
         return updated

@@ -42,6 +42,7 @@ from fuselm.engine.request import Request
 from fuselm.engine.sampling import SAMPLER_VARIANTS, SlotSampling, sampler_variant
 from fuselm.models.qwen35 import Qwen35
 from fuselm.models.qwen35.cache import PAGE_SIZE
+from fuselm.runtime import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +186,7 @@ class ModelRunner:
         which writes the same values again). Returns (packed, (rows, tokens, fresh, graphed))."""
         fresh = [request for request, start, _ in plan if start == 0]
         if fresh:
-            self.sampling.assign(fresh, torch.tensor([r.slot for r in fresh], dtype=torch.int64).to(self.device, non_blocking=True))
+            self.sampling.assign(fresh, to_device(torch.tensor([r.slot for r in fresh], dtype=torch.int64), self.device))
             self.cache.assign_pages([r.slot for r in fresh], [r.pages for r in fresh])
         rows, tokens, graphed = self._padded_shape(len(plan), max(count for _, _, count in plan), decode_rows)
         packed = torch.zeros(rows, tokens + 4, dtype=torch.int64)
@@ -201,7 +202,7 @@ class ModelRunner:
         else one replay of ``key``'s graph, captured the first time it is needed (after an eager
         run that is this call's result and warms its kernels)."""
         if not key[-1]:  # pinned: a copy from pageable memory would wait for the steps before it
-            return body((packed.pin_memory() if self.device.type == "cuda" else packed).to(self.device, non_blocking=True))
+            return body(to_device(packed, self.device))
         if key in self._graphs:
             self._graph_inputs[key].copy_(packed.pin_memory(), non_blocking=True)
             self._graphs[key].replay()
@@ -226,8 +227,8 @@ class ModelRunner:
         if not ends:
             return [], torch.empty(0, dtype=torch.int64, device=self.device)
         completed = [plan[i][0] for i in ends]
-        slots = torch.tensor([r.slot for r in completed], dtype=torch.int64).to(self.device, non_blocking=True)
-        rows = torch.tensor(ends, dtype=torch.int64).to(self.device, non_blocking=True)
+        slots = to_device(torch.tensor([r.slot for r in completed], dtype=torch.int64), self.device)
+        rows = to_device(torch.tensor(ends, dtype=torch.int64), self.device)
         first = self.sampling.sample_and_advance(logits[rows], self.cache.active, sampler_variant(completed), slots)
         self.input_tokens.index_copy_(0, slots, first)
         return completed, first

@@ -15,6 +15,7 @@ import torch
 
 from fuselm.engine.request import Request
 from fuselm.ops.sampling import sample_tokens
+from fuselm.runtime import to_device
 
 # Stop ids checked on the device per slot (eos ids + the request's stop_token_ids). A request
 # with more is still stopped by the host, one step later (the extra step's state is discarded).
@@ -57,7 +58,7 @@ class SlotSampling:
         params = [r.params for r in requests]
 
         def column(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+            return to_device(torch.tensor(values, dtype=dtype), device)
 
         self.temperature.index_copy_(0, slots, column([p.temperature for p in params], torch.float32))
         self.top_k.index_copy_(0, slots, column([p.top_k for p in params], torch.int32))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fuselm.models.qwen35.config import FULL_ATTENTION, Qwen35Config
-from fuselm.runtime import check_positive_int
+from fuselm.runtime import check_positive_int, to_device
 
 
 PAGE_SIZE = 64  # tokens per K/V page (the decode attention kernel reads one page per block)
@@ -115,8 +115,8 @@ class Qwen35Cache:
         for i, owned in enumerate(pages):
             rows[i, :len(owned)] = torch.tensor(owned, dtype=torch.int64)
         index = torch.tensor(slots, dtype=torch.int64)
-        self.block_table.index_copy_(0, index.to(self.block_table.device, non_blocking=True),
-                                     rows.to(self.block_table.device, non_blocking=True))
+        device = self.block_table.device
+        self.block_table.index_copy_(0, to_device(index, device), to_device(rows, device))
 
     def first_rows(self, rows: int) -> "Qwen35Cache":
         """A cache of rows 0 .. rows-1 that shares this one's memory (every per-slot tensor a

@@ -262,6 +262,7 @@ RECURRENCE_STAGES = 4
 # 128 value columns per program is 4-5% faster in all than 64; 8 warps for prepare +40%, for output +-1%.
 OUTPUT_BLOCK_V = 128  # value columns per program of the output kernel
 PREPARE_WARPS = 4
+MIN_16BIT_HEAD_DIM = 64  # 16-bit key / value heads narrower than this run in fp32 on a GPU (chunk_gated_delta_rule)
 OUTPUT_WARPS = 4
 
 
@@ -339,6 +340,13 @@ def chunk_gated_delta_rule(
     """
     N = _check(q, k, v, g, beta, None, initial_state, cu_seqlens, None)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if q.is_cuda and q.dtype != torch.float32 and min(q.shape[-1], v.shape[-1]) < MIN_16BIT_HEAD_DIM:
+        # 16-bit heads under 64 wide: the 16-bit kernels give non-finite results on the H100
+        # (triton 3.6; K or V of 16 or 32, forward and backward, NOTES.md 31); the fp32 kernels
+        # (ieee dots) are right, so such heads run in fp32 and o comes back in v's dtype.
+        o, final = chunk_gated_delta_rule(q.float(), k.float(), v.float(), g.float(), beta.float(), scale,
+                                          initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+        return o.to(v.dtype), final
     args = (q, k, v, g, beta)
     if use_triton(q) and needs_autograd(*args, *(() if initial_state is None else (initial_state,))):
         from fuselm.ops.gated_delta_rule.chunk_backward import ChunkGatedDeltaRuleFunction  # imports this module
