@@ -21,6 +21,7 @@ import time
 import torch
 
 from fuselm.models.qwen35.presets import config_9b, random_qwen35
+from timing import kernel_breakdown
 
 ROWS, MAX_LEN, CACHED = 32, 1024, 512
 
@@ -60,25 +61,13 @@ def capture(fn) -> tuple[torch.cuda.CUDAGraph, float]:
     return graph, time.perf_counter() - began
 
 
-def kernel_times(fn) -> dict[str, tuple[float, int]]:
-    """GPU us and launches per kernel name of one eager call of ``fn`` (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.key: (e.self_device_time_total, e.count) for e in prof.key_averages() if e.self_device_time_total > 0}
-
-
 def kernel_difference(decode: dict, mixed: dict, count: int = 15) -> str:
     """Markdown: the kernels that the mixed step spends more time in than the decode step, by difference."""
     names = sorted(set(decode) | set(mixed), key=lambda n: decode.get(n, (0, 0))[0] - mixed.get(n, (0, 0))[0])
     lines = ["| kernel | decode us (launches) | mixed us (launches) | mixed - decode us |", "|---|---|---|---|"]
     for name in names[:count]:
         (d, dn), (m, mn) = decode.get(name, (0.0, 0)), mixed.get(name, (0.0, 0))
-        lines.append(f"| {name[:70]} | {d:.0f} ({dn}) | {m:.0f} ({mn}) | {m - d:+.0f} |")
+        lines.append(f"| {name} | {d:.0f} ({dn}) | {m:.0f} ({mn}) | {m - d:+.0f} |")
     total_d, total_m = sum(v[0] for v in decode.values()), sum(v[0] for v in mixed.values())
     launches_d, launches_m = sum(v[1] for v in decode.values()), sum(v[1] for v in mixed.values())
     lines.append(f"| all kernels | {total_d:.0f} ({launches_d}) | {total_m:.0f} ({launches_m}) | {total_m - total_d:+.0f} |")
@@ -133,7 +122,7 @@ def main():
         if args.profile:
             print(f"\n### where the mixed step's extra time goes, {rows} x {tokens}: kernel GPU time of one eager "
                   "call (torch.profiler)\n")
-            print(kernel_difference(kernel_times(decode), kernel_times(mixed)))
+            print(kernel_difference(kernel_breakdown(decode, 1, launches=True), kernel_breakdown(mixed, 1, launches=True)))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -72,15 +73,24 @@ def loop_us(fn, calls: int = 200) -> float:
     return _loop_us(fn, calls, include_gpu=True)
 
 
-def kernel_breakdown(fn, calls: int = 5) -> dict:
-    """GPU microseconds per call of each kernel ``fn`` launches (torch.profiler)."""
+def kernel_breakdown(fn, calls: int = 5, launches: bool = False) -> dict:
+    """GPU microseconds per call of each kernel ``fn`` launches (torch.profiler), by the first 60
+    characters of its name (kernels that share them add up); with ``launches``, (microseconds,
+    launches) per call."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    return {e.key[:60]: round(e.device_time_total / calls, 1) for e in prof.key_averages() if e.device_time_total > 0}
+    us, count = defaultdict(float), defaultdict(int)
+    for e in prof.key_averages():
+        if e.device_time_total > 0:
+            us[e.key[:60]] += e.device_time_total / calls
+            count[e.key[:60]] += e.count
+    if launches:
+        return {name: (round(t, 1), count[name] // calls) for name, t in us.items()}
+    return {name: round(t, 1) for name, t in us.items()}
 
 
 def results_dir(out: Path | None) -> Path:

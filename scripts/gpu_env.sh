@@ -8,3 +8,5 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+# want STAGE: whether a runner's " $stages " (set after sourcing this, space-padded) names STAGE.
+want() { [[ $stages == *" $1 "* ]]; }

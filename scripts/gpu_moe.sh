@@ -13,7 +13,6 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 stages=" ${*:-tests sanitizer bench} "
-want() { [[ $stages == *" $1 "* ]]; }
 status=0
 MOE_TESTS="tests/test_moe.py tests/test_moe_routing.py tests/test_moe_grouped_gemm.py tests/test_qwen35_moe.py"
 if want tests; then

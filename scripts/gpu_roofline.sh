@@ -12,7 +12,6 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 stages=" ${*:-gemv decode mixed tests} "
-want() { [[ $stages == *" $1 "* ]]; }
 status=0
 if want gemv; then
   PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 300 python3 benchmarks/decode_gemv.py --out "$OUT" \

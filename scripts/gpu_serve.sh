@@ -24,7 +24,6 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 status=0
 stages=" ${*:-engine serve serve2048 hf tests sanitizer} "
-want() { [[ $stages == *" $1 "* ]]; }
 checkpoint=${CHECKPOINT:-/tmp/qwen35-9b-random}
 port=${PORT:-8391}
 url=http://127.0.0.1:$port

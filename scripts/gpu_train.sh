@@ -12,7 +12,6 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 stages=" ${*:-tests bench} "
-want() { [[ $stages == *" $1 "* ]]; }
 status=0
 if want tests; then
   timeout 300 python3 -m pytest -v -p no:cacheprovider --durations=10 tests/test_gated_delta_rule_backward.py \
