@@ -10,7 +10,11 @@ output tok/s, then ``benchmarks/step_log.py``'s table: per step kind the duratio
 request sees, split into the host's launch work and the wait for the step before; then each
 model call the runner made as an eager run or a graph capture (host ms), and the slowest steps
 with the runner calls of that step and of the next one (a gap times the step before's GPU work
-and the next step's host work). ``--log PATH``: the step log and the runner calls as JSON.
+and the next step's host work). ``--log PATH``: the step log and the runner calls as JSON. ``--sampled``: the served requests'
+sampling (the checkpoint's generation_config: temperature 0.6, top-k 20, top-p 0.95) instead of
+greedy. Also printed: each runner call (prefill, mixed, decode) on the GPU's clock (CUDA events
+before and after it): its host time, its GPU time, the GPU's idle time before it, and the host
+syncs made inside the measured run (``torch.cuda.set_sync_debug_mode("warn")``, by call site).
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections import defaultdict
+import traceback
+import warnings
+from collections import Counter, defaultdict
 
 import torch
 
@@ -45,6 +51,50 @@ def record_runner_calls(engine: Engine) -> list[dict]:
     return calls
 
 
+def record_gpu_timeline(engine: Engine) -> list[dict]:
+    """Wrap the runner's prefill, mixed and decode (a diagnostic hook): CUDA events and host
+    clock before and after each call. ``gpu_timeline`` turns them into milliseconds."""
+    calls, runner = [], engine.runner
+    for name in ("prefill", "mixed", "decode"):
+        method = getattr(runner, name)
+
+        def timed(*args, _method=method, _name=name, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            host_start = time.perf_counter()
+            start.record()
+            result = _method(*args, **kwargs)
+            end.record()
+            calls.append({"name": _name, "start": start, "end": end, "host_start": host_start,
+                          "host_end": time.perf_counter()})
+            return result
+
+        setattr(runner, name, timed)
+    return calls
+
+
+def gpu_timeline(calls: list[dict]) -> str:
+    """Per runner call kind: host ms inside the call, GPU ms from its first to its last
+    enqueued work (any idle inside included), and the GPU's idle ms before it (from the end of
+    the call before: the host was late)."""
+    torch.cuda.synchronize()
+    rows = defaultdict(lambda: defaultdict(list))
+    for before, call in zip([None] + calls, calls):
+        row = rows[call["name"]]
+        row["host"].append(1e3 * (call["host_end"] - call["host_start"]))
+        row["gpu"].append(call["start"].elapsed_time(call["end"]))
+        if before is not None:
+            row["idle"].append(before["end"].elapsed_time(call["start"]))
+
+    def stats(values):
+        ordered = sorted(values) or [float("nan")]
+        return " / ".join(f"{ordered[min(len(ordered) - 1, int(q * len(ordered)))]:.2f}" for q in (0.5, 0.9, 0.99))
+
+    lines = ["| runner call | calls | host ms (median / p90 / p99) | GPU ms | GPU idle before ms |", "|---|---|---|---|---|"]
+    for name, row in rows.items():
+        lines.append(f"| {name} | {len(row['host'])} | {stats(row['host'])} | {stats(row['gpu'])} | {stats(row['idle'])} |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=96)
@@ -52,6 +102,7 @@ def main():
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--log", default=None, help="write the step log and the runner calls here (JSON)")
+    parser.add_argument("--sampled", action="store_true", help="temperature 0.6, top-k 20, top-p 0.95 (else greedy)")
     args = parser.parse_args()
     model = random_qwen35(config_9b(), dtype=torch.bfloat16, device="cuda", seed=0)
     engine = Engine(model, max_batch=32, max_len=1024, max_prefill_tokens=args.budget, seed=0)
@@ -62,15 +113,39 @@ def main():
     print(f"mixed graphs captured up front: {captured} in {time.perf_counter() - began:.1f} s\n")
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, model.config.vocab_size, (args.requests, args.prompt_len), generator=generator).tolist()
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    engine.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
+    sampling = dict(temperature=0.6, top_k=20, top_p=0.95) if args.sampled else dict(temperature=0.0)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, **sampling)
+    engine.generate(prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True, **sampling))  # warm-up
     engine.step_log = []
     calls = record_runner_calls(engine)
+    timeline = record_gpu_timeline(engine)
+    syncs = Counter()
+
+    def note_sync(message, category, filename, lineno, file=None, line=None):
+        frames = [f"{frame.filename.split('/')[-1]}:{frame.lineno} {frame.name}" for frame in traceback.extract_stack()[:-1]
+                  if "warnings" not in frame.filename]
+        syncs[f"{str(message)[:80]} <- " + " <- ".join(reversed(frames[-4:]))] += 1
+
+    show_warning, warnings.showwarning = warnings.showwarning, note_sync
     began = time.perf_counter()
-    engine.generate(prompts, params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = note_sync
+        torch.cuda.set_sync_debug_mode("warn")
+        engine.generate(prompts, params)
+        torch.cuda.set_sync_debug_mode("default")
     seconds = time.perf_counter() - began
-    print(f"output: {args.requests * args.output_len / seconds:,.0f} tok/s over {seconds:.2f} s\n")
+    warnings.showwarning = show_warning
+    print(f"output: {args.requests * args.output_len / seconds:,.0f} tok/s over {seconds:.2f} s "
+          f"({'sampled' if args.sampled else 'greedy'})\n")
     print(summarise(engine.step_log))
+    print("\n### runner calls on the GPU's clock (CUDA events around each call)\n")
+    print(gpu_timeline(timeline))
+    print("\n### host syncs in the measured run (sync debug mode, by call site)\n")
+    for site, count in syncs.most_common(12):
+        print(f"- {count} x {site}")
+    if not syncs:
+        print("none reported")
     unreplayed = defaultdict(list)
     for call in calls:
         if call["mode"] != "replay":

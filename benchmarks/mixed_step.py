@@ -1,6 +1,6 @@
 """A mixed prefill + decode step against the two apart (GPU only; 9B config, random bf16 weights).
 
-    python benchmarks/mixed_step.py [--decode-rows 31] [--chunks 480 224 96 224@256 512 256] [--profile]
+    python benchmarks/mixed_step.py [--decode-rows 31] [--chunks 480 224 96 224@256 512 256] [--profile [--profile-rows 15]]
 
 Cache of 32 slots x 1024 tokens; rows 0 .. decode_rows-1 decode (active, 512 tokens cached; their
 state is random-free zeros, which costs the same), the prompt chunks go into the slots after them.
@@ -79,6 +79,7 @@ def main():
     parser.add_argument("--decode-rows", type=int, default=31)
     parser.add_argument("--chunks", nargs="+", default=["480", "224", "96", "224@256", "512", "256"])
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile-rows", type=int, default=15, help="kernels listed per profile table")
     args = parser.parse_args()
     model = random_qwen35(config_9b(), dtype=torch.bfloat16, device="cuda", seed=0)
     cache = model.new_cache(ROWS, MAX_LEN)
@@ -122,7 +123,8 @@ def main():
         if args.profile:
             print(f"\n### where the mixed step's extra time goes, {rows} x {tokens}: kernel GPU time of one eager "
                   "call (torch.profiler)\n")
-            print(kernel_difference(kernel_breakdown(decode, 1, launches=True), kernel_breakdown(mixed, 1, launches=True)))
+            print(kernel_difference(kernel_breakdown(decode, 1, launches=True), kernel_breakdown(mixed, 1, launches=True),
+                                    args.profile_rows))
 
 
 if __name__ == "__main__":

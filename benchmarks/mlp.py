@@ -166,9 +166,44 @@ def sweep(w13, w2):
     return rows
 
 
+SMALL_M_CONFIGS = [GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(128, 64, 64, 8, 4, 4),
+                   GemmConfig(128, 64, 64, 8, 8, 4), GemmConfig(128, 64, 64, 8, 4, 3), GemmConfig(64, 128, 64, 8, 4, 4),
+                   GemmConfig(64, 128, 64, 8, 4, 3), GemmConfig(64, 64, 64, 8, 4, 4), GemmConfig(64, 256, 64, 8, 8, 3),
+                   GemmConfig(128, 64, 128, 8, 8, 3), GemmConfig(64, 128, 128, 8, 8, 3)]
+
+
+def sweep_small_m(ms, ffn: int):
+    """The gate/up GEMM + SwiGLU at a mixed step's token counts (a running batch's decode rows
+    plus a prompt chunk: 96-512 tokens), hidden D and ``ffn`` F (Qwen3.5-9B: 12288), every
+    config of SMALL_M_CONFIGS beside cuBLAS mm + silu_mul; CUDA-graph replay, do_bench median.
+    At these M the grid is a few waves of SMs: the tile shape sets how full the last one is."""
+    wg, wu = (torch.randn(ffn, D, device="cuda", dtype=DT) * D**-0.5 for _ in range(2))
+    w13, w_cat = interleave_gate_up(wg, wu), torch.cat([wg, wu])
+    act, rows = Activation(), []
+    for m in ms:
+        x = torch.randn(m, D, device="cuda", dtype=DT)
+        h = torch.empty(m, ffn, device="cuda", dtype=DT)
+        flops = 2 * m * D * 2 * ffn
+        cublas = graph_bench(lambda: (lambda gu: silu_mul(gu[:, :ffn], gu[:, ffn:]))(x @ w_cat.T))
+        rows.append({"kernel": f"cuBLAS + silu_mul, F={ffn}", "m": m, "config": "-", "ms": cublas, "tflops": flops / cublas / 1e9})
+        print(rows[-1], flush=True)
+        for cfg in SMALL_M_CONFIGS:
+            try:
+                ms_ = graph_bench(lambda: gemm_swiglu_kernel(x, w13, act, h, config=cfg))
+            except Exception as error:  # out of shared memory / registers: recorded, not fatal
+                rows.append({"kernel": f"gemm, F={ffn}", "m": m, "config": str(cfg), "error": str(error)[:80]})
+                continue
+            rows.append({"kernel": f"gemm, F={ffn}", "m": m, "config": str(cfg), "ms": ms_, "tflops": flops / ms_ / 1e9})
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep-small-m", type=int, nargs="*", default=None,
+                        help="only the gate/up GEMM tile sweep at these M (mixed-step sizes) with F=--ffn; writes mlp_small_m.md")
+    parser.add_argument("--ffn", type=int, default=12288, help="F of --sweep-small-m (Qwen3.5-9B: 12288)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -176,6 +211,17 @@ def main(argv=None) -> int:
         return 0
     gpu = torch.cuda.get_device_name()
     out = results_dir(args.out)
+    if args.sweep_small_m:
+        rows = sweep_small_m(args.sweep_small_m, args.ffn)
+        lines = [f"# gate/up GEMM + SwiGLU at mixed-step sizes, D={D}, F={args.ffn}, bf16: {gpu}", "",
+                 f"{datetime.date.today().isoformat()}; torch {torch.__version__}, triton {triton.__version__}. "
+                 f"Command: `python {' '.join(sys.argv)}`. CUDA-graph replay, do_bench median.", "",
+                 "| kernel | M | config | ms | rate |", "|---|---|---|---|---|"]
+        lines += [f"| {s['kernel']} | {s['m']} | {s['config']} | {s.get('ms', float('nan')):.4f} | "
+                  + (f"{s['tflops']:.0f} TFLOP/s" if "tflops" in s else s.get("error", "")) + " |" for s in rows]
+        (out / "mlp_small_m.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return 0
     copy_tbps, tflops = copy_bandwidth(), matrix_rate()
     wg, wu, w13, w2, w_cat = make_weights()
     result = {"meta": {"gpu": gpu, "date": datetime.date.today().isoformat(), "torch": torch.__version__,

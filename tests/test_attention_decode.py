@@ -151,7 +151,7 @@ def test_matches_the_models_gated_attention_path(dtype):
     inputs = make_inputs(B, nH, nKV, hd, hd // 4, dtype, max_batch=B + 1, L=7, cos_layout="4d", seed=2)
     attention.q_norm = nn.Parameter(inputs["q_norm_weight"], requires_grad=False)
     attention.k_norm = nn.Parameter(inputs["k_norm_weight"], requires_grad=False)
-    q_model, k, v, _ = attention._split_projection(inputs["qkv"], inputs["cos"], inputs["sin"])
+    q_model, k, v = attention._split_projection(inputs["qkv"], inputs["cos"], inputs["sin"])
     key_model, value_model = inputs["key_cache"].clone(), inputs["value_cache"].clone()
     rows, columns = torch.arange(B, device=DEVICE), inputs["write_column"]
     key_model[rows, :, columns] = k[:, :, 0]

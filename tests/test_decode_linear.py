@@ -172,30 +172,28 @@ def _module(cls, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_matches_the_model_output_projections(dtype):
-    """``GatedDeltaNet._output`` and ``GatedAttention._output`` (decode layouts: B rows, T = 1,
-    z a strided view of the in-projection) as one decode_linear call each."""
-    B = 3
+@pytest.mark.parametrize("rows", [(3, 1), (2, 20)])  # decode rows (fused GEMV) / prompt tokens (prologue, then mm)
+def test_matches_the_model_output_projections(rows, dtype):
+    """The layers' ``output`` (decode_linear with the gate taken from the in-projection) against
+    HF's eager code for ``Qwen3_5RMSNormGated`` + out_proj and ``attn * sigmoid(gate)`` + o_proj."""
     dn = _module(GatedDeltaNet, dtype)
-    proj = randn(B, 1, dn.conv_dim + dn.value_dim + 2 * dn.num_v_heads, dtype=dtype)
-    _, z, _, _ = proj.split([dn.conv_dim, dn.value_dim, dn.num_v_heads, dn.num_v_heads], dim=-1)
-    z = z.unflatten(-1, (dn.num_v_heads, dn.head_v_dim))
-    o = randn(B, 1, dn.num_v_heads, dn.head_v_dim, dtype=dtype)
-    y = decode_linear(o.flatten(-2), dn.out_proj, prologue="gated_rms_norm", gate=z.flatten(-2), norm_weight=dn.norm,
-                      eps=dn.eps, head_dim=dn.head_v_dim)
-    assert_close(y, dn._output(o, z), TOL[dtype], "GatedDeltaNet out_proj")
-    if dtype == torch.float16:  # identity out_proj: y is the prologue itself, vs the model's code path
+    proj = randn(*rows, dn.conv_dim + dn.value_dim + 2 * dn.num_v_heads, dtype=dtype)
+    z = proj[..., dn.conv_dim:dn.conv_dim + dn.value_dim].unflatten(-1, (dn.num_v_heads, dn.head_v_dim))
+    o = randn(*rows, dn.num_v_heads, dn.head_v_dim, dtype=dtype)
+    # HF: weight * rms_norm(o).to(dtype) (Llama rounding), times silu(z) in fp32, one rounding.
+    gated = (rms_norm(o, dn.norm, dn.eps, 0.0).float() * F.silu(z.float())).to(dtype).flatten(-2)
+    assert_close(dn.output(o.flatten(-2), proj), gated @ dn.out_proj.T, TOL[dtype], "GatedDeltaNet out_proj")
+    if dtype == torch.float16:  # identity out_proj: y is the prologue itself, vs the eager code
         dn.out_proj = nn.Parameter(torch.eye(dn.value_dim, dtype=dtype, device=DEVICE), requires_grad=False)
-        y = decode_linear(o.flatten(-2), dn.out_proj, prologue="gated_rms_norm", gate=z.flatten(-2),
-                          norm_weight=dn.norm, eps=dn.eps, head_dim=dn.head_v_dim)
-        worst, flips = ulp_flips(y, dn._output(o, z))
+        worst, flips = ulp_flips(dn.output(o.flatten(-2), proj), gated)
         assert worst <= 1 and flips <= 2, (worst, flips)
 
     at = _module(GatedAttention, dtype)
-    attn = randn(B, at.num_heads, 1, at.head_dim, dtype=dtype)
-    gate = randn(B, 1, at.q_size, dtype=dtype)[..., at.head_dim:at.head_dim + at.num_heads * at.head_dim]
-    y = decode_linear(attn.transpose(1, 2).flatten(2), at.o_proj, prologue="sigmoid_gate", gate=gate)
-    assert_close(y, at._output(attn, gate), TOL[dtype], "GatedAttention o_proj")
+    proj = randn(*rows, at.q_size + 2 * at.kv_size, dtype=dtype)
+    attn = randn(*rows, at.num_heads * at.head_dim, dtype=dtype)
+    gate = proj[..., :at.q_size].unflatten(-1, (at.num_heads, 2 * at.head_dim))[..., at.head_dim:].flatten(-2)
+    want = (attn * torch.sigmoid(gate)) @ at.o_proj.T
+    assert_close(at.output(attn, proj), want, TOL[dtype], "GatedAttention o_proj")
 
 
 # ----------------------------------------------------------------------------- bad input

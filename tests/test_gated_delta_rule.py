@@ -106,7 +106,7 @@ def test_decode_after_prefill_equals_one_long_run():
     (lambda a: {**a, "cu_seqlens": torch.tensor([0, 2, 4], device=DEVICE)}, ValueError, "B = 1"),
     (lambda a: {**{n: t[:1] if isinstance(t, torch.Tensor) else t for n, t in a.items()},
                 "cu_seqlens": torch.tensor([0, 3, 1, 4], device=DEVICE)}, ValueError, "never decrease"),
-    (lambda a: {**a, "initial_state": torch.zeros(2, 4, 64, 64, device=DEVICE, dtype=torch.float16)}, TypeError, "fp32"),
+    (lambda a: {**a, "initial_state": torch.zeros(2, 4, 64, 64, device=DEVICE, dtype=torch.int32)}, TypeError, "fp32"),
     (lambda a: {**a, "initial_state": torch.zeros(3, 4, 64, 64, device=DEVICE)}, ValueError, "initial_state: expected"),
     (lambda a: {**a, "state_indices": torch.tensor([0, 1], device=DEVICE)}, ValueError, "needs initial_state"),
     (lambda a: {**a, "A_log": torch.zeros(4, device=DEVICE)}, ValueError, "either g and beta"),
@@ -344,3 +344,74 @@ def test_decode_step_bad_input(change, error, match):
     with pytest.raises(error, match=match):
         gated_delta_rule_decode_step(**args, num_k_heads=2, head_k_dim=16, num_v_heads=4, head_v_dim=32)
     assert torch.equal(state, before)
+
+
+GATE_DTYPES = [torch.float32, torch.float16, torch.bfloat16]  # elementwise: bf16 is right in the interpreter
+
+
+@pytest.mark.parametrize("dtype", GATE_DTYPES)
+@pytest.mark.parametrize("B, T, HV", [(1, 1, 1), (3, 17, 6), (2, 40, 32)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_gated_delta_gates_match_the_reference(B, T, HV, masked, dtype):
+    """The fused gates on strided views of a projection (a, b beside other columns), in float64
+    against the reference's math; masked tokens exactly 0, the mask's zeros nowhere else."""
+    from fuselm.ops.gated_delta_rule import gated_delta_gates, gated_delta_gates_ref
+
+    projected = (torch.randn(B, T, 5 + 2 * HV, device=DEVICE) * 4).to(dtype)  # wide a, b: softplus's both arms
+    projected[0, 0, 5] = 30.0  # past softplus's threshold
+    b, a = projected[..., 5:5 + HV], projected[..., 5 + HV:]
+    A_log, dt_bias = torch.randn(HV, device=DEVICE).to(dtype), torch.randn(HV, device=DEVICE).to(dtype)
+    mask = (torch.rand(B, T, device=DEVICE) < 0.7) if masked else None
+    g, beta = gated_delta_gates(A_log, a, dt_bias, b, mask)
+    assert g.dtype == torch.float32 and beta.dtype == dtype and g.shape == beta.shape == (B, T, HV)
+    g_ref, beta_ref = gated_delta_gates_ref(A_log, a, dt_bias, b, mask)
+    g64 = -A_log.double().exp() * torch.nn.functional.softplus(a.double() + dt_bias.double())
+    torch.testing.assert_close(g.double(), g64.masked_fill(~mask[..., None], 0) if masked else g64, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6)
+    ulp = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]  # one rounding of beta
+    torch.testing.assert_close(beta.float(), beta_ref.float(), rtol=ulp, atol=ulp)
+    if masked:
+        assert (g[~mask] == 0).all() and (beta[~mask] == 0).all()
+        assert (beta[mask] > 0).all()
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (lambda A, a, d, b, m: (A, a[0], d, b, m), ValueError, r"a: expected \[B, T, HV\]"),
+    (lambda A, a, d, b, m: (A, a, d, b[:, :2], m), ValueError, "b: shape"),
+    (lambda A, a, d, b, m: (A, a, d, b.half(), m), TypeError, "b: dtype"),
+    (lambda A, a, d, b, m: (A[:3], a, d, b, m), ValueError, r"A_log: expected \[HV\]"),
+    (lambda A, a, d, b, m: (A, a, d[:3], b, m), ValueError, r"dt_bias: expected \[HV\]"),
+    (lambda A, a, d, b, m: (A, a, d, b, m[:, :2]), ValueError, r"token_mask: expected \[B, T\]"),
+    (lambda A, a, d, b, m: (A, a, d, b, m.int()), TypeError, "token_mask"),
+    (lambda A, a, d, b, m: (A, a.transpose(1, 2).contiguous().transpose(1, 2), d, b, m), ValueError, "a: the head dim"),
+])
+def test_gated_delta_gates_bad_input(bad, error, match):
+    from fuselm.ops.gated_delta_rule import gated_delta_gates
+
+    args = (torch.randn(4, device=DEVICE), torch.randn(2, 3, 4, device=DEVICE), torch.randn(4, device=DEVICE),
+            torch.randn(2, 3, 4, device=DEVICE), torch.ones(2, 3, dtype=torch.bool, device=DEVICE))
+    with pytest.raises(error, match=match):
+        gated_delta_gates(*bad(*args))
+
+
+@pytest.mark.parametrize("neg_eigval", [False, True])
+def test_fused_recurrent_takes_fla_options(neg_eigval):
+    """fused_recurrent_gated_delta_rule with FLA's keyword options (raw gate + A_log / dt_bias,
+    beta logits, [V, K] fp16 states) equals the reference fed the same math; gk / gv refused."""
+    B, T, H, HV, K, V = 2, 9, 1, 2, 32, 16
+    q, k, v, _, _ = inputs(B, T, H, HV, K, V)
+    g_raw, logits = torch.randn(B, T, HV, device=DEVICE), torch.randn(B, T, HV, device=DEVICE)
+    A_log, dt_bias = torch.randn(HV, device=DEVICE) * 0.5, torch.randn(HV, device=DEVICE)
+    h0_vk = torch.randn(B, HV, V, K, device=DEVICE).half()
+    o, ht = fused_recurrent_gated_delta_rule(
+        q, k, v, g=g_raw, beta=logits, initial_state=h0_vk, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True,
+        allow_neg_eigval=neg_eigval, state_v_first=True)
+    g = -A_log.exp() * torch.nn.functional.softplus(g_raw + dt_bias)
+    beta = logits.sigmoid() * (2.0 if neg_eigval else 1.0)
+    o_ref, ht_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0_vk.float().transpose(-1, -2),
+                                                   output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert ht.shape == (B, HV, V, K)
+    assert rel_err(o, o_ref) <= TOL[torch.float32] and rel_err(ht, ht_ref.transpose(-1, -2)) <= TOL[torch.float32]
+    with pytest.raises(NotImplementedError, match="gk, gv"):
+        fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, gk=g)

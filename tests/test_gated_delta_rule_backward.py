@@ -202,3 +202,61 @@ def test_cpu_without_interpreter_differentiates_the_reference(monkeypatch):
                                          use_qk_l2norm_in_kernel=True)
     ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
     assert_grads([t.grad for t in leaves], ref, 1e-3)
+
+
+# ----------------------------------------------------------------------------- flash-linear-attention's options
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("neg_eigval", [False, True])
+def test_fla_options_forward_and_gradients(dtype, neg_eigval):
+    """FLA's use_gate_in_kernel (A_log, dt_bias), use_beta_sigmoid_in_kernel, allow_neg_eigval,
+    state_v_first and a 16-bit initial state, as a drop-in for fla's chunk_gated_delta_rule:
+    outputs, final state and the gradients of the raw inputs against autograd through the float64
+    token recurrence fed the same math (g = -exp(A_log) softplus(g_raw + dt_bias), beta = (2)
+    sigmoid(logits), states transposed to [V, K])."""
+    B, T, H, HV, K, V = 2, 37, 1, 2, 16, 32
+    q, k, v, _, _, _ = inputs(B, T, H, HV, K, V, with_state=False)
+    g_raw, logits = torch.randn(B, T, HV), torch.randn(B, T, HV) * 2
+    A_log, dt_bias = torch.randn(HV) * 0.5, torch.randn(HV)
+    h0_vk = torch.randn(B, HV, V, K).to(dtype)  # [V, K] layout, 16-bit when dtype is
+    do, dht_vk = torch.randn(B, T, HV, V, dtype=torch.float64), torch.randn(B, HV, V, K, dtype=torch.float64)
+    factor = 2.0 if neg_eigval else 1.0
+
+    raw = [q, k, v, g_raw, logits, A_log, dt_bias, h0_vk]
+    ref_leaves = [t.double().requires_grad_(True) for t in raw]
+    rq, rk, rv, rg, rb, rA, rd, rh = ref_leaves
+    g = -rA.exp() * torch.nn.functional.softplus(rg + rd)
+    o_ref, ht_ref = recurrent_gated_delta_rule_autograd(rq, rk, rv, g, factor * rb.sigmoid(), scale=0.5,
+                                                        initial_state=rh.transpose(-1, -2), output_final_state=True,
+                                                        use_qk_l2norm_in_kernel=True)
+    ((o_ref * do).sum() + (ht_ref.transpose(-1, -2) * dht_vk).sum()).backward()
+
+    dtypes = (dtype,) * 3 + (torch.float32,) * 4 + (dtype,)
+    leaves = [t.to(DEVICE, d).detach().requires_grad_(True) for t, d in zip(raw, dtypes)]
+    o, ht = chunk_gated_delta_rule(*leaves[:5], 0.5, leaves[7], True, use_qk_l2norm_in_kernel=True,
+                                   use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg_eigval, state_v_first=True,
+                                   use_gate_in_kernel=True, A_log=leaves[5], dt_bias=leaves[6], chunk_size=32)
+    assert ht.shape == (B, HV, V, K) and ht.dtype == torch.float32
+    ((o.double() * do.to(DEVICE)).sum() + (ht.double() * dht_vk.to(DEVICE)).sum()).backward()
+    tol = TOL[dtype]
+    assert rel_err(o.double().cpu(), o_ref.detach()) <= tol and rel_err(ht.double().cpu(), ht_ref.detach().transpose(-1, -2)) <= tol
+    for name, got, want in zip(("q", "k", "v", "g", "beta logits", "A_log", "dt_bias", "h0"), leaves, ref_leaves):
+        assert got.grad is not None and got.grad.dtype == got.dtype, name
+        err = rel_err(got.grad.double().cpu(), want.grad)
+        assert err <= 2 * tol, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(allow_neg_eigval=True), ValueError, "allow_neg_eigval: requires use_beta_sigmoid_in_kernel"),
+    (dict(use_gate_in_kernel=True), ValueError, "A_log: required"),
+    (dict(A_log=torch.zeros(2)), ValueError, "A_log, dt_bias: only used with use_gate_in_kernel"),
+    (dict(use_gate_in_kernel=True, A_log=torch.zeros(3)), ValueError, r"A_log: expected \[HV\]"),
+    (dict(use_gate_in_kernel=True, A_log=torch.zeros(2), dt_bias=torch.zeros(5)), ValueError, r"dt_bias: expected \[HV\]"),
+    (dict(chunk_size=128), ValueError, "chunk_size: expected one of"),
+    (dict(cp_context=object()), NotImplementedError, "cp_context"),
+    (dict(head_first=True), TypeError, "head_first"),
+])
+def test_fla_options_bad_input(kwargs, error, match):
+    q, k, v, g, beta, _ = inputs(1, 5, 1, 2, 16, 16, with_state=False)
+    kwargs = {name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value for name, value in kwargs.items()}
+    with pytest.raises(error, match=match):
+        chunk_gated_delta_rule(*(t.to(DEVICE) for t in (q, k, v, g, beta)), **kwargs)

@@ -54,6 +54,24 @@ def test_gemm_swiglu_and_mlp_forward(m, dtype, act):
 
 @pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_gemm_beyond_the_cublas_rows(monkeypatch, dtype, act):
+    """Past CUBLAS_SWIGLU_MAX_M rows the forward is the fused GEMM kernel (lowered here so that
+    small shapes take it): the same results as the cuBLAS + SwiGLU-pairs path below it."""
+    import fuselm.ops.swiglu_mlp.op as swiglu_op
+
+    x = randn(45, D, dtype=dtype)
+    w13, w2 = weights(dtype)
+    below = gemm_swiglu_forward(x, w13, act)
+    monkeypatch.setattr(swiglu_op, "CUBLAS_SWIGLU_MAX_M", 40)
+    h = gemm_swiglu_forward(x, w13, act, out=poisoned_like(torch.empty(45, F, dtype=dtype, device=DEVICE)))
+    assert not h.isnan().any(), "an element of h was not written"
+    assert_close(h, exact_h(x, w13, act, dtype), TOL[dtype], "h")
+    assert_close(h, gemm_swiglu_ref(x, w13, act), CONTRACT_TOL[dtype], "h vs contract")
+    assert_close(h, below, CONTRACT_TOL[dtype], "fused vs cuBLAS + pairs")
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [3, 40])
 def test_gradients_match_autograd_of_the_reference(m, dtype, act):
     x = randn(2, m, D, dtype=dtype)  # 3-D input: leading dims flatten

@@ -32,9 +32,10 @@ from pathlib import Path
 DTYPES = ("float32", "bfloat16", "float16")
 PRESETS = ("tiny", "9b", "tiny-moe", "35b-a3b", "0.8b")  # fuselm.models.qwen35.presets.PRESETS (no import here: lazy)
 TEXT_MAX_TOKENS, TEXT_MAX_LEN = 256, 4096
-# Prompt tokens per engine step when serving: the longest stall of running decodes (a 9B prefill on
-# the H100 took 61 ms for 512 tokens and 276 ms for 8192 when measured, issue 18).
-SERVE_MAX_PREFILL_TOKENS = 2048
+# Tokens per engine step when serving (decode rows + a prompt chunk): what bounds the stall of
+# running decodes. H100, 9B, 32 clients (results serve.md): 256 gives ITL p99 1.5x the median and
+# the best throughput measured; 2048 gave ITL p99 14x (whole prompts in one step).
+SERVE_MAX_PREFILL_TOKENS = 256
 BENCH_PROMPT_LEN, BENCH_MAX_NEW_TOKENS, BENCH_BATCH = 32, 16, 1
 
 

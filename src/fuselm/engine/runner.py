@@ -267,9 +267,11 @@ class ModelRunner:
 
     def release(self, slots: Sequence[int]) -> None:
         """Mark slots inactive (their requests ended on the host: a stop string, an abort). One
-        fill per slot, enqueued on the stream: no host sync."""
+        fill kernel per slot, enqueued on the stream: no host sync. (``active[slot] = False``
+        copies a host scalar and waits for the queued steps: measured on the H100, each finished
+        request delayed the tokens of the step being read by a whole step, ITL p99 ~2 steps.)"""
         for slot in slots:
-            self.cache.active[slot] = False
+            self.cache.active[slot:slot + 1].fill_(False)
 
     # ------------------------------------------------------------------------ decode
     @torch.no_grad()

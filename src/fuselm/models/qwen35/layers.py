@@ -26,8 +26,7 @@ from fuselm.ops.attention_decode import apply_rotary_ref, decode_attention, qk_n
 from fuselm.ops.attention_prefill import prefill_attention
 from fuselm.ops.causal_conv1d import causal_conv1d_silu
 from fuselm.ops.decode_linear import decode_linear
-from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_decode_step
-from fuselm.ops.gated_delta_rule.naive import decay_gate
+from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, gated_delta_gates, gated_delta_rule_decode_step
 from fuselm.ops.moe import SwiGLUMoE
 from fuselm.ops.rms_norm import rms_norm
 from fuselm.ops.swiglu_mlp import SwiGLUMLP, interleave_gate_up
@@ -69,6 +68,8 @@ class PrefillStep:
     positions: torch.Tensor  # [B, T] int64, starts + 0 .. T-1
     fresh: bool  # host-known: every row starts at 0 (zero conv history, plain causal attention)
     pages: torch.Tensor  # [B, pages_per_slot] int64, each row's block-table row (its K/V pages)
+    write_page: torch.Tensor  # [B, T] int64: the page of each token's K/V (the scratch page past the row's table)
+    write_column: torch.Tensor  # [B, T] int64: its slot in that page
     cos: torch.Tensor  # [B, T, 1, rotary_dim], model dtype
     sin: torch.Tensor
 
@@ -157,9 +158,9 @@ class GatedDeltaNet(nn.Module):
         return F.linear(x, self.in_proj)
 
     def _split_projection(self, proj):
-        """proj [B, T, P] -> (qkv [B, T, conv_dim], z [B, T, HV, Vd], b, a [B, T, HV]), model dtype."""
-        qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
-        return qkv, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)), b, a
+        """proj [B, T, P] -> (qkv [B, T, conv_dim], b, a [B, T, HV]), model dtype (z: ``output``)."""
+        qkv, _, b, a = proj.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
+        return qkv, b, a
 
     def _split_heads(self, conv_out):
         """conv_out [B, T, conv_dim] -> q, k [B, T, H, Kd] and v [B, T, HV, Vd] (HF's split)."""
@@ -167,17 +168,25 @@ class GatedDeltaNet(nn.Module):
         return (q.unflatten(-1, (self.num_k_heads, self.head_k_dim)), k.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
                 v.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
 
-    def _output(self, o, z):
-        """HF ``Qwen3_5RMSNormGated`` then out_proj: ``w * rms_norm(o).to(dtype)`` (Llama rounding:
-        ``rms_norm`` with offset 0), times silu(z) in fp32, one rounding to the model dtype."""
-        normed = rms_norm(o, self.norm, self.eps, 0.0)
-        gated = (normed.float() * F.silu(z.float())).to(o.dtype)
-        return F.linear(gated.flatten(-2), self.out_proj)
+    def output(self, heads: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
+        """The delta rule's output ``heads`` [..., value_dim] -> [..., D]: HF ``Qwen3_5RMSNormGated``
+        with z from ``projected`` [..., P] (``w * rms_norm(o).to(dtype)``, Llama rounding, times
+        silu(z) in fp32, one rounding to the model dtype), then out_proj: ``decode_linear``'s
+        gated_rms_norm prologue (fused into the GEMV up to a few rows; else its own kernel, then
+        cuBLAS), any number of rows (a mixed step's decode rows and prompt tokens in one GEMM)."""
+        z = projected[..., self.conv_dim:self.conv_dim + self.value_dim]
+        return decode_linear(heads, self.out_proj, prologue="gated_rms_norm", gate=z, norm_weight=self.norm,
+                             eps=self.eps, head_dim=self.head_v_dim)
 
     def prefill(self, x: torch.Tensor, cache: DeltaNetCache, step: PrefillStep,
                 projected: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D] (or ``projected`` = ``project(x)`` [B, T, P]) -> [B, T, D]."""
-        qkv, z, b, a = self._split_projection(self.project(x) if projected is None else projected)
+        projected = self.project(x) if projected is None else projected
+        return self.output(self.prefill_heads(projected, cache, step), projected)
+
+    def prefill_heads(self, projected: torch.Tensor, cache: DeltaNetCache, step: PrefillStep) -> torch.Tensor:
+        """``project(x)`` [B, T, P] -> the delta rule's output [B, T, value_dim] (before ``output``)."""
+        qkv, b, a = self._split_projection(projected)
         # Causal depthwise conv + SiLU over each row's tokens after the inputs before the chunk
         # (the slot's conv state; zeros before position 0), as HF's causal_conv1d_fn rounds it;
         # the kernel also leaves the slot's new conv state (``causal_conv1d_silu``).
@@ -185,31 +194,30 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._split_heads(conv_out)
         # HF: g = -exp(A_log) * softplus(a + dt_bias) in fp32; beta = sigmoid(b) in the model dtype.
         # Padded tokens get g = 0, beta = 0: S <- S * e^0 + 0, the state passes them unchanged.
-        real = step.token_mask[..., None]
-        g = decay_gate(self.A_log, a, self.dt_bias).masked_fill(~real, 0)
-        beta = b.sigmoid().masked_fill(~real, 0)
+        g, beta = gated_delta_gates(self.A_log, a, self.dt_bias, b, step.token_mask)
         initial = None
         if not step.fresh:  # the earlier chunks' state; zeros for rows that start here
             initial = torch.where((step.starts > 0)[:, None, None, None], cache.recurrent[step.slots], 0)
         o, final = chunk_gated_delta_rule(q, k, v, g, beta, self.head_k_dim ** -0.5, initial, True, True)
         cache.recurrent.index_copy_(0, step.slots, final)  # fp32 [B, HV, Kd, Vd]
-        return self._output(o, z)
+        return o.flatten(-2)
 
     def decode(self, x: torch.Tensor, cache: DeltaNetCache, step: DecodeStep,
                projected: torch.Tensor | None = None) -> torch.Tensor:
         """x [max_batch, 1, D] (or ``projected`` = ``project(x)``) -> [max_batch, 1, D]. Three
         launches: in_proj; conv update + gates + l2-norm + recurrence on the state pool (slot -1,
         an inactive row, reads zeros and writes no state); gated RMSNorm fused into out_proj
-        (``decode_linear``). Same math and roundings as ``prefill`` / HF."""
-        proj = (self.project(x) if projected is None else projected)[:, 0]  # [max_batch, P]
+        (``output``). Same math and roundings as ``prefill`` / HF."""
+        projected = self.project(x) if projected is None else projected
+        return self.output(self.decode_heads(projected, cache, step), projected)
+
+    def decode_heads(self, projected: torch.Tensor, cache: DeltaNetCache, step: DecodeStep) -> torch.Tensor:
+        """``project(x)`` [max_batch, 1, P] -> the delta rule's output [max_batch, 1, value_dim]."""
         o = gated_delta_rule_decode_step(
-            proj, cache.conv, self.conv_weight, self.A_log, self.dt_bias, cache.recurrent, step.state_slots,
-            step.positions, num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim,
+            projected[:, 0], cache.conv, self.conv_weight, self.A_log, self.dt_bias, cache.recurrent,
+            step.state_slots, step.positions, num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim,
             num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim)
-        z = proj[:, self.conv_dim:self.conv_dim + self.value_dim]
-        y = decode_linear(o.flatten(1), self.out_proj, prologue="gated_rms_norm", gate=z, norm_weight=self.norm,
-                          eps=self.eps, head_dim=self.head_v_dim)
-        return y[:, None]
+        return o.flatten(1)[:, None]
 
 
 # ============================================================================ gated full attention
@@ -264,36 +272,41 @@ class GatedAttention(nn.Module):
         return F.linear(x, self.qkv_proj, self.qkv_bias)
 
     def _split_projection(self, qkv, cos, sin):
-        """qkv [B, T, P] -> q [B, nH, T, hd], k, v [B, nKV, T, hd], gate [B, T, nH hd]."""
+        """qkv [B, T, P] -> q [B, nH, T, hd], k, v [B, nKV, T, hd] (the gate: ``output``)."""
         B, T, _ = qkv.shape
         q_gate, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
-        q, gate = q_gate.view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = q_gate.view(B, T, self.num_heads, 2 * self.head_dim)[..., :self.head_dim]
         # Zero-centered RMSNorm per head: fp32 statistics, (x_normed * (1 + w)) rounded once.
         q = rms_norm(q, self.q_norm, self.eps, 1.0)
         k = rms_norm(k.view(B, T, self.num_kv_heads, self.head_dim), self.k_norm, self.eps, 1.0)
         q, k = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gate.reshape(B, T, -1)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def _output(self, attn, gate):
-        """attn [B, nH, T, hd] -> o_proj(attn * sigmoid(gate)), in the model dtype as HF."""
-        attn = attn.transpose(1, 2).flatten(2)
-        return F.linear(attn * torch.sigmoid(gate), self.o_proj, self.o_bias)
+    def output(self, heads: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
+        """Attention's output ``heads`` [..., nH hd] -> o_proj(heads * sigmoid(gate)) [..., D] with
+        the gate from ``projected`` [..., P], in the model dtype as HF (sigmoid rounded, product
+        rounded: ``decode_linear``'s sigmoid_gate prologue), any number of rows."""
+        lead = projected.shape[:-1]
+        gate = projected[..., :self.q_size].unflatten(-1, (self.num_heads, 2, self.head_dim))[..., 1, :]
+        y = decode_linear(heads, self.o_proj, prologue="sigmoid_gate", gate=gate.reshape(*lead, -1))
+        return y if self.o_bias is None else y + self.o_bias
 
     def prefill(self, x: torch.Tensor, cache: AttentionCache, step: PrefillStep,
                 projected: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D] (or ``projected`` = ``project(x)`` [B, T, P]) -> [B, T, D]."""
-        q, k, v, gate = self._split_projection(self.project(x) if projected is None else projected, step.cos, step.sin)
-        # K/V of position p into slot p % P of page pages[p // P] (P = page size); positions past
-        # the block-table row (only padding gets there) into the scratch page. Padded positions
-        # land beyond their row's length, where decode never reads and a later token overwrites.
-        page_size, scratch = cache.key.shape[2], cache.key.shape[0] - 1
-        in_table = step.positions < step.pages.shape[1] * page_size
-        page_index = (step.positions // page_size).clamp(max=step.pages.shape[1] - 1)
-        write_page = torch.where(in_table, step.pages.gather(1, page_index), scratch)  # [B, T]
-        write_slot = torch.where(in_table, step.positions % page_size, 0)
-        cache.key[write_page, :, write_slot] = k.transpose(1, 2)
-        cache.value[write_page, :, write_slot] = v.transpose(1, 2)
+        projected = self.project(x) if projected is None else projected
+        return self.output(self.prefill_heads(projected, cache, step), projected)
+
+    def prefill_heads(self, projected: torch.Tensor, cache: AttentionCache, step: PrefillStep) -> torch.Tensor:
+        """``project(x)`` [B, T, P] -> attention's output [B, T, nH hd] (before ``output``)."""
+        q, k, v = self._split_projection(projected, step.cos, step.sin)
+        # K/V of position p into slot p % P of page pages[p // P] (P = page size), positions past
+        # the block-table row (only padding gets there) into the scratch page: the step's
+        # write_page / write_column. Padded positions land beyond their row's length, where
+        # decode never reads and a later token overwrites.
+        cache.key[step.write_page, :, step.write_column] = k.transpose(1, 2)
+        cache.value[step.write_page, :, step.write_column] = v.transpose(1, 2)
         # Causal attention, fp32 softmax. A fresh chunk attends within itself (SDPA, HF's sdpa
         # path); a later one to its row's positions 0 .. position, the earlier chunks' K/V and its
         # own, read from its pages where they lie (``prefill_attention``: no gather, no mask
@@ -302,26 +315,26 @@ class GatedAttention(nn.Module):
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
             attn = prefill_attention(q, cache.key, cache.value, step.pages, step.starts, step.lengths, self.scale)
-        return self._output(attn, gate)
+        return attn.transpose(1, 2).flatten(2)
 
     def decode(self, x: torch.Tensor, cache: AttentionCache, step: DecodeStep,
                projected: torch.Tensor | None = None) -> torch.Tensor:
-        """x [max_batch, 1, D] (or ``projected`` = ``project(x)``) -> [max_batch, 1, D]. qkv GEMM; q/k norm + RoPE + the K/V write into each row's page and slot in one launch
-        (``qk_norm_rope_kv_write``, the roundings of ``_split_projection``); attention over each row's
-        positions 0 .. position only, through its block-table row (``decode_attention``: split
-        over the sequence, fp32 softmax); the sigmoid gate fused into o_proj (``decode_linear``)."""
-        qkv = self.project(x) if projected is None else projected  # [max_batch, 1, P]
-        B = qkv.shape[0]
-        q = qk_norm_rope_kv_write(qkv, self.q_norm, self.k_norm, step.cos, step.sin, cache.key, cache.value,
+        """x [max_batch, 1, D] (or ``projected`` = ``project(x)``) -> [max_batch, 1, D]. qkv GEMM;
+        q/k norm + RoPE + the K/V write into each row's page and slot in one launch
+        (``qk_norm_rope_kv_write``, the roundings of ``_split_projection``); attention over each
+        row's positions 0 .. position only, through its block-table row (``decode_attention``:
+        split over the sequence, fp32 softmax); the sigmoid gate fused into o_proj (``output``)."""
+        projected = self.project(x) if projected is None else projected
+        return self.output(self.decode_heads(projected, cache, step), projected)
+
+    def decode_heads(self, projected: torch.Tensor, cache: AttentionCache, step: DecodeStep) -> torch.Tensor:
+        """``project(x)`` [max_batch, 1, P] -> attention's output [max_batch, 1, nH hd]."""
+        q = qk_norm_rope_kv_write(projected, self.q_norm, self.k_norm, step.cos, step.sin, cache.key, cache.value,
                                   step.write_column, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                   head_dim=self.head_dim, eps=self.eps, write_row=step.write_page)
         attn = decode_attention(q, cache.key, cache.value, step.kv_lengths, self.scale,
                                 block_table=step.block_table)  # [B, heads, head_dim]
-        gate = qkv[:, 0, :self.q_size].view(B, self.num_heads, 2, self.head_dim)[:, :, 1].reshape(B, -1)
-        y = decode_linear(attn.reshape(B, -1), self.o_proj, prologue="sigmoid_gate", gate=gate)
-        if self.o_bias is not None:
-            y = y + self.o_bias
-        return y[:, None]
+        return attn.flatten(1)[:, None]
 
 
 # ============================================================================ MLP

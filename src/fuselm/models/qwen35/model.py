@@ -173,8 +173,15 @@ class Qwen35(nn.Module):
         token_mask = positions < (starts + lengths)[:, None]
         input_ids = input_ids.masked_fill(~token_mask, 0)  # padding ids may be anything
         cos, sin = self._rotary(positions)
-        step = PrefillStep(slots, starts, lengths, token_mask, positions, fresh, cache.block_table[slots],
-                           cos[:, :, None], sin[:, :, None])
+        # Each token's K/V goes to slot p % P of the row's page p // P (P = page size); positions
+        # past the block-table row (only padding gets there) to the scratch page.
+        pages = cache.block_table[slots]
+        in_table = positions < cache.pages_per_slot * cache.page_size
+        page_index = (positions // cache.page_size).clamp(max=cache.pages_per_slot - 1)
+        step = PrefillStep(slots, starts, lengths, token_mask, positions, fresh, pages,
+                           write_page=torch.where(in_table, pages.gather(1, page_index), cache.num_pages),
+                           write_column=torch.where(in_table, positions % cache.page_size, 0),
+                           cos=cos[:, :, None], sin=sin[:, :, None])
         return F.embedding(input_ids, self.embed_tokens), step
 
     def _decode_inputs(self, token_ids: torch.Tensor, cache: Qwen35Cache):
@@ -302,7 +309,7 @@ class Qwen35(nn.Module):
         :meth:`prefill_step`) in one pass, as vLLM's mixed batches: their b + R T tokens share the
         norms, the token mixers' input projections, the MLP GEMMs and the LM head (most of the
         weight bytes: read once for both), and each half goes through its own token mixing
-        (decode kernels; chunked prefill). Returns (decode logits [b, vocab], the logits of each
+        (decode kernels; chunked prefill) before one output projection for all. Returns (decode logits [b, vocab], the logits of each
         prefill row's last real token [R, vocab]).
 
         Decode rows advance as in :meth:`decode_step`; the prefill slots get lengths
@@ -317,9 +324,9 @@ class Qwen35(nn.Module):
 
         def mix(mixer, x, i):  # x [b + R T, 1, D]: the decode rows, then the prompt tokens
             projected = mixer.project(x)  # one input-projection GEMM for both halves
-            decoded = mixer.decode(x[:b], rows.layers[i], decode, projected[:b])
-            prefilled = mixer.prefill(x[b:].view(R, T, -1), cache.layers[i], prefill, projected[b:].view(R, T, -1))
-            return torch.cat([decoded, prefilled.view(R * T, 1, -1)])
+            decoded = mixer.decode_heads(projected[:b], rows.layers[i], decode)
+            prefilled = mixer.prefill_heads(projected[b:].view(R, T, -1), cache.layers[i], prefill)
+            return mixer.output(torch.cat([decoded, prefilled.view(R * T, 1, -1)]), projected)  # one GEMM
 
         hidden = self._layers(torch.cat([decode_x, prefill_x.view(R * T, 1, -1)]), mix)
         rows.lengths.add_(rows.active.to(torch.int64))

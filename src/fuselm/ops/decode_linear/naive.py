@@ -36,7 +36,7 @@ def sigmoid_gate_ref(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                        head_dim: int) -> torch.Tensor:
     """HF ``Qwen3_5RMSNormGated`` over each head of ``head_dim`` columns of x [..., K], gate z
-    [..., K], ``norm_weight`` [head_dim]: exactly ``GatedDeltaNet._output`` before its out_proj."""
+    [..., K], ``norm_weight`` [head_dim]: ``GatedDeltaNet.output`` before its out_proj."""
     heads = (x.shape[-1] // head_dim, head_dim)
     normed = rms_norm_ref(x.unflatten(-1, heads), norm_weight, eps, 0.0)
     work = work_dtype(x)

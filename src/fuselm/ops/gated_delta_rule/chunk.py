@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselm.ops.gated_delta_rule.fused_recurrent import _check
+from fuselm.ops.gated_delta_rule.fused_recurrent import _check, fla_input_options, fla_state_layout
 from fuselm.ops.gated_delta_rule.naive import chunk_gated_delta_rule_ref
 from fuselm.runtime import cdiv, needs_autograd, next_power_of_2, num_sms, use_triton
 
@@ -319,33 +319,73 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
     return o, final
 
 
+FLA_CHUNK_SIZES = (16, 32, 64)  # flash-linear-attention's chunk_size choices (fuselm computes in 64-token chunks)
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     scale: float | None = None, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False, cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
+    state_v_first: bool = False, cu_seqlens: torch.Tensor | None = None, cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None, cp_context=None, *, use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, chunk_size: int = 64,
+    transpose_state_layout: bool | None = None,
 ):
-    """Gated delta rule over whole sequences, chunk by chunk (prefill); FLA's argument names.
+    """Gated delta rule over whole sequences, chunk by chunk (prefill): flash-linear-attention's
+    ``chunk_gated_delta_rule`` signature (fla-core 0.6), a drop-in replacement.
 
     Args:
         q, k: [B, T, H, K]; v: [B, T, HV, V], HV a multiple of H; g (<= 0), beta: [B, T, HV].
         scale: on q; default K ** -0.5.
-        initial_state: fp32 [N, HV, K, V] (N = B, or the number of packed sequences).
+        initial_state: [N, HV, K, V] (N = B, or the number of packed sequences); fp32, or 16-bit
+            (taken to fp32, as FLA does).
         output_final_state: also return the final states [N, HV, K, V] (fp32).
         use_qk_l2norm_in_kernel: l2-normalise q and k per head first.
+        use_beta_sigmoid_in_kernel: ``beta`` holds logits: beta = sigmoid(beta) in fp32 first
+            (``allow_neg_eigval``: 2 sigmoid(beta), in [0, 2); needs use_beta_sigmoid_in_kernel).
+        state_v_first: initial and final states in the [N, HV, V, K] layout
+            (``transpose_state_layout``: its deprecated name, with a warning).
         cu_seqlens: [N + 1] offsets of N packed sequences (B = 1); no host sync while a CUDA
-            graph is being captured.
-    Returns:
+            graph is being captured. ``cu_seqlens_cpu`` and ``chunk_indices`` (FLA's host-side
+            hints) are accepted and not needed: the chunk table is built on the device.
+        cp_context: context parallelism, not supported (NotImplementedError).
+        use_gate_in_kernel: ``g`` holds the raw gate input: g = -exp(A_log) softplus(g + dt_bias)
+            in fp32 first (``A_log`` [HV] required, ``dt_bias`` [HV] optional).
+        chunk_size: FLA's 16, 32 or 64; fuselm's chunks are 64 tokens whatever is asked (the
+            chunk length changes only the summation order).
+    The FLA options are computed with PyTorch ops before the kernels (differentiable: gradients
+    reach the raw g, A_log, dt_bias and beta logits). Returns:
         (o [B, T, HV, V] in v's dtype, final_state or None). Differentiable in q, k, v, g, beta and
         initial_state (also through final_state): ``chunk_backward.ChunkGatedDeltaRuleFunction``.
     """
+    state_v_first = fla_state_layout(state_v_first, transpose_state_layout)
+    if cp_context is not None:
+        raise NotImplementedError("cp_context: context parallelism is not supported by fuselm's chunk_gated_delta_rule")
+    if chunk_size not in FLA_CHUNK_SIZES:
+        raise ValueError(f"chunk_size: expected one of {FLA_CHUNK_SIZES}, got {chunk_size!r}")
+    if not use_gate_in_kernel and (A_log is not None or dt_bias is not None):
+        raise ValueError("A_log, dt_bias: only used with use_gate_in_kernel=True (g is then the raw gate input)")
+    g, beta, initial_state = fla_input_options(v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias,
+                                               use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first)
+    o, final = _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                       use_qk_l2norm_in_kernel, cu_seqlens)
+    if final is not None and state_v_first:
+        final = final.transpose(-1, -2).contiguous()
+    return o, final
+
+
+def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                            cu_seqlens):
+    """``chunk_gated_delta_rule`` on fuselm's own arguments (fp32 [N, HV, K, V] states, g and beta
+    as the recurrence takes them)."""
     N = _check(q, k, v, g, beta, None, initial_state, cu_seqlens, None)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if q.is_cuda and q.dtype != torch.float32 and min(q.shape[-1], v.shape[-1]) < MIN_16BIT_HEAD_DIM:
         # 16-bit heads under 64 wide: the 16-bit kernels give non-finite results on the H100
         # (triton 3.6; K or V of 16 or 32, forward and backward, NOTES.md 31); the fp32 kernels
         # (ieee dots) are right, so such heads run in fp32 and o comes back in v's dtype.
-        o, final = chunk_gated_delta_rule(q.float(), k.float(), v.float(), g.float(), beta.float(), scale,
-                                          initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+        o, final = _chunk_gated_delta_rule(q.float(), k.float(), v.float(), g.float(), beta.float(), scale,
+                                           initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
         return o.to(v.dtype), final
     args = (q, k, v, g, beta)
     if use_triton(q) and needs_autograd(*args, *(() if initial_state is None else (initial_state,))):

@@ -60,6 +60,7 @@ from fuselm.runtime import cdiv, next_power_of_2, num_sms
 # columns 208 KiB, 16 columns 144 KiB (fits an A100's 164 KiB too).
 GRADS_BLOCK_V = {torch.float16: 64, torch.bfloat16: 64, torch.float32: 16}
 GRADS_WARPS = 8
+BWD_STAGE_BYTES = 196_608  # shared memory the backward recurrence's pipeline may take (of 227 KB on Hopper)
 
 
 @triton.jit
@@ -224,6 +225,18 @@ def _chunk_bwd_grads_kernel(
         tl.store(dbeta_ptr + (t0 + rows) * HV + i_hv, dbeta, mask=row_ok)
 
 
+def bwd_recurrence_stages(stages: int, BK: int, BV: int, dtype: torch.dtype) -> int:
+    """Pipeline stages of ``_chunk_bwd_recurrence_kernel``: each stage buffers a chunk's q, kd, w
+    [BT, BK], aqk [BT, BT] and do [BT, BV] in the input dtype. At BK = 128 (Qwen3.5's heads) in 16
+    bits that is 61,440 bytes a stage, and 4 stages (245,760) pass the H100's 232,448 bytes of
+    shared memory a block (triton OutOfResources: FLA's own tests at D = 100 / 128, the bf16 model-
+    shape gradient test): fewer stages there, never under 2 for 16-bit inputs (chunk.py says why)."""
+    if stages <= 1:
+        return stages
+    per_stage = (3 * CHUNK * BK + CHUNK * CHUNK + CHUNK * BV) * torch.finfo(dtype).bits // 8
+    return max(2, min(stages, BWD_STAGE_BYTES // per_stage))
+
+
 def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, scale, initial_state, do, dht, l2, cu_seqlens=None,
                                             seq_len=None):
     """Gradients on packed inputs q, k [1, T, H, K], v, do [1, T, HV, V], g, beta [1, T, HV] (N
@@ -272,7 +285,7 @@ def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, scale, initial_sta
         q, do, G, aqk, kd, w, dh, dn, dht if dht is not None else G, dh0 if dh0 is not None else G,
         cu_seqlens, first, seq_len, float(scale), H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=block_v, L2NORM=l2,
         HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, P=precision, EQUAL=equal,
-        num_warps=RECURRENCE_WARPS, num_stages=stages,
+        num_warps=RECURRENCE_WARPS, num_stages=bwd_recurrence_stages(stages, BK, block_v, dt),
     )
     # 4: every chunk's gradients in parallel
     dq, dk = (torch.empty(T, HV, K, dtype=torch.float32, device=device) for _ in range(2))

@@ -13,7 +13,10 @@ dim, keeps its [K, BLOCK_V] slice of the fp32 state in registers and walks the t
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -170,7 +173,7 @@ def _check(q, k, v, g, beta, raw, initial_state, cu_seqlens, state_indices):
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor) or initial_state.dtype != torch.float32:
-            raise TypeError("initial_state: expected an fp32 tensor [N, HV, K, V]")
+            raise TypeError("initial_state: expected an fp32 tensor [N, HV, K, V] (fp16 / bf16 are taken to fp32)")
         rows = initial_state.shape[0] if state_indices is not None else N
         if initial_state.shape != (rows, HV, q.shape[3], v.shape[3]) or not initial_state.is_contiguous():
             raise ValueError(f"initial_state: expected a contiguous [{'P' if state_indices is not None else N}, "
@@ -186,12 +189,58 @@ def _check(q, k, v, g, beta, raw, initial_state, cu_seqlens, state_indices):
     return N
 
 
+def fla_state_layout(state_v_first: bool, transpose_state_layout: bool | None) -> bool:
+    """FLA's ``state_v_first``, with its deprecated alias ``transpose_state_layout`` (a warning)."""
+    if transpose_state_layout is None:
+        return state_v_first
+    if state_v_first:
+        raise ValueError("transpose_state_layout: the deprecated name of state_v_first; pass only state_v_first")
+    warnings.warn("transpose_state_layout is deprecated, renamed state_v_first (as in flash-linear-attention)",
+                  DeprecationWarning, stacklevel=3)
+    return bool(transpose_state_layout)
+
+
+def fla_input_options(v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+                      allow_neg_eigval, state_v_first):
+    """flash-linear-attention's input options as PyTorch ops before the kernels (differentiable:
+    gradients reach the raw inputs) -> (g, beta, initial_state) as fuselm's kernels take them.
+    use_gate_in_kernel: g is the raw gate input, g = -exp(A_log) softplus(g + dt_bias) in fp32
+    (A_log [HV] required, dt_bias [HV] optional); use_beta_sigmoid_in_kernel: beta holds logits,
+    beta = sigmoid(beta) in fp32, times 2 with allow_neg_eigval; a 16-bit initial state is taken
+    to fp32 (as FLA does), a state_v_first one ([N, HV, V, K]) transposed to [N, HV, K, V]."""
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval: requires use_beta_sigmoid_in_kernel=True (it scales sigmoid(beta) by 2)")
+    if use_gate_in_kernel:
+        if A_log is None:
+            raise ValueError("A_log: required with use_gate_in_kernel=True")
+        HV = v.shape[2] if isinstance(v, torch.Tensor) and v.dim() == 4 else None
+        for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if t is not None and (not isinstance(t, torch.Tensor) or t.shape != (HV,)):
+                raise ValueError(f"{name}: expected [HV] = ({HV},), got {tuple(getattr(t, 'shape', ()))}")
+        if g is None:
+            raise ValueError("g: required with use_gate_in_kernel=True (the raw gate input)")
+        g = -A_log.float().exp() * F.softplus(g.float() + (0.0 if dt_bias is None else dt_bias.float()))
+    if use_beta_sigmoid_in_kernel:
+        if beta is None:
+            raise ValueError("beta: required with use_beta_sigmoid_in_kernel=True (the logits)")
+        beta = beta.float().sigmoid() * (2.0 if allow_neg_eigval else 1.0)
+    if isinstance(initial_state, torch.Tensor):
+        if initial_state.dtype in (torch.float16, torch.bfloat16):
+            initial_state = initial_state.float()
+        if state_v_first:
+            initial_state = initial_state.transpose(-1, -2).contiguous()
+    return g, beta, initial_state
+
+
 def fused_recurrent_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None = None, beta: torch.Tensor | None = None,
     scale: float | None = None, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False, cu_seqlens: torch.Tensor | None = None, *,
     A_log: torch.Tensor | None = None, a: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
     b: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
+    gk: torch.Tensor | None = None, gv: torch.Tensor | None = None, use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False, state_v_first: bool = False,
+    transpose_state_layout: bool | None = None,
 ):
     """Gated delta rule, token by token, in one launch (keyword names as flash-linear-attention's).
 
@@ -209,9 +258,40 @@ def fused_recurrent_gated_delta_rule(
         state_indices: int [N] slot of each sequence in the pool; the pool is updated in place
             and returned as the final state; a negative slot (a padded row) starts from zero and
             writes no state.
+        gk, gv, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first:
+            flash-linear-attention's options, keyword only (``fla_input_options``; with
+            use_gate_in_kernel, g is the raw gate input and A_log / dt_bias make it the log-decay);
+            per-key / per-value gates (gk, gv) are not supported. A 16-bit initial state is taken
+            to fp32 (not a state_indices pool, which is updated in place). ``transpose_state_layout``:
+            the deprecated name of state_v_first.
     Returns:
         (o [B, T, HV, V] in v's dtype, final_state or None).
     """
+    state_v_first = fla_state_layout(state_v_first, transpose_state_layout)
+    if gk is not None or gv is not None:
+        raise NotImplementedError("gk, gv: per-key / per-value decay is not supported; pass g [B, T, HV]")
+    if use_gate_in_kernel and (a is not None or b is not None):
+        raise ValueError("a, b: not used with use_gate_in_kernel=True (pass g, the raw gate input, and beta)")
+    if state_indices is not None and (state_v_first or (isinstance(initial_state, torch.Tensor)
+                                                        and initial_state.dtype != torch.float32)):
+        raise ValueError("state_indices: the pool is updated in place as fp32 [P, HV, K, V]; "
+                         "state_v_first and 16-bit initial states are not supported with it")
+    g, beta, initial_state = fla_input_options(
+        v, g, beta, initial_state, use_gate_in_kernel, A_log if use_gate_in_kernel else None,
+        dt_bias if use_gate_in_kernel else None, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first)
+    if use_gate_in_kernel:
+        A_log = dt_bias = None
+    o, final = _fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                                 use_qk_l2norm_in_kernel, cu_seqlens, A_log, a, dt_bias, b,
+                                                 state_indices)
+    if final is not None and state_v_first:
+        final = final.transpose(-1, -2).contiguous()
+    return o, final
+
+
+def _fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                      use_qk_l2norm_in_kernel, cu_seqlens, A_log, a, dt_bias, b, state_indices):
+    """``fused_recurrent_gated_delta_rule`` on fuselm's own arguments."""
     raw = None if A_log is None and a is None and dt_bias is None and b is None else (a, b, A_log, dt_bias)
     if raw is not None and (g is not None or beta is not None):
         raise ValueError("g, beta: pass either g and beta, or the raw projections A_log, a, dt_bias, b")
@@ -220,10 +300,10 @@ def fused_recurrent_gated_delta_rule(
     N = _check(q, k, v, g, beta, raw, initial_state, cu_seqlens, state_indices)
     inputs = [t for t in (q, k, v, g, beta, *(raw or ())) if t is not None]
     if needs_autograd(*inputs):
-        o, final = fused_recurrent_gated_delta_rule(
+        a_, b_, A_log_, dt_bias_ = (None,) * 4 if raw is None else (t.detach() for t in raw)
+        o, final = _fused_recurrent_gated_delta_rule(
             *(t.detach() if isinstance(t, torch.Tensor) else t for t in (q, k, v, g, beta)), scale, initial_state,
-            output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, state_indices=state_indices,
-            **({} if raw is None else dict(zip(("a", "b", "A_log", "dt_bias"), (t.detach() for t in raw)))))
+            output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, A_log_, a_, dt_bias_, b_, state_indices)
         return _NoBackward.apply(o, *inputs), final
     if not use_triton(q):
         return _reference_path(q, k, v, g, beta, raw, scale, initial_state, output_final_state,

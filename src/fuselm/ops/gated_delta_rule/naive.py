@@ -32,6 +32,16 @@ def gates_from_projections(A_log, a, dt_bias, b):
     return decay_gate(A_log, a, dt_bias), torch.sigmoid(b.float())
 
 
+def gated_delta_gates_ref(A_log, a, dt_bias, b, token_mask=None):
+    """A prefill's gates (``gates.gated_delta_gates``): g = ``decay_gate`` fp32 and beta =
+    sigmoid(b) in b's dtype (HF's ``b.sigmoid()``), [B, T, HV]; zeros where ``token_mask`` [B, T]
+    is False (padding: the state passes such a token unchanged)."""
+    g, beta = decay_gate(A_log, a, dt_bias), b.sigmoid()
+    if token_mask is not None:
+        g, beta = g.masked_fill(~token_mask[..., None], 0), beta.masked_fill(~token_mask[..., None], 0)
+    return g, beta
+
+
 def _run_sequences(run_sequence, q, k, v, g, beta, scale, initial_state, output_final_state, l2, cu_seqlens):
     """Shared driver of the references: fp32 inputs per value head, then ``run_sequence(S, q, k,
     v, g, beta, scale) -> (o, S)`` on each sequence ([L, HV, *] slices, S [HV, K, V])."""

@@ -33,11 +33,13 @@ def _silu_mul_fwd_kernel(
     gate_ptr, up_ptr, out_ptr,
     n_rows, n_cols, stride_gate, stride_up, stride_out,
     limit, alpha,
-    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COL_STRIDE: tl.constexpr = 1,
 ):
+    """COL_STRIDE: gate and up columns this many elements apart (2: the (gate, up) pairs of a
+    product with the interleaved weight, ``swiglu_pairs_forward_kernel``); out's columns are contiguous."""
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
-    g = tl.load(gate_ptr + rows * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + rows * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + rows * stride_gate + cols * COL_STRIDE, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + rows * stride_up + cols * COL_STRIDE, mask=mask, other=0.0).to(tl.float32)
     a = gate_factor(g, ACT, limit, alpha).to(out_ptr.dtype.element_ty).to(tl.float32)
     y = a * up_factor(u, ACT, limit)
     tl.store(out_ptr + rows * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -138,6 +140,22 @@ def silu_mul_forward_kernel(
         gate, up, out, n_rows, n_cols, gate.stride(0), up.stride(0), out.stride(0),
         act.kernel_limit, float(act.alpha),
         ACT=act.code, BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, num_warps=geo.num_warps,
+    )
+    return out
+
+
+def swiglu_pairs_forward_kernel(gate_up: torch.Tensor, out: torch.Tensor, act: Activation) -> torch.Tensor:
+    """out [M, F] = gate_factor(G) * up_factor(U) for ``gate_up`` [M, 2F] whose columns 2f, 2f + 1
+    are (G, U) of feature f: ``x @ w13.T`` with the interleaved weight (``interleave_gate_up``).
+    Rows may be strided, columns contiguous. The arithmetic of the forward kernel."""
+    n_rows, n_cols = gate_up.shape[0], gate_up.shape[1] // 2
+    if n_rows == 0 or n_cols == 0:
+        return out
+    geo = _geometry(n_cols, gate_up.device, None)
+    _silu_mul_fwd_kernel[_grid(n_rows, n_cols, geo)](
+        gate_up, gate_up[:, 1:], out, n_rows, n_cols, gate_up.stride(0), gate_up.stride(0), out.stride(0),
+        act.kernel_limit, float(act.alpha),
+        ACT=act.code, BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, COL_STRIDE=2, num_warps=geo.num_warps,
     )
     return out
 
