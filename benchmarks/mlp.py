@@ -23,7 +23,7 @@ import triton
 from fuselm import gemm_swiglu, interleave_gate_up, silu_mul, swiglu_mlp
 from fuselm.ops.common.activation import Activation
 from fuselm.ops.swiglu_mlp.kernels import GemmConfig, GemvConfig, decode_gemv_kernel, gemm_swiglu_kernel
-from fuselm.runtime import copy_bandwidth
+from fuselm.runtime import copy_bandwidth, matrix_rate
 from timing import results_dir, bench, graph_bench
 
 try:
@@ -34,11 +34,6 @@ except ImportError:
 
 D, FF = 4096, 14336
 DT = torch.bfloat16
-
-
-def matrix_rate() -> float:
-    a, b = (torch.randn(8192, 8192, device="cuda", dtype=DT) for _ in range(2))
-    return 2 * 8192**3 / bench(lambda: a @ b) / 1e9
 
 
 def make_weights():

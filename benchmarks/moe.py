@@ -25,6 +25,7 @@ from fuselm.ops.moe import SwiGLUMoE
 from fuselm.ops.moe.grouped_gemm import combine, expert_down
 from fuselm.ops.moe.routing import route
 from fuselm.ops.silu_mul import silu_mul
+from fuselm.runtime import copy_bandwidth, matrix_rate
 from timing import bench, graph_bench, kernel_breakdown
 
 H, E, K, F_, F_S = 2048, 256, 8, 512, 512
@@ -45,19 +46,6 @@ def hf_block(experts_implementation: str = "grouped_mm", dtype=torch.bfloat16):
         for p in block.parameters():
             p.normal_(0.0, p.shape[-1] ** -0.5)
     return block.eval()
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a 1 GiB device-to-device copy (read + write)."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    return 2 * a.numel() / (bench(lambda: b.copy_(a)) * 1e-3)
-
-
-def matrix_rate() -> float:
-    """FLOP/s of a bf16 8192^3 mm."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    return 2 * 8192 ** 3 / (bench(lambda: a @ a) * 1e-3)
 
 
 def floor_ms(moe: SwiGLUMoE, experts_hit: float, tokens: int, bandwidth: float, rate: float) -> float:
@@ -94,7 +82,7 @@ def main():
     torch.manual_seed(0)
     block = hf_block()
     moe = SwiGLUMoE.from_hf(block)
-    bandwidth, rate = copy_bandwidth(), matrix_rate()
+    bandwidth, rate = copy_bandwidth() * 1e12, matrix_rate() * 1e12  # bytes/s, FLOP/s
     rows, profiles = [], []
     for tokens in args.tokens:
         x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)

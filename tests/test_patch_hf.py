@@ -115,10 +115,10 @@ def build(family: str, seed: int = 0):
 
 # Modules each part patches in the tiny models (cross_entropy: the model and its lm_head).
 EXPECTED_PARTS = {
-    "qwen3_5": {"rms_norm": 4 * 2 + 1 + 2, "swiglu": 4, "gated_delta_net": 3, "cross_entropy": 2},
-    "qwen3_5_moe": {"rms_norm": 2 * 2 + 1 + 2, "swiglu": 2, "gated_delta_net": 1, "cross_entropy": 2},
-    "qwen3": {"rms_norm": 2 * 4 + 1, "swiglu": 2, "cross_entropy": 2},
-    "llama": {"rms_norm": 2 * 2 + 1, "swiglu": 2, "cross_entropy": 2},
+    "qwen3_5": {"rms_norm": 4 * 2 + 1 + 2, "swiglu": 4, "gated_delta_net": 3, "cross_entropy": 2, "add_rms_norm": 4},
+    "qwen3_5_moe": {"rms_norm": 2 * 2 + 1 + 2, "swiglu": 2, "gated_delta_net": 1, "cross_entropy": 2, "add_rms_norm": 2},
+    "qwen3": {"rms_norm": 2 * 4 + 1, "swiglu": 2, "cross_entropy": 2, "add_rms_norm": 2},
+    "llama": {"rms_norm": 2 * 2 + 1, "swiglu": 2, "cross_entropy": 2, "add_rms_norm": 2},
 }
 
 
@@ -379,3 +379,29 @@ def test_three_adamw_steps_match_hf():
     assert max(abs(a - b) / b for a, b in zip(losses["fuselm"], losses["hf"])) <= LOSS_RTOL
     for (name, p), ref_p in zip(model.named_parameters(), ref.parameters()):
         assert (p - ref_p).abs().max() <= 1e-4, name
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
+def test_add_rms_norm_part_runs_the_fused_op_and_switches_off(family, monkeypatch):
+    """Each decoder layer's residual add + post-attention norm goes through one add_rms_norm call
+    (counted), the loss stays HF's; add_rms_norm=False leaves the layers' forwards HF's."""
+    import fuselm.ops.rms_norm as rms_norm_ops
+
+    calls = []
+    fused = rms_norm_ops.add_rms_norm
+    monkeypatch.setattr(rms_norm_ops, "add_rms_norm", lambda *args: calls.append(1) or fused(*args))
+    ref = build(family)
+    model = patch_hf(copy.deepcopy(ref), gated_delta_net=False)
+    ids, labels = batch()
+    with torch.no_grad():
+        loss, ref_loss = model(input_ids=ids, labels=labels).loss, ref(input_ids=ids, labels=labels).loss
+    layers = EXPECTED_PARTS[family]["add_rms_norm"]
+    assert len(calls) == layers and rel(loss, ref_loss) <= LOSS_RTOL
+    off = patch_hf(copy.deepcopy(ref), gated_delta_net=False, add_rms_norm=False)
+    assert "add_rms_norm" not in patched_parts(off)
+    assert all("forward" not in layer.__dict__ for layer in _layers(off))
+
+
+def _layers(model):
+    inner = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    return inner.layers

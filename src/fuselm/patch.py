@@ -42,6 +42,12 @@ Per part (each a keyword of :func:`patch_hf`, True by default; False leaves that
   pack as one sequence); the conv1d stays HF's (its torch version does not stop at the sequence
   boundaries either way). ``Qwen3_5RMSNormGated`` stays HF's (fuselm has no gated-norm op with
   a backward).
+- ``add_rms_norm``: each decoder layer's forward is HF's, line by line, except that the residual
+  add after the token mixer and the post-attention norm run as one :func:`fuselm.add_rms_norm`
+  (forward and backward kernels: the sum rounded to the dtype, then normalised, HF's roundings);
+  where the norm would run HF's own forward (the dtype rules of ``rms_norm`` above) the two steps
+  stay HF's. The add after the MLP stays a plain add (it meets the next layer's norm across HF's
+  layer loop).
 - ``cross_entropy`` (models with an ``lm_head``: ``*ForCausalLM``, ``*ForConditionalGeneration``):
   in training mode (``model.training``), a forward with ``labels`` computes the loss with
   :func:`fuselm.linear_cross_entropy` on the final hidden states and ``lm_head.weight``: the
@@ -59,8 +65,7 @@ Per part (each a keyword of :func:`patch_hf`, True by default; False leaves that
 
 What stays HF's everywhere: attention (HF's SDPA / flash attention), rotary embeddings, the
 embeddings, the MoE router and routed experts (``Qwen3_5MoeExperts``: fuselm's grouped-GEMM MoE
-has no backward), the GDN conv1d and gated norm, the vision tower, the residual adds (not yet
-fused with the norm: ``add_rms_norm``). Patching is per instance and idempotent (a patched
+has no backward), the GDN conv1d and gated norm, the vision tower, the residual add after each MLP. Patching is per instance and idempotent (a patched
 module carries ``_fuselm_patch``; patching again skips it); a deep copy of a patched model is
 patched (its forwards are bound methods, rebound by ``copy.deepcopy``). With PEFT, patch the base
 model (``peft_model.get_base_model()``): the wrapper is not one of :data:`SUPPORTED`. An
@@ -89,19 +94,20 @@ _MARK = "_fuselm_patch"  # on a patched module: the part that patched it
 _ORIGINAL = "_fuselm_original_forward"  # its forward before the patch (bound), for the fallbacks
 _PASS_HIDDEN = "_fuselm_pass_hidden"  # on a patched lm_head: return the hidden states (loss path)
 
-# family -> (HF modeling module, supported classes, RMSNorm class, zero-centered?, MLP class, GDN class)
+# family -> (HF modeling module, supported classes, RMSNorm class, zero-centered?, MLP class, GDN class,
+#            decoder layer class)
 _FAMILIES = {
     "qwen3_5": ("transformers.models.qwen3_5.modeling_qwen3_5",
                 ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5TextModel", "Qwen3_5Model"),
-                "Qwen3_5RMSNorm", True, "Qwen3_5MLP", "Qwen3_5GatedDeltaNet"),
+                "Qwen3_5RMSNorm", True, "Qwen3_5MLP", "Qwen3_5GatedDeltaNet", "Qwen3_5DecoderLayer"),
     "qwen3_5_moe": ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
                     ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeTextModel",
                      "Qwen3_5MoeModel"),
-                    "Qwen3_5MoeRMSNorm", True, "Qwen3_5MoeMLP", "Qwen3_5MoeGatedDeltaNet"),
+                    "Qwen3_5MoeRMSNorm", True, "Qwen3_5MoeMLP", "Qwen3_5MoeGatedDeltaNet", "Qwen3_5MoeDecoderLayer"),
     "qwen3": ("transformers.models.qwen3.modeling_qwen3", ("Qwen3ForCausalLM", "Qwen3Model"),
-              "Qwen3RMSNorm", False, "Qwen3MLP", None),
+              "Qwen3RMSNorm", False, "Qwen3MLP", None, "Qwen3DecoderLayer"),
     "llama": ("transformers.models.llama.modeling_llama", ("LlamaForCausalLM", "LlamaModel"),
-              "LlamaRMSNorm", False, "LlamaMLP", None),
+              "LlamaRMSNorm", False, "LlamaMLP", None, "LlamaDecoderLayer"),
 }
 SUPPORTED = tuple(name for family in _FAMILIES.values() for name in family[1])
 """The HF classes :func:`patch_hf` accepts (transformers 5.x)."""
@@ -362,6 +368,64 @@ def _with_signature(fn, like):
     return copy
 
 
+# ----------------------------------------------------------------------------- add_rms_norm
+_LAYER_ATTRS = ("input_layernorm", "post_attention_layernorm", "mlp")
+
+
+def _add_post_attention_norm(self, mixed, residual):
+    """(post_attention_layernorm(residual + mixed), residual + mixed) in one :func:`fuselm.add_rms_norm`
+    (the sum rounded to the dtype, then normalised, as HF's two steps); HF's two steps where the
+    norm would run HF's own forward (``_rms_norm_forward``'s dtype rules)."""
+    norm = self.post_attention_layernorm
+    offset = self._fuselm_norm_offset
+    if not _kernel_dtype(mixed, residual, norm.weight) or mixed.dtype != residual.dtype or mixed.shape != residual.shape \
+            or (offset == 0.0 and torch.promote_types(norm.weight.dtype, mixed.dtype) != mixed.dtype):
+        total = residual + mixed
+        return norm(total), total
+    from fuselm.ops.rms_norm import add_rms_norm
+
+    eps = norm.eps if offset == 1.0 else norm.variance_epsilon
+    return add_rms_norm(mixed, residual, norm.weight, eps, offset)
+
+
+def _qwen3_5_decoder_layer_forward(self, hidden_states, position_embeddings, attention_mask=None, position_ids=None,
+                                   past_key_values=None, **kwargs):
+    """HF's Qwen3.5 (and -MoE) decoder layer with the residual add and the post-attention norm fused."""
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    if self.block_type == "linear_attention":
+        hidden_states = self.linear_attn(hidden_states=hidden_states, cache_params=past_key_values,
+                                         attention_mask=attention_mask, **kwargs)
+    elif self.block_type == "full_attention":
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
+                                          position_ids=position_ids, past_key_values=past_key_values,
+                                          position_embeddings=position_embeddings, **kwargs)
+    hidden_states, residual = _add_post_attention_norm(self, hidden_states, residual)
+    hidden_states = self.mlp(hidden_states)
+    if isinstance(hidden_states, tuple):  # the MoE block (HF unpacks it the same way)
+        hidden_states, _ = hidden_states
+    return residual + hidden_states
+
+
+def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                           use_cache=False, position_embeddings=None, **kwargs):
+    """HF's Llama / Qwen3 decoder layer with the residual add and the post-attention norm fused."""
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
+                                      position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+                                      position_embeddings=position_embeddings, **kwargs)
+    hidden_states, residual = _add_post_attention_norm(self, hidden_states, residual)
+    return residual + self.mlp(hidden_states)
+
+
+def _patch_decoder_layer(layer: nn.Module, zero_centered: bool) -> None:
+    forward = _qwen3_5_decoder_layer_forward if zero_centered else _decoder_layer_forward
+    # The patched forward shows HF's signature (gradient checkpointing and HF's kwargs checks read it).
+    if _patch(layer, "add_rms_norm", _with_signature(forward, type(layer).forward)):
+        object.__setattr__(layer, "_fuselm_norm_offset", 1.0 if zero_centered else 0.0)
+
+
 # ----------------------------------------------------------------------------- per family
 def _text_model(model: nn.Module) -> nn.Module:
     """The language model of a (vision-)language wrapper, else the model itself."""
@@ -374,15 +438,25 @@ def _text_model(model: nn.Module) -> nn.Module:
 
 
 def _patch_family(family: str, model: nn.Module, rms_norm: bool, swiglu: bool, gated_delta_net: bool,
-                  cross_entropy: bool) -> nn.Module:
+                  cross_entropy: bool, add_rms_norm: bool) -> nn.Module:
     if _family_of(model) != family:
         raise _unsupported(model) if _family_of(model) is None else ValueError(
             f"fuselm: {type(model).__name__} is a {_family_of(model)} model, not {family}: use fuselm.patch_hf")
-    _, _, norm_name, zero_centered, mlp_name, gdn_name = _FAMILIES[family]
+    _, _, norm_name, zero_centered, mlp_name, gdn_name, layer_name = _FAMILIES[family]
     modeling = _modeling(family)
     norm_class, mlp_class = getattr(modeling, norm_name), getattr(modeling, mlp_name)
     gdn_class = getattr(modeling, gdn_name) if gdn_name else None
+    layer_class = getattr(modeling, layer_name)
     text = _text_model(model)
+    if add_rms_norm:
+        for module in text.modules():
+            if isinstance(module, layer_class):
+                missing = [name for name in _LAYER_ATTRS + (("block_type",) if zero_centered else ()) if not hasattr(module, name)]
+                if not (hasattr(module, "self_attn") or zero_centered and hasattr(module, "linear_attn")):
+                    missing.append("self_attn")
+                if missing:
+                    raise ValueError(f"fuselm.patch_hf: this transformers' {layer_name} lacks {missing} (written for "
+                                     "transformers 5.17); pass add_rms_norm=False")
     if gated_delta_net and gdn_class is not None:
         for module in text.modules():
             if isinstance(module, gdn_class):
@@ -397,41 +471,45 @@ def _patch_family(family: str, model: nn.Module, rms_norm: bool, swiglu: bool, g
             _patch(module, "swiglu", _swiglu_mlp_forward)
         elif gated_delta_net and gdn_class is not None and isinstance(module, gdn_class):
             _patch(module, "gated_delta_net", _gated_delta_net_forward)
+        elif add_rms_norm and isinstance(module, layer_class):
+            _patch_decoder_layer(module, zero_centered)
     if cross_entropy:
         _patch_cross_entropy(model)
     return model
 
 
 def patch_qwen3_5(model, *, rms_norm: bool = True, swiglu: bool = True, gated_delta_net: bool = True,
-                  cross_entropy: bool = True):
+                  cross_entropy: bool = True, add_rms_norm: bool = True):
     """Patch an HF Qwen3.5 dense model (``Qwen3_5ForCausalLM``, ``Qwen3_5ForConditionalGeneration``:
     its language model, ``Qwen3_5TextModel``, ``Qwen3_5Model``): zero-centered RMSNorms (offset 1),
     the MLPs' SwiGLU, the Gated DeltaNet core, the fused cross-entropy. See the module docstring."""
-    return _patch_family("qwen3_5", model, rms_norm, swiglu, gated_delta_net, cross_entropy)
+    return _patch_family("qwen3_5", model, rms_norm, swiglu, gated_delta_net, cross_entropy, add_rms_norm)
 
 
 def patch_qwen3_5_moe(model, *, rms_norm: bool = True, swiglu: bool = True, gated_delta_net: bool = True,
-                      cross_entropy: bool = True):
+                      cross_entropy: bool = True, add_rms_norm: bool = True):
     """Patch an HF Qwen3.5-MoE model (``Qwen3_5MoeForCausalLM`` and the wrapper / base classes): the
     norms, the Gated DeltaNet core, the fused cross-entropy, and ``swiglu`` on the shared expert
     (a plain gated MLP). The router and the routed experts stay HF's."""
-    return _patch_family("qwen3_5_moe", model, rms_norm, swiglu, gated_delta_net, cross_entropy)
+    return _patch_family("qwen3_5_moe", model, rms_norm, swiglu, gated_delta_net, cross_entropy, add_rms_norm)
 
 
-def patch_qwen3(model, *, rms_norm: bool = True, swiglu: bool = True, cross_entropy: bool = True):
+def patch_qwen3(model, *, rms_norm: bool = True, swiglu: bool = True, cross_entropy: bool = True,
+                add_rms_norm: bool = True):
     """Patch an HF Qwen3 dense model (``Qwen3ForCausalLM``, ``Qwen3Model``): RMSNorms (offset 0,
     q_norm / k_norm included), the MLPs' SwiGLU, the fused cross-entropy."""
-    return _patch_family("qwen3", model, rms_norm, swiglu, False, cross_entropy)
+    return _patch_family("qwen3", model, rms_norm, swiglu, False, cross_entropy, add_rms_norm)
 
 
-def patch_llama(model, *, rms_norm: bool = True, swiglu: bool = True, cross_entropy: bool = True):
+def patch_llama(model, *, rms_norm: bool = True, swiglu: bool = True, cross_entropy: bool = True,
+                add_rms_norm: bool = True):
     """Patch an HF Llama model (``LlamaForCausalLM``, ``LlamaModel``): RMSNorms (offset 0), the MLPs'
     SwiGLU (biases, ``mlp_bias``, stay in the projections), the fused cross-entropy."""
-    return _patch_family("llama", model, rms_norm, swiglu, False, cross_entropy)
+    return _patch_family("llama", model, rms_norm, swiglu, False, cross_entropy, add_rms_norm)
 
 
 def patch_hf(model, *, rms_norm: bool = True, swiglu: bool = True, gated_delta_net: bool = True,
-             cross_entropy: bool = True):
+             cross_entropy: bool = True, add_rms_norm: bool = True):
     """Swap the forwards of an HF model instance's modules for fuselm's ops, in place; returns it.
 
     Args:
@@ -445,6 +523,8 @@ def patch_hf(model, *, rms_norm: bool = True, swiglu: bool = True, gated_delta_n
             :func:`fuselm.chunk_gated_delta_rule`.
         cross_entropy: the loss of a training forward with labels -> :func:`fuselm.linear_cross_entropy`
             (the output's logits are then None).
+        add_rms_norm: each decoder layer's residual add and post-attention norm ->
+            :func:`fuselm.add_rms_norm` (one kernel forward and backward for the two).
     Patching again is harmless (patched modules are skipped); a part switched off stays HF's.
     What each part replaces, its numerics and what stays HF's: this module's docstring.
     """
@@ -453,4 +533,4 @@ def patch_hf(model, *, rms_norm: bool = True, swiglu: bool = True, gated_delta_n
         raise _unsupported(model)
     if family in ("qwen3", "llama"):
         gated_delta_net = False  # no Gated DeltaNet layers
-    return _patch_family(family, model, rms_norm, swiglu, gated_delta_net, cross_entropy)
+    return _patch_family(family, model, rms_norm, swiglu, gated_delta_net, cross_entropy, add_rms_norm)

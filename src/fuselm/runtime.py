@@ -108,6 +108,16 @@ def copy_bandwidth(device: torch.device | str = "cuda", dtype=torch.bfloat16) ->
     return 2 * source.numel() * source.element_size() / ms / 1e9
 
 
+def matrix_rate(device: torch.device | str = "cuda", dtype=torch.bfloat16) -> float:
+    """Measured 8192^3 ``torch.mm`` (cuBLAS) on random data on a CUDA ``device``, in TFLOP/s
+    (do_bench median after warm-up): the ceiling compute-bound kernels are quoted against."""
+    import triton
+
+    a, b = (torch.randn(8192, 8192, device=device, dtype=dtype) for _ in range(2))
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=100, return_mode="median")
+    return 2 * 8192**3 / ms / 1e9
+
+
 # ----------------------------------------------------------------------------- argument checks
 def check_tensor(name: str, t, dtypes=KERNEL_DTYPES) -> None:
     """TypeError unless ``t`` is a tensor of one of ``dtypes``."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from fuselm.runtime import capture_graph
+from fuselm.runtime import capture_graph, matrix_rate
 from fuselm.testing import rel_err
 
 
@@ -20,12 +20,6 @@ def _kernels_per_call(fn) -> int:
         fn()
         torch.cuda.synchronize()
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-
-
-def _matrix_tflops(bench) -> float:
-    """bf16 8192^3 torch.mm rate on random data, TFLOP/s."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    return 2 * 8192**3 / bench(lambda: a @ a) / 1e9
 
 
 def _cublas_ffn_products(cfg, batch: int) -> torch.cuda.CUDAGraph:
@@ -60,7 +54,7 @@ def run_swap_ffn(batches: list[int], time_compile: bool = True, parity_tokens: i
         print("fuselm swapffn times the GPU paths; no CUDA device here. The CPU tests cover parity.")
         return 0
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")  # noqa: E731
-    matrix_tflops = _matrix_tflops(bench)
+    matrix_tflops = matrix_rate()
     cfg = SwapFFNConfig()
     torch.manual_seed(0)
     module = SwapFFN(cfg, device="cuda", dtype=torch.bfloat16).eval()

@@ -127,6 +127,28 @@ def _sequence_span(i_n, cu_seqlens_ptr, first_chunk_ptr, seq_len, BT: tl.constex
 
 
 @triton.jit
+def _state_block(state0_ptr, cu_seqlens_ptr, first_chunk_ptr, seq_len, HAS_STATE0: tl.constexpr, HV: tl.constexpr,
+                 K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                 EQUAL: tl.constexpr):
+    """What a recurrence program (grid: value blocks x sequences * HV) carries: its sequence i_n,
+    value head i_hv, first value column v0, the span (bos, eos, first chunk slot), the value
+    columns cv, the [BK, BV] block's mask and offsets in an [N, HV, K, V] state, and the carried
+    block in fp32 at the start (state0 of sequence i_n, or zeros)."""
+    i_n = tl.program_id(1) // HV
+    i_hv = tl.program_id(1) % HV
+    v0 = tl.program_id(0) * BV
+    bos, eos, first_chunk = _sequence_span(i_n, cu_seqlens_ptr, first_chunk_ptr, seq_len, BT, EQUAL)
+    ck = tl.arange(0, BK)
+    cv = v0 + tl.arange(0, BV)
+    state_mask = (ck < K)[:, None] & (cv < V)[None, :]
+    state_offs = (i_hv * K + ck)[:, None] * V + cv[None, :]
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_STATE0:
+        S = tl.load(state0_ptr + i_n.to(tl.int64) * HV * K * V + state_offs, mask=state_mask, other=0.0)
+    return i_n, i_hv, v0, bos, eos, first_chunk, cv, state_mask, state_offs, S
+
+
+@triton.jit
 def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, G_ptr, u_ptr, w_ptr, kd_ptr, aqk_ptr, chunk_start_ptr, chunk_len_ptr,
     seq_len, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -170,20 +192,10 @@ def _chunk_recurrence_kernel(
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, P: tl.constexpr, EQUAL: tl.constexpr,
 ):
     """Per chunk: h[c] = S (input dtype), N = U - W S (stored), S = e^{G_C} S + Kd^T N."""
-    i_v = tl.program_id(0)
-    i_n = tl.program_id(1) // HV
-    i_hv = tl.program_id(1) % HV
-    v0 = i_v * BV
+    i_n, i_hv, v0, bos, eos, first_chunk, cv, state_mask, state_offs, S = _state_block(
+        h0_ptr, cu_seqlens_ptr, first_chunk_ptr, seq_len, HAS_H0, HV, K, V, BT, BK, BV, EQUAL)
     dt = w_ptr.dtype.element_ty
-    bos, eos, first_chunk = _sequence_span(i_n, cu_seqlens_ptr, first_chunk_ptr, seq_len, BT, EQUAL)
     rows = tl.arange(0, BT)
-    ck = tl.arange(0, BK)
-    cv = v0 + tl.arange(0, BV)
-    state_mask = (ck < K)[:, None] & (cv < V)[None, :]
-    state_offs = (i_hv * K + ck)[:, None] * V + cv[None, :]
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_H0:
-        S = tl.load(h0_ptr + i_n.to(tl.int64) * HV * K * V + state_offs, mask=state_mask, other=0.0)
     for i_c in tl.range(0, tl.cdiv(eos - bos, BT)):
         t0 = bos + i_c * BT
         n = tl.minimum(eos - t0, BT)

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from fuselm.ops.gated_delta_rule.chunk import (
     CHUNK, PREPARE_WARPS, RECURRENCE_BLOCK_V, RECURRENCE_STAGES, RECURRENCE_WARPS, SUB, _chunk_prepare_kernel,
-    _chunk_recurrence_kernel, _chunk_span, _invert_unit_lower, _load_keys, _load_rows, _load_vec, _mm, _sequence_span,
+    _chunk_recurrence_kernel, _chunk_span, _invert_unit_lower, _load_keys, _load_rows, _load_vec, _mm, _state_block,
     _store_block, chunk_gated_delta_rule_kernels, chunk_table,
 )
 from fuselm.runtime import cdiv, next_power_of_2, num_sms
@@ -72,21 +72,11 @@ def _chunk_bwd_recurrence_kernel(
 ):
     """Chunks in reverse, dS = the gradient of the state at the current chunk's end:
     dh[c] = dS (input dtype), dN = Aqk^T dO + Kd dS (stored), dS = e^{G_C} dS + Qg^T dO - W^T dN."""
-    i_v = tl.program_id(0)
-    i_n = tl.program_id(1) // HV
-    i_hv = tl.program_id(1) % HV
+    i_n, i_hv, v0, bos, eos, first_chunk, cv, state_mask, state_offs, dS = _state_block(
+        dht_ptr, cu_seqlens_ptr, first_chunk_ptr, seq_len, HAS_DHT, HV, K, V, BT, BK, BV, EQUAL)
     i_h = i_hv // (HV // H)
-    v0 = i_v * BV
     dt = w_ptr.dtype.element_ty
-    bos, eos, first_chunk = _sequence_span(i_n, cu_seqlens_ptr, first_chunk_ptr, seq_len, BT, EQUAL)
     rows = tl.arange(0, BT)
-    ck = tl.arange(0, BK)
-    cv = v0 + tl.arange(0, BV)
-    state_mask = (ck < K)[:, None] & (cv < V)[None, :]
-    state_offs = (i_hv * K + ck)[:, None] * V + cv[None, :]
-    dS = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_DHT:
-        dS = tl.load(dht_ptr + i_n.to(tl.int64) * HV * K * V + state_offs, mask=state_mask, other=0.0)
     n_chunks = tl.cdiv(eos - bos, BT)
     for i in tl.range(0, n_chunks):
         i_c = n_chunks - 1 - i
