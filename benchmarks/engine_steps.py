@@ -126,18 +126,18 @@ def main():
                   if "warnings" not in frame.filename]
         syncs[f"{str(message)[:80]} <- " + " <- ".join(reversed(frames[-4:]))] += 1
 
-    show_warning, warnings.showwarning = warnings.showwarning, note_sync
     began = time.perf_counter()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # restores showwarning on exit
         warnings.simplefilter("always")
         warnings.showwarning = note_sync
         torch.cuda.set_sync_debug_mode("warn")
-        engine.generate(prompts, params)
-        torch.cuda.set_sync_debug_mode("default")
+        try:
+            engine.generate(prompts, params)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     seconds = time.perf_counter() - began
-    warnings.showwarning = show_warning
     print(f"output: {args.requests * args.output_len / seconds:,.0f} tok/s over {seconds:.2f} s "
-          f"({'sampled' if args.sampled else 'greedy'})\n")
+          f"({'sampled' if args.sampled else 'greedy'}; with the CUDA events and sync checks of the tables below)\n")
     print(summarise(engine.step_log))
     print("\n### runner calls on the GPU's clock (CUDA events around each call)\n")
     print(gpu_timeline(timeline))

@@ -10,7 +10,10 @@ the FLA repository into the git-ignored ``.fla_tests/``, its commit in ``.fla_te
 Before the test module is imported, ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` and
 ``fused_recurrent_gated_delta_rule`` become fuselm's (``chunk_gdn`` too), so every test that calls
 them runs fuselm's kernels against FLA's references and tolerances; tests of FLA internals (its gate
-kernel, WY helpers, FlashQLA backend) are deselected. Writes ``fla_compat.md``: the outcome of
+kernel, WY helpers, FlashQLA backend) are deselected. Some tests of an option compare two calls of
+the same (patched) function, e.g. the in-kernel gate against the gate computed outside: against
+fuselm those check only self-consistency (fuselm computes the options with PyTorch ops before its
+kernels), not FLA's reference. Writes ``fla_compat.md``: the outcome of
 each test and the counts, with the reason of each failure's first line.
 """
 

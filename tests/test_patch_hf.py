@@ -405,3 +405,24 @@ def test_add_rms_norm_part_runs_the_fused_op_and_switches_off(family, monkeypatc
 def _layers(model):
     inner = model.model.language_model if hasattr(model.model, "language_model") else model.model
     return inner.layers
+
+
+def test_add_rms_norm_keeps_hf_steps_for_an_unpatched_or_hooked_norm(monkeypatch):
+    """rms_norm=False (the post-attention norm stays HF's) or a hook on the norm: the fused op is
+    not called, the hooked norm's forward runs, the loss is HF's."""
+    import fuselm.ops.rms_norm as rms_norm_ops
+
+    calls = []
+    fused = rms_norm_ops.add_rms_norm
+    monkeypatch.setattr(rms_norm_ops, "add_rms_norm", lambda *args: calls.append(1) or fused(*args))
+    ref = build("llama")
+    ids, labels = batch()
+    with torch.no_grad():
+        ref_loss = ref(input_ids=ids, labels=labels).loss
+        model = patch_hf(copy.deepcopy(ref), rms_norm=False)
+        assert rel(model(input_ids=ids, labels=labels).loss, ref_loss) <= LOSS_RTOL and not calls
+        model = patch_hf(copy.deepcopy(ref))
+        seen = []
+        _layers(model)[0].post_attention_layernorm.register_forward_hook(lambda *args: seen.append(1))
+        assert rel(model(input_ids=ids, labels=labels).loss, ref_loss) <= LOSS_RTOL
+    assert seen == [1] and len(calls) == EXPECTED_PARTS["llama"]["add_rms_norm"] - 1

@@ -45,8 +45,8 @@ Per part (each a keyword of :func:`patch_hf`, True by default; False leaves that
 - ``add_rms_norm``: each decoder layer's forward is HF's, line by line, except that the residual
   add after the token mixer and the post-attention norm run as one :func:`fuselm.add_rms_norm`
   (forward and backward kernels: the sum rounded to the dtype, then normalised, HF's roundings);
-  where the norm would run HF's own forward (the dtype rules of ``rms_norm`` above) the two steps
-  stay HF's. The add after the MLP stays a plain add (it meets the next layer's norm across HF's
+  where the norm is not patched (``rms_norm=False``), has hooks (accelerate offload) or would run
+  HF's own forward (the dtype rules of ``rms_norm`` above) the two steps stay HF's. The add after the MLP stays a plain add (it meets the next layer's norm across HF's
   layer loop).
 - ``cross_entropy`` (models with an ``lm_head``: ``*ForCausalLM``, ``*ForConditionalGeneration``):
   in training mode (``model.training``), a forward with ``labels`` computes the loss with
@@ -374,11 +374,15 @@ _LAYER_ATTRS = ("input_layernorm", "post_attention_layernorm", "mlp")
 
 def _add_post_attention_norm(self, mixed, residual):
     """(post_attention_layernorm(residual + mixed), residual + mixed) in one :func:`fuselm.add_rms_norm`
-    (the sum rounded to the dtype, then normalised, as HF's two steps); HF's two steps where the
-    norm would run HF's own forward (``_rms_norm_forward``'s dtype rules)."""
+    (the sum rounded to the dtype, then normalised, as HF's two steps); the add, then the norm
+    module called, where that norm is not fuselm's (``rms_norm=False``), carries hooks (accelerate's
+    offload, user hooks: the weight is read only through its forward) or would run HF's own forward
+    (``_rms_norm_forward``'s dtype rules)."""
     norm = self.post_attention_layernorm
     offset = self._fuselm_norm_offset
-    if not _kernel_dtype(mixed, residual, norm.weight) or mixed.dtype != residual.dtype or mixed.shape != residual.shape \
+    hooked = hasattr(norm, "_hf_hook") or norm._forward_hooks or norm._forward_pre_hooks  # accelerate, user hooks
+    if hooked or getattr(norm, _MARK, None) != "rms_norm" or not _kernel_dtype(mixed, residual, norm.weight) \
+            or mixed.dtype != residual.dtype or mixed.shape != residual.shape \
             or (offset == 0.0 and torch.promote_types(norm.weight.dtype, mixed.dtype) != mixed.dtype):
         total = residual + mixed
         return norm(total), total

@@ -86,6 +86,21 @@ def num_sms(device: torch.device) -> int:
     return _device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _max_shared_memory(index: int) -> int:
+    import triton
+
+    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+def max_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one block may take on ``device`` (opt-in maximum: 232,448 on an
+    H100); off CUDA (the interpreter, which has no such limit) the H100's figure."""
+    if device.type != "cuda":
+        return 232_448
+    return _max_shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A small host tensor on ``device`` without waiting for the GPU: to CUDA through pinned memory,
     asynchronously. (A copy from pageable memory first waits for all the work queued on the stream,

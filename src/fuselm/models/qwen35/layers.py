@@ -172,8 +172,8 @@ class GatedDeltaNet(nn.Module):
         """The delta rule's output ``heads`` [..., value_dim] -> [..., D]: HF ``Qwen3_5RMSNormGated``
         with z from ``projected`` [..., P] (``w * rms_norm(o).to(dtype)``, Llama rounding, times
         silu(z) in fp32, one rounding to the model dtype), then out_proj: ``decode_linear``'s
-        gated_rms_norm prologue (fused into the GEMV up to a few rows; else its own kernel, then
-        cuBLAS), any number of rows (a mixed step's decode rows and prompt tokens in one GEMM)."""
+        gated_rms_norm prologue (fused into the GEMV at one row; else its own kernel, then the GEMV
+        or past 32 rows cuBLAS), any number of rows (a mixed step's decode rows and prompt tokens in one GEMM)."""
         z = projected[..., self.conv_dim:self.conv_dim + self.value_dim]
         return decode_linear(heads, self.out_proj, prologue="gated_rms_norm", gate=z, norm_weight=self.norm,
                              eps=self.eps, head_dim=self.head_v_dim)
@@ -204,10 +204,10 @@ class GatedDeltaNet(nn.Module):
 
     def decode(self, x: torch.Tensor, cache: DeltaNetCache, step: DecodeStep,
                projected: torch.Tensor | None = None) -> torch.Tensor:
-        """x [max_batch, 1, D] (or ``projected`` = ``project(x)``) -> [max_batch, 1, D]. Three
-        launches: in_proj; conv update + gates + l2-norm + recurrence on the state pool (slot -1,
-        an inactive row, reads zeros and writes no state); gated RMSNorm fused into out_proj
-        (``output``). Same math and roundings as ``prefill`` / HF."""
+        """x [max_batch, 1, D] (or ``projected`` = ``project(x)``) -> [max_batch, 1, D]. in_proj;
+        conv update + gates + l2-norm + recurrence on the state pool in one launch (slot -1, an
+        inactive row, reads zeros and writes no state); the gated RMSNorm and out_proj
+        (``output``: one launch at one row, two past it). Same math and roundings as ``prefill`` / HF."""
         projected = self.project(x) if projected is None else projected
         return self.output(self.decode_heads(projected, cache, step), projected)
 
@@ -286,7 +286,9 @@ class GatedAttention(nn.Module):
     def output(self, heads: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
         """Attention's output ``heads`` [..., nH hd] -> o_proj(heads * sigmoid(gate)) [..., D] with
         the gate from ``projected`` [..., P], in the model dtype as HF (sigmoid rounded, product
-        rounded: ``decode_linear``'s sigmoid_gate prologue), any number of rows."""
+        rounded: ``decode_linear``'s sigmoid_gate prologue), any number of rows. The bias (when
+        ``attention_bias``) is added to the rounded product: a second rounding where HF's linear
+        has one."""
         lead = projected.shape[:-1]
         gate = projected[..., :self.q_size].unflatten(-1, (self.num_heads, 2, self.head_dim))[..., 1, :]
         y = decode_linear(heads, self.o_proj, prologue="sigmoid_gate", gate=gate.reshape(*lead, -1))
@@ -323,7 +325,8 @@ class GatedAttention(nn.Module):
         q/k norm + RoPE + the K/V write into each row's page and slot in one launch
         (``qk_norm_rope_kv_write``, the roundings of ``_split_projection``); attention over each
         row's positions 0 .. position only, through its block-table row (``decode_attention``:
-        split over the sequence, fp32 softmax); the sigmoid gate fused into o_proj (``output``)."""
+        split over the sequence, fp32 softmax); the sigmoid gate, then o_proj (``output``: the
+        gate as its own small kernel, faster than fused at every row count measured)."""
         projected = self.project(x) if projected is None else projected
         return self.output(self.decode_heads(projected, cache, step), projected)
 

@@ -173,14 +173,11 @@ class Qwen35(nn.Module):
         token_mask = positions < (starts + lengths)[:, None]
         input_ids = input_ids.masked_fill(~token_mask, 0)  # padding ids may be anything
         cos, sin = self._rotary(positions)
-        # Each token's K/V goes to slot p % P of the row's page p // P (P = page size); positions
-        # past the block-table row (only padding gets there) to the scratch page.
         pages = cache.block_table[slots]
-        in_table = positions < cache.pages_per_slot * cache.page_size
-        page_index = (positions // cache.page_size).clamp(max=cache.pages_per_slot - 1)
-        step = PrefillStep(slots, starts, lengths, token_mask, positions, fresh, pages,
-                           write_page=torch.where(in_table, pages.gather(1, page_index), cache.num_pages),
-                           write_column=torch.where(in_table, positions % cache.page_size, 0),
+        # positions past the block-table row (only padding gets there) write to the scratch page
+        write_page, write_column = self._kv_write_targets(
+            cache, positions, pages, positions < cache.pages_per_slot * cache.page_size)
+        step = PrefillStep(slots, starts, lengths, token_mask, positions, fresh, pages, write_page, write_column,
                            cos=cos[:, :, None], sin=sin[:, :, None])
         return F.embedding(input_ids, self.embed_tokens), step
 
@@ -191,17 +188,24 @@ class Qwen35(nn.Module):
             raise ValueError(f"token_ids: expected [max_batch] = ({cache.max_batch},), got {tuple(token_ids.shape)}")
         positions = cache.lengths
         cos, sin = self._rotary(positions)  # [max_batch, rotary_dim]
-        # The token's K/V goes to slot p % P of the row's page p // P; inactive rows write to the
-        # scratch page (an index with no branch) and attend to nothing.
-        page_index = (positions // cache.page_size).clamp(max=cache.pages_per_slot - 1)
+        # inactive rows write to the scratch page (an index with no branch) and attend to nothing
+        write_page, write_column = self._kv_write_targets(cache, positions, cache.block_table, cache.active)
         step = DecodeStep(
-            cos=cos[:, None, None], sin=sin[:, None, None],
-            write_page=torch.where(cache.active, cache.block_table.gather(1, page_index[:, None])[:, 0], cache.num_pages),
-            write_column=torch.where(cache.active, positions % cache.page_size, 0),
+            cos=cos[:, None, None], sin=sin[:, None, None], write_page=write_page, write_column=write_column,
             kv_lengths=torch.where(cache.active, positions + 1, 0), block_table=cache.block_table,
             state_slots=torch.where(cache.active, cache.slots, -1), positions=positions)
         token_ids = torch.where(cache.active, token_ids, 0)  # an inactive row's id may be anything
         return F.embedding(token_ids[:, None], self.embed_tokens), step
+
+    @staticmethod
+    def _kv_write_targets(cache: Qwen35Cache, positions: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor):
+        """(page, column) of each token's K/V: slot p % P of its row's page p // P (P = page size),
+        the page from ``pages`` (block-table rows [rows, pages_per_slot]), for ``positions`` [rows]
+        or [rows, T]; the scratch page, column 0, where ``valid`` (like positions) is False."""
+        page_index = (positions // cache.page_size).clamp(max=cache.pages_per_slot - 1)
+        page = pages.gather(1, page_index.view(pages.shape[0], -1)).view(positions.shape)
+        return (torch.where(valid, page, cache.num_pages),
+                torch.where(valid, positions % cache.page_size, 0))
 
     def _prefill(self, input_ids: torch.Tensor, cache: Qwen35Cache, slots: torch.Tensor, starts: torch.Tensor,
                  lengths: torch.Tensor, fresh: bool) -> torch.Tensor:
@@ -309,8 +313,8 @@ class Qwen35(nn.Module):
         :meth:`prefill_step`) in one pass, as vLLM's mixed batches: their b + R T tokens share the
         norms, the token mixers' input projections, the MLP GEMMs and the LM head (most of the
         weight bytes: read once for both), and each half goes through its own token mixing
-        (decode kernels; chunked prefill) before one output projection for all. Returns (decode logits [b, vocab], the logits of each
-        prefill row's last real token [R, vocab]).
+        (decode kernels; chunked prefill) before one output projection for all. Returns (decode
+        logits [b, vocab], the logits of each prefill row's last real token [R, vocab]).
 
         Decode rows advance as in :meth:`decode_step`; the prefill slots get lengths
         starts + lengths but keep their ``active`` flag (they must be inactive in the decode half:

@@ -52,7 +52,7 @@ from fuselm.ops.gated_delta_rule.chunk import (
     _chunk_recurrence_kernel, _chunk_span, _invert_unit_lower, _load_keys, _load_rows, _load_vec, _mm, _state_block,
     _store_block, chunk_gated_delta_rule_kernels, chunk_table,
 )
-from fuselm.runtime import cdiv, next_power_of_2, num_sms
+from fuselm.runtime import cdiv, max_shared_memory, next_power_of_2, num_sms
 
 # Value columns per step of the grads kernel's loop over V (it bounds the live tiles). Shared memory
 # of its sm_90 build at K = V = 128 (triton.compile for the target, not run on a GPU): 16-bit
@@ -60,7 +60,7 @@ from fuselm.runtime import cdiv, next_power_of_2, num_sms
 # columns 208 KiB, 16 columns 144 KiB (fits an A100's 164 KiB too).
 GRADS_BLOCK_V = {torch.float16: 64, torch.bfloat16: 64, torch.float32: 16}
 GRADS_WARPS = 8
-BWD_STAGE_BYTES = 196_608  # shared memory the backward recurrence's pipeline may take (of 227 KB on Hopper)
+BWD_SCRATCH_BYTES = 36 * 1024  # shared memory kept out of the backward recurrence's pipeline stages
 
 
 @triton.jit
@@ -215,16 +215,18 @@ def _chunk_bwd_grads_kernel(
         tl.store(dbeta_ptr + (t0 + rows) * HV + i_hv, dbeta, mask=row_ok)
 
 
-def bwd_recurrence_stages(stages: int, BK: int, BV: int, dtype: torch.dtype) -> int:
+def bwd_recurrence_stages(stages: int, BK: int, BV: int, dtype: torch.dtype, shared_memory: int) -> int:
     """Pipeline stages of ``_chunk_bwd_recurrence_kernel``: each stage buffers a chunk's q, kd, w
     [BT, BK], aqk [BT, BT] and do [BT, BV] in the input dtype. At BK = 128 (Qwen3.5's heads) in 16
     bits that is 61,440 bytes a stage, and 4 stages (245,760) pass the H100's 232,448 bytes of
     shared memory a block (triton OutOfResources: FLA's own tests at D = 100 / 128, the bf16 model-
-    shape gradient test): fewer stages there, never under 2 for 16-bit inputs (chunk.py says why)."""
+    shape gradient test). The stages take what the block may use (``shared_memory``) less
+    BWD_SCRATCH_BYTES for the dots' and layout conversions' scratch (a model, not a count: the
+    next GPU run checks it); never under 2 for 16-bit inputs (chunk.py says why)."""
     if stages <= 1:
         return stages
     per_stage = (3 * CHUNK * BK + CHUNK * CHUNK + CHUNK * BV) * torch.finfo(dtype).bits // 8
-    return max(2, min(stages, BWD_STAGE_BYTES // per_stage))
+    return max(2, min(stages, (shared_memory - BWD_SCRATCH_BYTES) // per_stage))
 
 
 def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, scale, initial_state, do, dht, l2, cu_seqlens=None,
@@ -275,7 +277,7 @@ def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, scale, initial_sta
         q, do, G, aqk, kd, w, dh, dn, dht if dht is not None else G, dh0 if dh0 is not None else G,
         cu_seqlens, first, seq_len, float(scale), H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=block_v, L2NORM=l2,
         HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, P=precision, EQUAL=equal,
-        num_warps=RECURRENCE_WARPS, num_stages=bwd_recurrence_stages(stages, BK, block_v, dt),
+        num_warps=RECURRENCE_WARPS, num_stages=bwd_recurrence_stages(stages, BK, block_v, dt, max_shared_memory(device)),
     )
     # 4: every chunk's gradients in parallel
     dq, dk = (torch.empty(T, HV, K, dtype=torch.float32, device=device) for _ in range(2))

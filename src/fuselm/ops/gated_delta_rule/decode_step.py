@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselm.ops.gated_delta_rule.fused_recurrent import _gated_delta_step, decode_block_v, decode_num_warps
+from fuselm.ops.gated_delta_rule.fused_recurrent import _gated_delta_step, decode_block_v, decode_num_warps, softplus
 from fuselm.ops.gated_delta_rule.naive import gated_delta_rule_decode_step_ref
 from fuselm.runtime import cdiv, check_same_device, check_tensor, next_power_of_2, use_triton
 
@@ -81,8 +81,7 @@ def _decode_step_kernel(
 
     b = tl.load(proj + CONV_DIM + HV * V + i_hv)
     a = tl.load(proj + CONV_DIM + HV * V + HV + i_hv).to(tl.float32) + tl.load(dt_bias_ptr + i_hv).to(tl.float32)
-    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
-    g = -tl.exp(tl.load(A_log_ptr + i_hv).to(tl.float32)) * softplus
+    g = -tl.exp(tl.load(A_log_ptr + i_hv).to(tl.float32)) * softplus(a)
     beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
 
     S, o = _gated_delta_step(S, q, k, v, g, beta, scale, True)  # q/k l2-norm in the step

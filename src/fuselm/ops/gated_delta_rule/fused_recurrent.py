@@ -16,13 +16,19 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fuselm.ops.gated_delta_rule.naive import gates_from_projections, recurrent_gated_delta_rule_ref
+from fuselm.ops.gated_delta_rule.naive import decay_gate, gates_from_projections, recurrent_gated_delta_rule_ref
 from fuselm.runtime import (arch_major, cdiv, check_same_device, check_tensor, needs_autograd, next_power_of_2, num_sms,
                             use_triton)
+
+
+@triton.jit
+def softplus(x):
+    """torch's softplus in fp32: x past 20, else log(1 + exp(x)) (the Gated DeltaNet decay gate
+    -exp(A_log) softplus(a + dt_bias) in every kernel that computes it)."""
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
 
 
 @triton.jit
@@ -97,9 +103,7 @@ def _fused_recurrent_gdr_kernel(
         k = tl.load(k_ptr + (t * H + i_h) * K + kk, mask=k_ok, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + (t * HV + i_hv) * V + vv, mask=v_ok, other=0.0).to(tl.float32)
         if RAW_GATES:
-            x = tl.load(a_ptr + t * HV + i_hv).to(tl.float32) + dt_bias
-            softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-            g = neg_A * softplus
+            g = neg_A * softplus(tl.load(a_ptr + t * HV + i_hv).to(tl.float32) + dt_bias)
             beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + t * HV + i_hv).to(tl.float32)))
         else:
             g = tl.load(g_ptr + t * HV + i_hv).to(tl.float32)
@@ -219,7 +223,7 @@ def fla_input_options(v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_b
                 raise ValueError(f"{name}: expected [HV] = ({HV},), got {tuple(getattr(t, 'shape', ()))}")
         if g is None:
             raise ValueError("g: required with use_gate_in_kernel=True (the raw gate input)")
-        g = -A_log.float().exp() * F.softplus(g.float() + (0.0 if dt_bias is None else dt_bias.float()))
+        g = decay_gate(A_log, g, dt_bias)
     if use_beta_sigmoid_in_kernel:
         if beta is None:
             raise ValueError("beta: required with use_beta_sigmoid_in_kernel=True (the logits)")

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselm.ops.gated_delta_rule.fused_recurrent import softplus
 from fuselm.ops.gated_delta_rule.naive import gated_delta_gates_ref
 from fuselm.runtime import check_same_device, check_tensor, needs_autograd, next_power_of_2, use_triton
 
@@ -37,9 +38,7 @@ def _gates_kernel(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, mask_ptr, g_ptr, beta_pt
     b = tl.load(b_ptr + (batch * stride_bb + t * stride_bt)[:, None] + h[None, :], mask=ok, other=0.0)
     A_log = tl.load(A_log_ptr + h, mask=h < HV, other=0.0).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + h, mask=h < HV, other=0.0).to(tl.float32)
-    x = a.to(tl.float32) + dt_bias[None, :]
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-    g = -tl.exp(A_log)[None, :] * softplus
+    g = -tl.exp(A_log)[None, :] * softplus(a.to(tl.float32) + dt_bias[None, :])
     beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
     if HAS_MASK:
         real = tl.load(mask_ptr + i, mask=i < n_tokens, other=0).to(tl.int1)[:, None]

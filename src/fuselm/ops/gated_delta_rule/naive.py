@@ -20,10 +20,10 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
-def decay_gate(A_log, a, dt_bias):
+def decay_gate(A_log, a, dt_bias=None):
     """The log-decay g = -exp(A_log) * softplus(a + dt_bias) in fp32 (Qwen3.5 / FLA); a [..., HV],
-    A_log and dt_bias [HV]."""
-    return -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
+    A_log and dt_bias [HV] (None: no bias)."""
+    return -torch.exp(A_log.float()) * F.softplus(a.float() if dt_bias is None else a.float() + dt_bias.float())
 
 
 def gates_from_projections(A_log, a, dt_bias, b):
