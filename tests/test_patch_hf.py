@@ -2,7 +2,7 @@
 deep copy gives the HF model's loss (1e-4 relative) and every parameter's gradient (1e-3 relative)
 for Qwen3.5 dense and MoE, Qwen3 and Llama; the logits without labels; the parts switched off
 stay HF's; patching twice is harmless; an unsupported model is refused; 3 AdamW steps on a
-patched Qwen3.5 give the unpatched model's parameters. The Gated DeltaNet gradient cases run only
+patched Qwen3.5 (a plain loop, and HF's Trainer) give the unpatched model's parameters. The Gated DeltaNet gradient cases run only
 where ``chunk_gated_delta_rule`` has a backward (probed at collection)."""
 
 import copy
@@ -426,3 +426,33 @@ def test_add_rms_norm_keeps_hf_steps_for_an_unpatched_or_hooked_norm(monkeypatch
         _layers(model)[0].post_attention_layernorm.register_forward_hook(lambda *args: seen.append(1))
         assert rel(model(input_ids=ids, labels=labels).loss, ref_loss) <= LOSS_RTOL
     assert seen == [1] and len(calls) == EXPECTED_PARTS["llama"]["add_rms_norm"] - 1
+
+
+@needs_gdn_backward
+def test_hf_trainer_trains_a_patched_model_as_the_unpatched_one(tmp_path):
+    """HF's Trainer, unchanged, on a patched Qwen3.5 (every part on): the same logged losses and,
+    after 3 AdamW steps, the same parameters as on the unpatched model (the patched forward keeps
+    HF's signature, which the Trainer reads to drop unused dataset columns)."""
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    ids, labels = batch(4, 19)
+    data = [{"input_ids": ids[i].cpu(), "labels": labels[i].cpu(), "unused": i} for i in range(4)]
+
+    def train(model, name):
+        args = TrainingArguments(output_dir=str(tmp_path / name), per_device_train_batch_size=2, max_steps=3,
+                                 learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
+                                 use_cpu=DEVICE == "cpu", seed=0, disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        return [log["loss"] for log in trainer.state.log_history if "loss" in log], dict(model.named_parameters())
+
+    ref = build("qwen3_5")
+    patched = patch_hf(copy.deepcopy(ref))
+    ref_losses, ref_params = train(ref, "hf")
+    losses, params = train(patched, "fuselm")
+    assert len(losses) == len(ref_losses) == 3
+    for got, want in zip(losses, ref_losses):
+        assert abs(got - want) <= 1e-4 * abs(want) + 1e-4, (losses, ref_losses)
+    for name, want in ref_params.items():
+        assert rel(params[name].detach(), want.detach()) <= GRAD_RTOL, name
