@@ -46,8 +46,8 @@ Per part (each a keyword of :func:`patch_hf`, True by default; False leaves that
   add after the token mixer and the post-attention norm run as one :func:`fuselm.add_rms_norm`
   (forward and backward kernels: the sum rounded to the dtype, then normalised, HF's roundings);
   where the norm is not patched (``rms_norm=False``), has hooks (accelerate offload) or would run
-  HF's own forward (the dtype rules of ``rms_norm`` above) the two steps stay HF's. The add after the MLP stays a plain add (it meets the next layer's norm across HF's
-  layer loop).
+  HF's own forward (the dtype rules of ``rms_norm`` above) the two steps stay HF's. The add after
+  the MLP stays a plain add (it meets the next layer's norm across HF's layer loop).
 - ``cross_entropy`` (models with an ``lm_head``: ``*ForCausalLM``, ``*ForConditionalGeneration``):
   in training mode (``model.training``), a forward with ``labels`` computes the loss with
   :func:`fuselm.linear_cross_entropy` on the final hidden states and ``lm_head.weight``: the
@@ -65,9 +65,10 @@ Per part (each a keyword of :func:`patch_hf`, True by default; False leaves that
 
 What stays HF's everywhere: attention (HF's SDPA / flash attention), rotary embeddings, the
 embeddings, the MoE router and routed experts (``Qwen3_5MoeExperts``: fuselm's grouped-GEMM MoE
-has no backward), the GDN conv1d and gated norm, the vision tower, the residual add after each MLP. Patching is per instance and idempotent (a patched
-module carries ``_fuselm_patch``; patching again skips it); a deep copy of a patched model is
-patched (its forwards are bound methods, rebound by ``copy.deepcopy``). With PEFT, patch the base
+has no backward), the GDN conv1d and gated norm, the vision tower, the residual add after each
+MLP. Patching is per instance and idempotent (a patched module carries ``_fuselm_patch``;
+patching again skips it); a deep copy of a patched model is patched (its forwards are bound
+methods, rebound by ``copy.deepcopy``). With PEFT, patch the base
 model (``peft_model.get_base_model()``): the wrapper is not one of :data:`SUPPORTED`. An
 ``lm_head`` replaced after the patch (``resize_token_embeddings``) is not patched: the loss then
 runs HF's way until ``patch_hf`` is called again. Eager mode: the patched forwards set
@@ -455,7 +456,8 @@ def _patch_family(family: str, model: nn.Module, rms_norm: bool, swiglu: bool, g
     if add_rms_norm:
         for module in text.modules():
             if isinstance(module, layer_class):
-                missing = [name for name in _LAYER_ATTRS + (("block_type",) if zero_centered else ()) if not hasattr(module, name)]
+                wanted = _LAYER_ATTRS + (("block_type",) if zero_centered else ())
+                missing = [name for name in wanted if not hasattr(module, name)]
                 if not (hasattr(module, "self_attn") or zero_centered and hasattr(module, "linear_attn")):
                     missing.append("self_attn")
                 if missing:

@@ -118,6 +118,15 @@ class Qwen35Cache:
         device = self.block_table.device
         self.block_table.index_copy_(0, to_device(index, device), to_device(rows, device))
 
+    def kv_write_targets(self, positions: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor):
+        """(page, column) of each token's K/V: slot p % P of its row's page p // P (P = page size),
+        the page from ``pages`` (block-table rows [rows, pages_per_slot]), for ``positions`` [rows]
+        or [rows, T]; the scratch page, column 0, where ``valid`` (like positions) is False. Device
+        ops only (no host sync)."""
+        page_index = (positions // self.page_size).clamp(max=self.pages_per_slot - 1)
+        page = pages.gather(1, page_index.view(pages.shape[0], -1)).view(positions.shape)
+        return torch.where(valid, page, self.num_pages), torch.where(valid, positions % self.page_size, 0)
+
     def first_rows(self, rows: int) -> "Qwen35Cache":
         """A cache of rows 0 .. rows-1 that shares this one's memory (every per-slot tensor a
         leading-dim view, so contiguous and at the same addresses; the K/V pages shared whole): a

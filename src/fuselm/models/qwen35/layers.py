@@ -173,7 +173,8 @@ class GatedDeltaNet(nn.Module):
         with z from ``projected`` [..., P] (``w * rms_norm(o).to(dtype)``, Llama rounding, times
         silu(z) in fp32, one rounding to the model dtype), then out_proj: ``decode_linear``'s
         gated_rms_norm prologue (fused into the GEMV at one row; else its own kernel, then the GEMV
-        or past 32 rows cuBLAS), any number of rows (a mixed step's decode rows and prompt tokens in one GEMM)."""
+        or past 32 rows cuBLAS), any number of rows (a mixed step's decode rows and prompt tokens
+        in one GEMM)."""
         z = projected[..., self.conv_dim:self.conv_dim + self.value_dim]
         return decode_linear(heads, self.out_proj, prologue="gated_rms_norm", gate=z, norm_weight=self.norm,
                              eps=self.eps, head_dim=self.head_v_dim)
@@ -207,7 +208,8 @@ class GatedDeltaNet(nn.Module):
         """x [max_batch, 1, D] (or ``projected`` = ``project(x)``) -> [max_batch, 1, D]. in_proj;
         conv update + gates + l2-norm + recurrence on the state pool in one launch (slot -1, an
         inactive row, reads zeros and writes no state); the gated RMSNorm and out_proj
-        (``output``: one launch at one row, two past it). Same math and roundings as ``prefill`` / HF."""
+        (``output``: one launch at one row, two past it). Same math and roundings as ``prefill`` /
+        HF."""
         projected = self.project(x) if projected is None else projected
         return self.output(self.decode_heads(projected, cache, step), projected)
 

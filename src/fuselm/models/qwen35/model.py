@@ -175,8 +175,8 @@ class Qwen35(nn.Module):
         cos, sin = self._rotary(positions)
         pages = cache.block_table[slots]
         # positions past the block-table row (only padding gets there) write to the scratch page
-        write_page, write_column = self._kv_write_targets(
-            cache, positions, pages, positions < cache.pages_per_slot * cache.page_size)
+        write_page, write_column = cache.kv_write_targets(positions, pages,
+                                                          positions < cache.pages_per_slot * cache.page_size)
         step = PrefillStep(slots, starts, lengths, token_mask, positions, fresh, pages, write_page, write_column,
                            cos=cos[:, :, None], sin=sin[:, :, None])
         return F.embedding(input_ids, self.embed_tokens), step
@@ -189,23 +189,13 @@ class Qwen35(nn.Module):
         positions = cache.lengths
         cos, sin = self._rotary(positions)  # [max_batch, rotary_dim]
         # inactive rows write to the scratch page (an index with no branch) and attend to nothing
-        write_page, write_column = self._kv_write_targets(cache, positions, cache.block_table, cache.active)
+        write_page, write_column = cache.kv_write_targets(positions, cache.block_table, cache.active)
         step = DecodeStep(
             cos=cos[:, None, None], sin=sin[:, None, None], write_page=write_page, write_column=write_column,
             kv_lengths=torch.where(cache.active, positions + 1, 0), block_table=cache.block_table,
             state_slots=torch.where(cache.active, cache.slots, -1), positions=positions)
         token_ids = torch.where(cache.active, token_ids, 0)  # an inactive row's id may be anything
         return F.embedding(token_ids[:, None], self.embed_tokens), step
-
-    @staticmethod
-    def _kv_write_targets(cache: Qwen35Cache, positions: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor):
-        """(page, column) of each token's K/V: slot p % P of its row's page p // P (P = page size),
-        the page from ``pages`` (block-table rows [rows, pages_per_slot]), for ``positions`` [rows]
-        or [rows, T]; the scratch page, column 0, where ``valid`` (like positions) is False."""
-        page_index = (positions // cache.page_size).clamp(max=cache.pages_per_slot - 1)
-        page = pages.gather(1, page_index.view(pages.shape[0], -1)).view(positions.shape)
-        return (torch.where(valid, page, cache.num_pages),
-                torch.where(valid, positions % cache.page_size, 0))
 
     def _prefill(self, input_ids: torch.Tensor, cache: Qwen35Cache, slots: torch.Tensor, starts: torch.Tensor,
                  lengths: torch.Tensor, fresh: bool) -> torch.Tensor:

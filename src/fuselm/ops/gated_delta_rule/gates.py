@@ -20,7 +20,7 @@ import triton.language as tl
 
 from fuselm.ops.gated_delta_rule.fused_recurrent import softplus
 from fuselm.ops.gated_delta_rule.naive import gated_delta_gates_ref
-from fuselm.runtime import check_same_device, check_tensor, needs_autograd, next_power_of_2, use_triton
+from fuselm.runtime import check_match, check_same_device, check_tensor, needs_autograd, next_power_of_2, use_triton
 
 BLOCK_TOKENS = 16  # tokens per program
 
@@ -54,10 +54,7 @@ def _check(A_log, a, dt_bias, b, token_mask):
         check_tensor(name, t)
     if a.dim() != 3:
         raise ValueError(f"a: expected [B, T, HV], got shape {tuple(a.shape)}")
-    if b.shape != a.shape:
-        raise ValueError(f"b: shape {tuple(b.shape)} does not match a {tuple(a.shape)}")
-    if b.dtype != a.dtype:
-        raise TypeError(f"b: dtype {b.dtype} does not match a {a.dtype}")
+    check_match("b", b, "a", a)
     for name, t in (("a", a), ("b", b)):
         if t.stride(2) != 1 and t.shape[2] > 1:
             raise ValueError(f"{name}: the head dim must be contiguous (stride 1), got strides {tuple(t.stride())}")

@@ -129,17 +129,19 @@ def _grid(n_rows: int, n_cols: int, geo: Geometry):
 
 # ----------------------------------------------------------------------------- host launchers
 def silu_mul_forward_kernel(
-    gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor, act: Activation, geometry: str | None = None
+    gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor, act: Activation, geometry: str | None = None,
+    col_stride: int = 1,
 ) -> torch.Tensor:
-    """Launch the forward on 2-D [rows, cols] views with unit column stride; writes ``out``."""
-    n_rows, n_cols = gate.shape
+    """Launch the forward into ``out`` [rows, cols]; gate and up are 2-D views whose row r, column c
+    lies at ``r * stride(0) + c * col_stride`` (1: unit column stride; 2: ``swiglu_pairs_forward_kernel``)."""
+    n_rows, n_cols = out.shape
     if n_rows == 0 or n_cols == 0:
         return out
     geo = _geometry(n_cols, gate.device, geometry)
     _silu_mul_fwd_kernel[_grid(n_rows, n_cols, geo)](
         gate, up, out, n_rows, n_cols, gate.stride(0), up.stride(0), out.stride(0),
         act.kernel_limit, float(act.alpha),
-        ACT=act.code, BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, num_warps=geo.num_warps,
+        ACT=act.code, BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, COL_STRIDE=col_stride, num_warps=geo.num_warps,
     )
     return out
 
@@ -148,16 +150,7 @@ def swiglu_pairs_forward_kernel(gate_up: torch.Tensor, out: torch.Tensor, act: A
     """out [M, F] = gate_factor(G) * up_factor(U) for ``gate_up`` [M, 2F] whose columns 2f, 2f + 1
     are (G, U) of feature f: ``x @ w13.T`` with the interleaved weight (``interleave_gate_up``).
     Rows may be strided, columns contiguous. The arithmetic of the forward kernel."""
-    n_rows, n_cols = gate_up.shape[0], gate_up.shape[1] // 2
-    if n_rows == 0 or n_cols == 0:
-        return out
-    geo = _geometry(n_cols, gate_up.device, None)
-    _silu_mul_fwd_kernel[_grid(n_rows, n_cols, geo)](
-        gate_up, gate_up[:, 1:], out, n_rows, n_cols, gate_up.stride(0), gate_up.stride(0), out.stride(0),
-        act.kernel_limit, float(act.alpha),
-        ACT=act.code, BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, COL_STRIDE=2, num_warps=geo.num_warps,
-    )
-    return out
+    return silu_mul_forward_kernel(gate_up, gate_up[:, 1:], out, act, col_stride=2)
 
 
 def silu_mul_backward_kernel(

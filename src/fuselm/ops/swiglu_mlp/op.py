@@ -11,10 +11,10 @@ Paths by token count M (rows of x):
   SwiGLU 0.099 ms at M=256 against 0.112-0.125 for the fused kernel's tiles, 0.122 vs 0.160 at
   384, 0.159 vs 0.172 at 512; equal at 128 (mlp.md, Llama shape: 0.373 vs 0.407 at 1024, 1.61
   vs 1.69 at 4096); that table times cuBLAS on the gate-then-up weight and contiguous halves, the
-  shipped path (interleaved w13, column pairs) was measured inside the 9B mixed step (mixed_step.md:
-  gate/up 3.82 -> ~3.0 ms over 32 layers at 255 rows: 2.7 GEMM + 0.32 SwiGLU). The [M, 2F] temporary is at most
-  CUBLAS_SWIGLU_MAX_M x 2F. fp32 follows torch's matmul settings here (ieee unless TF32 is
-  allowed), as the fused kernel's ieee dots.
+  shipped path (interleaved w13, column pairs) was measured inside the 9B mixed step
+  (mixed_step.md: gate/up 3.82 -> ~3.0 ms over 32 layers at 255 rows: 2.7 GEMM + 0.32 SwiGLU).
+  The [M, 2F] temporary is at most CUBLAS_SWIGLU_MAX_M x 2F. fp32 follows torch's matmul
+  settings here (ieee unless TF32 is allowed), as the fused kernel's ieee dots.
 - M > CUBLAS_SWIGLU_MAX_M (long prefill, training): ``_gemm_swiglu_kernel`` (tensor cores, fp32
   accumulators, SwiGLU epilogue, no [M, 2F] intermediate), then the down GEMM through
   ``torch.mm`` (cuBLAS).
