@@ -62,6 +62,41 @@ def batches(tokens: torch.Tensor, steps: int, batch: int, seq_len: int, seed: in
         yield window, window.clone()
 
 
+def fla_gated_backward_refused(device: str) -> bool:
+    """Whether fla-core is installed and refuses its gated chunk backward here: fla-core 0.6 raises
+    on Hopper GPUs with Triton 3.4 to 3.7.0, whose code for ``chunk_bwd_dqkwg`` gives wrong
+    gradients (FLA issue #640), yet HF's Qwen3.5 calls it whenever fla imports."""
+    if device != "cuda":
+        return False
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return False
+    make = lambda *shape: torch.randn(*shape, device=device, dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
+    q, k, v = make(1, 64, 1, 64), make(1, 64, 1, 64), make(1, 64, 1, 64)
+    gate = (-torch.rand(1, 64, 1, device=device)).to(torch.bfloat16).requires_grad_()
+    beta = torch.rand(1, 64, 1, device=device, dtype=torch.bfloat16, requires_grad=True)
+    try:
+        chunk_gated_delta_rule(q, k, v, gate, beta)[0].sum().backward()
+    except RuntimeError as error:
+        if "#640" in str(error):
+            return True
+        raise
+    return False
+
+
+def use_hf_torch_gated_delta_rule() -> None:
+    """Point HF's Qwen3.5 (dense and MoE) at its own PyTorch chunk function (exact, slower)
+    instead of fla-core's, process-wide."""
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+
+    for module in (modeling_qwen3_5, modeling_qwen3_5_moe):
+        module.torch_chunk_gated_delta_rule = inspect.unwrap(module.torch_chunk_gated_delta_rule)
+
+
 def build_model(config_name: str, variant: str, dtype: torch.dtype, device: str, seed: int):
     """HF Qwen3_5ForCausalLM of the preset, HF's own initialisation (seeded), patched per variant."""
     model = random_hf_qwen35(preset_config(config_name, vocab_size=248320), dtype=dtype, device=device, seed=seed,
@@ -136,6 +171,11 @@ def main():
     began = time.perf_counter()
     tokens = stdlib_tokens(args.max_chars)
     print(f"data: {tokens.numel():,} tokens of the standard library's source ({time.perf_counter() - began:.1f} s)")
+    if any(v != "fuselm" for v in args.variants) and fla_gated_backward_refused(device):
+        print("fla-core refuses its gated backward on this GPU and Triton (FLA #640): the unpatched "
+              "runs use HF's PyTorch Gated DeltaNet instead")
+        use_hf_torch_gated_delta_rule()
+        args.hf_gated_delta_rule = "torch (fla-core refused: FLA #640)"
     runs = {variant: {} for variant in args.variants}
     for seed in args.seeds:
         for variant in args.variants:

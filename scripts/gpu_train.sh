@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Training on the GPU (issue 20), by stages, results to $OUT (default ./gpu_out):
-#   tests    GPU run of the training tests (Gated DeltaNet chunk backward incl. bf16, fused linear
+#   tests    GPU run of the training tests (a -k filter in $TEST_K) (Gated DeltaNet chunk backward incl. bf16, fused linear
 #            cross-entropy at the real vocabulary, patch_hf): train_tests.log
-#   bench    benchmarks/train.py: GDN chunk forward + backward vs fla-core at T 4096 / 16384; the
+#   bench    benchmarks/train.py (options in $BENCH_ARGS, e.g. --profile): GDN chunk forward + backward vs fla-core at T 4096 / 16384; the
 #            training step (Qwen3.5 0.8b preset, batch 4 x 4096, AdamW, bf16) patched by fuselm vs
 #            HF + fla-core + liger-kernel and plain HF + fla-core: train.md / train.json
 #   example  examples/finetune_qwen35.py: 300 steps from scratch on stdlib source, fuselm-patched
@@ -16,12 +16,12 @@ source "$(dirname "$0")/gpu_env.sh"
 stages=" ${*:-tests bench} "
 status=0
 if want tests; then
-  timeout 300 python3 -m pytest -v -p no:cacheprovider --durations=10 tests/test_gated_delta_rule_backward.py \
+  timeout 400 python3 -m pytest -v -rs -p no:cacheprovider --durations=10 --large ${TEST_K:+-k "$TEST_K"} tests/test_gated_delta_rule_backward.py \
     tests/test_linear_cross_entropy.py tests/test_patch_hf.py > "$OUT/train_tests.log" 2>&1 || status=1
   tail -4 "$OUT/train_tests.log"
 fi
 if want bench; then
-  PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 400 python3 benchmarks/train.py --out "$OUT" || status=1
+  PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 400 python3 benchmarks/train.py --out "$OUT" ${BENCH_ARGS:-} || status=1
 fi
 if want example; then
   timeout 500 python3 examples/finetune_qwen35.py --out "$OUT" || status=1

@@ -1,5 +1,5 @@
-"""linear_cross_entropy: loss and gradients against float64 torch, the kernel against its
-reference, the chunk rule's memory bound, every written buffer, bad input, compile.
+"""linear_cross_entropy: loss and gradients against float64 torch, the kernels against their
+references, the chunk rule's memory bound, every written buffer, bad input, compile.
 
 The kernel has no ``tl.dot`` (the GEMMs are torch's), so bf16 runs in the interpreter too, with
 the interpreter's truncating fp32 -> bf16 conversion allowed for (helpers._BF16_ROOM)."""
@@ -12,9 +12,10 @@ from conftest import DEVICE, ON_GPU
 from helpers import TOL_VS_CONTRACT, randn
 from fuselm import LinearCrossEntropy, linear_cross_entropy
 from fuselm.ops.linear_cross_entropy import (
-    chunk_rows, cross_entropy_rows_ref, linear_cross_entropy_forward, linear_cross_entropy_ref, op as lce_op,
+    chunk_columns, chunk_grad_ref, chunk_stats_ref, linear_cross_entropy_forward, linear_cross_entropy_ref,
+    op as lce_op,
 )
-from fuselm.ops.linear_cross_entropy.kernels import cross_entropy_rows_kernel
+from fuselm.ops.linear_cross_entropy.kernels import chunk_grad_kernel, chunk_stats_kernel
 from fuselm.testing import assert_close, poisoned_like
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -25,7 +26,7 @@ REDUCTIONS = ["mean", "sum", "none"]
 _BF16 = 1.0 if ON_GPU else 2.0
 TOL_LOSS = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3 * _BF16}
 TOL_GRAD = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.2e-2 * _BF16}
-N, H, V = 37, 48, 1000  # 37 rows: chunks of 16 give 16 + 16 + 5
+N, H, V = 37, 48, 1000  # vocab chunks of 256 give 3 x 256 + 232
 
 
 def make_inputs(n=N, h=H, v=V, dtype=torch.float32, bias=False, leading=None, ignore_every=5):
@@ -62,7 +63,7 @@ def test_loss_and_grads_vs_float64(dtype, reduction, bias):
     hidden, weight, b, labels = make_inputs(dtype=dtype, bias=bias)
     # grad_output not 1: 3.7 for the scalar reductions, a row each for "none".
     grad = randn(N) if reduction == "none" else torch.tensor(3.7, device=DEVICE)
-    loss, grads = run(hidden, weight, b, labels, reduction, grad, chunk_size=16)
+    loss, grads = run(hidden, weight, b, labels, reduction, grad, chunk_size=256)
     ref_loss, ref_grads = exact(hidden, weight, b, labels, reduction, grad)
     assert loss.dtype == torch.float32 and loss.shape == ref_loss.shape
     assert_close(loss, ref_loss, TOL_LOSS[dtype], "loss")
@@ -74,24 +75,37 @@ def test_loss_and_grads_vs_float64(dtype, reduction, bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_kernel_vs_rows_reference(dtype):
-    """The kernel on one chunk, several vocab blocks with a partial last one (1000 = 3 x 256 + 232),
-    against ``cross_entropy_rows_ref``: ignored rows, an out-of-range label (NaN row), row scales."""
+def test_kernels_vs_references(dtype):
+    """Both kernels on the chunks of [11, 1000] logits (chunks of 300: the last 100 wide; blocks of
+    128, partial) against ``chunk_stats_ref`` / ``chunk_grad_ref``: ignored rows, an out-of-range
+    label (NaN), labels at both ends of the vocabulary, row scales; and the merged statistics
+    against torch's logsumexp over the whole row."""
     logits = randn(11, 1000, dtype=dtype, scale=3)
     labels = torch.randint(0, 1000, (11,), device=DEVICE)
     labels[2], labels[5], labels[7], labels[9] = -100, 1000, 999, 0
-    row_scale = randn(11)
-    for scale in (None, row_scale):
-        got_logits, want_logits = logits.clone(), logits.clone()
-        got = cross_entropy_rows_kernel(got_logits, labels, poisoned_like(labels.float()), scale, -100, True, block_v=256)
-        want = cross_entropy_rows_ref(want_logits, labels, torch.empty(11, device=DEVICE), scale, -100, True)
-        assert got[2] == 0 and got[5].isnan() and not got[[0, 1, 3, 4, 6, 7, 8, 9, 10]].isnan().any()
-        assert_close(got, want, 1e-6, "row loss")
-        assert torch.all(got_logits[2] == 0) and got_logits[5].isnan().all()
-        assert_close(got_logits, want_logits, TOL_VS_CONTRACT[dtype], "dlogits")
-    loss_only = logits.clone()
-    cross_entropy_rows_kernel(loss_only, labels, torch.empty(11, device=DEVICE), None, -100, False, block_v=256)
-    assert torch.equal(loss_only, logits), "write_grad=False wrote the logits"
+    stats = [[torch.full((11,), float("-inf"), device=DEVICE), torch.zeros(11, device=DEVICE),
+              torch.full((11,), float("nan"), device=DEVICE)] for _ in range(2)]
+    chunks = [(v0, min(v0 + 300, 1000)) for v0 in range(0, 1000, 300)]
+    for v0, v1 in chunks:
+        chunk = logits[:, v0:v1].contiguous()
+        chunk_stats_kernel(chunk, labels, v0, *stats[0], -100, block_v=128)
+        chunk_stats_ref(chunk, labels, v0, *stats[1], -100)
+        assert torch.equal(chunk, logits[:, v0:v1]), "the stats pass wrote the logits"
+    for got, want in zip(*stats):
+        assert_close(got, want, 1e-6)
+    row_max, row_sum, target = stats[0]
+    lse = row_max + row_sum.log()
+    kept = [0, 1, 3, 4, 6, 7, 8, 9, 10]
+    assert_close(lse[kept], torch.logsumexp(logits[kept].double(), dim=1), 1e-6, "lse")
+    assert_close(target[kept], logits[kept, labels[kept]].double(), 1e-7, "target")
+    assert row_max[2] == float("-inf") and row_sum[2] == 0 and target[[2, 5]].isnan().all()
+    for scale in (None, randn(11)):
+        for v0, v1 in chunks:
+            got, want = logits[:, v0:v1].contiguous(), logits[:, v0:v1].contiguous()
+            chunk_grad_kernel(got, labels, v0, 1000, lse, scale, -100, block_v=128)
+            chunk_grad_ref(want, labels, v0, 1000, lse, scale, -100)
+            assert torch.all(got[2] == 0) and got[5].isnan().all()
+            assert_close(got, want, TOL_VS_CONTRACT[dtype], "dlogits")
 
 
 def test_vocab_wider_than_a_block():
@@ -107,8 +121,8 @@ def test_vocab_wider_than_a_block():
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_every_written_buffer_is_written(monkeypatch, reduction):
-    """Workspace, row losses, grad_hidden and the weight-gradient slab allocated NaN-filled: a
-    partial last chunk, ignored rows, an fp16 slab loop (V = 1000 in slabs of 256)."""
+    """Workspace, the grad_hidden part, grad_weight and grad_bias allocated NaN-filled: a partial
+    last chunk (1000 = 7 x 128 + 104), ignored rows, fp32 and fp16."""
     allocated = []
 
     def nan_empty(shape, dtype, device):
@@ -118,12 +132,12 @@ def test_every_written_buffer_is_written(monkeypatch, reduction):
     monkeypatch.setattr(lce_op, "_empty", nan_empty)
     for dtype in (torch.float32, torch.float16):
         hidden, weight, b, labels = make_inputs(dtype=dtype, bias=True)
-        out = linear_cross_entropy_forward(hidden, weight, labels, b, reduction=reduction, chunk_size=8, block_v=128)
+        out = linear_cross_entropy_forward(hidden, weight, labels, b, reduction=reduction, chunk_size=128, block_v=128)
         for name, t in zip(out._fields, out):
             assert not t.isnan().any(), f"{name}: an element was not written"
         want = linear_cross_entropy_ref(hidden.double(), weight.double(), labels, b.double(), reduction=reduction)
         assert_close(out.loss, want, TOL_LOSS[dtype], "loss")
-    assert (8, V) in allocated and (N, H) in allocated and (256, H) in allocated
+    assert (N, 128) in allocated and (N, H) in allocated and (V, H) in allocated and (V,) in allocated
 
 
 def test_matches_torch_autograd_fp32():
@@ -146,9 +160,9 @@ def test_matches_torch_autograd_fp32():
 def test_no_grad_loss_equals_grad_loss():
     hidden, weight, b, labels = make_inputs(bias=True)
     with torch.no_grad():
-        plain = linear_cross_entropy(hidden.requires_grad_(True), weight, labels, b, chunk_size=16)
+        plain = linear_cross_entropy(hidden.requires_grad_(True), weight, labels, b, chunk_size=256)
     hidden.requires_grad_(False)
-    graded, _ = run(hidden, weight, b, labels, "mean", torch.tensor(1.0, device=DEVICE), chunk_size=16)
+    graded, _ = run(hidden, weight, b, labels, "mean", torch.tensor(1.0, device=DEVICE), chunk_size=256)
     assert not plain.requires_grad and torch.equal(plain, graded)
 
 
@@ -176,10 +190,15 @@ def test_custom_ignore_index():
 
 
 def test_out_of_range_labels():
+    """Checked by default on the CPU, on request anywhere (a host sync on CUDA); unchecked, the
+    row's loss is NaN, never a finite wrong number."""
     hidden, weight, _, labels = make_inputs(n=5)
     labels[3] = V
+    check = None if DEVICE == "cpu" else True
     with pytest.raises(ValueError, match=r"labels: 1 label\(s\) outside \[0, 1000\).*e.g. 1000"):
-        linear_cross_entropy(hidden, weight, labels)
+        linear_cross_entropy(hidden, weight, labels, check_labels=check)
+    rows = linear_cross_entropy(hidden, weight, labels, reduction="none", check_labels=False)
+    assert rows[3].isnan().item() and rows[[0, 1, 2, 4]].isfinite().all().item()
     # Unchecked: the bad row's loss is NaN (a device-side signal, no host sync), the others are kept.
     rows = linear_cross_entropy(hidden, weight, labels, reduction="none", check_labels=False)
     assert rows[3].isnan() and not rows[[0, 1, 2, 4]].isnan().any()
@@ -230,29 +249,32 @@ def test_tensors_on_different_devices():
 
 
 def test_chunk_rule_bounds_the_workspace(monkeypatch):
-    # Qwen3.5-9B (V 248320, H 4096) at 4 x 4096 tokens: chunks of 320 rows, a 159 MB bf16 workspace.
-    assert chunk_rows(16384, 248320, 4096) == 320
-    for n, v, h in [(16384, 248320, 5120), (16384, 248320, 4096), (37, 1000, 48), (5, 1000, 4096), (100000, 151936, 2048)]:
-        rows = chunk_rows(n, v, h)
-        assert 1 <= rows <= n and rows * v <= n * h + 64 * v
-    assert chunk_rows(37, 1000, 48, chunk_size=16) == 16 and chunk_rows(7, 1000, 48, chunk_size=16) == 7
-    # The op allocates nothing of [N, V]: its only V-wide buffer is the [chunk, V] workspace.
+    # Qwen3.5 (V 248320) at 4 x 4096 tokens: chunks of 4096 columns, a 134 MB bf16 workspace.
+    assert chunk_columns(16384, 248320, 4096) == 4096 and chunk_columns(16384, 248320, 1024) == 4096
+    for n, v, h in [(16384, 248320, 5120), (65536, 248320, 4096), (37, 1000, 48), (5, 1000, 4096), (100000, 151936, 2048)]:
+        columns = chunk_columns(n, v, h)
+        assert 1 <= columns <= v and n * columns <= max(n * h, lce_op.MIN_WORKSPACE) + n * lce_op.CHUNK_ALIGN
+        assert columns == v or columns % lce_op.CHUNK_ALIGN == 0
+    assert chunk_columns(37, 1000, 48, chunk_size=16) == 16 and chunk_columns(7, 10, 48, chunk_size=16) == 10
+    # The op allocates nothing of [N, V]: its only V-wide buffers are the gradients of weight and bias.
     shapes = []
     real_empty = lce_op._empty
     monkeypatch.setattr(lce_op, "_empty", lambda shape, dtype, device: shapes.append(tuple(shape)) or real_empty(shape, dtype, device))
+    monkeypatch.setattr(lce_op, "MIN_WORKSPACE", 300 * 64)
     hidden, weight, _, labels = make_inputs(n=300, h=64, v=1000)
     run(hidden, weight, None, labels, "mean", torch.tensor(1.0, device=DEVICE))
-    rows = chunk_rows(300, 1000, 64)
-    assert rows == 64 and (rows, 1000) in shapes and all(s[-1] != 1000 or s[0] <= rows for s in shapes)
+    columns = chunk_columns(300, 1000, 64)
+    assert columns == 256 and shapes.count((300, 256)) == 2 and all(
+        s[0] != 300 or s[-1] <= 256 for s in shapes), shapes
 
 
 def test_cpu_fallback_without_triton(monkeypatch):
-    """Where Triton cannot run, the same chunk loop calls ``cross_entropy_rows_ref``."""
+    """Where Triton cannot run, the same chunk loops call ``chunk_stats_ref`` / ``chunk_grad_ref``."""
     hidden, weight, b, labels = make_inputs(bias=True)
     grad = torch.tensor(1.3, device=DEVICE)
-    loss, grads = run(hidden, weight, b, labels, "mean", grad, chunk_size=16)
+    loss, grads = run(hidden, weight, b, labels, "mean", grad, chunk_size=256)
     monkeypatch.setattr(lce_op, "use_triton", lambda _: False)
-    loss_ref, grads_ref = run(hidden, weight, b, labels, "mean", grad, chunk_size=16)
+    loss_ref, grads_ref = run(hidden, weight, b, labels, "mean", grad, chunk_size=256)
     assert_close(loss, loss_ref, 1e-6, "loss")
     for got, want in zip(grads, grads_ref):
         assert_close(got, want, 1e-6)
@@ -260,27 +282,29 @@ def test_cpu_fallback_without_triton(monkeypatch):
 
 def test_module():
     hidden, weight, b, labels = make_inputs(bias=True)
-    module = LinearCrossEntropy(reduction="sum", chunk_size=16)
+    module = LinearCrossEntropy(reduction="sum", chunk_size=256)
     assert "reduction='sum'" in repr(module)
     assert torch.equal(module(hidden, weight, labels, b),
-                       linear_cross_entropy(hidden, weight, labels, b, reduction="sum", chunk_size=16))
+                       linear_cross_entropy(hidden, weight, labels, b, reduction="sum", chunk_size=256))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_opcheck(reduction):
     hidden, weight, b, labels = make_inputs(n=7, h=16, v=100, bias=True, ignore_every=3)
     args = (hidden.requires_grad_(True), weight.requires_grad_(True), b.requires_grad_(True), labels,
-            -100, reduction, 4, True, True, True)
+            -100, reduction, 32)
     torch.library.opcheck(torch.ops.fuselm.linear_cross_entropy, args)
-    grad = randn(7)
+    lse = torch.ops.fuselm.linear_cross_entropy(*args)[1].detach()
+    grad = randn(7) if reduction == "none" else torch.tensor(1.7, device=DEVICE)
     torch.library.opcheck(torch.ops.fuselm.linear_cross_entropy_backward,
-                          (grad, hidden.detach(), weight.detach(), b.detach(), labels, -100, 4, True, True, True))
+                          (grad, hidden.detach(), weight.detach(), b.detach(), labels, lse, -100, reduction, 32,
+                           True, True, True))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_compile_fullgraph(reduction):
     def step(hidden, weight, bias, labels):
-        loss = linear_cross_entropy(hidden, weight, labels, bias, reduction=reduction, chunk_size=8)
+        loss = linear_cross_entropy(hidden, weight, labels, bias, reduction=reduction, chunk_size=128)
         return loss.sum() * 2.0 if reduction == "none" else loss * 2.0
 
     compiled = torch.compile(step, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
@@ -312,8 +336,8 @@ def test_qwen_vocab_on_gpu(dtype):
 @pytest.mark.gpu
 @pytest.mark.large
 def test_qwen_vocab_peak_memory():
-    """Forward + backward allocate the fp32 weight-gradient accumulator, the two gradients, the
-    workspace and the slab, and nothing of [N, V] (whose fp32 size is 8 GB here)."""
+    """Forward + backward allocate the two gradients, the workspace, the fp32 grad_hidden
+    accumulator and its 16-bit part, and nothing of [N, V] (whose fp32 size is 8 GB here)."""
     n, h, v = 8192, 512, 248320
     hidden, weight, _, labels = make_inputs(n=n, h=h, v=v, dtype=torch.bfloat16)
     hg, wg = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
@@ -323,8 +347,8 @@ def test_qwen_vocab_peak_memory():
     linear_cross_entropy(hg, wg, labels).backward()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    rows = chunk_rows(n, v, h)
-    budget = v * h * (4 + 2) + n * h * 2 * 2 + 2 * rows * v * 2 + (64 << 20)
+    columns = chunk_columns(n, v, h)
+    budget = v * h * 2 + n * h * (2 + 4 + 2) + n * columns * 2 + (64 << 20)
     assert peak <= budget and peak < n * v * 4 // 8, f"peak {peak / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB"
 
 
@@ -332,6 +356,6 @@ def test_grads_only_where_asked():
     """A frozen hidden (weight trained, bias frozen): only weight gets a gradient."""
     hidden, weight, b, labels = make_inputs(bias=True)
     w = weight.clone().requires_grad_(True)
-    linear_cross_entropy(hidden, w, labels, b, reduction="sum", chunk_size=16).backward()
+    linear_cross_entropy(hidden, w, labels, b, reduction="sum", chunk_size=256).backward()
     _, (_, want, _) = exact(hidden, weight, b, labels, "sum", torch.tensor(1.0, device=DEVICE))
     assert_close(w.grad, want, 1e-4, "grad_weight")

@@ -1,23 +1,30 @@
-"""Triton kernel and host launcher for the per-row cross-entropy of one chunk of logits.
+"""Triton kernels and host launchers for the two per-row passes over one vocab chunk of logits.
 
-The op (``op.py``) forms a chunk's logits [C, V] with one GEMM into a workspace; this kernel then
-reads each row of that workspace and, per row r with label t (all math in fp32 registers):
+The op (``op.py``) forms the logits of every row for one chunk of the vocabulary, [N, C], with
+one GEMM into a workspace; these kernels read each row of that chunk (all math in fp32 registers),
+one program per row. Columns are the chunk's, vocab ids are ``v0 + column``.
 
-    pass 1 (online over vocab blocks of BLOCK_V):  M = max_v x_v,  S = sum_v exp(x_v - M)
-           lse = M + log(S),  loss_r = lse - x_t
-    pass 2 (WRITE_GRAD):  x_v <- round(scale_r * (exp(x_v - lse) - [v == t]))   in place
+``_chunk_stats_kernel`` (forward): merges the chunk into the row's running (max M, sum S):
 
-scale_r is 1, or ``row_scale[r]`` (HAS_ROW_SCALE: the backward of reduction="none", the upstream
-gradient of row r). A row whose label is ``ignore_index`` reads nothing: loss 0, gradient row 0
-(exact zeros, whatever its logits hold). A row whose label lies outside [0, V) and is not
-``ignore_index`` reads no target (no out-of-bounds access) and gets a NaN loss and a NaN gradient
-row: the op's unchecked mode (``check_labels=False``) reports bad labels on the device this way,
-without a host sync.
+    m = max_c x_c,  s = sum_c exp(x_c - m)        (online over blocks of BLOCK_V, lane-wise)
+    M' = max(M, m),  S' = S e^{M - M'} + s e^{m - M'}
+    target_r = x_{t - v0}   when the label t lies in this chunk
 
-Pass 1 keeps a running (max, sum) per lane and combines the lanes once at the end; a lane that has
-only seen -inf contributes 0 (a row of only -inf gets lse = -inf and a NaN loss, as in torch).
-Logits are read twice (once per pass) and written once, in their own dtype; the gradient is
-rounded once, to that dtype. Launch: one program per row of the chunk.
+so that after the last chunk lse = M + log S and loss_r = lse - target_r.
+
+``_chunk_grad_kernel`` (backward): overwrites the chunk with d loss_r / d logits,
+
+    x_c <- round(scale_r * (exp(x_c - lse_r) - [v0 + c == t]))
+
+scale_r is 1, or ``row_scale[r]`` (the upstream gradient of row r, reduction "none").
+
+A row whose label is ``ignore_index`` reads nothing: its statistics stay (M, S) = (-inf, 0) and
+its gradient row is written as exact zeros. A label outside [0, V) that is not ``ignore_index``
+matches no column (no out-of-bounds access): its target stays NaN (loss NaN) and its gradient row
+is NaN, the op's unchecked mode (``check_labels=False``) reporting bad labels on the device
+without a host sync. A lane that has seen only -inf contributes 0 (a row of only -inf gets
+lse = -inf and a NaN loss, as in torch). Logits are read once by each pass and written once by the
+gradient pass, in their own dtype; the gradient is rounded once, to that dtype.
 """
 
 from __future__ import annotations
@@ -30,79 +37,101 @@ from fuselm.runtime import next_power_of_2
 
 
 @triton.jit
-def _cross_entropy_rows_kernel(
-    logits_ptr, labels_ptr, loss_ptr, row_scale_ptr,
-    n_vocab, stride_row, ignore_index,
-    HAS_ROW_SCALE: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+def _chunk_stats_kernel(
+    logits_ptr, labels_ptr, max_ptr, sum_ptr, target_ptr, n_cols, stride_row, v0, ignore_index,
+    BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     label = tl.load(labels_ptr + row)
     ignored = label == ignore_index
-    in_range = (label >= 0) & (label < n_vocab)
-    # An ignored row reads no logits: its loops see an empty vocabulary.
-    n_read = tl.where(ignored, 0, n_vocab)
+    n_read = tl.where(ignored, 0, n_cols)  # an ignored row reads no logits
     lanes = tl.arange(0, BLOCK_V)
-
-    # Pass 1: lane-wise online max / sum of exp.
     m = tl.full([BLOCK_V], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_V], dtype=tl.float32)
     for start in range(0, n_read, BLOCK_V):
         cols = start + lanes
         x = tl.load(row_ptr + cols, mask=cols < n_read, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, x)
-        # A lane that has seen only -inf keeps s = 0 (shifting by 0 avoids -inf - -inf).
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane of only -inf keeps s = 0
         s = s * tl.exp(m - shift) + tl.exp(x - shift)
         m = m_new
-    row_max = tl.max(m, axis=0)
-    shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-    total = tl.sum(s * tl.exp(m - shift), axis=0)
-    lse = tl.where(ignored, 0.0, row_max + tl.log(tl.where(ignored, 1.0, total)))
+    chunk_max = tl.max(m, axis=0)
+    shift = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)
+    chunk_sum = tl.sum(s * tl.exp(m - shift), axis=0)
+    run_max, run_sum = tl.load(max_ptr + row), tl.load(sum_ptr + row)
+    new_max = tl.maximum(run_max, chunk_max)
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    tl.store(sum_ptr + row, run_sum * tl.exp(run_max - shift) + chunk_sum * tl.exp(chunk_max - shift))
+    tl.store(max_ptr + row, new_max)
+    col = label - v0
+    here = (col >= 0) & (col < n_cols) & (label != ignore_index)
+    target = tl.load(row_ptr + col, mask=here, other=0.0).to(tl.float32)
+    tl.store(target_ptr + row, target, mask=here)
 
-    target = tl.load(row_ptr + label, mask=in_range & (label != ignore_index), other=0.0).to(tl.float32)
-    loss = tl.where(ignored, 0.0, tl.where(in_range, lse - target, float("nan")))
-    tl.store(loss_ptr + row, loss)
 
-    if WRITE_GRAD:
-        scale = 1.0
-        if HAS_ROW_SCALE:
-            scale = tl.load(row_scale_ptr + row).to(tl.float32)
-        scale = tl.where(in_range, scale, float("nan"))
-        for start in range(0, n_vocab, BLOCK_V):
-            cols = start + lanes
-            col_mask = cols < n_vocab
-            x = tl.load(row_ptr + cols, mask=cols < n_read, other=0.0).to(tl.float32)
-            g = scale * (tl.exp(x - lse) - tl.where(cols == label, 1.0, 0.0))
-            g = tl.where(ignored, 0.0, g)
-            tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=col_mask)
+@triton.jit
+def _chunk_grad_kernel(
+    logits_ptr, labels_ptr, lse_ptr, row_scale_ptr, n_cols, stride_row, v0, n_vocab, ignore_index,
+    HAS_ROW_SCALE: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    label = tl.load(labels_ptr + row)
+    ignored = label == ignore_index
+    in_range = (label >= 0) & (label < n_vocab)
+    n_read = tl.where(ignored, 0, n_cols)
+    lse = tl.load(lse_ptr + row)
+    scale = 1.0
+    if HAS_ROW_SCALE:
+        scale = tl.load(row_scale_ptr + row).to(tl.float32)
+    scale = tl.where(in_range, scale, float("nan"))
+    lanes = tl.arange(0, BLOCK_V)
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + lanes
+        x = tl.load(row_ptr + cols, mask=cols < n_read, other=0.0).to(tl.float32)
+        g = scale * (tl.exp(x - lse) - tl.where(cols + v0 == label, 1.0, 0.0))
+        g = tl.where(ignored, 0.0, g)
+        tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
 # ----------------------------------------------------------------------------- tuning constants
 # Vocab block per loop step. Untuned: 4096 columns (16 fp32 per thread at 8 warps) keeps a lane's
-# (max, sum) and one block of logits in registers; rows wider than this loop.
+# (max, sum) and one block of logits in registers; wider chunks loop.
 MAX_BLOCK_V = 4096
 NUM_WARPS = 8
 
 
-# ----------------------------------------------------------------------------- host launcher
-def cross_entropy_rows_kernel(
-    logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, row_scale: torch.Tensor | None,
-    ignore_index: int, write_grad: bool, block_v: int | None = None,
-) -> torch.Tensor:
-    """Launch on a [C, V] logits view (unit column stride), labels [C] int64 (contiguous), loss
-    [C] fp32 (written). ``write_grad``: overwrite ``logits`` with d loss_r / d logits, scaled by
-    ``row_scale`` [C] fp32 when given. ``block_v`` (a power of two) overrides the vocab block
-    (tests). Returns ``loss``."""
-    n_rows, n_vocab = logits.shape
+def _block(n_cols: int, block_v: int | None) -> int:
+    return block_v if block_v is not None else min(MAX_BLOCK_V, next_power_of_2(n_cols))
+
+
+# ----------------------------------------------------------------------------- host launchers
+def chunk_stats_kernel(logits: torch.Tensor, labels: torch.Tensor, v0: int, row_max: torch.Tensor,
+                       row_sum: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                       block_v: int | None = None) -> None:
+    """Merge the chunk ``logits`` [N, C] (unit column stride; vocab ids v0 .. v0 + C - 1) into the
+    running ``row_max``, ``row_sum`` [N] fp32 (start: -inf, 0) and write ``target`` [N] fp32 for
+    the rows whose label lies in the chunk. labels [N] int64, contiguous. ``block_v`` (a power of
+    two) overrides the vocab block (tests)."""
+    n_rows, n_cols = logits.shape
     if n_rows == 0:
-        return loss
-    if block_v is None:
-        block_v = min(MAX_BLOCK_V, next_power_of_2(n_vocab))
-    has_scale = row_scale is not None
-    _cross_entropy_rows_kernel[(n_rows,)](
-        logits, labels, loss, row_scale if has_scale else loss,
-        n_vocab, logits.stride(0), ignore_index,
-        HAS_ROW_SCALE=has_scale, WRITE_GRAD=write_grad, BLOCK_V=block_v, num_warps=NUM_WARPS,
+        return
+    _chunk_stats_kernel[(n_rows,)](
+        logits, labels, row_max, row_sum, target, n_cols, logits.stride(0), v0, ignore_index,
+        BLOCK_V=_block(n_cols, block_v), num_warps=NUM_WARPS,
     )
-    return loss
+
+
+def chunk_grad_kernel(logits: torch.Tensor, labels: torch.Tensor, v0: int, n_vocab: int, lse: torch.Tensor,
+                      row_scale: torch.Tensor | None, ignore_index: int, block_v: int | None = None) -> None:
+    """Overwrite the chunk ``logits`` [N, C] with d loss / d logits (``lse`` [N] fp32 the rows'
+    log-sum-exp over all ``n_vocab`` columns), scaled by ``row_scale`` [N] fp32 when given."""
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return
+    has_scale = row_scale is not None
+    _chunk_grad_kernel[(n_rows,)](
+        logits, labels, lse, row_scale if has_scale else lse, n_cols, logits.stride(0), v0, n_vocab, ignore_index,
+        HAS_ROW_SCALE=has_scale, BLOCK_V=_block(n_cols, block_v), num_warps=NUM_WARPS,
+    )

@@ -2,9 +2,10 @@
 
 - ``linear_cross_entropy_ref``: the whole op, materialising the [tokens, vocab] logits (tests,
   small shapes). Differentiable through autograd.
-- ``cross_entropy_rows_ref``: what the Triton kernel does to one chunk of logits (per-row loss,
-  the logits' gradient written in place); the op's chunk loop calls it where Triton cannot run,
-  so the CPU fallback keeps the op's memory bound.
+- ``chunk_stats_ref`` / ``chunk_grad_ref``: what the two Triton kernels do to one vocab chunk of
+  logits (the rows' running max and sum of exp and their targets; the logits' gradient written
+  in place); the op's chunk loops call them where Triton cannot run, so the CPU fallback keeps
+  the op's memory bound.
 
 Numerics contract (both, and the kernel): logits are ``hidden @ weight.T (+ bias)`` computed by
 torch in the input dtype (one GEMM with its own fp32 accumulation, rounded once to the input
@@ -57,26 +58,39 @@ def linear_cross_entropy_ref(
 
 
 @torch.no_grad()
-def cross_entropy_rows_ref(
-    logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, row_scale: torch.Tensor | None,
-    ignore_index: int, write_grad: bool,
-) -> torch.Tensor:
-    """The kernel's work on one chunk, as ``kernels.cross_entropy_rows_kernel`` takes it: writes
-    the per-row loss into ``loss`` [C] and, with ``write_grad``, overwrites ``logits`` [C, V] with
-    ``round(scale_r * (softmax(logits_r) - onehot(t_r)))`` (0 on ignored rows, NaN on rows with an
-    out-of-range label; scale_r = ``row_scale[r]`` or 1). Returns ``loss``."""
+def chunk_stats_ref(logits: torch.Tensor, labels: torch.Tensor, v0: int, row_max: torch.Tensor,
+                    row_sum: torch.Tensor, target: torch.Tensor, ignore_index: int) -> None:
+    """What ``kernels.chunk_stats_kernel`` does to one vocab chunk ``logits`` [N, C] (ids v0 ..
+    v0 + C - 1): merges it into the running ``row_max`` / ``row_sum`` [N] fp32 and writes
+    ``target`` for the rows whose label lies in the chunk; ignored rows are left alone."""
+    x = logits.to(work_dtype(logits))
+    ignored = labels == ignore_index
+    chunk_max = torch.where(ignored, float("-inf"), x.amax(dim=1)) if x.shape[1] else torch.full_like(row_max, float("-inf"))
+    new_max = torch.maximum(row_max, chunk_max.to(row_max.dtype))
+    shift = torch.where(new_max == float("-inf"), 0.0, new_max)
+    chunk_sum = torch.where(ignored, 0.0, torch.exp(x - shift.to(x.dtype)[:, None]).sum(dim=1))
+    row_sum.copy_(row_sum * torch.exp(row_max - shift) + chunk_sum.to(row_sum.dtype))
+    row_max.copy_(new_max)
+    col = labels - v0
+    here = (col >= 0) & (col < x.shape[1]) & ~ignored
+    rows = torch.nonzero(here).squeeze(1)
+    target[rows] = x[rows, col[rows]].to(target.dtype)
+
+
+@torch.no_grad()
+def chunk_grad_ref(logits: torch.Tensor, labels: torch.Tensor, v0: int, n_vocab: int, lse: torch.Tensor,
+                   row_scale: torch.Tensor | None, ignore_index: int) -> None:
+    """What ``kernels.chunk_grad_kernel`` does: overwrites the chunk ``logits`` [N, C] with
+    ``round(scale_r * (exp(logits_r - lse_r) - onehot(t_r - v0)))``: 0 on ignored rows, NaN on rows
+    with an out-of-range label; scale_r = ``row_scale[r]`` or 1."""
     work = work_dtype(logits)
     x = logits.to(work)
-    loss.copy_(_row_losses(x, labels, ignore_index))
-    if write_grad:
-        n_vocab = x.shape[-1]
-        ignored = labels == ignore_index
-        in_range = (labels >= 0) & (labels < n_vocab)
-        grad = torch.softmax(x, dim=-1)
-        rows = torch.nonzero(in_range & ~ignored).squeeze(1)
-        grad[rows, labels[rows]] -= 1.0
-        scale = torch.ones(x.shape[0], dtype=work, device=x.device) if row_scale is None else row_scale.to(work)
-        scale = torch.where(in_range, scale, torch.full_like(scale, float("nan")))
-        grad = torch.where(ignored.unsqueeze(1), torch.zeros_like(grad), grad * scale.unsqueeze(1))
-        logits.copy_(grad)
-    return loss
+    ignored = labels == ignore_index
+    in_range = (labels >= 0) & (labels < n_vocab)
+    grad = torch.exp(x - lse.to(work)[:, None])
+    col = labels - v0
+    rows = torch.nonzero((col >= 0) & (col < x.shape[1]) & ~ignored).squeeze(1)
+    grad[rows, col[rows]] -= 1.0
+    scale = torch.ones(x.shape[0], dtype=work, device=x.device) if row_scale is None else row_scale.to(work)
+    scale = torch.where(in_range, scale, torch.full_like(scale, float("nan")))
+    logits.copy_(torch.where(ignored.unsqueeze(1), torch.zeros_like(grad), grad * scale.unsqueeze(1)))

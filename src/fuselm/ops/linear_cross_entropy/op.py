@@ -2,53 +2,51 @@
 its gradients without the [tokens, vocab] logits. Checked host functions, autograd, the
 ``torch.library`` ops and the module.
 
-Chunk loop (every path): the tokens are taken ``chunk_size`` rows at a time; per chunk
+The vocabulary is taken ``chunk_size`` columns at a time (chunk c: vocab ids v0 .. v1 - 1), every
+row at once; two loops over the chunks:
 
-    buf          = hidden[c] @ weight.T (+ bias)        torch GEMM into a [chunk, V] workspace
-    buf, loss[c] = kernel(buf, labels[c])                 per-row fp32 logsumexp and loss; the
-                                                          logits' gradient written over buf
-    grad_hidden[c]  = buf @ weight                        torch GEMM, in the input dtype
-    grad_weight_acc += buf.T @ hidden[c]                  fp32 accumulator [V, H]
-    grad_bias_acc   += buf.sum(0)                         fp32 accumulator [V]
+forward (the loss):
+    buf = hidden @ weight[v0:v1].T (+ bias[v0:v1])      torch GEMM into an [N, C] workspace
+    (M, S), target = stats(buf, labels)                  per row: running max and sum of exp, fp32
+    lse = M + log S,  loss = lse - target                saved for the backward: lse [N] fp32
+backward (recomputes each chunk's logits):
+    buf = hidden @ weight[v0:v1].T (+ bias[v0:v1])
+    buf = scale_r (exp(buf - lse) - onehot)              in place (the logits' gradient)
+    grad_weight[v0:v1] = buf.T @ hidden                  torch GEMM over all N rows, written once
+    grad_bias[v0:v1]   = buf.sum(0)                      fp32 column sums
+    grad_hidden_acc   += buf @ weight[v0:v1]             fp32 accumulator [N, H]
 
-The kernel is ``kernels.py`` on a Triton device (GPU, or CPU under TRITON_INTERPRET=1), otherwise
-``naive.cross_entropy_rows_ref`` (same chunk loop, same memory bound).
+So no gradient is accumulated over the vocabulary-sized dimension: each chunk's weight gradient
+is one GEMM reducing over every token (cuBLAS accumulates in fp32 inside), and the only
+accumulator is [N, H] (hidden's size, fp32). Four GEMMs of N x V x H in all (the logits twice),
+where computing the gradients in the forward (Liger-Kernel's FusedLinearCrossEntropy, fuselm
+before) takes three but accumulates [V, H] over the token chunks: 12 bytes per weight element per
+chunk (the fp32 accumulator read and written, a 16-bit product written and read), which is what
+set the step time (H200, Qwen3.5-0.8B at 4 x 4096 tokens: 121 ms of adds over 128 chunks). The
+forward holds nothing but lse; the backward holds the workspace, the [N, H] accumulator and its
+16-bit product, and writes the gradients.
 
-When the gradients are computed:
-- ``reduction`` "mean" / "sum": in the forward, as Liger-Kernel's FusedLinearCrossEntropy does.
-  The kernel writes the *unscaled* gradient (softmax - onehot; the 1/n of the mean is not applied
-  there: in fp16, p / n underflows for a 248K vocabulary and 16K tokens), and the backward
-  multiplies the saved gradients by ``grad_output * (1 / n_valid or 1)`` (an fp32 factor on the
-  device: no host sync). Held from forward to backward: grad_hidden [N, H] in the input dtype and
-  the fp32 accumulators for weight [V, H] and bias [V]; during the forward also the workspace and
-  (fp16/bf16 weight gradient) one V-slab temporary; no [N, V] tensor at any point.
-- ``reduction`` "none": the forward computes only the per-row losses and saves hidden, weight,
-  bias and labels; the backward runs the chunk loop again, the kernel scaling row r's gradient by
-  ``grad_output[r]`` (4 GEMMs per chunk in all where mean/sum take 3: the logits are computed
-  twice). A per-row upstream gradient cannot be applied to the weight gradient after the sum over
-  rows, so nothing is precomputed.
+The kernels are ``kernels.py`` on a Triton device (GPU, or CPU under TRITON_INTERPRET=1), otherwise
+``naive.chunk_stats_ref`` / ``naive.chunk_grad_ref`` (same loops, same memory bound).
 
-A second backward through the same graph (``retain_graph=True``) gives the same gradients; the
-backward is not itself differentiable (no double backward). Under ``torch.compile`` the same
-chunk loop runs inside the ``fuselm::linear_cross_entropy`` custom op (and, for "none",
-``fuselm::linear_cross_entropy_backward``); no host check of the labels is made there.
+scale_r is 1 for "mean" / "sum" (the factor grad_output / n_valid is applied after the GEMMs, in
+fp32: in fp16, p / n underflows for a 248K vocabulary and 16K tokens) and grad_output[r] for
+"none" (applied in the kernel). The backward is not itself differentiable (no double backward); a
+second backward through the same graph (``retain_graph=True``) gives the same gradients. Under
+``torch.compile`` the same loops run inside the ``fuselm::linear_cross_entropy`` and
+``fuselm::linear_cross_entropy_backward`` custom ops; no host check of the labels is made there.
 
 Numerics contract (fp32, fp16, bf16):
 - logits: torch's GEMM in the input dtype (fp32 accumulation inside cuBLAS / the CPU BLAS,
   one rounding to the input dtype; fp32 follows torch's matmul precision settings, e.g. TF32).
-- per row: max, sum of exp, logsumexp, loss and softmax in fp32 (online over vocab blocks);
+- per row: max, sum of exp (online over chunks and vocab blocks), logsumexp and loss in fp32;
   the loss is returned in fp32; "mean" is the fp32 sum of row losses / max(1, n_valid).
-- d loss / d logits = softmax - onehot (times grad_output[r] for "none"), rounded once to the
-  input dtype, in place in the workspace.
-- grad_hidden: torch GEMM of that and weight, rounded to the input dtype, then (mean/sum) times
-  the fp32 factor grad_output / n_valid, rounded again (two roundings).
-- grad_weight and grad_bias: accumulated over chunks in fp32. For fp16/bf16 each chunk's
-  product buf.T @ hidden[c] is a torch GEMM rounded once to the input dtype (in V-slabs: a
-  temporary of about the workspace's size, at least 256 vocab rows) and then added to the fp32
-  accumulator; fp32 inputs accumulate in place with ``addmm_``; the bias gradient is buf's column
-  sum in fp32. The result is multiplied by the fp32 factor and rounded once to the parameter's
-  dtype (for "none" the factor is already in buf: one rounding of the fp32 sum). (fp32 accumulation costs V x H x 4 bytes between forward and
-  backward, twice a bf16 weight: 4.1 GB for Qwen3.5-9B's V = 248320, H = 4096.)
+- d loss / d logits = scale_r (softmax - onehot), rounded once to the input dtype, in place.
+- grad_weight: per chunk one torch GEMM over all rows, rounded to the input dtype, then (mean/sum)
+  times the fp32 factor, rounded again (two roundings); grad_bias: fp32 column sums times the
+  factor, rounded once.
+- grad_hidden: per chunk a torch GEMM (fp32 inputs: accumulated in place with ``addmm_``; 16-bit:
+  rounded to the input dtype) added to the fp32 accumulator; times the factor and rounded once.
 
 ``ignore_index`` rows: loss 0, gradient 0, not counted in the mean. All rows ignored (or no
 rows): "mean" gives 0 and zero gradients, where ``torch.nn.functional.cross_entropy`` gives NaN.
@@ -62,105 +60,116 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from fuselm.ops.linear_cross_entropy.kernels import cross_entropy_rows_kernel
-from fuselm.ops.linear_cross_entropy.naive import REDUCTIONS, cross_entropy_rows_ref
+from fuselm.ops.linear_cross_entropy.kernels import chunk_grad_kernel, chunk_stats_kernel
+from fuselm.ops.linear_cross_entropy.naive import REDUCTIONS, chunk_grad_ref, chunk_stats_ref
 from fuselm.runtime import (
-    as_rows, cdiv, check_positive_int, check_same_device, check_tensor, needs_autograd, use_triton,
+    as_rows, check_positive_int, check_same_device, check_tensor, needs_autograd, use_triton,
 )
 
 # ----------------------------------------------------------------------------- chunking
-CHUNK_ALIGN = 64
-"""Chunk rows are a multiple of this (a GEMM tile's M), unless one chunk takes every row."""
-MIN_SLAB = 256
-"""Fewest vocab rows per slab of the fp16/bf16 weight-gradient GEMM."""
+CHUNK_ALIGN = 256
+"""Chunk columns are a multiple of this (a GEMM tile's N), unless one chunk takes the vocabulary."""
+MIN_WORKSPACE = 1 << 26
+"""Elements the [N, C] workspace may always take (128 MB in 16 bits): fewer, wider chunks."""
 
 
-def chunk_rows(n_rows: int, n_vocab: int, hidden_size: int, chunk_size: int | None = None) -> int:
-    """Rows per chunk: ``chunk_size`` if given (at most ``n_rows``), else the default rule.
+def chunk_columns(n_rows: int, n_vocab: int, hidden_size: int, chunk_size: int | None = None) -> int:
+    """Vocab columns per chunk: ``chunk_size`` if given (at most ``n_vocab``), else the default rule.
 
-    Default: n_chunks = ceil(V / H) chunks, each of ceil(N / n_chunks) rows rounded up to a
-    multiple of CHUNK_ALIGN (64), at most N. The [chunk, V] workspace then holds about as many
-    elements as ``hidden`` itself: chunk * V <= N * H + 64 * V elements (Liger-Kernel's rule,
-    without its rounding up to a power of two, which can double the workspace). Example: Qwen3.5-9B
-    (V = 248320, H = 4096) at 4 x 4096 tokens: 52 chunks of 320 rows (the last 64), a 159 MB bf16
-    workspace where the logits would take 8.1 GB in bf16, 16 GB in fp32.
+    Default: the [N, C] workspace holds max(N x H, MIN_WORKSPACE) elements (at least hidden's
+    size, as Liger-Kernel's rule), C rounded down to a multiple of CHUNK_ALIGN (at least one), at
+    most V. Example: Qwen3.5 (V = 248320) at 4 x 4096 tokens: 4096 columns (61 chunks, a 134 MB
+    bf16 workspace, where the logits would take 8.1 GB in bf16, 16 GB in fp32) for H = 1024 and
+    for H = 4096; the per-chunk [N, H] accumulation then costs ~1/10 of the chunk's GEMMs.
     """
     if chunk_size is not None:
-        return max(1, min(chunk_size, n_rows))
-    n_chunks = cdiv(n_vocab, hidden_size)
-    rows = cdiv(cdiv(n_rows, n_chunks), CHUNK_ALIGN) * CHUNK_ALIGN
-    return max(1, min(rows, n_rows))
+        return max(1, min(chunk_size, n_vocab))
+    columns = max(n_rows * hidden_size, MIN_WORKSPACE) // max(1, n_rows)
+    return max(1, min(n_vocab, max(CHUNK_ALIGN, columns // CHUNK_ALIGN * CHUNK_ALIGN)))
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
-    """Every buffer the op writes before reading (workspace, row losses, grad_hidden) comes from
-    here: the tests replace it with NaN-filled allocation to show that every element is written."""
+    """Every buffer the op writes before reading (workspace, gradient parts, grad_weight, grad_bias)
+    comes from here: the tests replace it with NaN-filled allocation to show that every element is
+    written."""
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _rows(logits, labels, loss, row_scale, ignore_index, write_grad, block_v):
-    if use_triton(logits):
-        return cross_entropy_rows_kernel(logits, labels, loss, row_scale, ignore_index, write_grad, block_v)
-    return cross_entropy_rows_ref(logits, labels, loss, row_scale, ignore_index, write_grad)
+def _chunk_logits(workspace, hidden2d, weight, bias, v0, v1):
+    """hidden2d @ weight[v0:v1].T (+ bias) into the first N x (v1 - v0) elements of ``workspace``
+    (a contiguous [N, v1 - v0] view)."""
+    buf = workspace.view(-1)[: hidden2d.shape[0] * (v1 - v0)].view(hidden2d.shape[0], v1 - v0)
+    if bias is None:
+        torch.mm(hidden2d, weight[v0:v1].t(), out=buf)
+    else:
+        torch.addmm(bias[v0:v1], hidden2d, weight[v0:v1].t(), out=buf)
+    return buf
 
 
-def _accumulate_grad_weight(acc, dlogits, h, slab_rows, slab):
-    """acc [V, H] fp32 += dlogits.T @ h; fp16/bf16 through ``slab`` [slab_rows, H] (see the contract)."""
-    if dlogits.dtype == torch.float32:
-        acc.addmm_(dlogits.t(), h)
-        return
-    n_vocab = acc.shape[0]
-    for v0 in range(0, n_vocab, slab_rows):
-        v1 = min(v0 + slab_rows, n_vocab)
-        part = slab[: v1 - v0]
-        torch.mm(dlogits[:, v0:v1].t(), h, out=part)
-        acc[v0:v1].add_(part)
+def _forward_loop(hidden2d, weight, bias, labels1d, ignore_index, columns, block_v=None):
+    """Row losses [N] fp32 and lse [N] fp32 (the forward of the module docstring)."""
+    n_rows, n_vocab = hidden2d.shape[0], weight.shape[0]
+    device = hidden2d.device
+    row_max = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=device)
+    row_sum = torch.zeros((n_rows,), dtype=torch.float32, device=device)
+    target = torch.full((n_rows,), float("nan"), dtype=torch.float32, device=device)
+    if n_rows:
+        workspace = _empty((n_rows, columns), hidden2d.dtype, device)
+        triton_ok = use_triton(workspace)
+        for v0 in range(0, n_vocab, columns):
+            buf = _chunk_logits(workspace, hidden2d, weight, bias, v0, min(v0 + columns, n_vocab))
+            if triton_ok:
+                chunk_stats_kernel(buf, labels1d, v0, row_max, row_sum, target, ignore_index, block_v)
+            else:
+                chunk_stats_ref(buf, labels1d, v0, row_max, row_sum, target, ignore_index)
+    lse = row_max + torch.log(row_sum)
+    loss = torch.where(labels1d == ignore_index, 0.0, lse - target)
+    return loss, lse
 
 
-def _chunk_loop(hidden2d, weight, bias, labels1d, ignore_index, chunk_size, row_scale,
-                want_hidden, want_weight, want_bias, block_v=None):
-    """The chunk loop of the module docstring on flat inputs (hidden2d [N, H], labels1d [N]).
-
-    Returns (row losses [N] fp32, grad_hidden [N, H] input dtype or None, grad_weight [V, H] fp32
-    or None, grad_bias [V] fp32 or None): the gradients of sum_r scale_r * loss_r, scale_r =
-    ``row_scale[r]`` (fp32 [N]) or 1."""
-    n_rows, hidden_size = hidden2d.shape
-    n_vocab = weight.shape[0]
+def _backward_loop(hidden2d, weight, bias, labels1d, lse, ignore_index, columns, row_scale, factor,
+                   want_hidden, want_weight, want_bias, block_v=None):
+    """(grad_hidden [N, H], grad_weight [V, H], grad_bias [V]) in the input dtypes, None where not
+    wanted: the gradients of sum_r row_scale[r] * loss_r (row_scale None: 1), times ``factor``
+    (fp32 0-dim, or None: 1). The backward of the module docstring."""
+    (n_rows, hidden_size), n_vocab = hidden2d.shape, weight.shape[0]
     device, dtype = hidden2d.device, hidden2d.dtype
-    write_grad = want_hidden or want_weight or want_bias
-    loss = _empty((n_rows,), torch.float32, device)
-    grad_hidden = _empty((n_rows, hidden_size), dtype, device) if want_hidden else None
-    grad_weight = torch.zeros((n_vocab, hidden_size), dtype=torch.float32, device=device) if want_weight else None
-    grad_bias = torch.zeros((n_vocab,), dtype=torch.float32, device=device) if want_bias else None
+    grad_weight = _empty((n_vocab, hidden_size), weight.dtype, device) if want_weight else None
+    grad_bias = _empty((n_vocab,), bias.dtype, device) if want_bias else None
+    acc = torch.zeros((n_rows, hidden_size), dtype=torch.float32, device=device) if want_hidden else None
     if n_rows == 0:
-        return loss, grad_hidden, grad_weight, grad_bias
-    rows = chunk_rows(n_rows, n_vocab, hidden_size, chunk_size)
-    workspace = _empty((rows, n_vocab), dtype, device)
-    slab_rows, slab = 0, None
-    if want_weight and dtype != torch.float32:
-        slab_rows = min(n_vocab, max(MIN_SLAB, rows * n_vocab // hidden_size))
-        slab = _empty((slab_rows, hidden_size), dtype, device)
-    weight_t = weight.t()
-    for r0 in range(0, n_rows, rows):
-        r1 = min(r0 + rows, n_rows)
-        h, buf = hidden2d[r0:r1], workspace[: r1 - r0]
-        if bias is None:
-            torch.mm(h, weight_t, out=buf)
-        else:
-            torch.addmm(bias, h, weight_t, out=buf)
-        _rows(buf, labels1d[r0:r1], loss[r0:r1], None if row_scale is None else row_scale[r0:r1],
-              ignore_index, write_grad, block_v)
-        if want_hidden:
-            torch.mm(buf, weight, out=grad_hidden[r0:r1])
-        if want_weight:
-            _accumulate_grad_weight(grad_weight, buf, h, slab_rows, slab)
-        if want_bias:
-            grad_bias.add_(buf.sum(0, dtype=torch.float32))
-    return loss, grad_hidden, grad_weight, grad_bias
-
-
-def _like(t):
-    return None if t is None else (t.shape, t.dtype)
+        if grad_weight is not None:
+            grad_weight.zero_()
+        if grad_bias is not None:
+            grad_bias.zero_()
+    else:
+        workspace = _empty((n_rows, columns), dtype, device)
+        part = _empty((n_rows, hidden_size), dtype, device) if want_hidden and dtype != torch.float32 else None
+        triton_ok = use_triton(workspace)
+        for v0 in range(0, n_vocab, columns):
+            v1 = min(v0 + columns, n_vocab)
+            buf = _chunk_logits(workspace, hidden2d, weight, bias, v0, v1)
+            if triton_ok:
+                chunk_grad_kernel(buf, labels1d, v0, n_vocab, lse, row_scale, ignore_index, block_v)
+            else:
+                chunk_grad_ref(buf, labels1d, v0, n_vocab, lse, row_scale, ignore_index)
+            if want_weight:
+                torch.mm(buf.t(), hidden2d, out=grad_weight[v0:v1])
+                if factor is not None:
+                    grad_weight[v0:v1].mul_(factor)
+            if want_bias:
+                column_sums = buf.sum(0, dtype=torch.float32)
+                grad_bias[v0:v1] = column_sums if factor is None else column_sums * factor
+            if want_hidden:
+                if part is None:
+                    acc.addmm_(buf, weight[v0:v1])
+                else:
+                    torch.mm(buf, weight[v0:v1], out=part)
+                    acc.add_(part)
+    grad_hidden = None
+    if want_hidden:
+        grad_hidden = (acc if factor is None else acc.mul_(factor)).to(dtype)
+    return grad_hidden, grad_weight, grad_bias
 
 
 def _reduce(loss_rows, labels, ignore_index, reduction):
@@ -177,20 +186,18 @@ def _n_valid(labels, ignore_index):
     return (labels != ignore_index).sum().clamp_min(1).to(torch.float32)
 
 
-def _grad_factor(grad_loss, labels, ignore_index, reduction):
-    """grad_output (0-dim) times 1 / max(1, n_valid) for "mean", in fp32."""
-    factor = grad_loss.to(torch.float32)
-    return factor / _n_valid(labels, ignore_index) if reduction == "mean" else factor
-
-
-def _scaled(grad, factor, like):
-    """round(grad * factor) as a new tensor of ``like`` = (shape, dtype), one rounding (no fp32
-    temporary)."""
-    if grad is None:
-        return None
-    out = torch.empty(like[0], dtype=like[1], device=grad.device)
-    torch.mul(grad, factor, out=out.view(grad.shape))
-    return out
+def _backward(grad_loss, hidden, weight, bias, labels, lse, ignore_index, reduction, columns, want_h, want_w, want_b):
+    """The gradients for ``grad_loss`` (0-dim for "mean"/"sum", labels' shape for "none"): hidden's
+    shape, the input dtypes; None where not wanted."""
+    hidden2d, labels1d = _flat(hidden, labels)
+    if reduction == "none":
+        row_scale, factor = grad_loss.reshape(-1).to(torch.float32).contiguous(), None
+    else:
+        factor = grad_loss.to(torch.float32)
+        row_scale, factor = None, factor / _n_valid(labels1d, ignore_index) if reduction == "mean" else factor
+    gh, gw, gb = _backward_loop(hidden2d, weight, bias, labels1d, lse, ignore_index, columns, row_scale, factor,
+                                want_h, want_w, want_b and bias is not None)
+    return (None if gh is None else gh.view(hidden.shape)), gw, gb
 
 
 # ----------------------------------------------------------------------------- argument checks
@@ -247,11 +254,11 @@ def _resolve_check(check_labels, labels) -> bool:
 
 
 def _prepare(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, chunk_size, check_labels) -> int:
-    """Checks; returns the rows per chunk."""
+    """Checks; returns the vocab columns per chunk."""
     _check_inputs(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, chunk_size)
     if _resolve_check(check_labels, labels):
         check_label_values(labels, weight.shape[0], ignore_index)
-    return chunk_rows(labels.numel(), weight.shape[0], weight.shape[1], chunk_size)
+    return chunk_columns(labels.numel(), weight.shape[0], weight.shape[1], chunk_size)
 
 
 def _flat(hidden, labels):
@@ -275,62 +282,43 @@ def linear_cross_entropy_forward(
     label_smoothing: float = 0.0, chunk_size: int | None = None, check_labels: bool | None = None,
     compute_grads: bool = True, block_v: int | None = None,
 ) -> LinearCrossEntropyOutput:
-    """The loss and (``compute_grads``) its gradients in one chunk loop, without autograd: for a
-    custom training step, and for the tests. Gradients in the dtypes of hidden/weight/bias, as
-    the contract rounds them. ``block_v`` (a power of two) forces the kernel's vocab block."""
-    rows = _prepare(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, chunk_size, check_labels)
+    """The loss and (``compute_grads``) its gradients, both loops, without autograd: for a custom
+    training step, and for the tests. Gradients in the dtypes of hidden/weight/bias, as the
+    contract rounds them. ``block_v`` (a power of two) forces the kernels' vocab block."""
+    columns = _prepare(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, chunk_size,
+                       check_labels)
     hidden2d, labels1d = _flat(hidden, labels)
     with torch.no_grad():
-        loss_rows, gh, gw, gb = _chunk_loop(hidden2d, weight, bias, labels1d, ignore_index, rows, None,
-                                            compute_grads, compute_grads, compute_grads and bias is not None, block_v)
+        loss_rows, lse = _forward_loop(hidden2d, weight, bias, labels1d, ignore_index, columns, block_v)
         loss = _reduce(loss_rows, labels, ignore_index, reduction)
         if not compute_grads:
             return LinearCrossEntropyOutput(loss, None, None, None)
-        one = torch.ones((), dtype=torch.float32, device=hidden.device)
-        factor = _grad_factor(one, labels1d, ignore_index, "mean" if reduction == "mean" else "sum")
-        grads = (_scaled(g, factor, _like(t)) for g, t in ((gh, hidden), (gw, weight), (gb, bias)))
-        return LinearCrossEntropyOutput(loss, *grads)
+        row_scale, factor = None, torch.ones((), dtype=torch.float32, device=hidden.device)
+        if reduction == "mean":
+            factor = factor / _n_valid(labels1d, ignore_index)
+        gh, gw, gb = _backward_loop(hidden2d, weight, bias, labels1d, lse, ignore_index, columns, row_scale, factor,
+                                    True, True, bias is not None, block_v)
+        return LinearCrossEntropyOutput(loss, gh.view(hidden.shape), gw, gb)
 
 
 # ----------------------------------------------------------------------------- autograd (eager)
 class _LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, ignore_index, reduction, rows):
-        want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        ctx.meta = (ignore_index, reduction, rows, want)
-        ctx.likes = (_like(hidden), _like(weight), _like(bias))
+    def forward(ctx, hidden, weight, bias, labels, ignore_index, reduction, columns):
+        ctx.meta = (ignore_index, reduction, columns)
         hidden2d, labels1d = _flat(hidden, labels)
-        if reduction == "none":
-            loss_rows = _chunk_loop(hidden2d, weight, bias, labels1d, ignore_index, rows, None, False, False, False)[0]
-            ctx.save_for_backward(hidden, weight, bias, labels1d)
-        else:
-            loss_rows, gh, gw, gb = _chunk_loop(hidden2d, weight, bias, labels1d, ignore_index, rows, None, *want)
-            # Only the gradients and labels: hidden's data is not needed (it may be freed).
-            ctx.save_for_backward(labels1d, gh, gw, gb)
+        loss_rows, lse = _forward_loop(hidden2d, weight, bias, labels1d, ignore_index, columns)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
         return _reduce(loss_rows, labels, ignore_index, reduction)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        ignore_index, reduction, rows, want = ctx.meta
-        if reduction == "none":
-            hidden, weight, bias, labels1d = ctx.saved_tensors
-            gh, gw, gb = _backward_none(grad_loss, hidden, weight, bias, labels1d, ignore_index, rows, *want)
-        else:
-            labels1d, gh, gw, gb = ctx.saved_tensors
-            factor = _grad_factor(grad_loss, labels1d, ignore_index, reduction)
-            gh, gw, gb = (_scaled(g, factor, like) for g, like in zip((gh, gw, gb), ctx.likes))
+        ignore_index, reduction, columns = ctx.meta
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        gh, gw, gb = _backward(grad_loss, hidden, weight, bias, labels, lse, ignore_index, reduction, columns,
+                               *ctx.needs_input_grad[:3])
         return gh, gw, gb, None, None, None, None
-
-
-def _backward_none(grad_loss, hidden, weight, bias, labels1d, ignore_index, rows, want_h, want_w, want_b):
-    """Gradients for reduction "none": the chunk loop again, row r's gradient scaled by grad_loss[r]."""
-    row_scale = grad_loss.reshape(-1).to(torch.float32).contiguous()
-    _, gh, gw, gb = _chunk_loop(as_rows("hidden", hidden), weight, bias, labels1d, ignore_index, rows, row_scale,
-                                want_h, want_w, want_b)
-    return (None if gh is None else gh.view(hidden.shape),
-            None if gw is None else gw.to(weight.dtype),
-            None if gb is None else gb.to(bias.dtype))
 
 
 # ----------------------------------------------------------------------------- torch.library ops (compile)
@@ -341,48 +329,37 @@ def _no_grad_tensor(device) -> torch.Tensor:
 @torch.library.custom_op("fuselm::linear_cross_entropy", mutates_args=())
 def _linear_cross_entropy_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-    ignore_index: int, reduction: str, chunk_size: int, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, grad_hidden, grad_weight fp32, grad_bias fp32): the gradients as the chunk loop leaves
-    them (unscaled; empty [0] when not asked for or reduction is "none")."""
+    ignore_index: int, reduction: str, chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, lse [N] fp32): the forward loop."""
     hidden2d, labels1d = _flat(hidden, labels)
-    if reduction == "none":
-        grad_hidden = grad_weight = grad_bias = False
-    loss_rows, gh, gw, gb = _chunk_loop(hidden2d, weight, bias, labels1d, ignore_index, chunk_size, None,
-                                        grad_hidden, grad_weight, grad_bias)
-    empty = _no_grad_tensor(hidden.device)
-    return (_reduce(loss_rows, labels, ignore_index, reduction),
-            empty if gh is None else gh.view(hidden.shape), empty.clone() if gw is None else gw,
-            empty.clone() if gb is None else gb)
+    loss_rows, lse = _forward_loop(hidden2d, weight, bias, labels1d, ignore_index, chunk_size)
+    return _reduce(loss_rows, labels, ignore_index, reduction), lse
 
 
 @_linear_cross_entropy_op.register_fake
-def _(hidden, weight, bias, labels, ignore_index, reduction, chunk_size, grad_hidden, grad_weight, grad_bias):
+def _(hidden, weight, bias, labels, ignore_index, reduction, chunk_size):
     device = hidden.device
     loss = torch.empty(labels.shape if reduction == "none" else (), dtype=torch.float32, device=device)
-    on = reduction != "none"
-    gh = torch.empty(hidden.shape, dtype=hidden.dtype, device=device) if on and grad_hidden else _no_grad_tensor(device)
-    gw = torch.empty(weight.shape, dtype=torch.float32, device=device) if on and grad_weight else _no_grad_tensor(device)
-    gb = (torch.empty((weight.shape[0],), dtype=torch.float32, device=device) if on and grad_bias and bias is not None
-          else _no_grad_tensor(device))
-    return loss, gh, gw, gb
+    return loss, torch.empty((labels.numel(),), dtype=torch.float32, device=device)
 
 
 @torch.library.custom_op("fuselm::linear_cross_entropy_backward", mutates_args=())
 def _linear_cross_entropy_backward_op(
     grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-    labels: torch.Tensor, ignore_index: int, chunk_size: int, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
+    labels: torch.Tensor, lse: torch.Tensor, ignore_index: int, reduction: str, chunk_size: int,
+    grad_hidden: bool, grad_weight: bool, grad_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of reduction "none" for a per-row ``grad_loss`` (labels' shape), in the input
-    dtypes (empty [0] when not asked for)."""
-    gh, gw, gb = _backward_none(grad_loss, hidden, weight, bias, labels.reshape(-1).contiguous(), ignore_index,
-                                chunk_size, grad_hidden, grad_weight, grad_bias and bias is not None)
+    """The backward loop: gradients in the input dtypes (empty [0] when not asked for)."""
+    gh, gw, gb = _backward(grad_loss, hidden, weight, bias, labels, lse, ignore_index, reduction, chunk_size,
+                           grad_hidden, grad_weight, grad_bias)
     empty = _no_grad_tensor(hidden.device)
     return (empty if gh is None else gh, empty.clone() if gw is None else gw, empty.clone() if gb is None else gb)
 
 
 @_linear_cross_entropy_backward_op.register_fake
-def _(grad_loss, hidden, weight, bias, labels, ignore_index, chunk_size, grad_hidden, grad_weight, grad_bias):
+def _(grad_loss, hidden, weight, bias, labels, lse, ignore_index, reduction, chunk_size, grad_hidden, grad_weight,
+      grad_bias):
     device = hidden.device
     gh = torch.empty(hidden.shape, dtype=hidden.dtype, device=device) if grad_hidden else _no_grad_tensor(device)
     gw = torch.empty(weight.shape, dtype=weight.dtype, device=device) if grad_weight else _no_grad_tensor(device)
@@ -392,30 +369,19 @@ def _(grad_loss, hidden, weight, bias, labels, ignore_index, chunk_size, grad_hi
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, labels, ignore_index, reduction, chunk_size, want_h, want_w, want_b = inputs
-    ctx.meta = (ignore_index, reduction, chunk_size, (want_h, want_w, want_b and bias is not None))
-    ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-    if reduction == "none":
-        ctx.save_for_backward(hidden, weight, bias, labels)
-    else:  # the gradients and labels only (hidden's data is not needed)
-        ctx.save_for_backward(labels, *output[1:])
+    hidden, weight, bias, labels, ignore_index, reduction, chunk_size = inputs
+    ctx.meta = (ignore_index, reduction, chunk_size)
+    ctx.save_for_backward(hidden, weight, bias, labels, output[1])
 
 
-def _autograd_backward(ctx, grad_loss, *_unused):
-    ignore_index, reduction, chunk_size, (want_h, want_w, want_b) = ctx.meta
-    if reduction == "none":
-        hidden, weight, bias, labels = ctx.saved_tensors
-        gh, gw, gb = _linear_cross_entropy_backward_op(grad_loss, hidden, weight, bias, labels, ignore_index,
-                                                       chunk_size, want_h, want_w, want_b)
-    else:
-        labels, gh, gw, gb = ctx.saved_tensors
-        factor = _grad_factor(grad_loss, labels, ignore_index, reduction)
-        dtype_h, dtype_w, dtype_b = ctx.dtypes
-        gh = (gh * factor).to(dtype_h) if want_h else None
-        gw = (gw * factor).to(dtype_w) if want_w else None
-        gb = (gb * factor).to(dtype_b) if want_b else None
-    return (gh if want_h else None, gw if want_w else None, gb if want_b else None,
-            None, None, None, None, None, None, None)
+def _autograd_backward(ctx, grad_loss, _grad_lse):
+    ignore_index, reduction, chunk_size = ctx.meta
+    hidden, weight, bias, labels, lse = ctx.saved_tensors
+    want_h, want_w, want_b = ctx.needs_input_grad[:3]
+    gh, gw, gb = _linear_cross_entropy_backward_op(grad_loss, hidden, weight, bias, labels, lse, ignore_index,
+                                                   reduction, chunk_size, want_h, want_w, want_b and bias is not None)
+    return (gh if want_h else None, gw if want_w else None, gb if want_b and bias is not None else None,
+            None, None, None, None)
 
 
 torch.library.register_autograd(
@@ -429,8 +395,8 @@ def linear_cross_entropy(
     ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
     chunk_size: int | None = None, check_labels: bool | None = None,
 ) -> torch.Tensor:
-    """``cross_entropy(hidden @ weight.T + bias, labels)`` and its gradients, chunk by chunk: no
-    [tokens, vocab] tensor is ever allocated (numerics contract: this module's docstring).
+    """``cross_entropy(hidden @ weight.T + bias, labels)`` and its gradients, vocab chunk by vocab
+    chunk: no [tokens, vocab] tensor is ever allocated (numerics contract: this module's docstring).
 
     Args:
         hidden: [..., H] fp16/bf16/fp32 (any leading shape; flattened to N rows).
@@ -439,9 +405,10 @@ def linear_cross_entropy(
         bias: optional [V], hidden's dtype.
         ignore_index: rows with this label have loss 0 and gradient 0 and do not count in the mean.
         reduction: "mean" (over non-ignored rows; 0 when there are none, where torch gives NaN),
-            "sum", or "none" (per-row losses, labels' shape; its backward recomputes the logits).
+            "sum", or "none" (per-row losses, labels' shape).
         label_smoothing: only 0.0.
-        chunk_size: rows per chunk; None: ``chunk_rows``'s rule (workspace about hidden's size).
+        chunk_size: vocab columns per chunk; None: ``chunk_columns``'s rule (a workspace of at
+            least hidden's size).
         check_labels: True: raise ValueError for a label outside [0, V) that is not
             ``ignore_index`` (a host sync on CUDA); False: no check, such a row gets a NaN loss
             (and NaN gradients) on the device; None (default): check on CPU only. Under
@@ -449,18 +416,15 @@ def linear_cross_entropy(
     Returns:
         The fp32 loss: 0-dim for "mean"/"sum", ``labels.shape`` for "none".
     """
-    rows = _prepare(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, chunk_size, check_labels)
+    columns = _prepare(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, chunk_size,
+                       check_labels)
     if torch.compiler.is_compiling():
-        grad_on = torch.is_grad_enabled()
-        return _linear_cross_entropy_op(
-            hidden, weight, bias, labels, ignore_index, reduction, rows, grad_on and hidden.requires_grad,
-            grad_on and weight.requires_grad, grad_on and bias is not None and bias.requires_grad,
-        )[0]
+        return _linear_cross_entropy_op(hidden, weight, bias, labels, ignore_index, reduction, columns)[0]
     if needs_autograd(hidden, weight, *(() if bias is None else (bias,))):
-        return _LinearCrossEntropyFunction.apply(hidden, weight, bias, labels, ignore_index, reduction, rows)
+        return _LinearCrossEntropyFunction.apply(hidden, weight, bias, labels, ignore_index, reduction, columns)
     hidden2d, labels1d = _flat(hidden, labels)
-    loss_rows = _chunk_loop(hidden2d, weight, bias, labels1d, ignore_index, rows, None, False, False, False)[0]
-    return _reduce(loss_rows, labels, ignore_index, reduction)
+    return _reduce(_forward_loop(hidden2d, weight, bias, labels1d, ignore_index, columns)[0], labels, ignore_index,
+                   reduction)
 
 
 class LinearCrossEntropy(nn.Module):
