@@ -42,11 +42,13 @@ Numerics contract (fp32, fp16, bf16):
 - per row: max, sum of exp (online over chunks and vocab blocks), logsumexp and loss in fp32;
   the loss is returned in fp32; "mean" is the fp32 sum of row losses / max(1, n_valid).
 - d loss / d logits = scale_r (softmax - onehot), rounded once to the input dtype, in place.
-- grad_weight: per chunk one torch GEMM over all rows, rounded to the input dtype, then (mean/sum)
-  times the fp32 factor, rounded again (two roundings); grad_bias: fp32 column sums times the
-  factor, rounded once.
-- grad_hidden: per chunk a torch GEMM (fp32 inputs: accumulated in place with ``addmm_``; 16-bit:
-  rounded to the input dtype) added to the fp32 accumulator; times the factor and rounded once.
+- grad_weight: per chunk one torch GEMM over all rows; on CUDA its fp32 result (``out_dtype``)
+  times the fp32 factor, rounded once to the input dtype; elsewhere (16-bit) rounded, times the
+  factor, rounded again. grad_bias: fp32 column sums times the factor, rounded once.
+- grad_hidden: per chunk a torch GEMM added to the fp32 accumulator (fp32 inputs: ``addmm_`` in
+  place; 16-bit on CUDA: the GEMM's fp32 result; elsewhere rounded to the input dtype first: the
+  chunks' parts largely cancel, so these roundings add up, 1.6e-2 relative in bf16 at Qwen3.5's
+  vocabulary, where the CUDA path keeps one rounding); times the factor, rounded once.
 
 ``ignore_index`` rows: loss 0, gradient 0, not counted in the mean. All rows ignored (or no
 rows): "mean" gives 0 and zero gradients, where ``torch.nn.functional.cross_entropy`` gives NaN.
@@ -127,6 +129,23 @@ def _forward_loop(hidden2d, weight, bias, labels1d, ignore_index, columns, block
     return loss, lse
 
 
+_FP32_OUT_MM: dict[str, bool] = {}  # device type -> whether mm takes out_dtype=float32 there
+
+
+def _has_fp32_out_mm(device: torch.device) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` takes 16-bit a, b on ``device`` (CUDA, torch
+    >= 2.8): the GEMM's fp32 accumulator comes out unrounded."""
+    if device.type != "cuda":
+        return False
+    if device.type not in _FP32_OUT_MM:
+        a = torch.zeros((1, 1), dtype=torch.bfloat16, device=device)
+        try:
+            _FP32_OUT_MM[device.type] = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        except (TypeError, RuntimeError, NotImplementedError):
+            _FP32_OUT_MM[device.type] = False
+    return _FP32_OUT_MM[device.type]
+
+
 def _backward_loop(hidden2d, weight, bias, labels1d, lse, ignore_index, columns, row_scale, factor,
                    want_hidden, want_weight, want_bias, block_v=None):
     """(grad_hidden [N, H], grad_weight [V, H], grad_bias [V]) in the input dtypes, None where not
@@ -144,7 +163,8 @@ def _backward_loop(hidden2d, weight, bias, labels1d, lse, ignore_index, columns,
             grad_bias.zero_()
     else:
         workspace = _empty((n_rows, columns), dtype, device)
-        part = _empty((n_rows, hidden_size), dtype, device) if want_hidden and dtype != torch.float32 else None
+        wide = dtype != torch.float32 and _has_fp32_out_mm(device)
+        part = _empty((n_rows, hidden_size), dtype, device) if want_hidden and dtype != torch.float32 and not wide else None
         triton_ok = use_triton(workspace)
         for v0 in range(0, n_vocab, columns):
             v1 = min(v0 + columns, n_vocab)
@@ -154,15 +174,21 @@ def _backward_loop(hidden2d, weight, bias, labels1d, lse, ignore_index, columns,
             else:
                 chunk_grad_ref(buf, labels1d, v0, n_vocab, lse, row_scale, ignore_index)
             if want_weight:
-                torch.mm(buf.t(), hidden2d, out=grad_weight[v0:v1])
-                if factor is not None:
-                    grad_weight[v0:v1].mul_(factor)
+                if wide:  # cuBLAS's fp32 result, scaled, rounded once
+                    torch.mul(torch.mm(buf.t(), hidden2d, out_dtype=torch.float32), 1.0 if factor is None else factor,
+                              out=grad_weight[v0:v1])
+                else:
+                    torch.mm(buf.t(), hidden2d, out=grad_weight[v0:v1])
+                    if factor is not None:
+                        grad_weight[v0:v1].mul_(factor)
             if want_bias:
                 column_sums = buf.sum(0, dtype=torch.float32)
                 grad_bias[v0:v1] = column_sums if factor is None else column_sums * factor
             if want_hidden:
-                if part is None:
+                if dtype == torch.float32:
                     acc.addmm_(buf, weight[v0:v1])
+                elif wide:
+                    acc.add_(torch.mm(buf, weight[v0:v1], out_dtype=torch.float32))
                 else:
                     torch.mm(buf, weight[v0:v1], out=part)
                     acc.add_(part)
