@@ -29,9 +29,9 @@ TOL_GRAD = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.2e-2 * _
 N, H, V = 37, 48, 1000  # vocab chunks of 256 give 3 x 256 + 232
 
 
-def make_inputs(n=N, h=H, v=V, dtype=torch.float32, bias=False, leading=None, ignore_every=5):
+def make_inputs(n=N, h=H, v=V, dtype=torch.float32, bias=False, leading=None, ignore_every=5, weight_scale=0.4):
     hidden = randn(*(leading or (n,)), h, dtype=dtype)
-    weight = randn(v, h, dtype=dtype, scale=0.4)
+    weight = randn(v, h, dtype=dtype, scale=weight_scale)
     b = randn(v, dtype=dtype, scale=0.3) if bias else None
     labels = torch.randint(0, v, tuple(leading or (n,)), device=DEVICE)
     if ignore_every:
@@ -323,8 +323,12 @@ def test_compile_fullgraph(reduction):
 @pytest.mark.large
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_qwen_vocab_on_gpu(dtype):
-    """Qwen3.5's vocabulary (248320) at 1024 tokens x H 1024 against float64 torch."""
-    hidden, weight, _, labels = make_inputs(n=1024, h=1024, v=248320, dtype=dtype, ignore_every=7)
+    """Qwen3.5's vocabulary (248320) at 1024 tokens x H 1024 against float64 torch. Logits of std ~2
+    (weights 0.06 x randn): at the default 0.4 they have std ~13, and the contract's one rounding of
+    each logit to bf16 (up to ~0.03 absolute there) alone moves grad_hidden by 1.6e-2 relative
+    (measured on the H200, session 15), more than the bound, for any implementation that rounds
+    the logits as HF's bf16 lm_head does."""
+    hidden, weight, _, labels = make_inputs(n=1024, h=1024, v=248320, dtype=dtype, ignore_every=7, weight_scale=0.06)
     grad = torch.tensor(1.0, device=DEVICE)
     loss, grads = run(hidden, weight, None, labels, "mean", grad)
     ref_loss, ref_grads = exact(hidden, weight, None, labels, "mean", grad)
