@@ -115,6 +115,22 @@ def test_kernel_gradients_options(H, HV, K, V, with_state, l2, final, decay):
     assert_grads(got, ref, TOL[torch.float32])
 
 
+def test_kernel_gradients_key_and_value_blocks(monkeypatch):
+    """The gradient kernels with several key and value blocks of 16 columns (at the model's
+    K = V = 128 they run 64-column blocks): K = 24 and V = 40 end in partial blocks."""
+    import fuselm.ops.gated_delta_rule.chunk_backward as chunk_backward
+
+    for name in ("DQKW_BLOCK_K", "WY_BLOCK_K"):
+        monkeypatch.setattr(chunk_backward, name, 16)
+    for name in ("DQKW_BLOCK_V", "WY_BLOCK_V"):
+        monkeypatch.setattr(chunk_backward, name, {dtype: 16 for dtype in getattr(chunk_backward, name)})
+    args = inputs(2, 70, 2, 4, 24, 40)
+    do, dht = torch.randn(2, 70, 4, 40, dtype=torch.float64), torch.randn(2, 4, 24, 40, dtype=torch.float64)
+    _, _, ref = reference_grads(args, do, dht, use_qk_l2norm_in_kernel=True)
+    _, _, got = kernel_grads(args, do, dht, use_qk_l2norm_in_kernel=True)
+    assert_grads(got, ref, TOL[torch.float32])
+
+
 @pytest.mark.parametrize("cu", [[0, 37, 38, 130], [0, 64, 64, 130]])
 def test_kernel_gradients_varlen(cu):
     """Packed sequences of different lengths (one token; one empty: its state gradient passes

@@ -18,27 +18,54 @@ Kernels, per backward call:
    only sequential part, walking the chunks in reverse with dS [K, BV] (fp32) on chip. Per chunk
    two dependent dots (Kd dS, then W^T dN) and two that do not depend on dS (Aqk^T dO, Qg^T dO);
    writes dh[c] = dS1 (the gradient of chunk c's end state) and dN; and d(initial_state).
-4. ``_chunk_bwd_grads_kernel``, one program per (chunk, value head), all chunks in parallel: loads
-   q, k, v, g, beta, h[c], dh[c], N, dN, dO; recomputes G, Gamma, A, T (the forward's inverse),
-   accumulates the products over the value dim in BV-column blocks, and writes dq, dk (per value
-   head, fp32: summed over the value heads sharing a key head afterwards), dv, dg, dbeta.
+4. Every chunk's gradients, all chunks in parallel, in three kernels (the split of
+   flash-linear-attention's chunk_bwd_kernel_dqkwg and prepare_wy_repr_bwd), so that no kernel
+   holds more than a few [BT, BK] and [BT, BT] fp32 tiles:
+   a. ``_chunk_bwd_dqkw_kernel``, one program per (chunk, BK = 64 key columns, value head): loads
+      h[c], dh[c], N, dN, dO BV value columns at a time and accumulates dQg, dKd, dW (-dN S0^T)
+      and dAqk; with G, Gamma and its columns of q and k (l2-normalised over the whole rows) it
+      writes dq (fp32, per value head, complete but for the l2 norm), dk's terms dP^T Q +
+      diag(e^{G_C - G}) dKd (fp32), dW (input dtype: the products of 4b take it so) and its
+      key columns' part of dg (fp32, [NK, T, HV]). dAqk (over all of V) is computed by each of
+      the NK = K / 64 programs of a chunk.
+   b. ``_chunk_bwd_wy_kernel``, one program per (chunk, value head): recomputes K K^T, A and
+      T = (I + A)^-1, then loops over V (dT = dN Vb^T, dv = diag(beta) T^T dN), over K (dT +=
+      dW Kb^T), and over K again after dA (dk += diag(beta e^G) T^T dW + (dB + dB^T) K, added
+      in place to 4a's part; K K^T recomputed there rather than kept); writes dv, dbeta, and
+      dg = 4a's parts + the terms through Kb and A. Only [BT, BT] tiles live across its loops.
+   c. ``_head_sum_l2_bwd_kernel``, one program per (32 tokens, key head): dq and dk summed over
+      the value heads sharing the key head, the l2 norm's backward, cast to the input dtype.
+   Global intermediates between them, per token and value head at K = V = 128 in bf16 (beyond
+   what the single kernel this replaces wrote: dq and dk fp32 per value head, 512 B each): dW
+   256 B written and read twice by 4b (the second read likely from L2), dk's part read and
+   rewritten by 4b (+1,024 B), 2 x 4 B of dg parts written and read; 4b re-reads k and dN
+   (+512 B) and 4a reads dO, N, dN once per key block (+768 B with NK = 2, the second read of
+   adjacent programs likely from L2). About 2 KB a token-head of DRAM traffic beyond the single
+   kernel (1.1 GB at T = 16384, HV = 32); 4c replaces the torch head sum and cast.
 
 Saved by the forward: only its inputs (q, k, v, g, beta, initial_state, cu_seqlens). Recomputed:
 G, U, W, Kd, Aqk and the chunk-start states h[c] and new values N (kernels 1 and 2, the cost of
 the forward minus its output kernel; storing h[c] would hold N_chunks x HV x K x V values from the
-forward to the backward), and T = (I + A)^-1 inside kernel 4 (it is not stored by the forward).
+forward to the backward), and T = (I + A)^-1 inside kernel 4b (it is not stored by the forward).
 
-Not yet run on a GPU. Kernel 4 builds for sm_90 (triton.compile for the target, here without a
-GPU), but holds many [BT, K] and [BT, BT] fp32 tiles at once: at K = V = 128, bf16, 8 warps,
-ptxas reports 255 registers and ~3 KB of spills per thread. If it is slow, split it as
-flash-linear-attention does (a dq/dk/dW/dg kernel over the value blocks, then the WY part).
+Measured (H200, triton 3.6, bf16, q/k [1, 16384, 16, 128], v [1, 16384, 32, 128], l2 norm, initial
+and final state): the single kernel this replaced took 9,807 us (8 warps: 255 registers, 772 B of
+local memory a thread, 216 KiB of shared memory) plus 388 us of torch head sums and casts; 4a
+984 us, 4b 1,195 us, 4c 200 us (two launches), the whole backward 12.49 -> 4.69 ms. At 4 warps
+(the default: 8 warps measured 4a 1,476 us, 4b 2,359 us) 4a has 255 registers and 8 B of local
+memory, 104 KiB shared; 4b 255 registers and 72 B, 72 KiB; 4c 72 registers. The products of
+M = dAqk * Aqk and dA * A with the strictly upper ones (sum_{j < t} M_ij), fp32 FMA dots of about
+100 registers a thread, are scans (``_pairs_across``). fp32 inputs (ieee dots, lowered to FMAs)
+still spill: a test path. flash-linear-attention's kernels for the same work, as profiled at
+this shape: chunk_bwd_kernel_dqkwg 982 us, prepare_wy_repr_bwd 519 us (it reads the forward's T
+rather than inverting again, and its l2 norm backward is a separate kernel).
 
 Numerics as the forward: products take operands in the input dtype (h, dh, N, dN and the
 gradient matrices dP, dB rounded to it) with fp32 accumulation; dS, G, T, dA and all per-token
 reductions stay fp32; fp32 inputs use ieee fp32 dots. The l2 norm of q and k
 (``use_qk_l2norm_in_kernel``) is applied in the kernels (as in the forward) and differentiated
-in kernel 4: for y = x rsqrt(|x|^2 + 1e-6), dx = rsqrt(|x|^2 + 1e-6) (dy - y <y, dy>), applied per
-value head before the head sum (it is linear in dy).
+in kernel 4c: for y = x rsqrt(|x|^2 + 1e-6), dx = rsqrt(|x|^2 + 1e-6) (dy - y <y, dy>), applied
+once to the sum over the value heads sharing a key head (it is linear in dy).
 """
 
 from __future__ import annotations
@@ -54,12 +81,18 @@ from fuselm.ops.gated_delta_rule.chunk import (
 )
 from fuselm.runtime import cdiv, max_shared_memory, next_power_of_2, num_sms
 
-# Value columns per step of the grads kernel's loop over V (it bounds the live tiles). Shared memory
-# of its sm_90 build at K = V = 128 (triton.compile for the target, not run on a GPU): 16-bit
-# inputs with 64 columns 120 KiB; fp32 with 64 columns 336 KiB (over the 227 KiB of an H100), 32
-# columns 208 KiB, 16 columns 144 KiB (fits an A100's 164 KiB too).
-GRADS_BLOCK_V = {torch.float16: 64, torch.bfloat16: 64, torch.float32: 16}
-GRADS_WARPS = 8
+# Kernel 4a/4b geometry: key columns per program (4a) or per step of the loops over K (4b), value
+# columns per step of the loops over V; they bound the live tiles. Shared memory at K = V = 128,
+# 3 stages: 16-bit inputs 4a 104 KiB, 4b 72 KiB (H200 launch); fp32 with 32 value columns 4a
+# 80 KiB, 4b 112 KiB (sm_90 build by triton.compile without a GPU; under an A100's 164 KiB too).
+# Warps: 4 for both (H200, bf16: 4a 984 us vs 1,476 at 8, 4b 1,195 vs 2,359; module docstring).
+DQKW_BLOCK_K = 64
+DQKW_BLOCK_V = {torch.float16: 64, torch.bfloat16: 64, torch.float32: 32}
+DQKW_WARPS = 4
+WY_BLOCK_K = 64
+WY_BLOCK_V = {torch.float16: 64, torch.bfloat16: 64, torch.float32: 32}
+WY_WARPS = 4
+HEAD_SUM_TOKENS = 32
 BWD_SCRATCH_BYTES = 36 * 1024  # shared memory kept out of the backward recurrence's pipeline stages
 
 
@@ -115,14 +148,46 @@ def _load_normalised(ptr, t0, n_rows, stride_t, col0, n_cols, BT: tl.constexpr, 
 
 
 @triton.jit
-def _chunk_bwd_grads_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h_ptr, dh_ptr, new_v_ptr, dn_ptr, do_ptr,
-    dq_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr, chunk_start_ptr, chunk_len_ptr, seq_len, scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, P: tl.constexpr, EQUAL: tl.constexpr,
+def _row_rsqrt(ptr, t0, n_rows, stride_t, col0, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+               L2NORM: tl.constexpr):
+    """[BT] r = rsqrt(sum x^2 + 1e-6) of the q or k rows (K columns, read BC at a time): the l2
+    norm's factor (``_load_keys``); ones without L2NORM."""
+    if L2NORM:
+        ss = tl.zeros([BT], dtype=tl.float32)
+        for c0 in tl.static_range(0, K, BC):
+            x = _load_rows(ptr, t0, n_rows, stride_t, col0 + c0, K - c0, BT, BC).to(tl.float32)
+            ss += tl.sum(x * x, axis=1)
+        return tl.rsqrt(ss + 1e-6)
+    else:
+        return tl.full([BT], 1.0, tl.float32)
+
+
+@triton.jit
+def _pairs_across(M, BT: tl.constexpr):
+    """[BT] s_t = sum_{i >= t > j} M_ij (fp32): column suffix sums C_tj = sum_{i >= t} M_ij by a
+    reverse scan down the rows, then sum_{j < t} C_tj. Only the terms that cross t are added (no
+    subtraction of an inclusive sum), in a scan rather than a product with the strictly upper
+    ones (an fp32 FMA dot: about 100 registers a thread at BT = 64, which spilled)."""
+    rows = tl.arange(0, BT)
+    C = tl.cumsum(M, axis=0, reverse=True)
+    return tl.sum(tl.where(rows[None, :] < rows[:, None], C, 0.0), axis=1)
+
+
+@triton.jit
+def _chunk_bwd_dqkw_kernel(
+    q_ptr, k_ptr, g_ptr, h_ptr, dh_ptr, new_v_ptr, dn_ptr, do_ptr, dq_ptr, dk_ptr, dw_ptr, dgp_ptr,
+    chunk_start_ptr, chunk_len_ptr, seq_len, scale, T_total, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr, L2NORM: tl.constexpr,
+    P: tl.constexpr, EQUAL: tl.constexpr,
 ):
-    """dq, dk (per value head, fp32), dv, dg, dbeta of one chunk and value head (module docstring)."""
-    i_c = tl.program_id(0)
+    """Kernel 4a, one program per (chunk, key block of BK columns) and value head: the products
+    with the states, summed over the value dim in BV-column blocks, and what follows from them
+    without T. Writes for its key columns dW (input dtype), dq (fp32, per value head, before the
+    l2 norm's backward), dk's part dP^T Q + diag(e^{G_C - G}) dKd (fp32), and its part of dg
+    (fp32, [NK, T, HV]: the terms x (through Qg), r, M (through Aqk) and <dS1, S0> of its columns)."""
+    i_ck = tl.program_id(0)
+    i_c = i_ck // NK
+    k0 = (i_ck % NK) * BK
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
     t0, n = _chunk_span(i_c, chunk_start_ptr, chunk_len_ptr, seq_len, BT, EQUAL)
@@ -130,31 +195,11 @@ def _chunk_bwd_grads_kernel(
         dt = k_ptr.dtype.element_ty
         rows = tl.arange(0, BT)
         row_ok = rows < n
-        ck = tl.arange(0, BK)
-        # recompute the chunk's forward terms (fp32): G, Gamma, Q K^T, A and T = (I + A)^-1
-        G = tl.cumsum(_load_vec(g_ptr, t0, n, HV, i_hv, BT), axis=0)
-        G_last = tl.sum(tl.where(rows == n - 1, G, 0.0), axis=0)
-        eG = tl.exp(G)
-        decay_to_end = tl.where(row_ok, tl.exp(G_last - G), 0.0)  # e^{G_C - G}
-        beta = _load_vec(beta_ptr, t0, n, HV, i_hv, BT)
-        q, rq = _load_normalised(q_ptr, t0, n, H * K, i_h * K, K, BT, BK, L2NORM)
-        k, rk = _load_normalised(k_ptr, t0, n, H * K, i_h * K, K, BT, BK, L2NORM)
-        q_dt, k_dt = q.to(dt), k.to(dt)
-        lower = (rows[:, None] >= rows[None, :]) & row_ok[:, None]
-        strict = rows[:, None] > rows[None, :]
-        gamma = tl.exp(tl.where(lower, G[:, None] - G[None, :], float("-inf")))
-        qk = _mm(q_dt, tl.trans(k_dt), P)
-        kk = _mm(k_dt, tl.trans(k_dt), P)
-        A = tl.where(strict, beta[:, None] * kk * gamma, 0.0)
-        T = _invert_unit_lower(A, BT, SUB, P)
-        T_dt = T.to(dt)
-        # products over the value dim, BV columns at a time
+        ck = k0 + tl.arange(0, BK)
         dqg = tl.zeros([BT, BK], dtype=tl.float32)  # dO S0^T
         dkd = tl.zeros([BT, BK], dtype=tl.float32)  # N dS1^T
         dns = tl.zeros([BT, BK], dtype=tl.float32)  # dN S0^T = -dW
         daqk = tl.zeros([BT, BT], dtype=tl.float32)  # dO N^T
-        dT = tl.zeros([BT, BT], dtype=tl.float32)  # dN Vb^T (+ dW Kb^T below)
-        dbeta = tl.zeros([BT], dtype=tl.float32)
         dS_S = tl.zeros([BK], dtype=tl.float32)  # rows of <dS1, S0>
         state_base = (i_c * HV + i_hv).to(tl.int64) * K * V
         for i_v in tl.range(0, tl.cdiv(V, BV)):
@@ -166,53 +211,144 @@ def _chunk_bwd_grads_kernel(
             nv = _load_rows(new_v_ptr, t0, n, HV * V, i_hv * V + v0, V - v0, BT, BV)
             dn = _load_rows(dn_ptr, t0, n, HV * V, i_hv * V + v0, V - v0, BT, BV)
             do = _load_rows(do_ptr, t0, n, HV * V, i_hv * V + v0, V - v0, BT, BV)
-            v = _load_rows(v_ptr, t0, n, HV * V, i_hv * V + v0, V - v0, BT, BV).to(tl.float32)
             dqg += _mm(do, tl.trans(h), P)
             dkd += _mm(nv, tl.trans(dh), P)
             dns += _mm(dn, tl.trans(h), P)
             daqk += _mm(do, tl.trans(nv), P)
             dS_S += tl.sum(dh.to(tl.float32) * h.to(tl.float32), axis=1)
+        # dW = -dN S0^T, rounded to the input dtype as kernel 4b's products take it
+        _store_block(dw_ptr, -dns, t0, n, HV * K, i_hv * K + k0, K - k0, BK, BT)
+        # the chunk's forward terms (fp32): G, Gamma; through Aqk = lower(Q K^T * Gamma) scale
+        G = tl.cumsum(_load_vec(g_ptr, t0, n, HV, i_hv, BT), axis=0)
+        G_last = tl.sum(tl.where(rows == n - 1, G, 0.0), axis=0)
+        eG = tl.exp(G)
+        decay_to_end = tl.where(row_ok, tl.exp(G_last - G), 0.0)  # e^{G_C - G}
+        lower = (rows[:, None] >= rows[None, :]) & row_ok[:, None]
+        gamma = tl.exp(tl.where(lower, G[:, None] - G[None, :], float("-inf")))
+        dPf = tl.where(lower, daqk, 0.0) * gamma * scale  # d(Q K^T) = lower(dAqk) * Gamma scale
+        dP = dPf.to(dt)
+        # this program's key columns of Q and K (l2-normalised over the whole rows)
+        rq = _row_rsqrt(q_ptr, t0, n, H * K, i_h * K, K, BT, BK, L2NORM)
+        rk = _row_rsqrt(k_ptr, t0, n, H * K, i_h * K, K, BT, BK, L2NORM)
+        q = _load_rows(q_ptr, t0, n, H * K, i_h * K + k0, K - k0, BT, BK).to(tl.float32) * rq[:, None]
+        k = _load_rows(k_ptr, t0, n, H * K, i_h * K + k0, K - k0, BT, BK).to(tl.float32) * rk[:, None]
+        q_dt, k_dt = q.to(dt), k.to(dt)
+        # dg's terms of these columns (the rest in kernel 4b; the form of the module docstring):
+        #   sum_{i >= t} x_i + e^{G_C} <dS1, S0> + sum_{i < t} r_i + sum_{i >= t > j} M_ij
+        x = tl.sum(dqg * q, axis=1) * eG * scale  # Qg carries e^{G_i}
+        dq = dqg * (eG * scale)[:, None] + _mm(dP, k_dt, P)
+        _store_block(dq_ptr, dq, t0, n, HV * K, i_hv * K + k0, K - k0, BK, BT)
+        r = tl.sum(dkd * k * decay_to_end[:, None], axis=1)  # Kd = K e^{G_C - G}
+        dk = _mm(tl.trans(dP), q_dt, P) + dkd * decay_to_end[:, None]
+        _store_block(dk_ptr, dk, t0, n, HV * K, i_hv * K + k0, K - k0, BK, BT)
+        M = dPf * _mm(q_dt, tl.trans(k_dt), P)  # dAqk * Aqk: Gamma_ij = e^{G_i - G_j}
+        at_or_after = rows[:, None] >= rows[None, :]  # [i, t]: i >= t
+        dg = (tl.sum(tl.where(at_or_after, x[:, None], 0.0), axis=0)
+              + tl.sum(tl.where(at_or_after, 0.0, r[:, None]), axis=0)
+              + _pairs_across(M, BT)
+              + tl.exp(G_last) * tl.sum(dS_S, axis=0))
+        tl.store(dgp_ptr + ((i_ck % NK) * T_total + t0 + rows) * HV + i_hv, dg, mask=row_ok)
+
+
+@triton.jit
+def _chunk_bwd_wy_kernel(
+    k_ptr, v_ptr, g_ptr, beta_ptr, dn_ptr, dw_ptr, dk_ptr, dv_ptr, dgp_ptr, dg_ptr, dbeta_ptr,
+    chunk_start_ptr, chunk_len_ptr, seq_len, T_total, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    V: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NKP: tl.constexpr,
+    L2NORM: tl.constexpr, P: tl.constexpr, EQUAL: tl.constexpr,
+):
+    """Kernel 4b, one program per (chunk, value head): through U = T Vb, W = T Kb and
+    T = (I + A)^-1 (the WY part), from dN and kernel 4a's dW. Only [BT, BT] tiles live across
+    its loops (over V, then twice over K, BK columns at a time). Writes dv and dbeta, adds its
+    part of dk (fp32, per value head) to kernel 4a's, and sums dg (4a's NKP parts and its own)."""
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    t0, n = _chunk_span(i_c, chunk_start_ptr, chunk_len_ptr, seq_len, BT, EQUAL)
+    if n > 0:
+        dt = k_ptr.dtype.element_ty
+        rows = tl.arange(0, BT)
+        row_ok = rows < n
+        # recompute the chunk's forward terms (fp32): G, Gamma, K K^T, A and T = (I + A)^-1
+        G = tl.cumsum(_load_vec(g_ptr, t0, n, HV, i_hv, BT), axis=0)
+        eG = tl.exp(G)
+        beta = _load_vec(beta_ptr, t0, n, HV, i_hv, BT)
+        bg = beta * eG
+        rk = _row_rsqrt(k_ptr, t0, n, H * K, i_h * K, K, BT, BK, L2NORM)
+        strict = rows[:, None] > rows[None, :]
+        kk = tl.zeros([BT, BT], dtype=tl.float32)
+        for c0 in tl.range(0, K, BK):
+            k_dt = (_load_rows(k_ptr, t0, n, H * K, i_h * K + c0, K - c0, BT, BK).to(tl.float32) * rk[:, None]).to(dt)
+            kk += _mm(k_dt, tl.trans(k_dt), P)
+        lower = (rows[:, None] >= rows[None, :]) & row_ok[:, None]
+        gamma = tl.exp(tl.where(lower, G[:, None] - G[None, :], float("-inf")))
+        T = _invert_unit_lower(tl.where(strict, beta[:, None] * kk * gamma, 0.0), BT, SUB, P)
+        T_dt = T.to(dt)
+        # through U = T Vb, Vb = diag(beta) V, BV value columns at a time
+        dT = tl.zeros([BT, BT], dtype=tl.float32)  # dN Vb^T (+ dW Kb^T below)
+        dbeta = tl.zeros([BT], dtype=tl.float32)
+        for i_v in tl.range(0, tl.cdiv(V, BV)):
+            v0 = i_v * BV
+            dn = _load_rows(dn_ptr, t0, n, HV * V, i_hv * V + v0, V - v0, BT, BV)
+            v = _load_rows(v_ptr, t0, n, HV * V, i_hv * V + v0, V - v0, BT, BV).to(tl.float32)
             dT += _mm(dn, tl.trans((v * beta[:, None]).to(dt)), P)
             dvb = _mm(tl.trans(T_dt), dn, P)  # dVb = T^T dU, dU = dN
             _store_block(dv_ptr, dvb * beta[:, None], t0, n, HV * V, i_hv * V + v0, V - v0, BV, BT)
             dbeta += tl.sum(dvb * v, axis=1)
-        # through W = T Kb, Kb = diag(beta e^G) K, and T = (I + A)^-1
-        kb = k * (beta * eG)[:, None]
-        dw = (-dns).to(dt)
-        dT += _mm(dw, tl.trans(kb.to(dt)), P)
-        dkb = _mm(tl.trans(T_dt), dw, P)
+        # through W = T Kb, Kb = diag(beta e^G) K: dT += dW Kb^T
+        for c0 in tl.range(0, K, BK):
+            dw = _load_rows(dw_ptr, t0, n, HV * K, i_hv * K + c0, K - c0, BT, BK)
+            k = _load_rows(k_ptr, t0, n, H * K, i_h * K + c0, K - c0, BT, BK).to(tl.float32) * rk[:, None]
+            dT += _mm(dw, tl.trans((k * bg[:, None]).to(dt)), P)  # Kb
+        # through T = (I + A)^-1 and A = strictly_lower(diag(beta) (K K^T * Gamma))
         dA = tl.where(strict, -_mm(_mm(tl.trans(T), dT, P), tl.trans(T), P), 0.0)
-        # through Aqk = lower(Q K^T * Gamma) scale and A = strictly_lower(diag(beta) (K K^T * Gamma))
-        daqk = tl.where(lower, daqk, 0.0)
-        dP = (daqk * gamma * scale).to(dt)  # d(Q K^T)
-        dB = dA * beta[:, None] * gamma  # d(K K^T), strictly lower
+        gamma_s = tl.exp(tl.where(strict, G[:, None] + (-G)[None, :], float("-inf")))  # Gamma, strictly lower
+        dB = dA * beta[:, None] * gamma_s  # d(K K^T), strictly lower
         dBB = (dB + tl.trans(dB)).to(dt)
-        dq = dqg * (eG * scale)[:, None] + _mm(dP, k_dt, P)
-        dk = (_mm(tl.trans(dP), q_dt, P) + dkd * decay_to_end[:, None] + dkb * (beta * eG)[:, None]
-              + _mm(dBB, k_dt, P))
-        dbeta += eG * tl.sum(dkb * k, axis=1) + tl.sum(dA * kk * gamma, axis=1)
-        # dg_t = sum_{i >= t} dG_i (G = cumsum(g)), summed where each term's decay crosses t
-        # (chunk_backward_naive.py: a plain reverse cumsum of dG cancels O(1) terms down to a
-        # tiny dg under strong decay, 2.6e-3 relative in fp32 at g ~ -10):
-        #   dg_t = sum_{i >= t} x_i + e^{G_C} <dS1, S0> + sum_{i < t} r_i + sum_{i >= t > j} M_ij
-        x = tl.sum(dqg * q, axis=1) * eG * scale + tl.sum(dkb * kb, axis=1)  # Qg, Kb carry e^{G_i}
-        r = tl.sum(dkd * k * decay_to_end[:, None], axis=1)  # Kd = K e^{G_C - G}
-        M = daqk * (qk * gamma * scale) + dA * A  # Aqk and A carry Gamma_ij = e^{G_i - G_j}
+        x = tl.zeros([BT], dtype=tl.float32)  # rows of dKb * Kb
+        kk = tl.zeros([BT, BT], dtype=tl.float32)  # K K^T again (not kept through the loops above)
+        for c0 in tl.range(0, K, BK):
+            dw = _load_rows(dw_ptr, t0, n, HV * K, i_hv * K + c0, K - c0, BT, BK)
+            k = _load_rows(k_ptr, t0, n, H * K, i_h * K + c0, K - c0, BT, BK).to(tl.float32) * rk[:, None]
+            k_dt = k.to(dt)
+            dkb = _mm(tl.trans(T_dt), dw, P)  # dKb = T^T dW
+            dk = (_load_rows(dk_ptr, t0, n, HV * K, i_hv * K + c0, K - c0, BT, BK) + dkb * bg[:, None]
+                  + _mm(dBB, k_dt, P))
+            _store_block(dk_ptr, dk, t0, n, HV * K, i_hv * K + c0, K - c0, BK, BT)
+            dbeta += eG * tl.sum(dkb * k, axis=1)
+            x += tl.sum(dkb * (k * bg[:, None]), axis=1)
+            kk += _mm(k_dt, tl.trans(k_dt), P)
+        dbeta += tl.sum(dA * kk * gamma_s, axis=1)
+        # dg: kernel 4a's parts, then the terms through Kb (x: e^{G_i}, every i >= t) and
+        # A (M = dA * A: Gamma_ij, every i >= t > j)
+        M = dA * (beta[:, None] * kk * gamma_s)
         at_or_after = rows[:, None] >= rows[None, :]  # [i, t]: i >= t
-        # sum_{j < t} M_ij for every (i, t) as one product with the strictly upper ones; ieee also
-        # for 16-bit inputs (tf32 would round M's entries to 10 bits)
-        m_before = tl.dot(M, tl.where(at_or_after, 0.0, 1.0), input_precision="ieee")
-        dg = (tl.sum(tl.where(at_or_after, x[:, None], 0.0), axis=0)
-              + tl.sum(tl.where(at_or_after, 0.0, r[:, None]), axis=0)
-              + tl.sum(tl.where(at_or_after, m_before, 0.0), axis=0)
-              + tl.exp(G_last) * tl.sum(dS_S, axis=0))
-        if L2NORM:  # y = x r: dx = r (dy - y <y, dy>)
-            dq = rq[:, None] * (dq - q * tl.sum(q * dq, axis=1)[:, None])
-            dk = rk[:, None] * (dk - k * tl.sum(k * dk, axis=1)[:, None])
-        _store_block(dq_ptr, dq, t0, n, HV * K, i_hv * K, K, BK, BT)
-        _store_block(dk_ptr, dk, t0, n, HV * K, i_hv * K, K, BK, BT)
+        dg = tl.sum(tl.where(at_or_after, x[:, None], 0.0), axis=0) + _pairs_across(M, BT)
+        for i_k in tl.static_range(0, NKP):
+            dg += tl.load(dgp_ptr + (i_k * T_total + t0 + rows) * HV + i_hv, mask=row_ok, other=0.0)
         tl.store(dg_ptr + (t0 + rows) * HV + i_hv, dg, mask=row_ok)  # (rows >= n are not stored)
         tl.store(dbeta_ptr + (t0 + rows) * HV + i_hv, dbeta, mask=row_ok)
+
+
+@triton.jit
+def _head_sum_l2_bwd_kernel(
+    x_ptr, dy_ptr, dx_ptr, T_total, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, L2NORM: tl.constexpr,
+):
+    """Kernel 4c, one program per (BT tokens, key head): dy summed over the value heads that read
+    the key head (fp32), then, when L2NORM, the norm's backward dx = r (dy - y <y, dy>) for
+    y = x r, r = rsqrt(|x|^2 + 1e-6) (it is linear in dy, so once after the sum); stored in dx's
+    dtype. x: q or k [T, H, K]; dy [T, HV, K] fp32."""
+    t0 = tl.program_id(0) * BT
+    i_h = tl.program_id(1)
+    n = tl.minimum(T_total - t0, BT)
+    dy = tl.zeros([BT, BK], dtype=tl.float32)
+    for j in tl.static_range(0, HV // H):
+        dy += _load_rows(dy_ptr, t0, n, HV * K, (i_h * (HV // H) + j) * K, K, BT, BK)
+    if L2NORM:
+        y, r = _load_normalised(x_ptr, t0, n, H * K, i_h * K, K, BT, BK, L2NORM)
+        dy = r[:, None] * (dy - y * tl.sum(y * dy, axis=1)[:, None])
+    _store_block(dx_ptr, dy, t0, n, H * K, i_h * K, K, BK, BT)
 
 
 def bwd_recurrence_stages(stages: int, BK: int, BV: int, dtype: torch.dtype, shared_memory: int) -> int:
@@ -279,18 +415,31 @@ def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, scale, initial_sta
         HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, P=precision, EQUAL=equal,
         num_warps=RECURRENCE_WARPS, num_stages=bwd_recurrence_stages(stages, BK, block_v, dt, max_shared_memory(device)),
     )
-    # 4: every chunk's gradients in parallel
+    # 4: every chunk's gradients in parallel, (a) the products with the states and what needs no
+    # T, (b) the WY part; (c) dq, dk summed over the value heads sharing a key head (and the l2
+    # norm's backward)
+    BKA = min(DQKW_BLOCK_K, BK)
+    NK = cdiv(K, BKA)
     dq, dk = (torch.empty(T, HV, K, dtype=torch.float32, device=device) for _ in range(2))
+    dw = torch.empty(T, HV, K, dtype=dt, device=device)
+    dgp = torch.empty(NK, T, HV, dtype=torch.float32, device=device)
+    _chunk_bwd_dqkw_kernel[(slots * NK, HV)](
+        q, k, g, h, dh, new_v, dn, do, dq, dk, dw, dgp, start, length, seq_len, float(scale), T,
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BKA, BV=min(DQKW_BLOCK_V[dt], BV_full), NK=NK, L2NORM=l2, P=precision,
+        EQUAL=equal, num_warps=DQKW_WARPS,
+    )
     dv = torch.empty(T, HV, V, dtype=v.dtype, device=device)
     dg, dbeta = (torch.empty(T, HV, dtype=torch.float32, device=device) for _ in range(2))
-    _chunk_bwd_grads_kernel[(slots, HV)](
-        q, k, v, g, beta, h, dh, new_v, dn, do, dq, dk, dv, dg, dbeta, start, length, seq_len, float(scale),
-        H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=BK, BV=min(GRADS_BLOCK_V[dt], BV_full), L2NORM=l2, P=precision,
-        EQUAL=equal, num_warps=GRADS_WARPS,
+    _chunk_bwd_wy_kernel[(slots, HV)](
+        k, v, g, beta, dn, dw, dk, dv, dgp, dg, dbeta, start, length, seq_len, T,
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=min(WY_BLOCK_K, BK), BV=min(WY_BLOCK_V[dt], BV_full), NKP=NK,
+        L2NORM=l2, P=precision, EQUAL=equal, num_warps=WY_WARPS,
     )
-    # value heads sharing a key head: their dq, dk add up
-    dq = dq.view(1, T, H, HV // H, K).sum(3).to(q.dtype)
-    dk = dk.view(1, T, H, HV // H, K).sum(3).to(k.dtype)
+    dq_out, dk_out = torch.empty_like(q), torch.empty_like(k)
+    for x, dx_h, dx in ((q, dq, dq_out), (k, dk, dk_out)):
+        _head_sum_l2_bwd_kernel[(cdiv(T, HEAD_SUM_TOKENS), H)](
+            x, dx_h, dx, T, H=H, HV=HV, K=K, BT=HEAD_SUM_TOKENS, BK=BK, L2NORM=l2, num_warps=4)
+    dq, dk = dq_out, dk_out
     return dq, dk, dv.view(v.shape), dg.view(g.shape).to(g.dtype), dbeta.view(beta.shape).to(beta.dtype), dh0
 
 
