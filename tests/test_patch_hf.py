@@ -456,3 +456,30 @@ def test_hf_trainer_trains_a_patched_model_as_the_unpatched_one(tmp_path):
         assert abs(got - want) <= 1e-4 * abs(want) + 1e-4, (losses, ref_losses)
     for name, want in ref_params.items():
         assert rel(params[name].detach(), want.detach()) <= GRAD_RTOL, name
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_gdn_conv_runs_short_conv_silu_and_matches_hf(family, monkeypatch):
+    """Each Gated DeltaNet layer's conv1d + SiLU goes through one short_conv_silu call (counted),
+    gradients included; packed sequences (cu_seq_lens_q) keep HF's conv."""
+    import fuselm.ops.causal_conv1d as conv_ops
+
+    calls = []
+    fused = conv_ops.short_conv_silu
+    monkeypatch.setattr(conv_ops, "short_conv_silu", lambda *args: calls.append(1) or fused(*args))
+    ref = build(family)
+    model = patch_hf(copy.deepcopy(ref))
+    ids, labels = batch()
+    loss, ref_loss = model(input_ids=ids, labels=labels).loss, ref(input_ids=ids, labels=labels).loss
+    loss.backward()
+    ref_loss.backward()
+    assert len(calls) == EXPECTED_PARTS[family]["gated_delta_net"] and rel(loss, ref_loss) <= LOSS_RTOL
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if "conv1d" in name:
+            assert rel(p.grad, q.grad) <= 1e-3, name
+    layer = next(m for m in model.modules() if hasattr(m, "conv1d"))
+    calls.clear()
+    with torch.no_grad():
+        hidden = torch.randn(1, 9, layer.in_proj_qkv.in_features)
+        layer(hidden, cu_seq_lens_q=torch.tensor([0, 4, 9], dtype=torch.int32))
+    assert not calls

@@ -28,7 +28,7 @@ Per part (each a keyword of :func:`patch_hf`, True by default; False leaves that
   gate/up GEMM too but read a [2F, D] interleaved weight: HF's separate gate/up parameters would
   have to be copied every call, or the parameters replaced, which would change the ``state_dict``.)
 - ``gated_delta_net`` (Qwen3.5, Qwen3.5-MoE): the Gated DeltaNet layer's forward follows HF's line
-  by line (projections, HF's causal conv1d, gates, HF's gated RMSNorm, out_proj) with the chunked
+  by line (projections, the causal conv1d, gates, HF's gated RMSNorm, out_proj) with the chunked
   recurrence, HF's ``torch_chunk_gated_delta_rule`` (fla's kernel when fla-core is installed),
   replaced by :func:`fuselm.ops.gated_delta_rule.chunk_gated_delta_rule` with
   ``use_qk_l2norm_in_kernel=True`` as HF calls it (forward and backward kernels). q and k are
@@ -39,9 +39,12 @@ Per part (each a keyword of :func:`patch_hf`, True by default; False leaves that
   this layer's state (generation's decode steps, a continued prefill) runs HF's own forward.
   Packed sequences (``cu_seq_lens_q`` from a flattening collator) go to the kernel as
   ``cu_seqlens``, as HF passes them to fla's kernel (HF's torch fallback drops them and runs the
-  pack as one sequence); the conv1d stays HF's (its torch version does not stop at the sequence
-  boundaries either way). ``Qwen3_5RMSNormGated`` stays HF's (fuselm has no gated-norm op with
-  a backward).
+  pack as one sequence). The conv1d + SiLU of whole sequences is
+  :func:`fuselm.ops.causal_conv1d.short_conv_silu` (forward and backward kernels on the [B, T, C]
+  projection, no transposes; HF's two roundings in the forward, an fp32 backward; an empty cache
+  gets its conv state from HF's ``update_conv_state``); for packed sequences (HF's torch conv
+  does not stop at their boundaries either) or a conv bias it stays HF's. ``Qwen3_5RMSNormGated`` stays HF's (fuselm has no gated-norm op with a
+  backward).
 - ``add_rms_norm``: each decoder layer's forward is HF's, line by line, except that the residual
   add after the token mixer and the post-attention norm run as one :func:`fuselm.add_rms_norm`
   (forward and backward kernels: the sum rounded to the dtype, then normalised, HF's roundings);
@@ -65,7 +68,7 @@ Per part (each a keyword of :func:`patch_hf`, True by default; False leaves that
 
 What stays HF's everywhere: attention (HF's SDPA / flash attention), rotary embeddings, the
 embeddings, the MoE router and routed experts (``Qwen3_5MoeExperts``: fuselm's grouped-GEMM MoE
-has no backward), the GDN conv1d and gated norm, the vision tower, the residual add after each
+has no backward), the GDN gated norm (and its conv1d for packed sequences), the vision tower, the residual add after each
 MLP. Patching is per instance and idempotent (a patched module carries ``_fuselm_patch``;
 patching again skips it); a deep copy of a patched model is patched (its forwards are bound
 methods, rebound by ``copy.deepcopy``). With PEFT, patch the base
@@ -216,25 +219,36 @@ def _gated_delta_net_forward(self, hidden_states, cache_params=None, attention_m
 def _gdn_fuselm_forward_body(self, hidden_states, cache_params, attention_mask, **kwargs):
     """HF's ``Qwen3_5GatedDeltaNet.forward`` (transformers 5.17) for a prefill from the zero state,
     with fuselm's chunked gated delta rule as the core."""
+    from fuselm.ops.causal_conv1d import short_conv_silu
     from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule
 
     hf = sys.modules[type(self).__module__]  # HF's helpers, as the class's own forward calls them
     hidden_states = hf.apply_mask_to_padding_states(hidden_states, attention_mask)
     batch_size, seq_len, _ = hidden_states.shape
 
-    mixed_qkv = self.in_proj_qkv(hidden_states).transpose(1, 2)
+    mixed_qkv = self.in_proj_qkv(hidden_states)  # [B, T, conv_dim]
     z = self.in_proj_z(hidden_states).reshape(batch_size, seq_len, -1, self.head_v_dim)
     b = self.in_proj_b(hidden_states)
     a = self.in_proj_a(hidden_states)
 
-    if cache_params is not None:
-        mixed_qkv = cache_params.update_conv_state(mixed_qkv, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
-    mixed_qkv = hf.causal_conv1d_fn(mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
-                                    activation=self.activation, **kwargs)
-    if cache_params is not None:
-        mixed_qkv = mixed_qkv[:, :, -seq_len:]  # drop the (zero) previous states
-
-    mixed_qkv = mixed_qkv.transpose(1, 2)
+    if kwargs.get("cu_seq_lens_q") is None and self.conv1d.bias is None and self.activation in ("silu", "swish"):
+        # whole sequences from zero history (a cache here is empty for this layer: the dispatcher
+        # sends the others to HF's forward): the conv + SiLU on [B, T, C], no transposes; the
+        # cache keeps the last inputs as HF's update_conv_state keeps them (its return unused)
+        if cache_params is not None:
+            cache_params.update_conv_state(mixed_qkv.transpose(1, 2), self.layer_idx,
+                                           conv_kernel_size=self.conv_kernel_size)
+        mixed_qkv = short_conv_silu(mixed_qkv, self.conv1d.weight)
+    else:  # packed sequences or a conv bias: HF's conv
+        mixed_qkv = mixed_qkv.transpose(1, 2)
+        if cache_params is not None:
+            mixed_qkv = cache_params.update_conv_state(mixed_qkv, self.layer_idx,
+                                                       conv_kernel_size=self.conv_kernel_size)
+        mixed_qkv = hf.causal_conv1d_fn(mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                                        activation=self.activation, **kwargs)
+        if cache_params is not None:
+            mixed_qkv = mixed_qkv[:, :, -seq_len:]  # drop the (zero) previous states
+        mixed_qkv = mixed_qkv.transpose(1, 2)
     query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     query = query.reshape(batch_size, seq_len, -1, self.head_k_dim)
     key = key.reshape(batch_size, seq_len, -1, self.head_k_dim)

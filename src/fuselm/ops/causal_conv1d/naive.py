@@ -1,5 +1,5 @@
-"""Plain-PyTorch reference for ``causal_conv1d_silu``: the Gated DeltaNet short convolution of a
-prefill chunk as HF's ``causal_conv1d_fn`` computes it (``F.conv1d`` in the weight dtype over the
+"""Plain-PyTorch references for ``causal_conv1d_silu`` and ``short_conv_silu``: the Gated DeltaNet
+short convolution of a prefill chunk as HF's ``causal_conv1d_fn`` computes it (``F.conv1d`` in the weight dtype over the
 chunk after its history, SiLU, the model dtype), and the conv state it leaves.
 
 Shapes: x [B, T, C] (row b's real tokens first, ``lengths[b]`` of them), weight [C, K]; the state
@@ -37,3 +37,10 @@ def causal_conv1d_silu_ref(x: torch.Tensor, weight: torch.Tensor, conv_state: to
     state = torch.empty_like(inputs).scatter_(2, circular[:, None, :].expand(B, C, -1), inputs)
     conv_state.index_copy_(0, slots, state)
     return out
+
+
+def short_conv_silu_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The same in PyTorch (HF's path: conv1d in x's dtype over [B, C, T], SiLU): [B, T, C]."""
+    C, K = weight.shape
+    conv = F.conv1d(x.transpose(1, 2), weight.reshape(C, 1, K), padding=K - 1, groups=C)[..., : x.shape[1]]
+    return F.silu(conv).transpose(1, 2)
