@@ -115,8 +115,8 @@ def build(family: str, seed: int = 0):
 
 # Modules each part patches in the tiny models (cross_entropy: the model and its lm_head).
 EXPECTED_PARTS = {
-    "qwen3_5": {"rms_norm": 4 * 2 + 1 + 2, "swiglu": 4, "gated_delta_net": 3, "cross_entropy": 2, "add_rms_norm": 4},
-    "qwen3_5_moe": {"rms_norm": 2 * 2 + 1 + 2, "swiglu": 2, "gated_delta_net": 1, "cross_entropy": 2, "add_rms_norm": 2},
+    "qwen3_5": {"rms_norm": 4 * 2 + 1 + 2 + 3, "swiglu": 4, "gated_delta_net": 3, "cross_entropy": 2, "add_rms_norm": 4},
+    "qwen3_5_moe": {"rms_norm": 2 * 2 + 1 + 2 + 1, "swiglu": 2, "gated_delta_net": 1, "cross_entropy": 2, "add_rms_norm": 2},
     "qwen3": {"rms_norm": 2 * 4 + 1, "swiglu": 2, "cross_entropy": 2, "add_rms_norm": 2},
     "llama": {"rms_norm": 2 * 2 + 1, "swiglu": 2, "cross_entropy": 2, "add_rms_norm": 2},
 }
@@ -308,7 +308,7 @@ def qwen35():
     return build("qwen3_5")
 
 
-PART_CLASSES = {"rms_norm": ("Qwen3_5RMSNorm",), "swiglu": ("Qwen3_5MLP",),
+PART_CLASSES = {"rms_norm": ("Qwen3_5RMSNorm", "Qwen3_5RMSNormGated"), "swiglu": ("Qwen3_5MLP",),
                 "gated_delta_net": ("Qwen3_5GatedDeltaNet",), "cross_entropy": ("Qwen3_5ForCausalLM", "Linear")}
 
 
@@ -320,7 +320,7 @@ def test_each_option_off_leaves_its_part_hf(qwen35, off):
     for module in model.modules():
         if type(module).__name__ in PART_CLASSES[off] and (off != "cross_entropy" or module in (model, model.lm_head)):
             assert "forward" not in module.__dict__ and not hasattr(module, "_fuselm_patch")
-    for name in ("Qwen3_5RMSNormGated", "Qwen3_5Attention", "Qwen3_5TextRotaryEmbedding", "Embedding"):
+    for name in ("Qwen3_5Attention", "Qwen3_5TextRotaryEmbedding", "Embedding"):
         assert all("forward" not in m.__dict__ for m in model.modules() if type(m).__name__ == name)
     patch_hf(model)  # the part switched on later
     assert patched_parts(model) == EXPECTED_PARTS["qwen3_5"]

@@ -18,7 +18,10 @@ Per part (each a keyword of :func:`patch_hf`, True by default; False leaves that
   Llama's and Qwen3's are ``w * x_normed.to(dtype)``: ``offset=0``, the normalised row rounded to
   the input dtype first, as HF. Where HF's output dtype would differ from the input's (a Llama
   norm with an fp32 weight on bf16 activations: HF promotes to fp32) or the dtype is not a kernel
-  dtype (fp64), the call runs HF's own forward.
+  dtype (fp64), the call runs HF's own forward. Qwen3.5's gated norm after each Gated DeltaNet
+  (``RMSNormGated``: ``w * norm(x).to(dtype) * silu(gate)``) calls
+  :func:`fuselm.ops.gated_rms_norm.gated_rms_norm`: HF's roundings forward, an fp32 backward,
+  x and gate kept for the backward where HF's eager steps keep five tensors, three of them fp32.
 - ``swiglu``: the gated MLP ``down(act(gate(x)) * up(x))`` keeps its three ``nn.Linear``
   projections (cuBLAS GEMMs, gradients straight to the original weights, LoRA/hooks still apply)
   and replaces ``act(gate) * up`` by :func:`fuselm.silu_mul`: one kernel forward and one backward,
@@ -43,8 +46,7 @@ Per part (each a keyword of :func:`patch_hf`, True by default; False leaves that
   :func:`fuselm.ops.causal_conv1d.short_conv_silu` (forward and backward kernels on the [B, T, C]
   projection, no transposes; HF's two roundings in the forward, an fp32 backward; an empty cache
   gets its conv state from HF's ``update_conv_state``); for packed sequences (HF's torch conv
-  does not stop at their boundaries either) or a conv bias it stays HF's. ``Qwen3_5RMSNormGated`` stays HF's (fuselm has no gated-norm op with a
-  backward).
+  does not stop at their boundaries either) or a conv bias it stays HF's.
 - ``add_rms_norm``: each decoder layer's forward is HF's, line by line, except that the residual
   add after the token mixer and the post-attention norm run as one :func:`fuselm.add_rms_norm`
   (forward and backward kernels: the sum rounded to the dtype, then normalised, HF's roundings);
@@ -68,7 +70,7 @@ Per part (each a keyword of :func:`patch_hf`, True by default; False leaves that
 
 What stays HF's everywhere: attention (HF's SDPA / flash attention), rotary embeddings, the
 embeddings, the MoE router and routed experts (``Qwen3_5MoeExperts``: fuselm's grouped-GEMM MoE
-has no backward), the GDN gated norm (and its conv1d for packed sequences), the vision tower, the residual add after each
+has no backward), the GDN conv1d for packed sequences, the vision tower, the residual add after each
 MLP. Patching is per instance and idempotent (a patched module carries ``_fuselm_patch``;
 patching again skips it); a deep copy of a patched model is patched (its forwards are bound
 methods, rebound by ``copy.deepcopy``). With PEFT, patch the base
@@ -185,6 +187,17 @@ def _rms_norm_forward(self, x):
 
 
 # ----------------------------------------------------------------------------- swiglu
+def _gated_rms_norm_forward(self, hidden_states, gate):
+    """Qwen3.5's ``RMSNormGated`` (after the GDN recurrence): ``w * norm(x).to(dtype) * silu(gate)``
+    = :func:`fuselm.ops.gated_rms_norm.gated_rms_norm`, HF's roundings forward, an fp32 backward."""
+    if not _kernel_dtype(hidden_states, gate, self.weight) or gate.dtype != hidden_states.dtype \
+            or gate.shape != hidden_states.shape:
+        return getattr(self, _ORIGINAL)(hidden_states, gate)
+    from fuselm.ops.gated_rms_norm import gated_rms_norm
+
+    return gated_rms_norm(hidden_states, gate, self.weight, self.variance_epsilon)
+
+
 def _is_silu(act) -> bool:
     from transformers.activations import SiLUActivation
 
@@ -484,9 +497,13 @@ def _patch_family(family: str, model: nn.Module, rms_norm: bool, swiglu: bool, g
                 if missing:
                     raise ValueError(f"fuselm.patch_hf: this transformers' {gdn_name} lacks {missing} (written for "
                                      "transformers 5.17); pass gated_delta_net=False")
+    gated_norm_class = getattr(modeling, norm_name + "Gated", None)  # the GDN layers' gated norm
     for module in text.modules():
         if rms_norm and isinstance(module, norm_class):
             _patch(module, "rms_norm", _zero_centered_rms_norm_forward if zero_centered else _rms_norm_forward)
+        elif rms_norm and gated_norm_class is not None and isinstance(module, gated_norm_class) \
+                and getattr(module, "activation", None) in ("silu", "swish"):
+            _patch(module, "rms_norm", _gated_rms_norm_forward)
         elif swiglu and isinstance(module, mlp_class) and _is_silu(module.act_fn):
             _patch(module, "swiglu", _swiglu_mlp_forward)
         elif gated_delta_net and gdn_class is not None and isinstance(module, gdn_class):
