@@ -17,7 +17,7 @@ stages=" ${*:-tests bench} "
 status=0
 if want tests; then
   timeout 400 python3 -m pytest -v -rs -p no:cacheprovider --durations=10 --large ${TEST_K:+-k "$TEST_K"} tests/test_gated_delta_rule_backward.py \
-    tests/test_linear_cross_entropy.py tests/test_patch_hf.py > "$OUT/train_tests.log" 2>&1 || status=1
+    tests/test_linear_cross_entropy.py tests/test_patch_hf.py tests/test_short_conv_silu.py tests/test_gated_rms_norm.py > "$OUT/train_tests.log" 2>&1 || status=1
   tail -4 "$OUT/train_tests.log"
 fi
 if want bench; then
