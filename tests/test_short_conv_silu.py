@@ -82,3 +82,22 @@ def test_empty():
     x = randn(2, 0, 8).requires_grad_(True)
     y = short_conv_silu(x, randn(8, 4))
     assert y.shape == (2, 0, 8) and y.device.type == DEVICE.split(":")[0]
+
+
+def test_compile_fullgraph_and_opcheck():
+    from conftest import ON_GPU
+
+    x, weight = randn(2, 19, 48), randn(48, 4, scale=0.5)
+    torch.library.opcheck(torch.ops.fuselm.short_conv_silu, (x.clone().requires_grad_(True), weight))
+
+    def f(x, weight):
+        return short_conv_silu(x, weight).square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    a = [t.clone().requires_grad_(True) for t in (x, weight)]
+    b = [t.clone().requires_grad_(True) for t in (x, weight)]
+    torch.testing.assert_close(compiled(*a), f(*b))
+    compiled(*a).backward()
+    f(*b).backward()
+    for u, v in zip(a, b):
+        torch.testing.assert_close(u.grad, v.grad)

@@ -15,6 +15,8 @@ Backward, from dy (two kernels):
 Kernels: ``_forward_kernel`` grid (B, T / BLOCK_T, C / BLOCK_C); ``_dconv_kernel`` (same grid)
 writes dconv in fp32 and each program's dw partial [K, BLOCK_C]; ``_dx_kernel`` (same grid) reads
 dconv at the K later positions. Saved for the backward: x and the weight only (conv recomputed).
+Eager calls go through an ``autograd.Function``, calls under ``torch.compile`` through the
+``fuselm::short_conv_silu`` custom op (its backward ``fuselm::short_conv_silu_backward``).
 
 Numerics: the K products summed in fp32 and rounded to x's dtype (the conv's output), SiLU in fp32
 and rounded (HF's two roundings in the forward). Backward in fp32 throughout: dconv is not
@@ -118,19 +120,56 @@ class _ShortConvSiluFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        B, T, C = x.shape
-        K = weight.shape[1]
-        grid, block_c = _grid(B, T, C)
-        dy = dy.contiguous()
-        dconv = torch.empty(B, T, C, dtype=torch.float32, device=x.device)
-        dw_part = torch.empty(B, grid[1], K, C, dtype=torch.float32, device=x.device)
-        _dconv_kernel[grid](x, weight, dy, dconv, dw_part, T, C, x.stride(0), x.stride(1), grid[1],
-                            K=K, BLOCK_T=BLOCK_T, BLOCK_C=block_c, num_warps=WARPS)
-        dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
-        _dx_kernel[grid](dconv, weight, dx, T, C, K=K, BLOCK_T=BLOCK_T, BLOCK_C=block_c, num_warps=WARPS)
-        dw = dw_part.sum((0, 1)).t().to(weight.dtype)  # [C, K]
-        return dx, dw
+        return _backward(dy, *ctx.saved_tensors)
+
+
+# ----------------------------------------------------------------------------- torch.library ops (compile)
+@torch.library.custom_op("fuselm::short_conv_silu", mutates_args=())
+def _short_conv_silu_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _forward(x, weight)
+
+
+@_short_conv_silu_op.register_fake
+def _(x, weight):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("fuselm::short_conv_silu_backward", mutates_args=())
+def _short_conv_silu_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backward(dy, x, weight)
+
+
+@_short_conv_silu_backward_op.register_fake
+def _(dy, x, weight):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty_like(weight)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _autograd(ctx, dy):
+    return _short_conv_silu_backward_op(dy, *ctx.saved_tensors)
+
+
+torch.library.register_autograd("fuselm::short_conv_silu", _autograd, setup_context=_setup)
+
+
+def _backward(dy, x, weight):
+    """(dx [B, T, C] x's dtype, dw [C, K] weight's dtype) from dy (module docstring)."""
+    B, T, C = x.shape
+    K = weight.shape[1]
+    grid, block_c = _grid(B, T, C)
+    dy = dy.contiguous()
+    dconv = torch.empty(B, T, C, dtype=torch.float32, device=x.device)
+    dw_part = torch.empty(B, grid[1], K, C, dtype=torch.float32, device=x.device)
+    _dconv_kernel[grid](x, weight, dy, dconv, dw_part, T, C, x.stride(0), x.stride(1), grid[1],
+                        K=K, BLOCK_T=BLOCK_T, BLOCK_C=block_c, num_warps=WARPS)
+    dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
+    _dx_kernel[grid](dconv, weight, dx, T, C, K=K, BLOCK_T=BLOCK_T, BLOCK_C=block_c, num_warps=WARPS)
+    dw = dw_part.sum((0, 1)).t().contiguous().to(weight.dtype)  # [C, K]
+    return dx, dw
 
 
 def _forward(x, weight):
@@ -170,6 +209,8 @@ def short_conv_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not use_triton(x):
         return short_conv_silu_ref(x, weight)
     weight = weight.contiguous()
+    if torch.compiler.is_compiling():
+        return _short_conv_silu_op(x, weight)
     if needs_autograd(x, weight):
         return _ShortConvSiluFunction.apply(x, weight)
     return _forward(x, weight)
