@@ -102,27 +102,23 @@ def gdn_fwd_bwd(T: int, profiled: bool = False) -> dict:
     do = make(1, T, 32, 128)
     inputs = [t.requires_grad_() for t in (q, k, v, gate, beta)]
 
-    def run(fn):
-        def call():
-            out = fn(*inputs, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True)[0]
-            out.backward(do)
-        return bench(call)
+    def fwd_bwd(fn):
+        fn(*inputs, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True)[0].backward(do)
 
     def grads(fn):
         for t in inputs:
             t.grad = None
-        fn(*inputs, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True)[0].backward(do)
+        fwd_bwd(fn)
         return [t.grad.float() for t in inputs]
 
     # fla's gradients against fuselm's (which the tests hold to the fp64 recurrence): max |diff| /
     # max |fuselm| per input, to show what the lifted check (allow_fla_gated_backward) costs.
     fla_error = {name: ((a - b).abs().max() / b.abs().max()).item()
                  for name, a, b in zip("q k v g beta".split(), grads(fla_chunk), grads(chunk_gated_delta_rule))}
-    ours, fla = run(chunk_gated_delta_rule), run(fla_chunk)
+    ours, fla = (bench(lambda fn=fn: fwd_bwd(fn)) for fn in (chunk_gated_delta_rule, fla_chunk))
     if profiled:
         for name, fn in (("fuselm", chunk_gated_delta_rule), ("fla-core", fla_chunk)):
-            profile(f"GDN chunk forward + backward, T {T}, {name}", lambda: fn(
-                *inputs, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True)[0].backward(do))
+            profile(f"GDN chunk forward + backward, T {T}, {name}", lambda fn=fn: fwd_bwd(fn))
     return {"T": T, "fuselm_ms": ours, "fla_ms": fla, "speedup": fla / ours, "fla_grad_error_vs_fuselm": fla_error}
 
 

@@ -186,7 +186,6 @@ def _rms_norm_forward(self, x):
     return rms_norm(x, self.weight, self.variance_epsilon, 0.0)
 
 
-# ----------------------------------------------------------------------------- swiglu
 def _gated_rms_norm_forward(self, hidden_states, gate):
     """Qwen3.5's ``RMSNormGated`` (after the GDN recurrence): ``w * norm(x).to(dtype) * silu(gate)``
     = :func:`fuselm.ops.gated_rms_norm.gated_rms_norm`, HF's roundings forward, an fp32 backward."""
@@ -198,6 +197,7 @@ def _gated_rms_norm_forward(self, hidden_states, gate):
     return gated_rms_norm(hidden_states, gate, self.weight, self.variance_epsilon)
 
 
+# ----------------------------------------------------------------------------- swiglu
 def _is_silu(act) -> bool:
     from transformers.activations import SiLUActivation
 

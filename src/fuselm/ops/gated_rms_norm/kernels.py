@@ -24,9 +24,15 @@ WARPS = 4
 
 
 @triton.jit
-def _row_terms(x_ptr, g_ptr, w_ptr, rows, cols, mask, col_mask, stride_x, stride_g, n_cols, eps,
-               ROUND_H: tl.constexpr):
-    """fp32 x, gate, w, r, x r, round(x r), h of a block of rows."""
+def _row_terms(x_ptr, g_ptr, w_ptr, n_rows, n_cols, stride_x, stride_g, eps, ROUND_H: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's BLOCK_M rows: their int64 row indices [BLOCK_M, 1], columns and masks, and in
+    fp32 gate, w, r, x r, round(x r) and h (x read once, here)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    mask = (rows[:, None] < n_rows) & col_mask[None, :]
+    rows = rows.to(tl.int64)[:, None]
     x = tl.load(x_ptr + rows * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + rows * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -36,19 +42,14 @@ def _row_terms(x_ptr, g_ptr, w_ptr, rows, cols, mask, col_mask, stride_x, stride
     h = w * n
     if ROUND_H:
         h = h.to(x_ptr.dtype.element_ty).to(tl.float32)
-    return x, g, w, r, xr, n, h
+    return rows, cols, mask, col_mask, g, w, r, xr, n, h
 
 
 @triton.jit
 def _forward_kernel(x_ptr, g_ptr, w_ptr, y_ptr, n_rows, n_cols, stride_x, stride_g, stride_y, eps,
                     ROUND_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    mask = (rows[:, None] < n_rows) & col_mask[None, :]
-    rows = rows.to(tl.int64)[:, None]
-    x, g, w, r, xr, n, h = _row_terms(x_ptr, g_ptr, w_ptr, rows, cols, mask, col_mask, stride_x, stride_g, n_cols,
-                                      eps, ROUND_H)
+    rows, cols, mask, col_mask, g, w, r, xr, n, h = _row_terms(x_ptr, g_ptr, w_ptr, n_rows, n_cols, stride_x,
+                                                               stride_g, eps, ROUND_H, BLOCK_M, BLOCK_N)
     y = h * (g / (1.0 + tl.exp(-g)))
     tl.store(y_ptr + rows * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -56,14 +57,8 @@ def _forward_kernel(x_ptr, g_ptr, w_ptr, y_ptr, n_rows, n_cols, stride_x, stride
 @triton.jit
 def _backward_kernel(dy_ptr, x_ptr, g_ptr, w_ptr, dx_ptr, dg_ptr, dw_part_ptr, n_rows, n_cols, stride_dy, stride_x,
                      stride_g, eps, ROUND_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    mask = (rows[:, None] < n_rows) & col_mask[None, :]
-    rows = rows.to(tl.int64)[:, None]
-    x, g, w, r, xr, n, h = _row_terms(x_ptr, g_ptr, w_ptr, rows, cols, mask, col_mask, stride_x, stride_g, n_cols,
-                                      eps, ROUND_H)
+    rows, cols, mask, col_mask, g, w, r, xr, n, h = _row_terms(x_ptr, g_ptr, w_ptr, n_rows, n_cols, stride_x,
+                                                               stride_g, eps, ROUND_H, BLOCK_M, BLOCK_N)
     dy = tl.load(dy_ptr + rows * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s = 1.0 / (1.0 + tl.exp(-g))
     dh = dy * g * s
@@ -72,7 +67,8 @@ def _backward_kernel(dy_ptr, x_ptr, g_ptr, w_ptr, dx_ptr, dg_ptr, dw_part_ptr, n
     dx = r * (dn - xr * (tl.sum(dn * xr, axis=1) / n_cols)[:, None])
     tl.store(dx_ptr + rows * n_cols + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
     tl.store(dg_ptr + rows * n_cols + cols[None, :], dg.to(dg_ptr.dtype.element_ty), mask=mask)
-    tl.store(dw_part_ptr + pid * n_cols + cols, tl.sum(tl.where(mask, dh * n, 0.0), axis=0), mask=col_mask)
+    dw_part = tl.sum(tl.where(mask, dh * n, 0.0), axis=0)
+    tl.store(dw_part_ptr + tl.program_id(0) * n_cols + cols, dw_part, mask=col_mask)
 
 
 def _geometry(n_cols):

@@ -65,7 +65,7 @@ def chunk_stats_ref(logits: torch.Tensor, labels: torch.Tensor, v0: int, row_max
     ``target`` for the rows whose label lies in the chunk; ignored rows are left alone."""
     x = logits.to(work_dtype(logits))
     ignored = labels == ignore_index
-    chunk_max = torch.where(ignored, float("-inf"), x.amax(dim=1)) if x.shape[1] else torch.full_like(row_max, float("-inf"))
+    chunk_max = torch.where(ignored, float("-inf"), x.amax(dim=1))  # a chunk has >= 1 column
     new_max = torch.maximum(row_max, chunk_max.to(row_max.dtype))
     shift = torch.where(new_max == float("-inf"), 0.0, new_max)
     chunk_sum = torch.where(ignored, 0.0, torch.exp(x - shift.to(x.dtype)[:, None]).sum(dim=1))

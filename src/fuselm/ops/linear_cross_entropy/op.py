@@ -56,6 +56,7 @@ rows): "mean" gives 0 and zero gradients, where ``torch.nn.functional.cross_entr
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -129,21 +130,17 @@ def _forward_loop(hidden2d, weight, bias, labels1d, ignore_index, columns, block
     return loss, lse
 
 
-_FP32_OUT_MM: dict[str, bool] = {}  # device type -> whether mm takes out_dtype=float32 there
-
-
-def _has_fp32_out_mm(device: torch.device) -> bool:
-    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` takes 16-bit a, b on ``device`` (CUDA, torch
-    >= 2.8): the GEMM's fp32 accumulator comes out unrounded."""
-    if device.type != "cuda":
+@functools.cache
+def _has_fp32_out_mm(device_type: str) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` takes 16-bit a, b on this device type
+    (CUDA, torch >= 2.8): the GEMM's fp32 accumulator comes out unrounded. Probed once."""
+    if device_type != "cuda":
         return False
-    if device.type not in _FP32_OUT_MM:
-        a = torch.zeros((1, 1), dtype=torch.bfloat16, device=device)
-        try:
-            _FP32_OUT_MM[device.type] = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
-        except (TypeError, RuntimeError, NotImplementedError):
-            _FP32_OUT_MM[device.type] = False
-    return _FP32_OUT_MM[device.type]
+    a = torch.zeros((1, 1), dtype=torch.bfloat16, device=device_type)
+    try:
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
 
 
 def _backward_loop(hidden2d, weight, bias, labels1d, lse, ignore_index, columns, row_scale, factor,
@@ -163,8 +160,9 @@ def _backward_loop(hidden2d, weight, bias, labels1d, lse, ignore_index, columns,
             grad_bias.zero_()
     else:
         workspace = _empty((n_rows, columns), dtype, device)
-        wide = dtype != torch.float32 and _has_fp32_out_mm(device)
-        part = _empty((n_rows, hidden_size), dtype, device) if want_hidden and dtype != torch.float32 and not wide else None
+        wide = dtype != torch.float32 and _has_fp32_out_mm(device.type)
+        rounded_parts = want_hidden and dtype != torch.float32 and not wide
+        part = _empty((n_rows, hidden_size), dtype, device) if rounded_parts else None
         triton_ok = use_triton(workspace)
         for v0 in range(0, n_vocab, columns):
             v1 = min(v0 + columns, n_vocab)
@@ -212,17 +210,19 @@ def _n_valid(labels, ignore_index):
     return (labels != ignore_index).sum().clamp_min(1).to(torch.float32)
 
 
-def _backward(grad_loss, hidden, weight, bias, labels, lse, ignore_index, reduction, columns, want_h, want_w, want_b):
+def _backward(grad_loss, hidden, weight, bias, labels, lse, ignore_index, reduction, columns, want_h, want_w, want_b,
+              block_v=None):
     """The gradients for ``grad_loss`` (0-dim for "mean"/"sum", labels' shape for "none"): hidden's
     shape, the input dtypes; None where not wanted."""
     hidden2d, labels1d = _flat(hidden, labels)
     if reduction == "none":
         row_scale, factor = grad_loss.reshape(-1).to(torch.float32).contiguous(), None
     else:
-        factor = grad_loss.to(torch.float32)
-        row_scale, factor = None, factor / _n_valid(labels1d, ignore_index) if reduction == "mean" else factor
+        row_scale, factor = None, grad_loss.to(torch.float32)
+        if reduction == "mean":
+            factor = factor / _n_valid(labels1d, ignore_index)
     gh, gw, gb = _backward_loop(hidden2d, weight, bias, labels1d, lse, ignore_index, columns, row_scale, factor,
-                                want_h, want_w, want_b and bias is not None)
+                                want_h, want_w, want_b and bias is not None, block_v)
     return (None if gh is None else gh.view(hidden.shape)), gw, gb
 
 
@@ -319,12 +319,10 @@ def linear_cross_entropy_forward(
         loss = _reduce(loss_rows, labels, ignore_index, reduction)
         if not compute_grads:
             return LinearCrossEntropyOutput(loss, None, None, None)
-        row_scale, factor = None, torch.ones((), dtype=torch.float32, device=hidden.device)
-        if reduction == "mean":
-            factor = factor / _n_valid(labels1d, ignore_index)
-        gh, gw, gb = _backward_loop(hidden2d, weight, bias, labels1d, lse, ignore_index, columns, row_scale, factor,
-                                    True, True, bias is not None, block_v)
-        return LinearCrossEntropyOutput(loss, gh.view(hidden.shape), gw, gb)
+        ones = torch.ones(loss.shape, dtype=torch.float32, device=hidden.device)
+        grads = _backward(ones, hidden, weight, bias, labels, lse, ignore_index, reduction, columns, True, True, True,
+                          block_v)
+        return LinearCrossEntropyOutput(loss, *grads)
 
 
 # ----------------------------------------------------------------------------- autograd (eager)
