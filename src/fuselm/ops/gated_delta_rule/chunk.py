@@ -149,12 +149,25 @@ def _state_block(state0_ptr, cu_seqlens_ptr, first_chunk_ptr, seq_len, HAS_STATE
 
 
 @triton.jit
+def _load_inverse(t_ptr, t0, n, HV, i_hv, BT: tl.constexpr):
+    """A chunk's stored T = (I + A)^-1 (fp32 [BT, BT]); rows past n are identity rows, as inverted."""
+    rows = tl.arange(0, BT)
+    row_ok = rows < n
+    T = tl.load(t_ptr + ((t0 + rows) * HV + i_hv).to(tl.int64)[:, None] * BT + rows[None, :],
+                mask=row_ok[:, None], other=0.0)
+    return tl.where(row_ok[:, None], T, tl.where(rows[:, None] == rows[None, :], 1.0, 0.0))
+
+
+@triton.jit
 def _chunk_prepare_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, G_ptr, u_ptr, w_ptr, kd_ptr, aqk_ptr, chunk_start_ptr, chunk_len_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, G_ptr, u_ptr, w_ptr, kd_ptr, aqk_ptr, t_ptr, chunk_start_ptr, chunk_len_ptr,
     seq_len, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, P: tl.constexpr,
-    EQUAL: tl.constexpr,
+    EQUAL: tl.constexpr, STORE_T: tl.constexpr, LOAD_T: tl.constexpr,
 ):
+    """G, Kd, U, W and (unless LOAD_T) Aqk of one chunk and value head. T = (I + A)^-1 is inverted
+    here and also stored (fp32) when STORE_T (a forward that autograd will take back); LOAD_T (the
+    backward's recompute) reads that T instead and writes no Aqk (the forward's is kept)."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -165,21 +178,29 @@ def _chunk_prepare_kernel(
         row_ok = rows < n
         G = tl.cumsum(_load_vec(g_ptr, t0, n, HV, i_hv, BT), axis=0)
         tl.store(G_ptr + (t0 + rows) * HV + i_hv, G, mask=row_ok)
-        # Aqk = lower(Q K^T * Gamma) scale, diagonal included
-        q = _load_keys(q_ptr, t0, n, H * K, i_h * K, K, BT, BK, L2NORM)
         k = _load_keys(k_ptr, t0, n, H * K, i_h * K, K, BT, BK, L2NORM)
-        keep = (rows[:, None] >= rows[None, :]) & row_ok[:, None]
-        gamma = tl.exp(tl.where(keep, G[:, None] - G[None, :], float("-inf")))
-        aqk = _mm(q.to(dt), tl.trans(k.to(dt)), P) * gamma * scale
-        tl.store(aqk_ptr + ((t0 + rows) * HV + i_hv).to(tl.int64)[:, None] * BT + rows[None, :],
-                 aqk.to(aqk_ptr.dtype.element_ty), mask=row_ok[:, None])
         # the keys as the state update reads them: K e^{G_C - G}
         G_last = tl.sum(tl.where(rows == n - 1, G, 0.0), axis=0)
         _store_block(kd_ptr, k * tl.where(row_ok, tl.exp(G_last - G), 0.0)[:, None], t0, n, HV * K, i_hv * K, K, BK, BT)
-        # T = (I + A)^-1, A = strictly_lower(diag(beta) (K K^T * Gamma)); then U and W
         beta = _load_vec(beta_ptr, t0, n, HV, i_hv, BT)
-        A = tl.where(rows[:, None] > rows[None, :], beta[:, None] * _mm(k.to(dt), tl.trans(k.to(dt)), P) * gamma, 0.0)
-        T = _invert_unit_lower(A, BT, SUB, P).to(dt)
+        if LOAD_T:
+            T = _load_inverse(t_ptr, t0, n, HV, i_hv, BT).to(dt)
+        else:
+            # Aqk = lower(Q K^T * Gamma) scale, diagonal included
+            q = _load_keys(q_ptr, t0, n, H * K, i_h * K, K, BT, BK, L2NORM)
+            keep = (rows[:, None] >= rows[None, :]) & row_ok[:, None]
+            gamma = tl.exp(tl.where(keep, G[:, None] - G[None, :], float("-inf")))
+            aqk = _mm(q.to(dt), tl.trans(k.to(dt)), P) * gamma * scale
+            tl.store(aqk_ptr + ((t0 + rows) * HV + i_hv).to(tl.int64)[:, None] * BT + rows[None, :],
+                     aqk.to(aqk_ptr.dtype.element_ty), mask=row_ok[:, None])
+            # T = (I + A)^-1, A = strictly_lower(diag(beta) (K K^T * Gamma))
+            A = tl.where(rows[:, None] > rows[None, :], beta[:, None] * _mm(k.to(dt), tl.trans(k.to(dt)), P) * gamma, 0.0)
+            T_fp32 = _invert_unit_lower(A, BT, SUB, P)
+            if STORE_T:
+                tl.store(t_ptr + ((t0 + rows) * HV + i_hv).to(tl.int64)[:, None] * BT + rows[None, :], T_fp32,
+                         mask=row_ok[:, None])
+            T = T_fp32.to(dt)
+        # U = T diag(beta) V, W = T diag(beta e^G) K
         v = _load_rows(v_ptr, t0, n, HV * V, i_hv * V, V, BT, BV).to(tl.float32)
         _store_block(u_ptr, _mm(T, (v * beta[:, None]).to(dt), P), t0, n, HV * V, i_hv * V, V, BV, BT)
         _store_block(w_ptr, _mm(T, (k * (beta * tl.exp(G))[:, None]).to(dt), P), t0, n, HV * K, i_hv * K, K, BK, BT)
@@ -263,13 +284,35 @@ def chunk_table(cu_seqlens: torch.Tensor, total_tokens: int, chunk: int = CHUNK)
 # reading uninitialised memory (NaN, or an illegal address; compute-sanitizer initcheck, H100). So
 # one-token rows go through the chunk-table path (seq_len 0). Not do_not_specialize: without the
 # specialisation on seq_len the recurrence ran 12-13% slower (H100, T 8192 and 32768, NOTES.md 18).
-# Recurrence geometry: value columns per program (32, or 16 when that leaves SMs idle: the
-# recurrence is a chain of dependent dots, more programs hide more of its latency), warps and
-# load-pipeline stages. H100 sweep (benchmarks/gdn.py, B1 H16 K=V=128, T 8192 and 32768): BV16,
-# 4 warps, 4 stages best (0.430 / 1.630 ms in all; 3 stages +5%, 2 stages +11%, BV64 +10-15%).
+# Recurrence geometry. The recurrence is a chain of dependent dots per chunk, so its time is the
+# chunks' latency times the waves of programs: more programs per wave hide more of the latency and a
+# second wave doubles the time. H200 sweep (benchmarks/gdn_train_sweep.py, T 16384, HV 32, K = V =
+# 128, 4 warps, ms per launch): forward BV16 3 stages 0.397 (256 programs, two a multiprocessor: 3
+# stages of w, kd, u tiles fit twice in shared memory), BV16 4 stages 0.675 (one a multiprocessor:
+# two waves), BV32 4 stages 0.414 (128 programs), BV64 0.425; 2 warps 5-40x slower at BV 32-64.
+# Backward (~61 KB a stage at BV32: one program a multiprocessor): BV32 0.484 (128 programs), BV16
+# 0.948 (256: two waves), BV64 0.855 (2 stages). H100, B1 H16 (128 programs at BV16): 4 stages 5%
+# faster than 3 (NOTES.md 18). Not do_not_specialize on seq_len (see above).
 RECURRENCE_BLOCK_V = 32
 RECURRENCE_WARPS = 4
-RECURRENCE_STAGES = 4
+RECURRENCE_STAGES = 4  # when every program has a multiprocessor of its own; 3 when two share one
+
+
+def recurrence_geometry(heads: int, V: int, device: torch.device, backward: bool = False) -> tuple[int, int]:
+    """(value columns per program, pipeline stages) of the forward (or backward) recurrence over
+    ``heads`` = sequences x value heads, for 16-bit inputs: 16 columns while their programs fit
+    one wave (two a multiprocessor forward, with three stages; one backward), else 32; past one
+    wave at 32 the backward takes 64 columns (fewer, slower programs beat a second wave)."""
+    sms = num_sms(device)
+    per_sm = 1 if backward else 2
+    full = next_power_of_2(V)
+    block_v = min(16, full) if heads * cdiv(V, 16) <= sms * per_sm else min(RECURRENCE_BLOCK_V, full)
+    if backward and heads * cdiv(V, block_v) > sms and full >= 64:
+        block_v = 64
+    stages = RECURRENCE_STAGES if heads * cdiv(V, block_v) <= sms else RECURRENCE_STAGES - 1
+    return block_v, stages
+
+
 # The parallel kernels (H100 sweep, benchmarks/gdn.py, T 8192 and 32768): the output kernel with all
 # 128 value columns per program is 4-5% faster in all than 64; 8 warps for prepare +40%, for output +-1%.
 OUTPUT_BLOCK_V = 128  # value columns per program of the output kernel
@@ -279,9 +322,11 @@ OUTPUT_WARPS = 4
 
 
 def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, output_final_state, l2,
-                                   cu_seqlens=None, seq_len=None, block_v=None):
+                                   cu_seqlens=None, seq_len=None, block_v=None, for_backward=False):
     """The three kernels on packed inputs q [1, T, H, K] ...: N sequences given by ``cu_seqlens``,
-    or T / seq_len sequences of ``seq_len`` tokens each. Returns (o, final or None)."""
+    or T / seq_len sequences of ``seq_len`` tokens each. Returns (o, final or None, saved): with
+    ``for_backward``, saved = (Aqk [T, HV, 64] in the input dtype, T = (I + A)^-1 [T, HV, 64] fp32)
+    for ``chunk_gated_delta_rule_backward_kernels``, else None."""
     _, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if cu_seqlens is None and seq_len == 1:  # never launch with seq_len == 1 (see above)
@@ -304,17 +349,17 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
     u, new_v = (torch.empty(T, HV, V, dtype=dt, device=device) for _ in range(2))
     w, kd = (torch.empty(T, HV, K, dtype=dt, device=device) for _ in range(2))
     aqk = torch.empty(T, HV, CHUNK, dtype=dt, device=device)
+    inverse = torch.empty(T, HV, CHUNK, dtype=torch.float32, device=device) if for_backward else G
     h = torch.empty(slots, HV, K, V, dtype=dt, device=device)  # the state at each chunk's start
     _chunk_prepare_kernel[(slots, HV)](
-        q, k, v, g, beta, G, u, w, kd, aqk, start, length, seq_len, float(scale),
+        q, k, v, g, beta, G, u, w, kd, aqk, inverse, start, length, seq_len, float(scale),
         H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=BK, BV=BV_full, L2NORM=l2, P=precision, EQUAL=equal,
-        num_warps=PREPARE_WARPS,
+        STORE_T=for_backward, LOAD_T=False, num_warps=PREPARE_WARPS,
     )
     final = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if output_final_state else None
-    if block_v is None:
-        block_v = min(RECURRENCE_BLOCK_V, BV_full)
-        if q.is_cuda and N * HV * cdiv(V, block_v) < num_sms(device):
-            block_v = max(16, block_v // 2)
+    geometry_v, geometry_stages = recurrence_geometry(N * HV, V, device)
+    block_v = block_v or geometry_v
+    stages = min(stages, geometry_stages)
     _chunk_recurrence_kernel[(cdiv(V, block_v), N * HV)](
         u, w, kd, G, h, new_v, initial_state if initial_state is not None else G, final if final is not None else G,
         cu_seqlens, first, seq_len, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=block_v,
@@ -328,7 +373,7 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=out_v, L2NORM=l2, P=precision, EQUAL=equal,
         num_warps=OUTPUT_WARPS,
     )
-    return o, final
+    return o, final, ((aqk, inverse) if for_backward else None)
 
 
 FLA_CHUNK_SIZES = (16, 32, 64)  # flash-linear-attention's chunk_size choices (fuselm computes in 64-token chunks)
@@ -412,6 +457,6 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final
     if N == 0 or B * T == 0:
         return torch.empty_like(v), (initial_state.clone() if output_final_state and initial_state is not None else None)
     packed = [t.reshape(1, B * T, *t.shape[2:]).contiguous() for t in args]  # B rows of T = B sequences
-    o, final = chunk_gated_delta_rule_kernels(*packed, scale, initial_state, output_final_state,
-                                              use_qk_l2norm_in_kernel, cu_seqlens, seq_len=T)
+    o, final, _ = chunk_gated_delta_rule_kernels(*packed, scale, initial_state, output_final_state,
+                                                 use_qk_l2norm_in_kernel, cu_seqlens, seq_len=T)
     return o.view(v.shape), final

@@ -12,7 +12,8 @@ pair by pair, dg_t = sum_{i >= t} x_i + e^{G_C} <dS1, S0> + sum_{i < t} r_i + su
 (``chunk_backward_naive.py``), so that no O(1) terms cancel into a tiny dg under strong decay.
 
 Kernels, per backward call:
-1. ``_chunk_prepare_kernel`` (the forward's, re-run): G, U, W, Kd = K e^{G_C - G}, Aqk.
+1. ``_chunk_prepare_kernel`` (the forward's, LOAD_T): G, U, W, Kd = K e^{G_C - G} from the
+   forward's stored T (no K K^T, no inversion, no Aqk: the forward's is kept).
 2. ``_chunk_recurrence_kernel`` (the forward's, re-run): the chunk-start states h[c] and N.
 3. ``_chunk_bwd_recurrence_kernel``, one program per (sequence, value head, BV value columns): the
    only sequential part, walking the chunks in reverse with dS [K, BV] (fp32) on chip. Per chunk
@@ -28,7 +29,7 @@ Kernels, per backward call:
       diag(e^{G_C - G}) dKd (fp32), dW (input dtype: the products of 4b take it so) and its
       key columns' part of dg (fp32, [NK, T, HV]). dAqk (over all of V) is computed by each of
       the NK = K / 64 programs of a chunk.
-   b. ``_chunk_bwd_wy_kernel``, one program per (chunk, value head): recomputes K K^T, A and
+   b. ``_chunk_bwd_wy_kernel``, one program per (chunk, value head): reads the forward's
       T = (I + A)^-1, then loops over V (dT = dN Vb^T, dv = diag(beta) T^T dN), over K (dT +=
       dW Kb^T), and over K again after dA (dk += diag(beta e^G) T^T dW + (dB + dB^T) K, added
       in place to 4a's part; K K^T recomputed there rather than kept); writes dv, dbeta, and
@@ -43,10 +44,11 @@ Kernels, per backward call:
    adjacent programs likely from L2). About 2 KB a token-head of DRAM traffic beyond the single
    kernel (1.1 GB at T = 16384, HV = 32); 4c replaces the torch head sum and cast.
 
-Saved by the forward: only its inputs (q, k, v, g, beta, initial_state, cu_seqlens). Recomputed:
-G, U, W, Kd, Aqk and the chunk-start states h[c] and new values N (kernels 1 and 2, the cost of
-the forward minus its output kernel; storing h[c] would hold N_chunks x HV x K x V values from the
-forward to the backward), and T = (I + A)^-1 inside kernel 4b (it is not stored by the forward).
+Saved by the forward: its inputs (q, k, v, g, beta, initial_state, cu_seqlens), Aqk ([T, HV, 64] in
+the input dtype) and T = (I + A)^-1 ([T, HV, 64] fp32, 256 B a token and value head: the forward's
+one inversion serves kernels 1 and 4b). Recomputed: G, U, W, Kd and the chunk-start states h[c]
+and new values N (kernels 1 and 2; storing h[c] would hold N_chunks x HV x K x V values from the
+forward to the backward).
 
 Measured (H200, triton 3.6, bf16, q/k [1, 16384, 16, 128], v [1, 16384, 32, 128], l2 norm, initial
 and final state): the single kernel this replaced took 9,807 us (8 warps: 255 registers, 772 B of
@@ -75,11 +77,11 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.gated_delta_rule.chunk import (
-    CHUNK, PREPARE_WARPS, RECURRENCE_BLOCK_V, RECURRENCE_STAGES, RECURRENCE_WARPS, SUB, _chunk_prepare_kernel,
-    _chunk_recurrence_kernel, _chunk_span, _invert_unit_lower, _load_keys, _load_rows, _load_vec, _mm, _state_block,
-    _store_block, chunk_gated_delta_rule_kernels, chunk_table,
+    CHUNK, PREPARE_WARPS, RECURRENCE_STAGES, RECURRENCE_WARPS, SUB, _chunk_prepare_kernel,
+    _chunk_recurrence_kernel, _chunk_span, _load_inverse, _load_keys, _load_rows, _load_vec, _mm, _state_block,
+    _store_block, chunk_gated_delta_rule_kernels, chunk_table, recurrence_geometry,
 )
-from fuselm.runtime import cdiv, max_shared_memory, next_power_of_2, num_sms
+from fuselm.runtime import cdiv, max_shared_memory, next_power_of_2
 
 # Kernel 4a/4b geometry: key columns per program (4a) or per step of the loops over K (4b), value
 # columns per step of the loops over V; they bound the live tiles. Shared memory at K = V = 128,
@@ -252,7 +254,7 @@ def _chunk_bwd_dqkw_kernel(
 
 @triton.jit
 def _chunk_bwd_wy_kernel(
-    k_ptr, v_ptr, g_ptr, beta_ptr, dn_ptr, dw_ptr, dk_ptr, dv_ptr, dgp_ptr, dg_ptr, dbeta_ptr,
+    k_ptr, v_ptr, g_ptr, beta_ptr, t_ptr, dn_ptr, dw_ptr, dk_ptr, dv_ptr, dgp_ptr, dg_ptr, dbeta_ptr,
     chunk_start_ptr, chunk_len_ptr, seq_len, T_total, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     V: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NKP: tl.constexpr,
     L2NORM: tl.constexpr, P: tl.constexpr, EQUAL: tl.constexpr,
@@ -269,20 +271,14 @@ def _chunk_bwd_wy_kernel(
         dt = k_ptr.dtype.element_ty
         rows = tl.arange(0, BT)
         row_ok = rows < n
-        # recompute the chunk's forward terms (fp32): G, Gamma, K K^T, A and T = (I + A)^-1
+        # the chunk's forward terms (fp32): G, and the forward's T = (I + A)^-1
         G = tl.cumsum(_load_vec(g_ptr, t0, n, HV, i_hv, BT), axis=0)
         eG = tl.exp(G)
         beta = _load_vec(beta_ptr, t0, n, HV, i_hv, BT)
         bg = beta * eG
         rk = _row_rsqrt(k_ptr, t0, n, H * K, i_h * K, K, BT, BK, L2NORM)
         strict = rows[:, None] > rows[None, :]
-        kk = tl.zeros([BT, BT], dtype=tl.float32)
-        for c0 in tl.range(0, K, BK):
-            k_dt = (_load_rows(k_ptr, t0, n, H * K, i_h * K + c0, K - c0, BT, BK).to(tl.float32) * rk[:, None]).to(dt)
-            kk += _mm(k_dt, tl.trans(k_dt), P)
-        lower = (rows[:, None] >= rows[None, :]) & row_ok[:, None]
-        gamma = tl.exp(tl.where(lower, G[:, None] - G[None, :], float("-inf")))
-        T = _invert_unit_lower(tl.where(strict, beta[:, None] * kk * gamma, 0.0), BT, SUB, P)
+        T = _load_inverse(t_ptr, t0, n, HV, i_hv, BT)
         T_dt = T.to(dt)
         # through U = T Vb, Vb = diag(beta) V, BV value columns at a time
         dT = tl.zeros([BT, BT], dtype=tl.float32)  # dN Vb^T (+ dW Kb^T below)
@@ -306,7 +302,7 @@ def _chunk_bwd_wy_kernel(
         dB = dA * beta[:, None] * gamma_s  # d(K K^T), strictly lower
         dBB = (dB + tl.trans(dB)).to(dt)
         x = tl.zeros([BT], dtype=tl.float32)  # rows of dKb * Kb
-        kk = tl.zeros([BT, BT], dtype=tl.float32)  # K K^T again (not kept through the loops above)
+        kk = tl.zeros([BT, BT], dtype=tl.float32)  # K K^T (for dbeta and M below)
         for c0 in tl.range(0, K, BK):
             dw = _load_rows(dw_ptr, t0, n, HV * K, i_hv * K + c0, K - c0, BT, BK)
             k = _load_rows(k_ptr, t0, n, H * K, i_h * K + c0, K - c0, BT, BK).to(tl.float32) * rk[:, None]
@@ -365,8 +361,8 @@ def bwd_recurrence_stages(stages: int, BK: int, BV: int, dtype: torch.dtype, sha
     return max(2, min(stages, (shared_memory - BWD_SCRATCH_BYTES) // per_stage))
 
 
-def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, scale, initial_state, do, dht, l2, cu_seqlens=None,
-                                            seq_len=None):
+def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, saved, scale, initial_state, do, dht, l2,
+                                            cu_seqlens=None, seq_len=None):
     """Gradients on packed inputs q, k [1, T, H, K], v, do [1, T, HV, V], g, beta [1, T, HV] (N
     sequences given by ``cu_seqlens``, or T / seq_len of ``seq_len`` tokens), dht [N, HV, K, V]
     fp32 or None. Returns (dq, dk, dv, dg, dbeta) shaped and typed as their inputs, and dh0
@@ -386,25 +382,24 @@ def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, scale, initial_sta
     else:
         start, length, first = chunk_table(cu_seqlens, T)
         slots, seq_len = start.numel(), 0
-    # 1-2: the forward's G, U, W, Kd, Aqk, then h[c] and N
+    # 1-2: the forward's G, U, W, Kd from its T (Aqk kept), then h[c] and N
+    aqk, inverse = saved
     G = torch.empty(T, HV, dtype=torch.float32, device=device)
     u, new_v = (torch.empty(T, HV, V, dtype=dt, device=device) for _ in range(2))
     w, kd = (torch.empty(T, HV, K, dtype=dt, device=device) for _ in range(2))
-    aqk = torch.empty(T, HV, CHUNK, dtype=dt, device=device)
     h = torch.empty(slots, HV, K, V, dtype=dt, device=device)
     _chunk_prepare_kernel[(slots, HV)](
-        q, k, v, g, beta, G, u, w, kd, aqk, start, length, seq_len, float(scale),
+        q, k, v, g, beta, G, u, w, kd, aqk, inverse, start, length, seq_len, float(scale),
         H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=BK, BV=BV_full, L2NORM=l2, P=precision, EQUAL=equal,
-        num_warps=PREPARE_WARPS,
+        STORE_T=False, LOAD_T=True, num_warps=PREPARE_WARPS,
     )
-    block_v = min(RECURRENCE_BLOCK_V, BV_full)
-    if q.is_cuda and N * HV * cdiv(V, block_v) < num_sms(device):
-        block_v = max(16, block_v // 2)
+    block_v, fwd_stages = recurrence_geometry(N * HV, V, device)
     _chunk_recurrence_kernel[(cdiv(V, block_v), N * HV)](
         u, w, kd, G, h, new_v, initial_state if initial_state is not None else G, G, cu_seqlens, first, seq_len,
         HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=block_v, HAS_H0=initial_state is not None, STORE_HT=False,
-        P=precision, EQUAL=equal, num_warps=RECURRENCE_WARPS, num_stages=stages,
+        P=precision, EQUAL=equal, num_warps=RECURRENCE_WARPS, num_stages=min(stages, fwd_stages),
     )
+    block_v, bwd_stages = recurrence_geometry(N * HV, V, device, backward=True)
     # 3: dS backwards over the chunks
     dh = torch.empty(slots, HV, K, V, dtype=dt, device=device)  # gradient of each chunk's end state
     dn = torch.empty(T, HV, V, dtype=dt, device=device)
@@ -413,7 +408,7 @@ def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, scale, initial_sta
         q, do, G, aqk, kd, w, dh, dn, dht if dht is not None else G, dh0 if dh0 is not None else G,
         cu_seqlens, first, seq_len, float(scale), H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=block_v, L2NORM=l2,
         HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, P=precision, EQUAL=equal,
-        num_warps=RECURRENCE_WARPS, num_stages=bwd_recurrence_stages(stages, BK, block_v, dt, max_shared_memory(device)),
+        num_warps=RECURRENCE_WARPS, num_stages=bwd_recurrence_stages(min(stages, bwd_stages), BK, block_v, dt, max_shared_memory(device)),
     )
     # 4: every chunk's gradients in parallel, (a) the products with the states and what needs no
     # T, (b) the WY part; (c) dq, dk summed over the value heads sharing a key head (and the l2
@@ -431,7 +426,7 @@ def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, scale, initial_sta
     dv = torch.empty(T, HV, V, dtype=v.dtype, device=device)
     dg, dbeta = (torch.empty(T, HV, dtype=torch.float32, device=device) for _ in range(2))
     _chunk_bwd_wy_kernel[(slots, HV)](
-        k, v, g, beta, dn, dw, dk, dv, dgp, dg, dbeta, start, length, seq_len, T,
+        k, v, g, beta, inverse, dn, dw, dk, dv, dgp, dg, dbeta, start, length, seq_len, T,
         H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=min(WY_BLOCK_K, BK), BV=min(WY_BLOCK_V[dt], BV_full), NKP=NK,
         L2NORM=l2, P=precision, EQUAL=equal, num_warps=WY_WARPS,
     )
@@ -461,15 +456,15 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
             ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
             return torch.empty_like(v), final
         packed = [t.reshape(1, B * T, *t.shape[2:]).contiguous() for t in (q, k, v, g, beta)]
-        o, final = chunk_gated_delta_rule_kernels(*packed, scale, initial_state, output_final_state, l2, cu_seqlens,
-                                                  seq_len=T)
-        ctx.save_for_backward(*packed, initial_state, cu_seqlens)
+        o, final, saved = chunk_gated_delta_rule_kernels(*packed, scale, initial_state, output_final_state, l2,
+                                                         cu_seqlens, seq_len=T, for_backward=True)
+        ctx.save_for_backward(*packed, initial_state, cu_seqlens, *saved)
         return o.view(v.shape), final
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht):
-        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+        q, k, v, g, beta, initial_state, cu_seqlens, *saved = ctx.saved_tensors
         B, T, N = ctx.shapes
         need_h0 = ctx.needs_input_grad[5]
         if N == 0 or B * T == 0:
@@ -481,7 +476,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         do = do.reshape(1, B * T, *do.shape[2:]).to(q.dtype).contiguous()  # the kernels' operand dtype
         dht = dht.contiguous() if dht is not None else None
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_backward_kernels(
-            q, k, v, g, beta, ctx.scale, initial_state, do, dht, ctx.l2, cu_seqlens, seq_len=T)
+            q, k, v, g, beta, saved, ctx.scale, initial_state, do, dht, ctx.l2, cu_seqlens, seq_len=T)
         shape = lambda x: x.view(B, T, *x.shape[2:])  # noqa: E731
         return (shape(dq), shape(dk), shape(dv), shape(dg), shape(dbeta), dh0 if need_h0 else None,
                 None, None, None, None)

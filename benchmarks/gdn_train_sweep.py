@@ -1,0 +1,190 @@
+"""Geometry sweep of the Gated DeltaNet chunk kernels at the training shape (issue 20), bf16:
+q/k [1, T, 16, 128], v [1, T, 32, 128] (HV 32 value heads sharing 16 key heads), T 16384.
+
+    python benchmarks/gdn_train_sweep.py --out DIR     -> gdn_train_sweep.md / .json
+
+Times (do_bench medians, ms) of each kernel launch alone, on inputs the previous kernels wrote:
+the forward recurrence (today's kernel at each BV / warps / stages, and two layouts of it: the keys
+loaded already transposed, and the state split into 64-row key halves with dots per half as
+flash-linear-attention's blockdim64 kernel), the backward recurrence, the prepare kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselm.ops.gated_delta_rule import chunk, chunk_backward
+from fuselm.ops.gated_delta_rule.chunk import _load_rows, _mm, _state_block
+from fuselm.runtime import max_shared_memory
+from timing import bench
+
+DT = torch.bfloat16
+
+
+@triton.jit
+def _recurrence_kd_transposed_kernel(
+    u_ptr, w_ptr, kd_ptr, G_ptr, h_ptr, new_v_ptr, h0_ptr, ht_ptr, cu_seqlens_ptr, first_chunk_ptr, seq_len,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, P: tl.constexpr, EQUAL: tl.constexpr,
+):
+    """chunk._chunk_recurrence_kernel with Kd loaded as [BK, BT] (no tl.trans of a loaded tile)."""
+    i_n, i_hv, v0, bos, eos, first_chunk, cv, state_mask, state_offs, S = _state_block(
+        h0_ptr, cu_seqlens_ptr, first_chunk_ptr, seq_len, HAS_H0, HV, K, V, BT, BK, BV, EQUAL)
+    dt = w_ptr.dtype.element_ty
+    rows = tl.arange(0, BT)
+    ck = tl.arange(0, BK)
+    for i_c in tl.range(0, tl.cdiv(eos - bos, BT)):
+        t0 = bos + i_c * BT
+        n = tl.minimum(eos - t0, BT)
+        row_ok = rows < n
+        w = _load_rows(w_ptr, t0, n, HV * K, i_hv * K, K, BT, BK)
+        kdT = tl.load(kd_ptr + (t0 + rows).to(tl.int64)[None, :] * (HV * K) + i_hv * K + ck[:, None],
+                      mask=row_ok[None, :] & (ck < K)[:, None], other=0.0)
+        u = _load_rows(u_ptr, t0, n, HV * V, i_hv * V + v0, V - v0, BT, BV).to(tl.float32)
+        G_last = tl.load(G_ptr + (t0 + n - 1) * HV + i_hv)
+        S_in = S.to(dt)
+        tl.store(h_ptr + (first_chunk + i_c) * HV * K * V + state_offs, S_in, mask=state_mask)
+        new_v = (u - _mm(w, S_in, P)).to(dt)
+        tl.store(new_v_ptr + ((t0 + rows) * HV + i_hv)[:, None] * V + cv[None, :], new_v,
+                 mask=row_ok[:, None] & (cv < V)[None, :])
+        S = tl.exp(G_last) * S + _mm(kdT, new_v, P)
+
+
+@triton.jit
+def _recurrence_split64_kernel(
+    u_ptr, w_ptr, kd_ptr, G_ptr, h_ptr, new_v_ptr, seq_len,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, P: tl.constexpr,
+):
+    """K = 128 only, equal lengths, no initial/final state: the state as two [64, BV] halves,
+    N = U - W[:, :64] S1 - W[:, 64:] S2, S_i = e^{G_C} S_i + Kd_i^T N (Kd_i loaded [64, BT])."""
+    i_n = tl.program_id(1) // HV
+    i_hv = tl.program_id(1) % HV
+    v0 = tl.program_id(0) * BV
+    bos = i_n.to(tl.int64) * seq_len
+    n_chunks = tl.cdiv(seq_len, BT)
+    first_chunk = i_n.to(tl.int64) * n_chunks
+    dt = w_ptr.dtype.element_ty
+    rows = tl.arange(0, BT)
+    c64 = tl.arange(0, 64)
+    cv = v0 + tl.arange(0, BV)
+    S1 = tl.zeros([64, BV], dtype=tl.float32)
+    S2 = tl.zeros([64, BV], dtype=tl.float32)
+    offs1 = (i_hv * K + c64)[:, None] * V + cv[None, :]
+    for i_c in tl.range(0, n_chunks):
+        t0 = bos + i_c * BT
+        n = tl.minimum(bos + seq_len - t0, BT)
+        row_ok = rows < n
+        base = (first_chunk + i_c) * HV * K * V
+        tl.store(h_ptr + base + offs1, S1.to(dt))
+        tl.store(h_ptr + base + offs1 + 64 * V, S2.to(dt))
+        w_rows = w_ptr + (t0 + rows).to(tl.int64)[:, None] * (HV * K) + i_hv * K + c64[None, :]
+        w1 = tl.load(w_rows, mask=row_ok[:, None], other=0.0)
+        w2 = tl.load(w_rows + 64, mask=row_ok[:, None], other=0.0)
+        u = tl.load(u_ptr + (t0 + rows).to(tl.int64)[:, None] * (HV * V) + i_hv * V + cv[None, :],
+                    mask=row_ok[:, None], other=0.0).to(tl.float32)
+        new_v = (u - _mm(w1, S1.to(dt), P) - _mm(w2, S2.to(dt), P)).to(dt)
+        tl.store(new_v_ptr + ((t0 + rows) * HV + i_hv)[:, None] * V + cv[None, :], new_v, mask=row_ok[:, None])
+        G_last = tl.load(G_ptr + (t0 + n - 1) * HV + i_hv)
+        kd_cols = kd_ptr + (t0 + rows).to(tl.int64)[None, :] * (HV * K) + i_hv * K + c64[:, None]
+        kd1 = tl.load(kd_cols, mask=row_ok[None, :], other=0.0)
+        kd2 = tl.load(kd_cols + 64, mask=row_ok[None, :], other=0.0)
+        decay = tl.exp(G_last)
+        S1 = decay * S1 + _mm(kd1, new_v, P)
+        S2 = decay * S2 + _mm(kd2, new_v, P)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--T", type=int, default=16384)
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args(argv)
+    T, H, HV, K, V, BT = args.T, 16, 32, 128, 128, chunk.CHUNK
+    torch.manual_seed(0)
+    q, k = (torch.randn(1, T, H, K, device="cuda", dtype=DT) for _ in range(2))
+    v = torch.randn(1, T, HV, V, device="cuda", dtype=DT)
+    g = -torch.rand(1, T, HV, device="cuda") * 0.5
+    beta = torch.rand(1, T, HV, device="cuda")
+    slots = T // BT
+    G = torch.empty(T, HV, dtype=torch.float32, device="cuda")
+    u, new_v = (torch.empty(T, HV, V, dtype=DT, device="cuda") for _ in range(2))
+    w, kd = (torch.empty(T, HV, K, dtype=DT, device="cuda") for _ in range(2))
+    aqk = torch.empty(T, HV, BT, dtype=DT, device="cuda")
+    h = torch.empty(slots, HV, K, V, dtype=DT, device="cuda")
+    scale = K ** -0.5
+    rows = {}
+
+    inverse = torch.empty(T, HV, BT, dtype=torch.float32, device="cuda")
+
+    def prepare(warps, store=False, load=False):
+        chunk._chunk_prepare_kernel[(slots, HV)](
+            q, k, v, g, beta, G, u, w, kd, aqk, inverse, q, q, T, scale, H=H, HV=HV, K=K, V=V, BT=BT, SUB=chunk.SUB,
+            BK=K, BV=V, L2NORM=True, P="tf32", EQUAL=True, STORE_T=store, LOAD_T=load, num_warps=warps)
+
+    for warps in (2, 4, 8):
+        rows[f"prepare w{warps}"] = bench(lambda: prepare(warps))
+        print(rows, flush=True)
+    rows["prepare storing T w4"] = bench(lambda: prepare(4, store=True))
+    rows["prepare from stored T (backward) w4"] = bench(lambda: prepare(4, load=True))
+    prepare(chunk.PREPARE_WARPS)
+    h_ref = None
+    for block_v, warps, stages in itertools.product((16, 32, 64), (2, 4), (2, 3, 4)):
+        def run(kernel=chunk._chunk_recurrence_kernel):
+            kernel[(V // block_v, HV)](u, w, kd, G, h, new_v, G, G, q, q, T, HV=HV, K=K, V=V, BT=BT, BK=K, BV=block_v,
+                                       HAS_H0=False, STORE_HT=False, P="tf32", EQUAL=True, num_warps=warps,
+                                       num_stages=stages)
+        for name, fn in (("today", run), ("kdT", lambda: run(_recurrence_kd_transposed_kernel)),
+                         ("split64", lambda: _recurrence_split64_kernel[(V // block_v, HV)](
+                             u, w, kd, G, h, new_v, T, HV=HV, K=K, V=V, BT=BT, BV=block_v, P="tf32",
+                             num_warps=warps, num_stages=stages))):
+            try:
+                fn()
+                torch.cuda.synchronize()
+                if h_ref is None:
+                    h_ref = h.float().clone()
+                err = ((h.float() - h_ref).norm() / h_ref.norm()).item()
+                rows[f"recurrence {name} BV{block_v} w{warps} s{stages}"] = bench(fn)
+                rows[f"recurrence {name} BV{block_v} w{warps} s{stages} err"] = err
+            except Exception as exc:  # out of shared memory at some geometries
+                rows[f"recurrence {name} BV{block_v} w{warps} s{stages}"] = f"{type(exc).__name__}"
+            print(name, block_v, warps, stages, rows[f"recurrence {name} BV{block_v} w{warps} s{stages}"], flush=True)
+    # backward recurrence (inputs: the forward's, a random dO)
+    chunk._chunk_recurrence_kernel[(V // 32, HV)](u, w, kd, G, h, new_v, G, G, q, q, T, HV=HV, K=K, V=V, BT=BT, BK=K,
+                                                  BV=32, HAS_H0=False, STORE_HT=False, P="tf32", EQUAL=True,
+                                                  num_warps=4, num_stages=4)
+    do = torch.randn(T, HV, V, device="cuda", dtype=DT)
+    dh = torch.empty_like(h)
+    dn = torch.empty_like(new_v)
+    for block_v, warps, stages in itertools.product((16, 32, 64), (2, 4, 8), (2, 3, 4)):
+        st = chunk_backward.bwd_recurrence_stages(stages, K, block_v, DT, max_shared_memory(q.device))
+
+        def bwd():
+            chunk_backward._chunk_bwd_recurrence_kernel[(V // block_v, HV)](
+                q, do, G, aqk, kd, w, dh, dn, G, G, q, q, T, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=K, BV=block_v,
+                L2NORM=True, HAS_DHT=False, STORE_DH0=False, P="tf32", EQUAL=True, num_warps=warps, num_stages=st)
+        key = f"bwd recurrence BV{block_v} w{warps} s{st}"
+        if key in rows:
+            continue
+        try:
+            rows[key] = bench(bwd)
+        except Exception as exc:
+            rows[key] = type(exc).__name__
+        print(key, rows[key], flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gdn_train_sweep.json").write_text(json.dumps({"T": T, "device": torch.cuda.get_device_name(),
+                                                               "ms": rows}, indent=1))
+    lines = [f"## GDN chunk kernels at the training shape, T {T}, HV 32, K = V = 128, bf16, "
+             f"{torch.cuda.get_device_name()} (ms per launch)", "", "| case | ms |", "|---|---|"]
+    lines += [f"| {key} | {val:.4g} |" if isinstance(val, float) else f"| {key} | {val} |" for key, val in rows.items()]
+    (args.out / "gdn_train_sweep.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
