@@ -480,6 +480,6 @@ def test_gdn_conv_runs_short_conv_silu_and_matches_hf(family, monkeypatch):
     layer = next(m for m in model.modules() if hasattr(m, "conv1d"))
     calls.clear()
     with torch.no_grad():
-        hidden = torch.randn(1, 9, layer.in_proj_qkv.in_features)
-        layer(hidden, cu_seq_lens_q=torch.tensor([0, 4, 9], dtype=torch.int32))
+        hidden = torch.randn(1, 9, layer.in_proj_qkv.in_features, device=ids.device)
+        layer(hidden, cu_seq_lens_q=torch.tensor([0, 4, 9], dtype=torch.int32, device=ids.device))
     assert not calls
