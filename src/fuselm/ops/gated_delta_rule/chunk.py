@@ -291,8 +291,10 @@ def chunk_table(cu_seqlens: torch.Tensor, total_tokens: int, chunk: int = CHUNK)
 # stages of w, kd, u tiles fit twice in shared memory), BV16 4 stages 0.675 (one a multiprocessor:
 # two waves), BV32 4 stages 0.414 (128 programs), BV64 0.425; 2 warps 5-40x slower at BV 32-64.
 # Backward (~61 KB a stage at BV32: one program a multiprocessor): BV32 0.484 (128 programs), BV16
-# 0.948 (256: two waves), BV64 0.855 (2 stages). H100, B1 H16 (128 programs at BV16): 4 stages 5%
-# faster than 3 (NOTES.md 18). Not do_not_specialize on seq_len (see above).
+# 0.948 (256: two waves), BV64 0.855 (2 stages). Forward at BV32, 3 stages: one program a
+# multiprocessor too (the training step's 4 x 16 heads ran 256 of them in two waves). H100, B1 H16
+# (128 programs at BV16): 4 stages 5% faster than 3 (NOTES.md 18). Not do_not_specialize on
+# seq_len (see above).
 RECURRENCE_BLOCK_V = 32
 RECURRENCE_WARPS = 4
 RECURRENCE_STAGES = 4  # when every program has a multiprocessor of its own; 3 when two share one
@@ -300,15 +302,16 @@ RECURRENCE_STAGES = 4  # when every program has a multiprocessor of its own; 3 w
 
 def recurrence_geometry(heads: int, V: int, device: torch.device, backward: bool = False) -> tuple[int, int]:
     """(value columns per program, pipeline stages) of the forward (or backward) recurrence over
-    ``heads`` = sequences x value heads, for 16-bit inputs: 16 columns while their programs fit
-    one wave (two a multiprocessor forward, with three stages; one backward), else 32; past one
-    wave at 32 the backward takes 64 columns (fewer, slower programs beat a second wave)."""
+    ``heads`` = sequences x value heads, for 16-bit inputs: the narrowest block of 16, 32 or 64
+    columns whose programs fit one wave (forward at 16 columns two a multiprocessor, with three
+    stages; otherwise one), else 64 (fewer waves)."""
     sms = num_sms(device)
-    per_sm = 1 if backward else 2
     full = next_power_of_2(V)
-    block_v = min(16, full) if heads * cdiv(V, 16) <= sms * per_sm else min(RECURRENCE_BLOCK_V, full)
-    if backward and heads * cdiv(V, block_v) > sms and full >= 64:
-        block_v = 64
+    for block_v in (16, 32, 64):
+        programs = heads * cdiv(V, min(block_v, full))
+        if programs <= sms * (2 if block_v == 16 and not backward else 1):
+            break
+    block_v = min(block_v, full)
     stages = RECURRENCE_STAGES if heads * cdiv(V, block_v) <= sms else RECURRENCE_STAGES - 1
     return block_v, stages
 
