@@ -167,6 +167,26 @@ def test_kernel_gradients_bf16_model_shape():
     assert_grads(got, ref, TOL[torch.bfloat16])
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the race was the GPU build's (the interpreter runs programs one by one)")
+@pytest.mark.parametrize("dtype, B, T, H, HV", [(torch.float16, 3, 1024, 4, 4), (torch.bfloat16, 1, 4096, 16, 32)])
+def test_kernel_gradients_are_deterministic(dtype, B, T, H, HV):
+    """Two backward passes on the same inputs give bitwise-equal gradients (K = V = 128: kernel
+    4a's loop over V, pipelined 3 deep, once wrote dW differently from run to run)."""
+    args = [t if t is None else t.to(DEVICE) for t in inputs(B, T, H, HV, 128, 128)]
+    args[:3] = [t.to(dtype) for t in args[:3]]
+    do, dht = torch.randn(B, T, HV, 128, device=DEVICE, dtype=dtype), torch.randn(B, HV, 128, 128, device=DEVICE)
+    runs = []
+    for _ in range(3):
+        leaves = [t.clone().requires_grad_(True) for t in args]
+        o, ht = chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True)
+        ((o * do).sum() + (ht * dht).sum()).backward()
+        runs.append([t.grad for t in leaves])
+    for run in runs[1:]:
+        for name, a, b in zip(NAMES, runs[0], run):
+            assert torch.equal(a, b), name
+
+
 def test_kernel_gradients_on_poisoned_buffers(monkeypatch):
     """Every buffer of the forward and the backward (torch.empty / empty_like) starts as NaN: each
     one the kernels read must have been written. Also: only the final state is used, and only

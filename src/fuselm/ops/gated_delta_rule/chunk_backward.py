@@ -91,6 +91,11 @@ from fuselm.runtime import cdiv, max_shared_memory, next_power_of_2
 DQKW_BLOCK_K = 64
 DQKW_BLOCK_V = {torch.float16: 64, torch.bfloat16: 64, torch.float32: 32}
 DQKW_WARPS = 4
+# 4a's loop over V pipelined 3 deep (triton's default) wrote dW differently from run to run once it
+# had two or more steps (V > 64; triton 3.6, H200: entries off by up to ~1 in bf16 and fp16 at
+# K = V = 128, dq and dk unaffected; FLA's test_chunk_state_v_first caught it comparing two calls).
+# 2 stages: identical runs, 924 us against 886 at T 16384, HV 32 (1 stage: 1,031).
+DQKW_STAGES = 2
 WY_BLOCK_K = 64
 WY_BLOCK_V = {torch.float16: 64, torch.bfloat16: 64, torch.float32: 32}
 WY_WARPS = 4
@@ -421,7 +426,7 @@ def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, saved, scale, init
     _chunk_bwd_dqkw_kernel[(slots * NK, HV)](
         q, k, g, h, dh, new_v, dn, do, dq, dk, dw, dgp, start, length, seq_len, float(scale), T,
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BKA, BV=min(DQKW_BLOCK_V[dt], BV_full), NK=NK, L2NORM=l2, P=precision,
-        EQUAL=equal, num_warps=DQKW_WARPS,
+        EQUAL=equal, num_warps=DQKW_WARPS, num_stages=DQKW_STAGES,
     )
     dv = torch.empty(T, HV, V, dtype=v.dtype, device=device)
     dg, dbeta = (torch.empty(T, HV, dtype=torch.float32, device=device) for _ in range(2))
