@@ -2,6 +2,7 @@
 (grouped_mm experts path, as a user calls it) and the floor, at the 35B-A3B layer shape (GPU only).
 
     python benchmarks/moe.py [--tokens 1 8 64 256 4096 16384] [--skewed] [--profile] [--out DIR]
+    python benchmarks/moe.py --sweep [--tokens 1 8 64] [--out DIR]     -> moe_sweep.md / .json
 
 H 2048, E 256, k 8, F 512, F_s 512, bf16, random weights. Per token count: GPU time of one call
 replayed from a CUDA graph (fuselm; do_bench median), HF's block as called (eager: its experts
@@ -10,19 +11,24 @@ grouped gate/up GEMM without the activation, ``silu_mul``, the down GEMM: the ep
 and the floor: max(weight bytes touched / copy bandwidth, FLOPs / matrix rate), both measured in
 this run (a device copy; a bf16 mm of 8192^3). Weight bytes touched: the router, the experts the
 routing hits (counted from it; for uniform routing about E (1 - (1 - k/E)^N)), the shared expert. ``--skewed``: routing biased so half the tokens' picks fall on 16 experts (bytes counted
-from the actual routing). Writes moe.md and moe.json under --out.
+from the actual routing). Writes moe.md and moe.json under --out. ``--sweep``: each
+kernel alone (graph replays) per token count: the routing, and the gate/up and down grouped GEMMs
+at every tile config of SWEEP (features per program, K step, warps, stages) on the routing the
+block uses at that count; the tiles today are reasoned, not measured (grouped_gemm.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
 import torch
 
 from fuselm.ops.moe import SwiGLUMoE
-from fuselm.ops.moe.grouped_gemm import combine, expert_down
+from fuselm.ops.moe import op as moe_op
+from fuselm.ops.moe.grouped_gemm import GroupedGemmConfig, combine, expert_down, expert_gate_up, grouped_gemm_config
 from fuselm.ops.moe.routing import route
 from fuselm.ops.silu_mul import silu_mul
 from fuselm.runtime import copy_bandwidth, matrix_rate
@@ -71,6 +77,48 @@ def unfused(moe: SwiGLUMoE, x: torch.Tensor, x_per_pair: torch.Tensor):
     return combine(y, x.shape[0], slots, x.dtype)
 
 
+SWEEP = {"block_n": (16, 32, 64, 128), "block_k": (64, 128, 256), "num_warps": (2, 4), "num_stages": (2, 4)}
+
+
+def sweep(moe: SwiGLUMoE, token_counts, out: Path) -> None:
+    """Each grouped GEMM alone at every SWEEP tile config, and the routing, per token count."""
+    slots = moe.top_k + moe.num_shared
+    results = []
+    for tokens in token_counts:
+        x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+        block_m = moe_op.SMALL_BLOCK_M if tokens * slots <= moe_op.SMALL_PAIRS else moe_op.BLOCK_M
+        routing = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, block_m)
+        pairs = routing.sorted_pairs, routing.block_experts
+        h = expert_gate_up(x, moe.w13, *pairs, slots, moe.activation, block_m)
+        row = {"tokens": tokens, "block_m": block_m, "route_ms": graph_bench(
+            lambda: route(x, moe.router_with_gate, moe.top_k, moe.num_shared, block_m)), "gate_up": {}, "down": {}}
+        for kind in ("gate_up", "down"):
+            row[f"{kind}_default"] = str(grouped_gemm_config(kind, x.dtype, block_m))
+            for values in itertools.product(*SWEEP.values()):
+                cfg = GroupedGemmConfig(*values)
+                fn = ((lambda: expert_gate_up(x, moe.w13, *pairs, slots, moe.activation, block_m, out=h, config=cfg))
+                      if kind == "gate_up" else
+                      (lambda: expert_down(h, moe.w2, routing.weights, *pairs, block_m, config=cfg)))
+                try:
+                    row[kind]["n{} k{} w{} s{}".format(*values)] = graph_bench(fn)
+                except Exception as exc:  # shared memory or registers exceeded at some tiles
+                    row[kind]["n{} k{} w{} s{}".format(*values)] = type(exc).__name__
+        results.append(row)
+        print(tokens, "route", row["route_ms"], flush=True)
+    lines = [f"## SwiGLUMoE kernels alone, 35B-A3B layer, bf16, {torch.cuda.get_device_name()} (ms, graph replays)", ""]
+    for row in results:
+        lines.append(f"### {row['tokens']} tokens (block_m {row['block_m']}): routing {row['route_ms']:.4f} ms")
+        for kind in ("gate_up", "down"):
+            timed = sorted((v, k) for k, v in row[kind].items() if isinstance(v, float))
+            lines += ["", f"{kind}, default {row[f'{kind}_default']}; the 8 fastest of {len(row[kind])}:", "",
+                      "| tile | ms |", "|---|---|"] + [f"| {k} | {v:.4f} |" for v, k in timed[:8]]
+        lines.append("")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "moe_sweep.md").write_text("\n".join(lines) + "\n")
+    (out / "moe_sweep.json").write_text(json.dumps(results, indent=1))
+    print("\n".join(lines))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 4096, 16384])
@@ -78,10 +126,13 @@ def main():
     parser.add_argument("--out", default=".")
     parser.add_argument("--profile", action="store_true",
                         help="also each kernel's GPU time per call (torch.profiler, eager calls): moe_kernels.md")
+    parser.add_argument("--sweep", action="store_true", help="the kernels' tile configs alone: moe_sweep.md")
     args = parser.parse_args()
     torch.manual_seed(0)
     block = hf_block()
     moe = SwiGLUMoE.from_hf(block)
+    if args.sweep:
+        return sweep(moe, args.tokens, Path(args.out))
     bandwidth, rate = copy_bandwidth() * 1e12, matrix_rate() * 1e12  # bytes/s, FLOP/s
     rows, profiles = [], []
     for tokens in args.tokens:

@@ -7,6 +7,8 @@
 #   bench      benchmarks/moe.py: the 35B-A3B block at 1 .. 16384 tokens vs HF's block, the unfused
 #              path and the floor, uniform and skewed routing: moe.md / moe.json, moe_skewed.*;
 #              each kernel's GPU time per token count: moe_kernels.md
+#   sweep      benchmarks/moe.py --sweep: the routing and each grouped GEMM alone at every tile config
+#              (1, 8, 64 tokens): moe_sweep.md / moe_sweep.json
 #   generate   `fuselm generate --config 35b-a3b` (random bf16 weights drawn on the device, ~69 GB:
 #              use the nvidia-h200 kind), batch 1 and 8: moe_generate.md
 # Usage: bash scripts/gpu_moe.sh [STAGE ...]   (default: tests sanitizer bench)
@@ -29,6 +31,11 @@ if want bench; then
   PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 400 python3 benchmarks/moe.py --profile --out "$OUT" || status=1
   PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 300 python3 benchmarks/moe.py --skewed --tokens 64 4096 \
     --out "$OUT" || status=1
+fi
+if want sweep; then
+  PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 500 python3 benchmarks/moe.py --sweep --tokens 1 8 64 --out "$OUT" \
+    > "$OUT/moe_sweep.log" 2>&1 || status=1
+  tail -3 "$OUT/moe_sweep.log"
 fi
 if want generate; then
   work=$(mktemp -d)
