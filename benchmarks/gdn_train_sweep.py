@@ -6,7 +6,8 @@ q/k [1, T, 16, 128], v [1, T, 32, 128] (HV 32 value heads sharing 16 key heads),
 Times (do_bench medians, ms) of each kernel launch alone, on inputs the previous kernels wrote:
 the forward recurrence (today's kernel at each BV / warps / stages, and two layouts of it: the keys
 loaded already transposed, and the state split into 64-row key halves with dots per half as
-flash-linear-attention's blockdim64 kernel), the backward recurrence, the prepare kernel.
+flash-linear-attention's blockdim64 kernel), the backward recurrence, the prepare kernel (and the
+inversion of I + A alone: today's forward substitution against products of powers).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.gated_delta_rule import chunk, chunk_backward
-from fuselm.ops.gated_delta_rule.chunk import _load_rows, _mm, _state_block
+from fuselm.ops.gated_delta_rule.chunk import (
+    _chunk_span, _invert_unit_lower, _load_keys, _load_rows, _load_vec, _mm, _state_block,
+)
 from fuselm.runtime import max_shared_memory
 from timing import bench
 
@@ -100,6 +103,83 @@ def _recurrence_split64_kernel(
         S2 = decay * S2 + _mm(kd2, new_v, P)
 
 
+@triton.jit
+def _invert_doubling(A, BT: tl.constexpr, SUB: tl.constexpr, P: tl.constexpr):
+    """chunk._invert_unit_lower with the SUB x SUB diagonal blocks inverted by products instead of
+    forward substitution: for strictly lower L (L^16 = 0), (I + L)^-1 = (I - L)(I + L^2)(I + L^4)
+    (I + L^8), six batched fp32 (ieee) dots on [NB, SUB, SUB]; then the same block Neumann step."""
+    NB: tl.constexpr = BT // SUB
+    rows = tl.arange(0, BT)
+    same_block = (rows // SUB)[:, None] == (rows // SUB)[None, :]
+    L = tl.sum(tl.reshape(tl.where(same_block, A, 0.0), [NB, SUB, NB, SUB]), axis=2)
+    r = tl.arange(0, SUB)
+    eye3 = tl.zeros([NB, SUB, SUB], dtype=tl.float32) + tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :]
+    L2 = tl.dot(L, L, input_precision="ieee")
+    L4 = tl.dot(L2, L2, input_precision="ieee")
+    L8 = tl.dot(L4, L4, input_precision="ieee")
+    T3 = tl.dot(tl.dot(eye3 - L, eye3 + L2, input_precision="ieee"),
+                tl.dot(eye3 + L4, eye3 + L8, input_precision="ieee"), input_precision="ieee")
+    b = tl.arange(0, NB)
+    D = tl.reshape(tl.where((b[:, None] == b[None, :])[:, None, :, None], T3[:, :, None, :], 0.0), [BT, BT])
+    M = _mm(D, tl.where(same_block, 0.0, A), P)
+    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    return _mm(_mm(eye - M, eye + _mm(M, M, P), P), D, P)
+
+
+@triton.jit
+def _inverse_kernel(k_ptr, g_ptr, beta_ptr, t_ptr, seq_len, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                    BT: tl.constexpr, SUB: tl.constexpr, METHOD: tl.constexpr, P: tl.constexpr):
+    """Only the prepare kernel's T = (I + A)^-1 of one chunk and value head (l2-normalised keys), by
+    forward substitution (METHOD 0, today's) or products (METHOD 1), stored fp32 [T, HV, BT]."""
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    t0, n = _chunk_span(i_c, k_ptr, k_ptr, seq_len, BT, True)
+    dt = k_ptr.dtype.element_ty
+    rows = tl.arange(0, BT)
+    row_ok = rows < n
+    G = tl.cumsum(_load_vec(g_ptr, t0, n, HV, i_hv, BT), axis=0)
+    k = _load_keys(k_ptr, t0, n, H * K, i_h * K, K, BT, K, True)
+    keep = (rows[:, None] >= rows[None, :]) & row_ok[:, None]
+    gamma = tl.exp(tl.where(keep, G[:, None] - G[None, :], float("-inf")))
+    beta = _load_vec(beta_ptr, t0, n, HV, i_hv, BT)
+    A = tl.where(rows[:, None] > rows[None, :], beta[:, None] * _mm(k.to(dt), tl.trans(k.to(dt)), P) * gamma, 0.0)
+    if METHOD == 0:
+        T = _invert_unit_lower(A, BT, SUB, P)
+    else:
+        T = _invert_doubling(A, BT, SUB, P)
+    tl.store(t_ptr + ((t0 + rows) * HV + i_hv).to(tl.int64)[:, None] * BT + rows[None, :], T, mask=row_ok[:, None])
+
+
+def inverse_rows(q, k, g, beta, T, H, HV, K, BT, slots, rows):
+    """The two inversions alone: times, and each one's distance from a float64 inverse of the
+    same A (first 64 chunks of head 0)."""
+    outs = []
+    for method in (0, 1):
+        t = torch.empty(T, HV, BT, dtype=torch.float32, device="cuda")
+
+        def run():
+            _inverse_kernel[(slots, HV)](k, g, beta, t, T, H=H, HV=HV, K=K, BT=BT, SUB=chunk.SUB, METHOD=method,
+                                        P="tf32", num_warps=4)
+        try:
+            run()
+            rows[f"inverse only, {('substitution', 'products')[method]}"] = bench(run)
+            outs.append(t)
+        except Exception as exc:
+            rows[f"inverse only, {('substitution', 'products')[method]}"] = type(exc).__name__
+            outs.append(None)
+    # float64 reference inverse of the same A for a few chunks (l2-normalised keys, as the kernel)
+    kn = torch.nn.functional.normalize(k[0, : 64 * BT, 0].double(), dim=-1).view(64, BT, K)
+    G = g[0, : 64 * BT, 0].double().view(64, BT).cumsum(-1)
+    b = beta[0, : 64 * BT, 0].double().view(64, BT)
+    A = torch.tril(b[:, :, None] * (kn @ kn.transpose(1, 2)) * torch.exp(G[:, :, None] - G[:, None, :]), -1)
+    ref = torch.linalg.inv(torch.eye(BT, dtype=torch.float64, device="cuda") + A)
+    for method, t in enumerate(outs):
+        if t is not None:
+            got = t[: 64 * BT, 0].double().view(64, BT, BT)
+            rows[f"inverse only, {('substitution', 'products')[method]} max abs err"] = (got - ref).abs().max().item()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--T", type=int, default=16384)
@@ -130,6 +210,7 @@ def main(argv=None) -> int:
     for warps in (2, 4, 8):
         rows[f"prepare w{warps}"] = bench(lambda: prepare(warps))
         print(rows, flush=True)
+    inverse_rows(q, k, g, beta, T, H, HV, K, BT, slots, rows)
     rows["prepare storing T w4"] = bench(lambda: prepare(4, store=True))
     rows["prepare from stored T (backward) w4"] = bench(lambda: prepare(4, load=True))
     prepare(chunk.PREPARE_WARPS)
