@@ -12,9 +12,9 @@ Backward, from dy (two kernels):
     dw[c, j] = sum_{b, t} dconv[t, c] x[t - K + 1 + j, c]          (per time block, then summed)
     dx[t, c] = sum_j w[c, j] dconv[t + K - 1 - j, c]                (t + K - 1 - j < T)
 
-Kernels: ``_forward_kernel`` grid (B, T / BLOCK_T, C / BLOCK_C); ``_dconv_kernel`` (same grid)
-writes dconv in fp32 and each program's dw partial [K, BLOCK_C]; ``_dx_kernel`` (same grid) reads
-dconv at the K later positions. Saved for the backward: x and the weight only (conv recomputed).
+Kernels: ``_forward_kernel`` grid (B, T / BLOCK_T, C / BLOCK_C); ``_dconv_kernel`` (same grid,
+DCONV_SUB_T rows a step) writes dconv in fp32 and each program's dw partial [K, BLOCK_C];
+``_dx_kernel`` (same grid) reads dconv at the K later positions. Saved for the backward: x and the weight only (conv recomputed).
 Eager calls go through an ``autograd.Function``, calls under ``torch.compile`` through the
 ``fuselm::short_conv_silu`` custom op (its backward ``fuselm::short_conv_silu_backward``).
 
@@ -36,6 +36,7 @@ from fuselm.runtime import cdiv, check_same_device, check_tensor, needs_autograd
 
 BLOCK_T = 64
 WARPS = 4
+DCONV_SUB_T = 16  # rows per step of _dconv_kernel: 147 registers, no spill (sm_90 build of triton 3.9, BLOCK_C 128)
 
 
 @triton.jit
@@ -73,24 +74,32 @@ def _forward_kernel(x_ptr, w_ptr, y_ptr, T, C, stride_xb, stride_xt, K: tl.const
 
 @triton.jit
 def _dconv_kernel(x_ptr, w_ptr, dy_ptr, dconv_ptr, dw_part_ptr, T, C, stride_xb, stride_xt, n_t_blocks,
-                  K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                  K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, SUB_T: tl.constexpr,
+                  BLOCK_C: tl.constexpr):
+    """dconv for BLOCK_T rows, SUB_T rows at a time (a [BLOCK_T, BLOCK_C] step of this kernel
+    spilled: its per-element addresses and fp32 tiles took 255 registers + 2 KB of stack a thread,
+    sm_90 build), and the block's dw partial [K, BLOCK_C] summed over them in fp32."""
     b = tl.program_id(0).to(tl.int64)
     i_t = tl.program_id(1)
-    t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     channels = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = channels < C
-    mask = (t < T)[:, None] & c_mask[None, :]
     x_row = x_ptr + b * stride_xb
-    conv = _conv_at(x_row, w_ptr, t, T, stride_xt, channels, c_mask, K, BLOCK_T, BLOCK_C)
-    offsets = (b * T + t.to(tl.int64))[:, None] * C + channels[None, :]
-    dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    s = 1.0 / (1.0 + tl.exp(-conv))
-    dconv = tl.where(mask, dy * s * (1.0 + conv * (1.0 - s)), 0.0)
-    tl.store(dconv_ptr + offsets, dconv, mask=mask)
+    taps = tl.arange(0, KP)
+    dw = tl.zeros([KP, BLOCK_C], tl.float32)
+    for t0 in tl.range(0, BLOCK_T, SUB_T):
+        t = i_t * BLOCK_T + t0 + tl.arange(0, SUB_T)
+        mask = (t < T)[:, None] & c_mask[None, :]
+        conv = _conv_at(x_row, w_ptr, t, T, stride_xt, channels, c_mask, K, SUB_T, BLOCK_C)
+        offsets = (b * T + t.to(tl.int64))[:, None] * C + channels[None, :]
+        dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        s = 1.0 / (1.0 + tl.exp(-conv))
+        dconv = tl.where(mask, dy * s * (1.0 + conv * (1.0 - s)), 0.0)
+        tl.store(dconv_ptr + offsets, dconv, mask=mask)
+        for j in tl.static_range(K):
+            x = _shifted(x_row, t, j - (K - 1), T, stride_xt, channels, c_mask)
+            dw += tl.where(taps[:, None] == j, tl.sum(dconv * x, axis=0)[None, :], 0.0)
     part = dw_part_ptr + (b * n_t_blocks + i_t) * K * C
-    for j in tl.static_range(K):
-        x = _shifted(x_row, t, j - (K - 1), T, stride_xt, channels, c_mask)
-        tl.store(part + j * C + channels, tl.sum(dconv * x, axis=0), mask=c_mask)
+    tl.store(part + taps[:, None] * C + channels[None, :], dw, mask=(taps < K)[:, None] & c_mask[None, :])
 
 
 @triton.jit
@@ -165,7 +174,8 @@ def _backward(dy, x, weight):
     dconv = torch.empty(B, T, C, dtype=torch.float32, device=x.device)
     dw_part = torch.empty(B, grid[1], K, C, dtype=torch.float32, device=x.device)
     _dconv_kernel[grid](x, weight, dy, dconv, dw_part, T, C, x.stride(0), x.stride(1), grid[1],
-                        K=K, BLOCK_T=BLOCK_T, BLOCK_C=block_c, num_warps=WARPS)
+                        K=K, KP=next_power_of_2(K), BLOCK_T=BLOCK_T, SUB_T=DCONV_SUB_T, BLOCK_C=block_c,
+                        num_warps=WARPS)
     dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     _dx_kernel[grid](dconv, weight, dx, T, C, K=K, BLOCK_T=BLOCK_T, BLOCK_C=block_c, num_warps=WARPS)
     dw = dw_part.sum((0, 1)).t().contiguous().to(weight.dtype)  # [C, K]

@@ -194,7 +194,8 @@ def _chunk_prepare_kernel(
             tl.store(aqk_ptr + ((t0 + rows) * HV + i_hv).to(tl.int64)[:, None] * BT + rows[None, :],
                      aqk.to(aqk_ptr.dtype.element_ty), mask=row_ok[:, None])
             # T = (I + A)^-1, A = strictly_lower(diag(beta) (K K^T * Gamma))
-            A = tl.where(rows[:, None] > rows[None, :], beta[:, None] * _mm(k.to(dt), tl.trans(k.to(dt)), P) * gamma, 0.0)
+            kk = _mm(k.to(dt), tl.trans(k.to(dt)), P)
+            A = tl.where(rows[:, None] > rows[None, :], beta[:, None] * kk * gamma, 0.0)
             T_fp32 = _invert_unit_lower(A, BT, SUB, P)
             if STORE_T:
                 tl.store(t_ptr + ((t0 + rows) * HV + i_hv).to(tl.int64)[:, None] * BT + rows[None, :], T_fp32,

@@ -413,7 +413,8 @@ def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, saved, scale, init
         q, do, G, aqk, kd, w, dh, dn, dht if dht is not None else G, dh0 if dh0 is not None else G,
         cu_seqlens, first, seq_len, float(scale), H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=block_v, L2NORM=l2,
         HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, P=precision, EQUAL=equal,
-        num_warps=RECURRENCE_WARPS, num_stages=bwd_recurrence_stages(min(stages, bwd_stages), BK, block_v, dt, max_shared_memory(device)),
+        num_warps=RECURRENCE_WARPS,
+        num_stages=bwd_recurrence_stages(min(stages, bwd_stages), BK, block_v, dt, max_shared_memory(device)),
     )
     # 4: every chunk's gradients in parallel, (a) the products with the states and what needs no
     # T, (b) the WY part; (c) dq, dk summed over the value heads sharing a key head (and the l2
