@@ -205,7 +205,8 @@ def main(argv=None) -> int:
     def prepare(warps, store=False, load=False):
         chunk._chunk_prepare_kernel[(slots, HV)](
             q, k, v, g, beta, G, u, w, kd, aqk, inverse, q, q, T, scale, H=H, HV=HV, K=K, V=V, BT=BT, SUB=chunk.SUB,
-            BK=K, BV=V, L2NORM=True, P="tf32", EQUAL=True, STORE_T=store, LOAD_T=load, num_warps=warps)
+            BK=chunk.PREPARE_BLOCK, BV=chunk.PREPARE_BLOCK, L2NORM=True, P="tf32", EQUAL=True, STORE_T=store, LOAD_T=load,
+            num_warps=warps)
 
     for warps in (2, 4, 8):
         rows[f"prepare w{warps}"] = bench(lambda: prepare(warps))

@@ -159,15 +159,33 @@ def _load_inverse(t_ptr, t0, n, HV, i_hv, BT: tl.constexpr):
 
 
 @triton.jit
+def _row_rsqrt(ptr, t0, n_rows, stride_t, col0, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+               L2NORM: tl.constexpr):
+    """[BT] r = rsqrt(sum x^2 + 1e-6) of the q or k rows (K columns, read BC at a time): the l2
+    norm's factor; ones without L2NORM."""
+    if L2NORM:
+        ss = tl.zeros([BT], dtype=tl.float32)
+        for c0 in tl.static_range(0, K, BC):
+            x = _load_rows(ptr, t0, n_rows, stride_t, col0 + c0, K - c0, BT, BC).to(tl.float32)
+            ss += tl.sum(x * x, axis=1)
+        return tl.rsqrt(ss + 1e-6)
+    else:
+        return tl.full([BT], 1.0, tl.float32)
+
+
+@triton.jit
 def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, G_ptr, u_ptr, w_ptr, kd_ptr, aqk_ptr, t_ptr, chunk_start_ptr, chunk_len_ptr,
     seq_len, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, P: tl.constexpr,
     EQUAL: tl.constexpr, STORE_T: tl.constexpr, LOAD_T: tl.constexpr,
 ):
-    """G, Kd, U, W and (unless LOAD_T) Aqk of one chunk and value head. T = (I + A)^-1 is inverted
-    here and also stored (fp32) when STORE_T (a forward that autograd will take back); LOAD_T (the
-    backward's recompute) reads that T instead and writes no Aqk (the forward's is kept)."""
+    """G, Kd, U, W and (unless LOAD_T) Aqk of one chunk and value head, the key and value columns
+    BK and BV at a time (only [BT, BT] tiles live across the loops: whole [BT, 128] fp32 rows of
+    q, k and v took 255 registers and 264 B of stack a thread, now 32 B; the backward's LOAD_T build
+    56 B, now none at 220 registers: sm_90 builds of triton 3.9). T = (I + A)^-1 is
+    inverted here and also stored (fp32) when STORE_T (a forward that autograd will take back);
+    LOAD_T (the backward's recompute) reads that T instead and writes no Aqk (the forward's is kept)."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -178,33 +196,45 @@ def _chunk_prepare_kernel(
         row_ok = rows < n
         G = tl.cumsum(_load_vec(g_ptr, t0, n, HV, i_hv, BT), axis=0)
         tl.store(G_ptr + (t0 + rows) * HV + i_hv, G, mask=row_ok)
-        k = _load_keys(k_ptr, t0, n, H * K, i_h * K, K, BT, BK, L2NORM)
-        # the keys as the state update reads them: K e^{G_C - G}
         G_last = tl.sum(tl.where(rows == n - 1, G, 0.0), axis=0)
-        _store_block(kd_ptr, k * tl.where(row_ok, tl.exp(G_last - G), 0.0)[:, None], t0, n, HV * K, i_hv * K, K, BK, BT)
+        decay_to_end = tl.where(row_ok, tl.exp(G_last - G), 0.0)
         beta = _load_vec(beta_ptr, t0, n, HV, i_hv, BT)
+        rk = _row_rsqrt(k_ptr, t0, n, H * K, i_h * K, K, BT, BK, L2NORM)
+        if not LOAD_T:
+            rq = _row_rsqrt(q_ptr, t0, n, H * K, i_h * K, K, BT, BK, L2NORM)
+        kk = tl.zeros([BT, BT], dtype=tl.float32)  # K K^T
+        qk = tl.zeros([BT, BT], dtype=tl.float32)  # Q K^T
+        # the keys as the state update reads them, Kd = K e^{G_C - G}; K K^T and Q K^T
+        for c0 in tl.static_range(0, K, BK):
+            k = _load_rows(k_ptr, t0, n, H * K, i_h * K + c0, K - c0, BT, BK).to(tl.float32) * rk[:, None]
+            _store_block(kd_ptr, k * decay_to_end[:, None], t0, n, HV * K, i_hv * K + c0, K - c0, BK, BT)
+            if not LOAD_T:
+                q = _load_rows(q_ptr, t0, n, H * K, i_h * K + c0, K - c0, BT, BK).to(tl.float32) * rq[:, None]
+                kk += _mm(k.to(dt), tl.trans(k.to(dt)), P)
+                qk += _mm(q.to(dt), tl.trans(k.to(dt)), P)
         if LOAD_T:
             T = _load_inverse(t_ptr, t0, n, HV, i_hv, BT).to(dt)
         else:
             # Aqk = lower(Q K^T * Gamma) scale, diagonal included
-            q = _load_keys(q_ptr, t0, n, H * K, i_h * K, K, BT, BK, L2NORM)
             keep = (rows[:, None] >= rows[None, :]) & row_ok[:, None]
             gamma = tl.exp(tl.where(keep, G[:, None] - G[None, :], float("-inf")))
-            aqk = _mm(q.to(dt), tl.trans(k.to(dt)), P) * gamma * scale
             tl.store(aqk_ptr + ((t0 + rows) * HV + i_hv).to(tl.int64)[:, None] * BT + rows[None, :],
-                     aqk.to(aqk_ptr.dtype.element_ty), mask=row_ok[:, None])
+                     (qk * gamma * scale).to(aqk_ptr.dtype.element_ty), mask=row_ok[:, None])
             # T = (I + A)^-1, A = strictly_lower(diag(beta) (K K^T * Gamma))
-            kk = _mm(k.to(dt), tl.trans(k.to(dt)), P)
-            A = tl.where(rows[:, None] > rows[None, :], beta[:, None] * kk * gamma, 0.0)
-            T_fp32 = _invert_unit_lower(A, BT, SUB, P)
+            T_fp32 = _invert_unit_lower(tl.where(rows[:, None] > rows[None, :], beta[:, None] * kk * gamma, 0.0),
+                                        BT, SUB, P)
             if STORE_T:
                 tl.store(t_ptr + ((t0 + rows) * HV + i_hv).to(tl.int64)[:, None] * BT + rows[None, :], T_fp32,
                          mask=row_ok[:, None])
             T = T_fp32.to(dt)
         # U = T diag(beta) V, W = T diag(beta e^G) K
-        v = _load_rows(v_ptr, t0, n, HV * V, i_hv * V, V, BT, BV).to(tl.float32)
-        _store_block(u_ptr, _mm(T, (v * beta[:, None]).to(dt), P), t0, n, HV * V, i_hv * V, V, BV, BT)
-        _store_block(w_ptr, _mm(T, (k * (beta * tl.exp(G))[:, None]).to(dt), P), t0, n, HV * K, i_hv * K, K, BK, BT)
+        for c0 in tl.static_range(0, V, BV):
+            v = _load_rows(v_ptr, t0, n, HV * V, i_hv * V + c0, V - c0, BT, BV).to(tl.float32)
+            _store_block(u_ptr, _mm(T, (v * beta[:, None]).to(dt), P), t0, n, HV * V, i_hv * V + c0, V - c0, BV, BT)
+        bg = beta * tl.exp(G)
+        for c0 in tl.static_range(0, K, BK):
+            k = _load_rows(k_ptr, t0, n, H * K, i_h * K + c0, K - c0, BT, BK).to(tl.float32) * rk[:, None]
+            _store_block(w_ptr, _mm(T, (k * bg[:, None]).to(dt), P), t0, n, HV * K, i_hv * K + c0, K - c0, BK, BT)
 
 
 @triton.jit
@@ -321,6 +351,7 @@ def recurrence_geometry(heads: int, V: int, device: torch.device, backward: bool
 # 128 value columns per program is 4-5% faster in all than 64; 8 warps for prepare +40%, for output +-1%.
 OUTPUT_BLOCK_V = 128  # value columns per program of the output kernel
 PREPARE_WARPS = 4
+PREPARE_BLOCK = 64  # key / value columns per step of the prepare kernel's loops
 MIN_16BIT_HEAD_DIM = 64  # 16-bit key / value heads narrower than this run in fp32 on a GPU (chunk_gated_delta_rule)
 OUTPUT_WARPS = 4
 
@@ -357,8 +388,8 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
     h = torch.empty(slots, HV, K, V, dtype=dt, device=device)  # the state at each chunk's start
     _chunk_prepare_kernel[(slots, HV)](
         q, k, v, g, beta, G, u, w, kd, aqk, inverse, start, length, seq_len, float(scale),
-        H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=BK, BV=BV_full, L2NORM=l2, P=precision, EQUAL=equal,
-        STORE_T=for_backward, LOAD_T=False, num_warps=PREPARE_WARPS,
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=min(PREPARE_BLOCK, BK), BV=min(PREPARE_BLOCK, BV_full), L2NORM=l2,
+        P=precision, EQUAL=equal, STORE_T=for_backward, LOAD_T=False, num_warps=PREPARE_WARPS,
     )
     final = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if output_final_state else None
     geometry_v, geometry_stages = recurrence_geometry(N * HV, V, device)

@@ -77,9 +77,9 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.gated_delta_rule.chunk import (
-    CHUNK, PREPARE_WARPS, RECURRENCE_STAGES, RECURRENCE_WARPS, SUB, _chunk_prepare_kernel,
-    _chunk_recurrence_kernel, _chunk_span, _load_inverse, _load_keys, _load_rows, _load_vec, _mm, _state_block,
-    _store_block, chunk_gated_delta_rule_kernels, chunk_table, recurrence_geometry,
+    CHUNK, PREPARE_BLOCK, PREPARE_WARPS, RECURRENCE_STAGES, RECURRENCE_WARPS, SUB, _chunk_prepare_kernel,
+    _chunk_recurrence_kernel, _chunk_span, _load_inverse, _load_keys, _load_rows, _load_vec, _mm, _row_rsqrt,
+    _state_block, _store_block, chunk_gated_delta_rule_kernels, chunk_table, recurrence_geometry,
 )
 from fuselm.runtime import cdiv, max_shared_memory, next_power_of_2
 
@@ -152,21 +152,6 @@ def _load_normalised(ptr, t0, n_rows, stride_t, col0, n_cols, BT: tl.constexpr, 
     else:
         r = tl.full([BT], 1.0, tl.float32)
     return x * r[:, None], r
-
-
-@triton.jit
-def _row_rsqrt(ptr, t0, n_rows, stride_t, col0, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-               L2NORM: tl.constexpr):
-    """[BT] r = rsqrt(sum x^2 + 1e-6) of the q or k rows (K columns, read BC at a time): the l2
-    norm's factor (``_load_keys``); ones without L2NORM."""
-    if L2NORM:
-        ss = tl.zeros([BT], dtype=tl.float32)
-        for c0 in tl.static_range(0, K, BC):
-            x = _load_rows(ptr, t0, n_rows, stride_t, col0 + c0, K - c0, BT, BC).to(tl.float32)
-            ss += tl.sum(x * x, axis=1)
-        return tl.rsqrt(ss + 1e-6)
-    else:
-        return tl.full([BT], 1.0, tl.float32)
 
 
 @triton.jit
@@ -395,8 +380,8 @@ def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, saved, scale, init
     h = torch.empty(slots, HV, K, V, dtype=dt, device=device)
     _chunk_prepare_kernel[(slots, HV)](
         q, k, v, g, beta, G, u, w, kd, aqk, inverse, start, length, seq_len, float(scale),
-        H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=BK, BV=BV_full, L2NORM=l2, P=precision, EQUAL=equal,
-        STORE_T=False, LOAD_T=True, num_warps=PREPARE_WARPS,
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=min(PREPARE_BLOCK, BK), BV=min(PREPARE_BLOCK, BV_full), L2NORM=l2,
+        P=precision, EQUAL=equal, STORE_T=False, LOAD_T=True, num_warps=PREPARE_WARPS,
     )
     block_v, fwd_stages = recurrence_geometry(N * HV, V, device)
     _chunk_recurrence_kernel[(cdiv(V, block_v), N * HV)](
