@@ -181,11 +181,11 @@ def _chunk_prepare_kernel(
     EQUAL: tl.constexpr, STORE_T: tl.constexpr, LOAD_T: tl.constexpr,
 ):
     """G, Kd, U, W and (unless LOAD_T) Aqk of one chunk and value head, the key and value columns
-    BK and BV at a time (only [BT, BT] tiles live across the loops: whole [BT, 128] fp32 rows of
-    q, k and v took 255 registers and 264 B of stack a thread, now 32 B; the backward's LOAD_T build
-    56 B, now none at 220 registers: sm_90 builds of triton 3.9). T = (I + A)^-1 is
-    inverted here and also stored (fp32) when STORE_T (a forward that autograd will take back);
-    LOAD_T (the backward's recompute) reads that T instead and writes no Aqk (the forward's is kept)."""
+    BK and BV at a time (only [BT, BT] tiles live across the loops; sm_90 builds of triton 3.6 at
+    K = V = 128: forward 233 registers, LOAD_T 120, where whole [BT, 128] rows took 254). T =
+    (I + A)^-1 is inverted here and also stored (fp32) when STORE_T (a forward that autograd will
+    take back); LOAD_T (the backward's recompute) reads that T instead and writes no Aqk (the
+    forward's is kept)."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
