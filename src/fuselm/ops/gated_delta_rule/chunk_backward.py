@@ -31,9 +31,10 @@ Kernels, per backward call:
       the NK = K / 64 programs of a chunk.
    b. ``_chunk_bwd_wy_kernel``, one program per (chunk, value head): reads the forward's
       T = (I + A)^-1, then loops over V (dT = dN Vb^T, dv = diag(beta) T^T dN), over K (dT +=
-      dW Kb^T), and over K again after dA (dk += diag(beta e^G) T^T dW + (dB + dB^T) K, added
-      in place to 4a's part; K K^T recomputed there rather than kept); writes dv, dbeta, and
-      dg = 4a's parts + the terms through Kb and A. Only [BT, BT] tiles live across its loops.
+      dW Kb^T, and K K^T), finishes what needs dA and K K^T (dbeta's and dg's terms through A),
+      and loops over K again (dk += diag(beta e^G) T^T dW + (dB + dB^T) K, added in place to 4a's
+      part); writes dv, dbeta, and dg = 4a's parts + the terms through Kb and A. Only [BT, BT]
+      tiles live across its loops.
    c. ``_head_sum_l2_bwd_kernel``, one program per (32 tokens, key head): dq and dk summed over
       the value heads sharing the key head, the l2 norm's backward, cast to the input dtype.
    Global intermediates between them, per token and value head at K = V = 128 in bf16 (beyond
@@ -281,35 +282,36 @@ def _chunk_bwd_wy_kernel(
             dvb = _mm(tl.trans(T_dt), dn, P)  # dVb = T^T dU, dU = dN
             _store_block(dv_ptr, dvb * beta[:, None], t0, n, HV * V, i_hv * V + v0, V - v0, BV, BT)
             dbeta += tl.sum(dvb * v, axis=1)
-        # through W = T Kb, Kb = diag(beta e^G) K: dT += dW Kb^T
+        # through W = T Kb, Kb = diag(beta e^G) K: dT += dW Kb^T; and K K^T (for dbeta and M)
+        kk = tl.zeros([BT, BT], dtype=tl.float32)
         for c0 in tl.range(0, K, BK):
             dw = _load_rows(dw_ptr, t0, n, HV * K, i_hv * K + c0, K - c0, BT, BK)
             k = _load_rows(k_ptr, t0, n, H * K, i_h * K + c0, K - c0, BT, BK).to(tl.float32) * rk[:, None]
             dT += _mm(dw, tl.trans((k * bg[:, None]).to(dt)), P)  # Kb
-        # through T = (I + A)^-1 and A = strictly_lower(diag(beta) (K K^T * Gamma))
+            kk += _mm(k.to(dt), tl.trans(k.to(dt)), P)
+        # through T = (I + A)^-1 and A = strictly_lower(diag(beta) (K K^T * Gamma)); what needs
+        # dA, K K^T and Gamma is finished here, so that none of them lives through the last loop
+        # (they did: 256 B of spill a thread, sm_90 build of triton 3.6; now 8)
         dA = tl.where(strict, -_mm(_mm(tl.trans(T), dT, P), tl.trans(T), P), 0.0)
         gamma_s = tl.exp(tl.where(strict, G[:, None] + (-G)[None, :], float("-inf")))  # Gamma, strictly lower
+        dbeta += tl.sum(dA * kk * gamma_s, axis=1)
+        # dg's terms through A (M = dA * A: Gamma_ij, every i >= t > j)
+        dg = _pairs_across(dA * (beta[:, None] * kk * gamma_s), BT)
         dB = dA * beta[:, None] * gamma_s  # d(K K^T), strictly lower
         dBB = (dB + tl.trans(dB)).to(dt)
         x = tl.zeros([BT], dtype=tl.float32)  # rows of dKb * Kb
-        kk = tl.zeros([BT, BT], dtype=tl.float32)  # K K^T (for dbeta and M below)
         for c0 in tl.range(0, K, BK):
             dw = _load_rows(dw_ptr, t0, n, HV * K, i_hv * K + c0, K - c0, BT, BK)
             k = _load_rows(k_ptr, t0, n, H * K, i_h * K + c0, K - c0, BT, BK).to(tl.float32) * rk[:, None]
-            k_dt = k.to(dt)
             dkb = _mm(tl.trans(T_dt), dw, P)  # dKb = T^T dW
             dk = (_load_rows(dk_ptr, t0, n, HV * K, i_hv * K + c0, K - c0, BT, BK) + dkb * bg[:, None]
-                  + _mm(dBB, k_dt, P))
+                  + _mm(dBB, k.to(dt), P))
             _store_block(dk_ptr, dk, t0, n, HV * K, i_hv * K + c0, K - c0, BK, BT)
             dbeta += eG * tl.sum(dkb * k, axis=1)
             x += tl.sum(dkb * (k * bg[:, None]), axis=1)
-            kk += _mm(k_dt, tl.trans(k_dt), P)
-        dbeta += tl.sum(dA * kk * gamma_s, axis=1)
-        # dg: kernel 4a's parts, then the terms through Kb (x: e^{G_i}, every i >= t) and
-        # A (M = dA * A: Gamma_ij, every i >= t > j)
-        M = dA * (beta[:, None] * kk * gamma_s)
+        # dg: the terms through Kb (x: e^{G_i}, every i >= t), then kernel 4a's parts
         at_or_after = rows[:, None] >= rows[None, :]  # [i, t]: i >= t
-        dg = tl.sum(tl.where(at_or_after, x[:, None], 0.0), axis=0) + _pairs_across(M, BT)
+        dg += tl.sum(tl.where(at_or_after, x[:, None], 0.0), axis=0)
         for i_k in tl.static_range(0, NKP):
             dg += tl.load(dgp_ptr + (i_k * T_total + t0 + rows) * HV + i_hv, mask=row_ok, other=0.0)
         tl.store(dg_ptr + (t0 + rows) * HV + i_hv, dg, mask=row_ok)  # (rows >= n are not stored)
