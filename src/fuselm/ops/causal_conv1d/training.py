@@ -14,7 +14,8 @@ Backward, from dy (two kernels):
 
 Kernels: ``_forward_kernel`` grid (B, T / BLOCK_T, C / BLOCK_C); ``_dconv_kernel`` (same grid,
 DCONV_SUB_T rows a step) writes dconv in fp32 and each program's dw partial [K, BLOCK_C];
-``_dx_kernel`` (same grid, as many rows a step) reads dconv at the K later positions. Saved for the backward: x and the weight only (conv recomputed).
+``_dx_kernel`` (same grid, as many rows a step) reads dconv at the K later positions. Saved for the
+backward: x and the weight only (conv recomputed).
 Eager calls go through an ``autograd.Function``, calls under ``torch.compile`` through the
 ``fuselm::short_conv_silu`` custom op (its backward ``fuselm::short_conv_silu_backward``).
 
@@ -181,7 +182,8 @@ def _backward(dy, x, weight):
                         K=K, KP=next_power_of_2(K), BLOCK_T=BLOCK_T, SUB_T=DCONV_SUB_T, BLOCK_C=block_c,
                         num_warps=WARPS)
     dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
-    _dx_kernel[grid](dconv, weight, dx, T, C, K=K, BLOCK_T=BLOCK_T, SUB_T=DCONV_SUB_T, BLOCK_C=block_c, num_warps=WARPS)
+    _dx_kernel[grid](dconv, weight, dx, T, C, K=K, BLOCK_T=BLOCK_T, SUB_T=DCONV_SUB_T, BLOCK_C=block_c,
+                     num_warps=WARPS)
     dw = dw_part.sum((0, 1)).t().contiguous().to(weight.dtype)  # [C, K]
     return dx, dw
 
