@@ -4,9 +4,9 @@ q/k [1, T, 16, 128], v [1, T, 32, 128] (HV 32 value heads sharing 16 key heads),
     python benchmarks/gdn_train_sweep.py --out DIR     -> gdn_train_sweep.md / .json
 
 Times (do_bench medians, ms) of each kernel launch alone, on inputs the previous kernels wrote:
-the forward recurrence (today's kernel at each BV / warps / stages, and two layouts of it: the keys
-loaded already transposed, and the state split into 64-row key halves with dots per half as
-flash-linear-attention's blockdim64 kernel), the backward recurrence, the prepare kernel (and the
+the forward recurrence at each BV / warps / stages (session 16 also timed two layouts of it, the
+keys loaded already transposed and the state in 64-row key halves as flash-linear-attention's
+blockdim64 kernel: <= 5% apart, not kept), the backward recurrence, the prepare kernel (and the
 inversion of I + A alone: today's forward substitution against products of powers).
 """
 
@@ -22,85 +22,11 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.gated_delta_rule import chunk, chunk_backward
-from fuselm.ops.gated_delta_rule.chunk import (
-    _chunk_span, _invert_unit_lower, _load_keys, _load_rows, _load_vec, _mm, _state_block,
-)
+from fuselm.ops.gated_delta_rule.chunk import _chunk_span, _invert_unit_lower, _load_keys, _load_vec, _mm
 from fuselm.runtime import max_shared_memory
 from timing import bench
 
 DT = torch.bfloat16
-
-
-@triton.jit
-def _recurrence_kd_transposed_kernel(
-    u_ptr, w_ptr, kd_ptr, G_ptr, h_ptr, new_v_ptr, h0_ptr, ht_ptr, cu_seqlens_ptr, first_chunk_ptr, seq_len,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, P: tl.constexpr, EQUAL: tl.constexpr,
-):
-    """chunk._chunk_recurrence_kernel with Kd loaded as [BK, BT] (no tl.trans of a loaded tile)."""
-    i_n, i_hv, v0, bos, eos, first_chunk, cv, state_mask, state_offs, S = _state_block(
-        h0_ptr, cu_seqlens_ptr, first_chunk_ptr, seq_len, HAS_H0, HV, K, V, BT, BK, BV, EQUAL)
-    dt = w_ptr.dtype.element_ty
-    rows = tl.arange(0, BT)
-    ck = tl.arange(0, BK)
-    for i_c in tl.range(0, tl.cdiv(eos - bos, BT)):
-        t0 = bos + i_c * BT
-        n = tl.minimum(eos - t0, BT)
-        row_ok = rows < n
-        w = _load_rows(w_ptr, t0, n, HV * K, i_hv * K, K, BT, BK)
-        kdT = tl.load(kd_ptr + (t0 + rows).to(tl.int64)[None, :] * (HV * K) + i_hv * K + ck[:, None],
-                      mask=row_ok[None, :] & (ck < K)[:, None], other=0.0)
-        u = _load_rows(u_ptr, t0, n, HV * V, i_hv * V + v0, V - v0, BT, BV).to(tl.float32)
-        G_last = tl.load(G_ptr + (t0 + n - 1) * HV + i_hv)
-        S_in = S.to(dt)
-        tl.store(h_ptr + (first_chunk + i_c) * HV * K * V + state_offs, S_in, mask=state_mask)
-        new_v = (u - _mm(w, S_in, P)).to(dt)
-        tl.store(new_v_ptr + ((t0 + rows) * HV + i_hv)[:, None] * V + cv[None, :], new_v,
-                 mask=row_ok[:, None] & (cv < V)[None, :])
-        S = tl.exp(G_last) * S + _mm(kdT, new_v, P)
-
-
-@triton.jit
-def _recurrence_split64_kernel(
-    u_ptr, w_ptr, kd_ptr, G_ptr, h_ptr, new_v_ptr, seq_len,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, P: tl.constexpr,
-):
-    """K = 128 only, equal lengths, no initial/final state: the state as two [64, BV] halves,
-    N = U - W[:, :64] S1 - W[:, 64:] S2, S_i = e^{G_C} S_i + Kd_i^T N (Kd_i loaded [64, BT])."""
-    i_n = tl.program_id(1) // HV
-    i_hv = tl.program_id(1) % HV
-    v0 = tl.program_id(0) * BV
-    bos = i_n.to(tl.int64) * seq_len
-    n_chunks = tl.cdiv(seq_len, BT)
-    first_chunk = i_n.to(tl.int64) * n_chunks
-    dt = w_ptr.dtype.element_ty
-    rows = tl.arange(0, BT)
-    c64 = tl.arange(0, 64)
-    cv = v0 + tl.arange(0, BV)
-    S1 = tl.zeros([64, BV], dtype=tl.float32)
-    S2 = tl.zeros([64, BV], dtype=tl.float32)
-    offs1 = (i_hv * K + c64)[:, None] * V + cv[None, :]
-    for i_c in tl.range(0, n_chunks):
-        t0 = bos + i_c * BT
-        n = tl.minimum(bos + seq_len - t0, BT)
-        row_ok = rows < n
-        base = (first_chunk + i_c) * HV * K * V
-        tl.store(h_ptr + base + offs1, S1.to(dt))
-        tl.store(h_ptr + base + offs1 + 64 * V, S2.to(dt))
-        w_rows = w_ptr + (t0 + rows).to(tl.int64)[:, None] * (HV * K) + i_hv * K + c64[None, :]
-        w1 = tl.load(w_rows, mask=row_ok[:, None], other=0.0)
-        w2 = tl.load(w_rows + 64, mask=row_ok[:, None], other=0.0)
-        u = tl.load(u_ptr + (t0 + rows).to(tl.int64)[:, None] * (HV * V) + i_hv * V + cv[None, :],
-                    mask=row_ok[:, None], other=0.0).to(tl.float32)
-        new_v = (u - _mm(w1, S1.to(dt), P) - _mm(w2, S2.to(dt), P)).to(dt)
-        tl.store(new_v_ptr + ((t0 + rows) * HV + i_hv)[:, None] * V + cv[None, :], new_v, mask=row_ok[:, None])
-        G_last = tl.load(G_ptr + (t0 + n - 1) * HV + i_hv)
-        kd_cols = kd_ptr + (t0 + rows).to(tl.int64)[None, :] * (HV * K) + i_hv * K + c64[:, None]
-        kd1 = tl.load(kd_cols, mask=row_ok[None, :], other=0.0)
-        kd2 = tl.load(kd_cols + 64, mask=row_ok[None, :], other=0.0)
-        decay = tl.exp(G_last)
-        S1 = decay * S1 + _mm(kd1, new_v, P)
-        S2 = decay * S2 + _mm(kd2, new_v, P)
 
 
 @triton.jit
@@ -217,25 +143,20 @@ def main(argv=None) -> int:
     prepare(chunk.PREPARE_WARPS)
     h_ref = None
     for block_v, warps, stages in itertools.product((16, 32, 64), (2, 4), (2, 3, 4)):
-        def run(kernel=chunk._chunk_recurrence_kernel):
-            kernel[(V // block_v, HV)](u, w, kd, G, h, new_v, G, G, q, q, T, HV=HV, K=K, V=V, BT=BT, BK=K, BV=block_v,
-                                       HAS_H0=False, STORE_HT=False, P="tf32", EQUAL=True, num_warps=warps,
-                                       num_stages=stages)
-        for name, fn in (("today", run), ("kdT", lambda: run(_recurrence_kd_transposed_kernel)),
-                         ("split64", lambda: _recurrence_split64_kernel[(V // block_v, HV)](
-                             u, w, kd, G, h, new_v, T, HV=HV, K=K, V=V, BT=BT, BV=block_v, P="tf32",
-                             num_warps=warps, num_stages=stages))):
-            try:
-                fn()
-                torch.cuda.synchronize()
-                if h_ref is None:
-                    h_ref = h.float().clone()
-                err = ((h.float() - h_ref).norm() / h_ref.norm()).item()
-                rows[f"recurrence {name} BV{block_v} w{warps} s{stages}"] = bench(fn)
-                rows[f"recurrence {name} BV{block_v} w{warps} s{stages} err"] = err
-            except Exception as exc:  # out of shared memory at some geometries
-                rows[f"recurrence {name} BV{block_v} w{warps} s{stages}"] = f"{type(exc).__name__}"
-            print(name, block_v, warps, stages, rows[f"recurrence {name} BV{block_v} w{warps} s{stages}"], flush=True)
+        def run():
+            chunk._chunk_recurrence_kernel[(V // block_v, HV)](
+                u, w, kd, G, h, new_v, G, G, q, q, T, HV=HV, K=K, V=V, BT=BT, BK=K, BV=block_v, HAS_H0=False,
+                STORE_HT=False, P="tf32", EQUAL=True, num_warps=warps, num_stages=stages)
+        try:
+            run()
+            torch.cuda.synchronize()
+            if h_ref is None:
+                h_ref = h.float().clone()
+            rows[f"recurrence BV{block_v} w{warps} s{stages}"] = bench(run)
+            rows[f"recurrence BV{block_v} w{warps} s{stages} err"] = ((h.float() - h_ref).norm() / h_ref.norm()).item()
+        except Exception as exc:  # out of shared memory at some geometries
+            rows[f"recurrence BV{block_v} w{warps} s{stages}"] = type(exc).__name__
+        print(block_v, warps, stages, rows[f"recurrence BV{block_v} w{warps} s{stages}"], flush=True)
     # backward recurrence (inputs: the forward's, a random dO)
     chunk._chunk_recurrence_kernel[(V // 32, HV)](u, w, kd, G, h, new_v, G, G, q, q, T, HV=HV, K=K, V=V, BT=BT, BK=K,
                                                   BV=32, HAS_H0=False, STORE_HT=False, P="tf32", EQUAL=True,

@@ -33,14 +33,16 @@ def usage(fn, signature: dict, constexprs: dict, num_warps: int = 4, num_stages:
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
              if t.startswith("*") or (t == "i32" and n in DIV16)}
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(kernel.asm["ptx"])
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     out = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
     os.unlink(f.name)
-    lines = [line.split("info    : ")[-1].strip() for line in out.stderr.splitlines() if "spill" in line or "Used" in line]
+    lines = [line.split("info    : ")[-1].strip() for line in out.stderr.splitlines()
+             if "spill" in line or "Used" in line]
     return " | ".join(lines) if lines else out.stderr.strip()[-300:]
 
 
@@ -52,41 +54,45 @@ def main() -> None:
     print(f"triton {triton.__version__}, sm_90")
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "dy_ptr": "*bf16", "dconv_ptr": "*fp32", "dw_part_ptr": "*fp32",
            "T": "i32", "C": "i32", "stride_xb": "i32", "stride_xt": "i32", "n_t_blocks": "i32"}
-    print("short_conv_silu _dconv_kernel:", usage(conv._dconv_kernel, sig | constexpr("K", "KP", "BLOCK_T", "SUB_T", "BLOCK_C"),
-                                                  dict(K=4, KP=4, BLOCK_T=conv.BLOCK_T, SUB_T=conv.DCONV_SUB_T, BLOCK_C=128)))
+    tiles = dict(K=4, BLOCK_T=conv.BLOCK_T, SUB_T=conv.DCONV_SUB_T, BLOCK_C=128)
+    print("short_conv_silu _dconv_kernel:", usage(
+        conv._dconv_kernel, sig | constexpr("K", "KP", "BLOCK_T", "SUB_T", "BLOCK_C"), tiles | dict(KP=4)))
     sig = {"dconv_ptr": "*fp32", "w_ptr": "*bf16", "dx_ptr": "*bf16", "T": "i32", "C": "i32"}
-    print("short_conv_silu _dx_kernel:", usage(conv._dx_kernel, sig | constexpr("K", "BLOCK_T", "SUB_T", "BLOCK_C"),
-                                               dict(K=4, BLOCK_T=conv.BLOCK_T, SUB_T=conv.DCONV_SUB_T, BLOCK_C=128)))
+    print("short_conv_silu _dx_kernel:", usage(conv._dx_kernel, sig | constexpr("K", "BLOCK_T", "SUB_T", "BLOCK_C"), tiles))
     sig = {"dy_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "dres_ptr": "*bf16", "dx_ptr": "*bf16",
            "dw_partial_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "rows_per_program": "i32", "stride_dy": "i32",
            "stride_x": "i32", "stride_dres": "i32", "stride_dx": "i32", "eps": "fp32", "offset": "fp32"}
     block_m = rms.BWD_TILE // 1024
     print("rms_norm _rms_norm_bwd_kernel:", usage(
         rms._rms_norm_bwd_kernel, sig | constexpr("HAS_DRES", "ZERO_CENTERED", "BLOCK_M", "BLOCK_N"),
-        dict(HAS_DRES=True, ZERO_CENTERED=True, BLOCK_M=block_m, BLOCK_N=1024), num_warps=min(max(rms.BWD_TILE // 256, 4), 16)))
+        dict(HAS_DRES=True, ZERO_CENTERED=True, BLOCK_M=block_m, BLOCK_N=1024),
+        num_warps=min(max(rms.BWD_TILE // 256, 4), 16)))
     gdn = dict(H=16, HV=32, K=128, V=128, BT=chunk.CHUNK)
     names = ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "G_ptr", "u_ptr", "w_ptr", "kd_ptr", "aqk_ptr", "t_ptr",
              "chunk_start_ptr", "chunk_len_ptr")
-    types = ("*bf16", "*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16", "*bf16", "*bf16", "*bf16", "*fp32", "*i64", "*i32")
+    types = ("*bf16", "*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16", "*bf16", "*bf16", "*bf16", "*fp32", "*i64",
+             "*i32")
     sig = dict(zip(names, types)) | {"seq_len": "i32", "scale": "fp32"} | constexpr(
         "H", "HV", "K", "V", "BT", "SUB", "BK", "BV", "L2NORM", "P", "EQUAL", "STORE_T", "LOAD_T")
     for store, load in ((True, False), (False, True)):
+        tiles = dict(SUB=chunk.SUB, BK=chunk.PREPARE_BLOCK, BV=chunk.PREPARE_BLOCK, L2NORM=True, P="tf32", EQUAL=True)
         print(f"GDN _chunk_prepare_kernel {'forward (STORE_T)' if store else 'backward (LOAD_T)'}:", usage(
-            chunk._chunk_prepare_kernel, sig, gdn | dict(SUB=chunk.SUB, BK=chunk.PREPARE_BLOCK, BV=chunk.PREPARE_BLOCK,
-                                                          L2NORM=True, P="tf32", EQUAL=True, STORE_T=store, LOAD_T=load),
+            chunk._chunk_prepare_kernel, sig, gdn | tiles | dict(STORE_T=store, LOAD_T=load),
             num_warps=chunk.PREPARE_WARPS))
     sig = {"k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16", "t_ptr": "*fp32", "dn_ptr": "*bf16",
            "dw_ptr": "*bf16", "dk_ptr": "*fp32", "dv_ptr": "*bf16", "dgp_ptr": "*fp32", "dg_ptr": "*fp32",
            "dbeta_ptr": "*fp32", "chunk_start_ptr": "*i64", "chunk_len_ptr": "*i32", "seq_len": "i32", "T_total": "i32"}
+    sig |= constexpr("H", "HV", "K", "V", "BT", "SUB", "BK", "BV", "NKP", "L2NORM", "P", "EQUAL")
     print("GDN _chunk_bwd_wy_kernel:", usage(
-        chunk_backward._chunk_bwd_wy_kernel, sig | constexpr("H", "HV", "K", "V", "BT", "SUB", "BK", "BV", "NKP", "L2NORM", "P", "EQUAL"),
+        chunk_backward._chunk_bwd_wy_kernel, sig,
         gdn | dict(SUB=chunk.SUB, BK=chunk_backward.WY_BLOCK_K, BV=64, NKP=2, L2NORM=True, P="tf32", EQUAL=True),
         num_warps=chunk_backward.WY_WARPS))
     sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "g_ptr": "*fp32", "h_ptr": "*bf16", "dh_ptr": "*bf16", "new_v_ptr": "*bf16",
            "dn_ptr": "*bf16", "do_ptr": "*bf16", "dq_ptr": "*fp32", "dk_ptr": "*fp32", "dw_ptr": "*bf16", "dgp_ptr": "*fp32",
            "chunk_start_ptr": "*i64", "chunk_len_ptr": "*i32", "seq_len": "i32", "scale": "fp32", "T_total": "i32"}
+    sig |= constexpr("H", "HV", "K", "V", "BT", "BK", "BV", "NK", "L2NORM", "P", "EQUAL")
     print("GDN _chunk_bwd_dqkw_kernel:", usage(
-        chunk_backward._chunk_bwd_dqkw_kernel, sig | constexpr("H", "HV", "K", "V", "BT", "BK", "BV", "NK", "L2NORM", "P", "EQUAL"),
+        chunk_backward._chunk_bwd_dqkw_kernel, sig,
         gdn | dict(BK=chunk_backward.DQKW_BLOCK_K, BV=64, NK=2, L2NORM=True, P="tf32", EQUAL=True),
         num_warps=chunk_backward.DQKW_WARPS, num_stages=chunk_backward.DQKW_STAGES))
 

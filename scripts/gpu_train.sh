@@ -5,6 +5,8 @@
 #   bench    benchmarks/train.py (options in $BENCH_ARGS, e.g. --profile): GDN chunk forward + backward vs fla-core at T 4096 / 16384; the
 #            training step (Qwen3.5 0.8b preset, batch 4 x 4096, AdamW, bf16) patched by fuselm vs
 #            HF + fla-core + liger-kernel and plain HF + fla-core: train.md / train.json
+#   sweep    benchmarks/gdn_train_sweep.py: the GDN chunk kernels alone at the training shape (recurrence
+#            geometry, prepare kernel, the inversion of I + A two ways): gdn_train_sweep.md / .json
 #   example  examples/finetune_qwen35.py: 300 steps from scratch on stdlib source, fuselm-patched
 #            and unpatched, two seeds each: finetune_loss.json / finetune_loss.png
 #   fla      FLA's own tests/ops/test_gdn.py against fuselm's functions (benchmarks/fla_compat.py;
@@ -22,6 +24,11 @@ if want tests; then
 fi
 if want bench; then
   PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 400 python3 benchmarks/train.py --out "$OUT" ${BENCH_ARGS:-} || status=1
+fi
+if want sweep; then
+  PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 300 python3 benchmarks/gdn_train_sweep.py --out "$OUT" \
+    > "$OUT/gdn_train_sweep.log" 2>&1 || status=1
+  tail -3 "$OUT/gdn_train_sweep.log"
 fi
 if want example; then
   timeout 500 python3 examples/finetune_qwen35.py --out "$OUT" || status=1
