@@ -77,7 +77,7 @@ def unfused(moe: SwiGLUMoE, x: torch.Tensor, x_per_pair: torch.Tensor):
     return combine(y, x.shape[0], slots, x.dtype)
 
 
-SWEEP = {"block_n": (16, 32, 64, 128), "block_k": (64, 128, 256), "num_warps": (2, 4), "num_stages": (2, 4)}
+SWEEP = {"block_n": (16, 32, 64, 128), "block_k": (64, 128, 256), "num_warps": (4, 8), "num_stages": (2, 4)}
 
 
 def sweep(moe: SwiGLUMoE, token_counts, out: Path) -> None:

@@ -158,21 +158,29 @@ class GroupedGemmConfig:
     num_stages: int
 
 
-# UNTUNED (reasoned for H100, bf16, not measured): gate/up 64 features = a [block_m, 128] fp32
-# accumulator; down 128 output features; K step 64 (128 B rows of 16-bit operands); 3 stages;
-# 4 warps up to block_m = 64, 8 beyond. fp32 halves the K step (shared memory).
+# UNTUNED (not timed): gate/up 64 features = a [block_m, 128] fp32 accumulator; down 128 output
+# features at block_m <= 16, 64 beyond; K step 64 (128 B rows of 16-bit operands); 3 stages; 8
+# warps. fp32 halves the K step (shared memory). Register budgets (benchmarks/kernel_registers.py's
+# method: sm_90 builds of triton 3.6, bf16, H 2048, F 512): at 4 warps gate/up spilled 296 B a
+# thread at block_m 16 and 1,112 B at 64, down 792 B at 64 with 128 features; these tiles build
+# without spill (gate/up 128 and 251 registers, down 147 and 183).
 GATE_UP_BLOCK_N = 64
-DOWN_BLOCK_N = 128
+DOWN_BLOCK_N = 64
+DOWN_BLOCK_N_SMALL_M = 128  # at block_m <= 16 (decode)
 BLOCK_K = 64
 NUM_STAGES = 3
+NUM_WARPS = 8
 COMBINE_BLOCK_H = 1024  # combine: hidden features per program (4 warps)
 
 
 def grouped_gemm_config(kind: str, dtype: torch.dtype, block_m: int) -> GroupedGemmConfig:
     """The (untuned) tile config of ``kind`` in {"gate_up", "down"} for ``dtype`` operands."""
-    block_n = GATE_UP_BLOCK_N if kind == "gate_up" else DOWN_BLOCK_N
+    if kind == "gate_up":
+        block_n = GATE_UP_BLOCK_N
+    else:
+        block_n = DOWN_BLOCK_N_SMALL_M if block_m <= 16 else DOWN_BLOCK_N
     block_k = BLOCK_K // 2 if dtype == torch.float32 else BLOCK_K
-    return GroupedGemmConfig(block_n, block_k, 4 if block_m <= 64 else 8, NUM_STAGES)
+    return GroupedGemmConfig(block_n, block_k, NUM_WARPS, NUM_STAGES)
 
 
 # ----------------------------------------------------------------------------- checks
