@@ -6,8 +6,8 @@ folded into the M dimension of the dots: flat row m of a program is (query t, he
 t = m // GROUP, g = m % GROUP, so BLOCK_M (a power of two) covers about BLOCK_M / GROUP queries
 and a group that is not a power of two wastes nothing but the last tile's tail (a query's heads
 may straddle two programs; every row is independent). A program takes one row b, one kv head and
-one tile of rows, and walks its row's cache columns a page at a time (BLOCK_N = P, the page
-size): one block-table load per block, then the K/V tile of that page.
+one tile of rows, and walks its row's cache columns BLOCK_N at a time (32, or the page size P if
+smaller; BLOCK_N divides P): one block-table load per block, then the K/V tile of that block.
 
 Query t sits at position starts[b] + t. Real queries (t < lengths[b]) see columns 0 .. position.
 Padding queries (t >= lengths[b], right padding) are computed as if they sat at the row's last
@@ -45,6 +45,7 @@ from fuselm.runtime import cdiv, next_power_of_2
 
 LOG2E = 1.4426950408889634
 MIN_DOT = 16  # tl.dot's smallest M / K: BLOCK_M and the padded head dim are at least this
+BLOCK_N = 32  # key columns per step (tile_config says why)
 MAX_HEAD_DIM = 256  # head dims above it are refused (the tile no longer fits a program)
 
 
@@ -57,7 +58,7 @@ def _prefill_attention_kernel(
     stride_ob, stride_oh, stride_ot,
     num_kv_heads, T, table_columns, qk_scale,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, IEEE: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tile = tl.program_id(1)
@@ -90,23 +91,25 @@ def _prefill_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    n = tl.arange(0, PAGE)
+    n = tl.arange(0, BLOCK_N)  # columns per step: a page, or part of one (BLOCK_N divides PAGE)
     table_row = table_ptr + b * stride_tb
     k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
-    kt_offs = n[None, :] * stride_kl + d[:, None]  # K^T tile [BLOCK_D, PAGE]
-    v_offs = n[:, None] * stride_vl + d[None, :]  # V tile [PAGE, BLOCK_D]
+    kt_offs = n[None, :] * stride_kl + d[:, None]  # K^T tile [BLOCK_D, BLOCK_N]
+    v_offs = n[:, None] * stride_vl + d[None, :]  # V tile [BLOCK_N, BLOCK_D]
 
     # Full blocks: every column visible to every row of the tile.
-    for n0 in range(0, full_end, PAGE):
+    for n0 in range(0, full_end, BLOCK_N):
         page = tl.load(table_row + (n0 // PAGE) * stride_tp).to(tl.int64)
+        k_block = k_head + page * stride_kp + (n0 % PAGE) * stride_kl
+        v_block = v_head + page * stride_vp + (n0 % PAGE) * stride_vl
         if EVEN_D:
-            kt = tl.load(k_head + page * stride_kp + kt_offs)
-            v = tl.load(v_head + page * stride_vp + v_offs)
+            kt = tl.load(k_block + kt_offs)
+            v = tl.load(v_block + v_offs)
         else:
-            kt = tl.load(k_head + page * stride_kp + kt_offs, mask=d_ok[:, None], other=0.0)
-            v = tl.load(v_head + page * stride_vp + v_offs, mask=d_ok[None, :], other=0.0)
-        s = dot_acc(q, kt, tl.zeros([BLOCK_M, PAGE], tl.float32), IEEE) * qk_scale
+            kt = tl.load(k_block + kt_offs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_block + v_offs, mask=d_ok[None, :], other=0.0)
+        s = dot_acc(q, kt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE) * qk_scale
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -115,13 +118,15 @@ def _prefill_attention_kernel(
         m_i = m_new
 
     # Diagonal blocks: causal mask per row; loads stop at the tile's last real position.
-    for n0 in range(full_end, end, PAGE):
+    for n0 in range(full_end, end, BLOCK_N):
         page = tl.load(table_row + (n0 // PAGE) * stride_tp).to(tl.int64)
+        k_block = k_head + page * stride_kp + (n0 % PAGE) * stride_kl
+        v_block = v_head + page * stride_vp + (n0 % PAGE) * stride_vl
         col = n0 + n
         col_ok = col < end
-        kt = tl.load(k_head + page * stride_kp + kt_offs, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(v_head + page * stride_vp + v_offs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        s = dot_acc(q, kt, tl.zeros([BLOCK_M, PAGE], tl.float32), IEEE) * qk_scale
+        kt = tl.load(k_block + kt_offs, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_block + v_offs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        s = dot_acc(q, kt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE) * qk_scale
         s = tl.where(col[None, :] <= pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: column 0 came in the first block
         alpha = tl.exp2(m_i - m_new)
@@ -147,7 +152,13 @@ def tile_config(T: int, group: int, head_dim: int, page: int, element_size: int)
     # memory (an H100 has 227 KiB per block; the rest is layout-conversion scratch); else 1 stage.
     q_bytes = block_m * block_d * element_size
     stages = 2 if q_bytes + 2 * 2 * page * block_d * element_size <= 160 * 1024 else 1
-    return dict(BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4 if block_d <= 64 else 8, num_stages=stages)
+    # Key columns per step: 32 (or the page, if smaller). A whole 64-column page a step held
+    # [BLOCK_D, 64] K and [64, BLOCK_D] V tiles in registers: 255 registers and 912 B of spill a
+    # thread at head dim 256 (BLOCK_M 64, 8 warps; 104 B at head dim 128), sm_90 builds of triton
+    # 3.6 (benchmarks/kernel_registers.py's method); 32 columns: 96 B and none.
+    block_n = min(page, BLOCK_N)
+    return dict(BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4 if block_d <= 64 else 8,
+                num_stages=stages)
 
 
 def prefill_attention_kernel(q, key_pages, value_pages, block_table, starts, lengths, scale,
