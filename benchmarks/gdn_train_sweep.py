@@ -22,7 +22,9 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.gated_delta_rule import chunk, chunk_backward
-from fuselm.ops.gated_delta_rule.chunk import _chunk_span, _invert_unit_lower, _load_keys, _load_vec, _mm
+from fuselm.ops.gated_delta_rule.chunk import (
+    _chunk_span, _diagonal_blocks, _inverse_from_diagonal, _invert_unit_lower, _load_keys, _load_vec, _mm,
+)
 from fuselm.runtime import max_shared_memory
 from timing import bench
 
@@ -35,9 +37,7 @@ def _invert_doubling(A, BT: tl.constexpr, SUB: tl.constexpr, P: tl.constexpr):
     forward substitution: for strictly lower L (L^16 = 0), (I + L)^-1 = (I - L)(I + L^2)(I + L^4)
     (I + L^8), six batched fp32 (ieee) dots on [NB, SUB, SUB]; then the same block Neumann step."""
     NB: tl.constexpr = BT // SUB
-    rows = tl.arange(0, BT)
-    same_block = (rows // SUB)[:, None] == (rows // SUB)[None, :]
-    L = tl.sum(tl.reshape(tl.where(same_block, A, 0.0), [NB, SUB, NB, SUB]), axis=2)
+    L = _diagonal_blocks(A, BT, SUB)
     r = tl.arange(0, SUB)
     eye3 = tl.zeros([NB, SUB, SUB], dtype=tl.float32) + tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :]
     L2 = tl.dot(L, L, input_precision="ieee")
@@ -45,11 +45,7 @@ def _invert_doubling(A, BT: tl.constexpr, SUB: tl.constexpr, P: tl.constexpr):
     L8 = tl.dot(L4, L4, input_precision="ieee")
     T3 = tl.dot(tl.dot(eye3 - L, eye3 + L2, input_precision="ieee"),
                 tl.dot(eye3 + L4, eye3 + L8, input_precision="ieee"), input_precision="ieee")
-    b = tl.arange(0, NB)
-    D = tl.reshape(tl.where((b[:, None] == b[None, :])[:, None, :, None], T3[:, :, None, :], 0.0), [BT, BT])
-    M = _mm(D, tl.where(same_block, 0.0, A), P)
-    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    return _mm(_mm(eye - M, eye + _mm(M, M, P), P), D, P)
+    return _inverse_from_diagonal(T3, A, BT, SUB, P)
 
 
 @triton.jit

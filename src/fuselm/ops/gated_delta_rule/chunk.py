@@ -10,7 +10,7 @@ Per chunk of BT = 64 tokens, with G = cumsum(g) from the chunk start, Gamma_ij =
 1. ``_chunk_prepare_kernel``, one program per (chunk, value head), all chunks in parallel: writes
    G (fp32), U, W, Kd = K e^{G_C - G} and Aqk = lower(Q K^T * Gamma) scale. T is inverted in
    fp32 (tf32 dots for half inputs): the four 16 x 16 diagonal blocks by forward substitution
-   together, the rest by a block Neumann product (``_invert_unit_lower``).
+   together (``_invert_unit_lower``), the rest by a block Neumann product (``_inverse_from_diagonal``).
 2. ``_chunk_recurrence_kernel``, one program per (sequence, value head, BV value columns): the
    only sequential part, two dependent dots per chunk with S [K, BV] (fp32) on chip; it writes
    each chunk's starting state h[c] and N. Its loads do not depend on S, so they are pipelined.
@@ -78,29 +78,43 @@ def _store_block(ptr, x, t0, n_rows, stride, col0, n_cols, BC: tl.constexpr, BR:
 
 
 @triton.jit
-def _invert_unit_lower(A, BT: tl.constexpr, SUB: tl.constexpr, P: tl.constexpr):
-    """(I + A)^-1 for a strictly lower [BT, BT] A, in fp32.
-
-    Split A = A_D + A_L (SUB x SUB diagonal blocks, strictly block-lower rest). The diagonal
-    blocks are inverted together by forward substitution (SUB steps on [NB, SUB, SUB]), giving
-    D = (I + A_D)^-1; then with M = D A_L (strictly block lower, M^NB = 0 for NB = BT / SUB = 4)
-        (I + A)^-1 = (I + M)^-1 D = (I - M)(I + M^2) D,
-    the same sum of products as block forward substitution, in four BT x BT dots."""
+def _diagonal_blocks(A, BT: tl.constexpr, SUB: tl.constexpr):
+    """The SUB x SUB diagonal blocks of [BT, BT] A, as [BT / SUB, SUB, SUB]."""
     NB: tl.constexpr = BT // SUB
     rows = tl.arange(0, BT)
     same_block = (rows // SUB)[:, None] == (rows // SUB)[None, :]
-    A3 = tl.sum(tl.reshape(tl.where(same_block, A, 0.0), [NB, SUB, NB, SUB]), axis=2)  # the diagonal blocks
+    return tl.sum(tl.reshape(tl.where(same_block, A, 0.0), [NB, SUB, NB, SUB]), axis=2)
+
+
+@triton.jit
+def _inverse_from_diagonal(T3, A, BT: tl.constexpr, SUB: tl.constexpr, P: tl.constexpr):
+    """(I + A)^-1 from T3 [NB, SUB, SUB], the inverses of I + A's diagonal blocks: with D their
+    block-diagonal matrix and M = D A_L (A_L: A off its diagonal blocks, strictly block lower,
+    M^NB = 0 for NB = BT / SUB = 4), (I + A)^-1 = (I + M)^-1 D = (I - M)(I + M^2) D, the same sum of
+    products as block forward substitution, in four BT x BT dots."""
+    NB: tl.constexpr = BT // SUB
+    rows = tl.arange(0, BT)
+    same_block = (rows // SUB)[:, None] == (rows // SUB)[None, :]
+    b = tl.arange(0, NB)
+    D = tl.reshape(tl.where((b[:, None] == b[None, :])[:, None, :, None], T3[:, :, None, :], 0.0), [BT, BT])
+    M = _mm(D, tl.where(same_block, 0.0, A), P)
+    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    return _mm(_mm(eye - M, eye + _mm(M, M, P), P), D, P)
+
+
+@triton.jit
+def _invert_unit_lower(A, BT: tl.constexpr, SUB: tl.constexpr, P: tl.constexpr):
+    """(I + A)^-1 for a strictly lower [BT, BT] A, in fp32: the SUB x SUB diagonal blocks inverted
+    together by forward substitution (SUB steps on [NB, SUB, SUB]), then ``_inverse_from_diagonal``."""
+    NB: tl.constexpr = BT // SUB
+    A3 = _diagonal_blocks(A, BT, SUB)
     r = tl.arange(0, SUB)
     is_row = r[None, :, None]
     T3 = tl.zeros([NB, SUB, SUB], dtype=tl.float32) + tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :]
     for i in range(1, SUB):  # row i of every block from its finished rows j < i: T_i = e_i - sum_j A_ij T_j
         a_i = tl.sum(tl.where(is_row == i, A3, 0.0), axis=1)  # [NB, SUB]
         T3 = tl.where(is_row == i, T3 - tl.sum(a_i[:, :, None] * T3, axis=1)[:, None, :], T3)
-    b = tl.arange(0, NB)
-    D = tl.reshape(tl.where((b[:, None] == b[None, :])[:, None, :, None], T3[:, :, None, :], 0.0), [BT, BT])
-    M = _mm(D, tl.where(same_block, 0.0, A), P)
-    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    return _mm(_mm(eye - M, eye + _mm(M, M, P), P), D, P)
+    return _inverse_from_diagonal(T3, A, BT, SUB, P)
 
 
 @triton.jit
