@@ -1,10 +1,14 @@
-"""Row geometry of the kernels that hold whole rows in registers: the rms_norm kernels and
-attention_decode's per-head q/k norm, which uses the rms_norm forward's tile so that a head's sum
-of squares is reduced in the same order (bit-equal to ``rms_norm`` on the head)."""
+"""Row geometry of the kernels that hold whole rows in registers, and their row tile (``row_tile``):
+the rms_norm and gated_rms_norm kernels and attention_decode's per-head q/k norm, which uses the
+rms_norm forward's tile so that a head's sum of squares is reduced in the same order (bit-equal
+to ``rms_norm`` on the head)."""
 
 from __future__ import annotations
 
 import functools
+
+import triton
+import triton.language as tl
 
 from fuselm.runtime import next_power_of_2
 
@@ -30,3 +34,14 @@ def row_block_geometry(n_cols: int) -> tuple[int, int, int]:
     block_n = next_power_of_2(n_cols)
     block_m = max(1, 2048 // block_n)
     return block_m, block_n, min(max(block_n // 1024, 2), 16)
+
+
+@triton.jit
+def row_tile(n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's BLOCK_M whole rows of an [n_rows, n_cols] matrix: (int64 row indices
+    [BLOCK_M, 1], columns [BLOCK_N], the column mask, the element mask [BLOCK_M, BLOCK_N])."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    mask = (rows[:, None] < n_rows) & col_mask[None, :]
+    return rows.to(tl.int64)[:, None], cols, col_mask, mask

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselm.ops.common.rows import row_tile
 from fuselm.runtime import cdiv, next_power_of_2
 
 BLOCK_M = 32
@@ -28,11 +29,7 @@ def _row_terms(x_ptr, g_ptr, w_ptr, n_rows, n_cols, stride_x, stride_g, eps, ROU
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """This program's BLOCK_M rows: their int64 row indices [BLOCK_M, 1], columns and masks, and in
     fp32 gate, w, r, x r, round(x r) and h (x read once, here)."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    mask = (rows[:, None] < n_rows) & col_mask[None, :]
-    rows = rows.to(tl.int64)[:, None]
+    rows, cols, col_mask, mask = row_tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
     x = tl.load(x_ptr + rows * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + rows * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]

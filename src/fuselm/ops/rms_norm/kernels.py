@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselm.ops.common.rows import row_block_geometry
+from fuselm.ops.common.rows import row_block_geometry, row_tile
 from fuselm.runtime import cdiv, next_power_of_2, num_sms
 
 
@@ -30,11 +30,7 @@ def _rms_norm_fwd_kernel(
     eps, offset,
     HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    mask = (rows[:, None] < n_rows) & col_mask[None, :]
-    rows = rows.to(tl.int64)[:, None]
+    rows, cols, col_mask, mask = row_tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
     x = tl.load(x_ptr + rows * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + rows * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
