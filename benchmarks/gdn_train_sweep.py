@@ -7,7 +7,8 @@ Times (do_bench medians, ms) of each kernel launch alone, on inputs the previous
 the forward recurrence at each BV / warps / stages (session 16 also timed two layouts of it, the
 keys loaded already transposed and the state in 64-row key halves as flash-linear-attention's
 blockdim64 kernel: <= 5% apart, not kept), the backward recurrence, the prepare kernel (and the
-inversion of I + A alone: today's forward substitution against products of powers).
+inversion of I + A alone: forward substitution, session 16's, against products of powers, the
+library's).
 """
 
 from __future__ import annotations
@@ -32,19 +33,18 @@ DT = torch.bfloat16
 
 
 @triton.jit
-def _invert_doubling(A, BT: tl.constexpr, SUB: tl.constexpr, P: tl.constexpr):
-    """chunk._invert_unit_lower with the SUB x SUB diagonal blocks inverted by products instead of
-    forward substitution: for strictly lower L (L^16 = 0), (I + L)^-1 = (I - L)(I + L^2)(I + L^4)
-    (I + L^8), six batched fp32 (ieee) dots on [NB, SUB, SUB]; then the same block Neumann step."""
+def _invert_substitution(A, BT: tl.constexpr, SUB: tl.constexpr, P: tl.constexpr):
+    """chunk._invert_unit_lower with the SUB x SUB diagonal blocks inverted by forward
+    substitution (session 16's kernel: SUB - 1 dependent steps on [NB, SUB, SUB], row i of every
+    block from its finished rows j < i, T_i = e_i - sum_j A_ij T_j); then the same block Neumann step."""
     NB: tl.constexpr = BT // SUB
-    L = _diagonal_blocks(A, BT, SUB)
+    A3 = _diagonal_blocks(A, BT, SUB)
     r = tl.arange(0, SUB)
-    eye3 = tl.zeros([NB, SUB, SUB], dtype=tl.float32) + tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :]
-    L2 = tl.dot(L, L, input_precision="ieee")
-    L4 = tl.dot(L2, L2, input_precision="ieee")
-    L8 = tl.dot(L4, L4, input_precision="ieee")
-    T3 = tl.dot(tl.dot(eye3 - L, eye3 + L2, input_precision="ieee"),
-                tl.dot(eye3 + L4, eye3 + L8, input_precision="ieee"), input_precision="ieee")
+    is_row = r[None, :, None]
+    T3 = tl.zeros([NB, SUB, SUB], dtype=tl.float32) + tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :]
+    for i in range(1, SUB):
+        a_i = tl.sum(tl.where(is_row == i, A3, 0.0), axis=1)  # [NB, SUB]
+        T3 = tl.where(is_row == i, T3 - tl.sum(a_i[:, :, None] * T3, axis=1)[:, None, :], T3)
     return _inverse_from_diagonal(T3, A, BT, SUB, P)
 
 
@@ -52,7 +52,7 @@ def _invert_doubling(A, BT: tl.constexpr, SUB: tl.constexpr, P: tl.constexpr):
 def _inverse_kernel(k_ptr, g_ptr, beta_ptr, t_ptr, seq_len, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                     BT: tl.constexpr, SUB: tl.constexpr, METHOD: tl.constexpr, P: tl.constexpr):
     """Only the prepare kernel's T = (I + A)^-1 of one chunk and value head (l2-normalised keys), by
-    forward substitution (METHOD 0, today's) or products (METHOD 1), stored fp32 [T, HV, BT]."""
+    forward substitution (METHOD 0) or products (METHOD 1, the library's), stored fp32 [T, HV, BT]."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -67,9 +67,9 @@ def _inverse_kernel(k_ptr, g_ptr, beta_ptr, t_ptr, seq_len, H: tl.constexpr, HV:
     beta = _load_vec(beta_ptr, t0, n, HV, i_hv, BT)
     A = tl.where(rows[:, None] > rows[None, :], beta[:, None] * _mm(k.to(dt), tl.trans(k.to(dt)), P) * gamma, 0.0)
     if METHOD == 0:
-        T = _invert_unit_lower(A, BT, SUB, P)
+        T = _invert_substitution(A, BT, SUB, P)
     else:
-        T = _invert_doubling(A, BT, SUB, P)
+        T = _invert_unit_lower(A, BT, SUB, P)
     tl.store(t_ptr + ((t0 + rows) * HV + i_hv).to(tl.int64)[:, None] * BT + rows[None, :], T, mask=row_ok[:, None])
 
 
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     def prepare(warps, store=False, load=False):
         chunk._chunk_prepare_kernel[(slots, HV)](
             q, k, v, g, beta, G, u, w, kd, aqk, inverse, q, q, T, scale, H=H, HV=HV, K=K, V=V, BT=BT, SUB=chunk.SUB,
-            BK=chunk.PREPARE_BLOCK, BV=chunk.PREPARE_BLOCK, L2NORM=True, P="tf32", EQUAL=True, STORE_T=store, LOAD_T=load,
+            BK=128, BV=128, L2NORM=True, P="tf32", EQUAL=True, STORE_T=store, LOAD_T=load,
             num_warps=warps)
 
     for warps in (2, 4, 8):

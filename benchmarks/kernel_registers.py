@@ -75,7 +75,7 @@ def main() -> None:
     sig = dict(zip(names, types)) | {"seq_len": "i32", "scale": "fp32"} | constexpr(
         "H", "HV", "K", "V", "BT", "SUB", "BK", "BV", "L2NORM", "P", "EQUAL", "STORE_T", "LOAD_T")
     for store, load in ((True, False), (False, True)):
-        tiles = dict(SUB=chunk.SUB, BK=chunk.PREPARE_BLOCK, BV=chunk.PREPARE_BLOCK, L2NORM=True, P="tf32", EQUAL=True)
+        tiles = dict(SUB=chunk.SUB, BK=128, BV=128, L2NORM=True, P="tf32", EQUAL=True)
         print(f"GDN _chunk_prepare_kernel {'forward (STORE_T)' if store else 'backward (LOAD_T)'}:", usage(
             chunk._chunk_prepare_kernel, sig, gdn | tiles | dict(STORE_T=store, LOAD_T=load),
             num_warps=chunk.PREPARE_WARPS))

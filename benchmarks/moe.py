@@ -77,16 +77,18 @@ def unfused(moe: SwiGLUMoE, x: torch.Tensor, x_per_pair: torch.Tensor):
     return combine(y, x.shape[0], slots, x.dtype)
 
 
-SWEEP = {"block_n": (16, 32, 64, 128), "block_k": (64, 128, 256), "num_warps": (4, 8), "num_stages": (2, 4)}
+SWEEP = {"block_n": (64, 128), "block_k": (64, 128), "num_warps": (4, 8), "num_stages": (3, 4)}
 
 
 def sweep(moe: SwiGLUMoE, token_counts, out: Path) -> None:
-    """Each grouped GEMM alone at every SWEEP tile config, and the routing, per token count."""
+    """Each grouped GEMM alone at every SWEEP tile config, and the routing, per token count and
+    row tile (both 16 and 64 rows from 64 tokens on)."""
     slots = moe.top_k + moe.num_shared
     results = []
-    for tokens in token_counts:
+    cases = [(tokens, block_m) for tokens in token_counts
+             for block_m in ((moe_op.SMALL_BLOCK_M, moe_op.BLOCK_M) if tokens >= 64 else (moe_op.SMALL_BLOCK_M,))]
+    for tokens, block_m in cases:
         x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
-        block_m = moe_op.SMALL_BLOCK_M if tokens * slots <= moe_op.SMALL_PAIRS else moe_op.BLOCK_M
         routing = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, block_m)
         pairs = routing.sorted_pairs, routing.block_experts
         h = expert_gate_up(x, moe.w13, *pairs, slots, moe.activation, block_m)

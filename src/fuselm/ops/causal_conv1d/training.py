@@ -12,10 +12,9 @@ Backward, from dy (two kernels):
     dw[c, j] = sum_{b, t} dconv[t, c] x[t - K + 1 + j, c]          (per time block, then summed)
     dx[t, c] = sum_j w[c, j] dconv[t + K - 1 - j, c]                (t + K - 1 - j < T)
 
-Kernels: ``_forward_kernel`` grid (B, T / BLOCK_T, C / BLOCK_C); ``_dconv_kernel`` (same grid,
-DCONV_SUB_T rows a step) writes dconv in fp32 and each program's dw partial [K, BLOCK_C];
-``_dx_kernel`` (same grid, as many rows a step) reads dconv at the K later positions. Saved for the
-backward: x and the weight only (conv recomputed).
+Kernels: ``_forward_kernel`` grid (B, T / BLOCK_T, C / BLOCK_C); ``_dconv_kernel`` (same grid)
+writes dconv in fp32 and each program's dw partial [K, BLOCK_C]; ``_dx_kernel`` (same grid) reads
+dconv at the K later positions. Saved for the backward: x and the weight only (conv recomputed).
 Eager calls go through an ``autograd.Function``, calls under ``torch.compile`` through the
 ``fuselm::short_conv_silu`` custom op (its backward ``fuselm::short_conv_silu_backward``).
 
@@ -37,7 +36,6 @@ from fuselm.runtime import cdiv, check_same_device, check_tensor, needs_autograd
 
 BLOCK_T = 64
 WARPS = 4
-DCONV_SUB_T = 16  # rows per step of the backward kernels (BLOCK_C 128: 112 registers, sm_90 build of triton 3.6)
 
 
 @triton.jit
@@ -75,50 +73,38 @@ def _forward_kernel(x_ptr, w_ptr, y_ptr, T, C, stride_xb, stride_xt, K: tl.const
 
 @triton.jit
 def _dconv_kernel(x_ptr, w_ptr, dy_ptr, dconv_ptr, dw_part_ptr, T, C, stride_xb, stride_xt, n_t_blocks,
-                  K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, SUB_T: tl.constexpr,
-                  BLOCK_C: tl.constexpr):
-    """dconv for BLOCK_T rows, SUB_T rows at a time, and the block's dw partial [K, BLOCK_C]
-    summed over them in fp32. One [64, 128] step took 255 registers and spilled (an sm_90 build of
-    triton 3.6, the GPU's: two programs a multiprocessor; 685 us a launch in the H200 training step
-    for ~170 us of traffic); 16-row steps take 112."""
+                  K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     i_t = tl.program_id(1)
+    t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     channels = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = channels < C
+    mask = (t < T)[:, None] & c_mask[None, :]
     x_row = x_ptr + b * stride_xb
-    taps = tl.arange(0, KP)
-    dw = tl.zeros([KP, BLOCK_C], tl.float32)
-    for t0 in tl.range(0, BLOCK_T, SUB_T):
-        t = i_t * BLOCK_T + t0 + tl.arange(0, SUB_T)
-        mask = (t < T)[:, None] & c_mask[None, :]
-        conv = _conv_at(x_row, w_ptr, t, T, stride_xt, channels, c_mask, K, SUB_T, BLOCK_C)
-        offsets = (b * T + t.to(tl.int64))[:, None] * C + channels[None, :]
-        dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        s = 1.0 / (1.0 + tl.exp(-conv))
-        dconv = tl.where(mask, dy * s * (1.0 + conv * (1.0 - s)), 0.0)
-        tl.store(dconv_ptr + offsets, dconv, mask=mask)
-        for j in tl.static_range(K):
-            x = _shifted(x_row, t, j - (K - 1), T, stride_xt, channels, c_mask)
-            dw += tl.where(taps[:, None] == j, tl.sum(dconv * x, axis=0)[None, :], 0.0)
+    conv = _conv_at(x_row, w_ptr, t, T, stride_xt, channels, c_mask, K, BLOCK_T, BLOCK_C)
+    offsets = (b * T + t.to(tl.int64))[:, None] * C + channels[None, :]
+    dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    s = 1.0 / (1.0 + tl.exp(-conv))
+    dconv = tl.where(mask, dy * s * (1.0 + conv * (1.0 - s)), 0.0)
+    tl.store(dconv_ptr + offsets, dconv, mask=mask)
     part = dw_part_ptr + (b * n_t_blocks + i_t) * K * C
-    tl.store(part + taps[:, None] * C + channels[None, :], dw, mask=(taps < K)[:, None] & c_mask[None, :])
+    for j in tl.static_range(K):
+        x = _shifted(x_row, t, j - (K - 1), T, stride_xt, channels, c_mask)
+        tl.store(part + j * C + channels, tl.sum(dconv * x, axis=0), mask=c_mask)
 
 
 @triton.jit
-def _dx_kernel(dconv_ptr, w_ptr, dx_ptr, T, C, K: tl.constexpr, BLOCK_T: tl.constexpr, SUB_T: tl.constexpr,
-               BLOCK_C: tl.constexpr):
-    """dx for BLOCK_T rows, SUB_T at a time (as _dconv_kernel: a [64, 128] step took 255 registers)."""
+def _dx_kernel(dconv_ptr, w_ptr, dx_ptr, T, C, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     channels = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = channels < C
-    for t0 in tl.range(0, BLOCK_T, SUB_T):
-        t = tl.program_id(1) * BLOCK_T + t0 + tl.arange(0, SUB_T)
-        acc = tl.zeros([SUB_T, BLOCK_C], tl.float32)
-        for j in tl.static_range(K):
-            w = tl.load(w_ptr + channels * K + j, mask=c_mask, other=0.0).to(tl.float32)
-            acc += _shifted(dconv_ptr + b * T * C, t, K - 1 - j, T, C, channels, c_mask) * w[None, :]
-        tl.store(dx_ptr + (b * T + t.to(tl.int64))[:, None] * C + channels[None, :], acc.to(dx_ptr.dtype.element_ty),
-                 mask=(t < T)[:, None] & c_mask[None, :])
+    acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+    for j in tl.static_range(K):
+        w = tl.load(w_ptr + channels * K + j, mask=c_mask, other=0.0).to(tl.float32)
+        acc += _shifted(dconv_ptr + b * T * C, t, K - 1 - j, T, C, channels, c_mask) * w[None, :]
+    tl.store(dx_ptr + (b * T + t.to(tl.int64))[:, None] * C + channels[None, :], acc.to(dx_ptr.dtype.element_ty),
+             mask=(t < T)[:, None] & c_mask[None, :])
 
 
 def _grid(B, T, C):
@@ -179,11 +165,9 @@ def _backward(dy, x, weight):
     dconv = torch.empty(B, T, C, dtype=torch.float32, device=x.device)
     dw_part = torch.empty(B, grid[1], K, C, dtype=torch.float32, device=x.device)
     _dconv_kernel[grid](x, weight, dy, dconv, dw_part, T, C, x.stride(0), x.stride(1), grid[1],
-                        K=K, KP=next_power_of_2(K), BLOCK_T=BLOCK_T, SUB_T=DCONV_SUB_T, BLOCK_C=block_c,
-                        num_warps=WARPS)
+                        K=K, BLOCK_T=BLOCK_T, BLOCK_C=block_c, num_warps=WARPS)
     dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
-    _dx_kernel[grid](dconv, weight, dx, T, C, K=K, BLOCK_T=BLOCK_T, SUB_T=DCONV_SUB_T, BLOCK_C=block_c,
-                     num_warps=WARPS)
+    _dx_kernel[grid](dconv, weight, dx, T, C, K=K, BLOCK_T=BLOCK_T, BLOCK_C=block_c, num_warps=WARPS)
     dw = dw_part.sum((0, 1)).t().contiguous().to(weight.dtype)  # [C, K]
     return dx, dw
 

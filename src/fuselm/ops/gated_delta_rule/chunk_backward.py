@@ -78,7 +78,7 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.gated_delta_rule.chunk import (
-    CHUNK, PREPARE_BLOCK, PREPARE_WARPS, RECURRENCE_STAGES, RECURRENCE_WARPS, SUB, _chunk_prepare_kernel,
+    CHUNK, PREPARE_WARPS, RECURRENCE_STAGES, RECURRENCE_WARPS, SUB, _chunk_prepare_kernel,
     _chunk_recurrence_kernel, _chunk_span, _load_inverse, _load_keys, _load_rows, _load_vec, _mm, _row_rsqrt,
     _state_block, _store_block, chunk_gated_delta_rule_kernels, chunk_table, recurrence_geometry,
 )
@@ -382,8 +382,8 @@ def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, saved, scale, init
     h = torch.empty(slots, HV, K, V, dtype=dt, device=device)
     _chunk_prepare_kernel[(slots, HV)](
         q, k, v, g, beta, G, u, w, kd, aqk, inverse, start, length, seq_len, float(scale),
-        H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=min(PREPARE_BLOCK, BK), BV=min(PREPARE_BLOCK, BV_full), L2NORM=l2,
-        P=precision, EQUAL=equal, STORE_T=False, LOAD_T=True, num_warps=PREPARE_WARPS,
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=BK, BV=BV_full, L2NORM=l2, P=precision, EQUAL=equal,
+        STORE_T=False, LOAD_T=True, num_warps=PREPARE_WARPS,
     )
     block_v, fwd_stages = recurrence_geometry(N * HV, V, device)
     _chunk_recurrence_kernel[(cdiv(V, block_v), N * HV)](

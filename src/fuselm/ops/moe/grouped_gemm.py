@@ -37,13 +37,14 @@ Launches: three per block (gate/up, down, combine), after the routing's.
 
 Not done yet: the decode-specialised weight-streaming path (<= 16 tokens, where each expert's
 weight should be read once by a GEMV-shaped kernel rather than by block_m-row tiles mostly
-padding); tuning (the tile constants below are reasoned, not measured); the combine fused into
+padding); tiles past 64 tokens tuned (those below were measured at 1, 8 and 64); the combine fused into
 the down kernel (a token's slots live in different blocks, so that needs atomics or a
 slot-ordered second pass; today y [N * S, H] fp32 makes one round trip through memory).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -158,29 +159,22 @@ class GroupedGemmConfig:
     num_stages: int
 
 
-# UNTUNED (not timed): gate/up 64 features = a [block_m, 128] fp32 accumulator; down 128 output
-# features at block_m <= 16, 64 beyond; K step 64 (128 B rows of 16-bit operands); 3 stages; 8
-# warps. fp32 halves the K step (shared memory). Register budgets (benchmarks/kernel_registers.py's
-# method: sm_90 builds of triton 3.6, bf16, H 2048, F 512): at 4 warps gate/up spilled 296 B a
-# thread at block_m 16 and 1,112 B at 64, down 792 B at 64 with 128 features; these tiles build
-# without spill (gate/up 128 and 251 registers, down 147 and 183).
-GATE_UP_BLOCK_N = 64
-DOWN_BLOCK_N = 64
-DOWN_BLOCK_N_SMALL_M = 128  # at block_m <= 16 (decode)
-BLOCK_K = 64
-NUM_STAGES = 3
-NUM_WARPS = 8
+# Tuned on the H200 (benchmarks/moe.py --sweep, 35B-A3B layer, bf16, session 17): at block_m 16
+# (1 and 8 tokens) gate/up 64 features, K step 128, 4 warps (20.4 / 74.2 us against 23.8 / 74.3
+# at K step 64, 8 warps) and down 128 features (14.1 / 45.1 us); at block_m 64 (64 tokens) both 128
+# features (gate/up 0.270 ms against 0.341 at 64 features, down 0.302 against 0.501); 4 stages
+# (2 stages: +5-70%). fp32 halves the K step (shared memory).
+GATE_UP_TILES = {16: GroupedGemmConfig(64, 128, 4, 4), 64: GroupedGemmConfig(128, 64, 8, 4)}  # by block_m
+DOWN_TILES = {16: GroupedGemmConfig(128, 64, 8, 4), 64: GroupedGemmConfig(128, 64, 8, 4)}
+
 COMBINE_BLOCK_H = 1024  # combine: hidden features per program (4 warps)
 
 
 def grouped_gemm_config(kind: str, dtype: torch.dtype, block_m: int) -> GroupedGemmConfig:
-    """The (untuned) tile config of ``kind`` in {"gate_up", "down"} for ``dtype`` operands."""
-    if kind == "gate_up":
-        block_n = GATE_UP_BLOCK_N
-    else:
-        block_n = DOWN_BLOCK_N_SMALL_M if block_m <= 16 else DOWN_BLOCK_N
-    block_k = BLOCK_K // 2 if dtype == torch.float32 else BLOCK_K
-    return GroupedGemmConfig(block_n, block_k, NUM_WARPS, NUM_STAGES)
+    """The tile config of ``kind`` in {"gate_up", "down"} for ``dtype`` operands at ``block_m``
+    rows (the 16-row tiles up to 16, the 64-row ones past that)."""
+    tile = (GATE_UP_TILES if kind == "gate_up" else DOWN_TILES)[16 if block_m <= 16 else 64]
+    return dataclasses.replace(tile, block_k=tile.block_k // 2) if dtype == torch.float32 else tile
 
 
 # ----------------------------------------------------------------------------- checks

@@ -4,12 +4,12 @@ expert) on fuselm's kernels, built from HF's block. Inference only.
     moe = SwiGLUMoE.from_hf(hf_block)        # or SwiGLUMoE(router, top_k, gate_up, down, ...)
     y = moe(x)                                # x [..., H]
 
-Four launches per call up to 16 tokens (decode), five past that (``routing.route``: the router +
-shared-gate GEMM with softmax / top-k and the pair sort, one launch up to 16 tokens, two past;
+Five launches per call up to 16 tokens (decode), eight past that (``routing.route``: the router +
+shared-gate GEMM, then softmax / top-k and the pair sort: two launches up to 16 tokens, five past;
 ``grouped_gemm``: gate/up with the activation, down with the routing weight, the per-token
 combine), fixed grids and no host sync whatever the routing (CUDA-graph capturable). On a CPU
 without TRITON_INTERPRET every step runs its plain-PyTorch reference. Not yet: GEMM tiles for
-decode's few rows per expert (today 16-row tiles, mostly padding at one token), tuning, a GPU run.
+decode's few rows per expert (today 16-row tiles, mostly padding at one token).
 
 Weights are kept in the kernels' layout, made once here: ``router_with_gate`` [E + 1, H] (HF's
 router rows, then ``shared_expert_gate``); ``w13`` [E_total, 2F, H] (each expert's gate and up rows
@@ -35,8 +35,15 @@ from fuselm.ops.moe.grouped_gemm import combine, expert_down, expert_gate_up
 from fuselm.ops.moe.routing import route
 from fuselm.runtime import cdiv
 
-# The grouped GEMMs' row tile: 16 rows when the pairs are few (decode), 64 otherwise.
-SMALL_BLOCK_M, BLOCK_M, SMALL_PAIRS = 16, 64, 256
+# The grouped GEMMs' row tile: 16 rows while an expert gets at most 16 pairs on average (decode
+# and short prefill; the H200 sweep of session 17 at 64 tokens, ~2 pairs an expert: 64-row tiles
+# were mostly padding), 64 past that.
+SMALL_BLOCK_M, BLOCK_M, SMALL_PAIRS_PER_EXPERT = 16, 64, 16
+
+
+def routing_block_m(num_pairs: int, num_experts_total: int) -> int:
+    """The grouped GEMMs' row tile for num_pairs (token, slot) pairs over the experts."""
+    return SMALL_BLOCK_M if num_pairs <= SMALL_PAIRS_PER_EXPERT * num_experts_total else BLOCK_M
 
 
 class SwiGLUMoE(nn.Module):
@@ -125,7 +132,7 @@ class SwiGLUMoE(nn.Module):
             raise ValueError(f"x: expected {w.dtype} on {w.device}, got {x.dtype} on {x.device}")
         rows = x.reshape(-1, self.hidden_size).contiguous()
         slots = self.top_k + self.num_shared
-        block_m = SMALL_BLOCK_M if rows.shape[0] * slots <= SMALL_PAIRS else BLOCK_M
+        block_m = routing_block_m(rows.shape[0] * slots, self.num_experts + self.num_shared)
         routing = route(rows, w, self.top_k, self.num_shared, block_m)
         pairs = routing.sorted_pairs, routing.block_experts
         h = expert_gate_up(rows, self.w13, *pairs, slots, self.activation, block_m)

@@ -52,47 +52,40 @@ def _rms_norm_bwd_kernel(
     dy_ptr, x_ptr, w_ptr, dres_ptr, dx_ptr, dw_partial_ptr,
     n_rows, n_cols, rows_per_program, stride_dy, stride_x, stride_dres, stride_dx,
     eps, offset,
-    HAS_DRES: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DRES: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """A contiguous run of ``rows_per_program`` rows, BLOCK_M at a time (independent rows in
-    flight: one row a step left the kernel waiting on each row's loads), dw summed in fp32."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         w = w + offset
-    dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     row_start = pid.to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, n_rows)
-    for i in range(0, rows_per_program, BLOCK_M):
-        rows = row_start + i + tl.arange(0, BLOCK_M)
-        tile_mask = (rows < row_end)[:, None] & mask[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=tile_mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=tile_mask, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-        x_normed = x * rstd[:, None]
+    for i in range(0, rows_per_program):
+        row = row_start + i
+        row_mask = cols < tl.where(row < n_rows, n_cols, 0)  # all-false past the last row
+        x = tl.load(x_ptr + row * stride_x + cols, mask=row_mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=row_mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        x_normed = x * rstd
         if ZERO_CENTERED:
             dw += dy * x_normed
         else:
             dw += dy * x_normed.to(x_ptr.dtype.element_ty).to(tl.float32)
-        g = dy * w[None, :]
-        dx = rstd[:, None] * (g - x_normed * (tl.sum(g * x_normed, axis=1) / n_cols)[:, None])
+        g = dy * w
+        dx = rstd * (g - x_normed * (tl.sum(g * x_normed, axis=0) / n_cols))
         if HAS_DRES:
-            dx += tl.load(dres_ptr + rows[:, None] * stride_dres + cols[None, :], mask=tile_mask,
-                          other=0.0).to(tl.float32)
-        tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=tile_mask)
-    tl.store(dw_partial_ptr + pid.to(tl.int64) * n_cols + cols, tl.sum(dw, axis=0), mask=mask)
+            dx += tl.load(dres_ptr + row * stride_dres + cols, mask=row_mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=row_mask)
+    tl.store(dw_partial_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=mask)
 
 
 # ----------------------------------------------------------------------------- tuning constants
 # Forward: the whole-row tile of ``fuselm.ops.common.rows`` (MAX_COLS, row_block_geometry).
 # Backward: a persistent grid of PROGRAMS_PER_SM x SMs programs, each over a contiguous run of
-# rows, BWD_TILE elements (BLOCK_M whole rows) a step, accumulating its dw partial in registers.
-# One row a step (the kernel before) took 138 us for 16384 x 1024 bf16 rows with the residual's
-# gradient on an H200 (~128 MB: ~5x its traffic; Liger's 112 us).
+# rows, accumulating its dw partial in registers (one fp32 row of partial sums per program).
 PROGRAMS_PER_SM = 2
-BWD_TILE = 4096
 
 
 # ----------------------------------------------------------------------------- host launchers
@@ -119,13 +112,12 @@ def rms_norm_backward_kernel(dy, x, weight, d_residual_out, dx, eps: float, offs
     programs = cdiv(n_rows, rows_per_program)
     dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x.device)
     block_n = next_power_of_2(n_cols)
-    block_m = max(1, BWD_TILE // block_n)
     has_dres = d_residual_out is not None
     dres = d_residual_out if has_dres else dy
     _rms_norm_bwd_kernel[(programs,)](
         dy, x, weight, dres, dx, dw_partial, n_rows, n_cols, rows_per_program,
         dy.stride(0), x.stride(0), dres.stride(0), dx.stride(0), eps, offset,
-        HAS_DRES=has_dres, ZERO_CENTERED=offset != 0.0, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=min(max(block_m * block_n // 256, 4), 16),
+        HAS_DRES=has_dres, ZERO_CENTERED=offset != 0.0, BLOCK_N=block_n,
+        num_warps=min(max(block_n // 256, 4), 16),
     )
     return dw_partial.sum(0)
