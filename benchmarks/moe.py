@@ -58,7 +58,7 @@ def floor_ms(moe: SwiGLUMoE, experts_hit: float, tokens: int, bandwidth: float, 
     """max(weight bytes touched / bandwidth, FLOPs / rate) in ms."""
     elem = moe.w13.element_size()
     expert_bytes = (2 * F_ * H + H * F_) * elem
-    bytes_ = moe.router_with_gate.numel() * elem + (experts_hit + moe.num_shared) * expert_bytes
+    bytes_ = (E + 1) * H * elem + (experts_hit + moe.num_shared) * expert_bytes
     flops = 2 * tokens * (E + 1) * H + 2 * tokens * (K + moe.num_shared) * 3 * F_ * H
     return max(bytes_ / bandwidth, flops / rate) * 1e3
 
@@ -68,7 +68,7 @@ def unfused(moe: SwiGLUMoE, x: torch.Tensor, x_per_pair: torch.Tensor):
     writing [P, 2F] (``expert_down`` on w13 with unit weights, reading ``x_per_pair`` [N S, H],
     x repeated per slot, made outside the timing), then ``silu_mul``, then the down GEMM."""
     slots = moe.top_k + moe.num_shared
-    routing = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 64)
+    routing = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 64, num_experts=moe.num_experts)
     pairs = routing.sorted_pairs, routing.block_experts
     ones = torch.ones_like(routing.weights)
     gu = expert_down(x_per_pair, moe.w13, ones, *pairs, 64).to(x.dtype)  # [P, 2F], gate/up interleaved
@@ -89,11 +89,12 @@ def sweep(moe: SwiGLUMoE, token_counts, out: Path) -> None:
              for block_m in ((moe_op.SMALL_BLOCK_M, moe_op.BLOCK_M) if tokens >= 64 else (moe_op.SMALL_BLOCK_M,))]
     for tokens, block_m in cases:
         x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
-        routing = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, block_m)
+        routing = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, block_m, num_experts=moe.num_experts)
         pairs = routing.sorted_pairs, routing.block_experts
         h = expert_gate_up(x, moe.w13, *pairs, slots, moe.activation, block_m)
-        row = {"tokens": tokens, "block_m": block_m, "route_ms": graph_bench(
-            lambda: route(x, moe.router_with_gate, moe.top_k, moe.num_shared, block_m)), "gate_up": {}, "down": {}}
+        route_ms = graph_bench(
+            lambda: route(x, moe.router_with_gate, moe.top_k, moe.num_shared, block_m, num_experts=moe.num_experts))
+        row = {"tokens": tokens, "block_m": block_m, "route_ms": route_ms, "gate_up": {}, "down": {}}
         for kind in ("gate_up", "down"):
             row[f"{kind}_default"] = str(grouped_gemm_config(kind, x.dtype, block_m))
             for values in itertools.product(*SWEEP.values()):
@@ -142,7 +143,7 @@ def main():
         if args.skewed:  # half the tokens lean towards experts 0..15
             lean = moe.router_with_gate[:16].float().mean(0)
             x[: tokens // 2] += (4 * lean / lean.norm()).to(x.dtype)
-        routing = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 64)
+        routing = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 64, num_experts=moe.num_experts)
         hit = int(routing.experts[:, : moe.top_k].unique().numel())
         ours = graph_bench(lambda: moe(x))
         with torch.no_grad():

@@ -209,6 +209,22 @@ def test_sort_kernel_against_a_brute_force_build(N, S, E_total, block_m, hot):
     assert ref_pairs.tolist() == pairs and ref_blocks.tolist() == blocks
 
 
+@pytest.mark.parametrize("N", [5, 40])  # one program sorting; the three sort launches
+def test_rows_past_the_gate_are_ignored(N):
+    """router_with_gate with extra rows (``pad_router_rows``'s alignment, here garbage) and
+    num_experts = E: the routing of the unpadded weight."""
+    H, E, top_k = 24, 13, 3
+    x, w = randn(N, H), router(E, H, torch.float32)
+    padded = routing.pad_router_rows(w)
+    assert padded.shape == (16, H) and torch.equal(padded[:E + 1], w)
+    padded[E + 1:] = 1e3  # ignored rows: their logits would win every top-k
+    r = route(x, padded, top_k, 1, 16, num_experts=E, out=poisoned_routing(N, top_k + 1, E + 1, 16))
+    ref = route_pairs_ref(x, w, top_k, 1, 16)
+    for f in ("experts", "sorted_pairs", "block_experts"):
+        assert torch.equal(getattr(r, f), getattr(ref, f)), f
+    torch.testing.assert_close(r.weights, ref.weights, rtol=1e-6, atol=0)
+
+
 def test_reference_agrees_with_naive_route_ref_and_the_gate():
     N, H, E, top_k = 17, 48, 11, 4
     x, w = randn(N, H), router(E, H, torch.float32)
@@ -271,6 +287,8 @@ def test_cuda_graph_capture_and_replay():
     (lambda x, w: route(x, w[:1], 1, 1, 16), "router_with_gate"),
     (lambda x, w: route(x, w.half(), 2, 1, 16), "router_with_gate"),
     (lambda x, w: route(x, torch.zeros(514, 20, device=DEVICE), 2, 1, 16), "router_with_gate"),
+    (lambda x, w: route(x, w, 2, 1, 16, num_experts=w.shape[0]), "num_experts"),
+    (lambda x, w: route(x, w, 2, 1, 16, num_experts=0), "num_experts"),
     (lambda x, w: route(x, torch.zeros(8, 20, device="meta"), 2, 1, 16), "one device"),
     (lambda x, w: route(x, w, 2, 1, 16, out=poisoned_routing(5, 2, 8, 16)), "out.weights"),
     (lambda x, w: route(x, w, 2, 1, 16, out=poisoned_routing(5, 3, 9, 32)), "out.sorted_pairs"),

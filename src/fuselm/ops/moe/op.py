@@ -11,8 +11,8 @@ combine), fixed grids and no host sync whatever the routing (CUDA-graph capturab
 without TRITON_INTERPRET every step runs its plain-PyTorch reference. Not yet: GEMM tiles for
 decode's few rows per expert (today 16-row tiles, mostly padding at one token).
 
-Weights are kept in the kernels' layout, made once here: ``router_with_gate`` [E + 1, H] (HF's
-router rows, then ``shared_expert_gate``); ``w13`` [E_total, 2F, H] (each expert's gate and up rows
+Weights are kept in the kernels' layout, made once here: ``router_with_gate`` [E + 1 + pad, H] (HF's
+router rows, then ``shared_expert_gate``, then zero rows to a multiple of 8: ``pad_router_rows``); ``w13`` [E_total, 2F, H] (each expert's gate and up rows
 interleaved); ``w2`` [E_total, H, F]. The shared expert is ``num_shared`` = ceil(F_s / F) more
 experts of F features each, always selected, weighted by sigmoid(x w_sg^T): its F_s features
 zero-padded to num_shared F (a zero gate and up row gives an activation of 0 for every
@@ -32,7 +32,7 @@ from torch import nn
 
 from fuselm.ops.common.activation import Activation
 from fuselm.ops.moe.grouped_gemm import combine, expert_down, expert_gate_up
-from fuselm.ops.moe.routing import route
+from fuselm.ops.moe.routing import pad_router_rows, route
 from fuselm.runtime import cdiv
 
 # The grouped GEMMs' row tile: 16 rows while an expert gets at most 16 pairs on average (decode
@@ -105,7 +105,7 @@ class SwiGLUMoE(nn.Module):
         shared = w13[E:].view(num_shared * F_, 2, H)
         shared[:F_s, 0], shared[:F_s, 1] = shared_gate, shared_up
         w2[E:] = F.pad(shared_down, (0, num_shared * F_ - F_s)).view(H, num_shared, F_).transpose(0, 1)
-        return {"router_with_gate": torch.cat([router, shared_expert_gate]),
+        return {"router_with_gate": pad_router_rows(torch.cat([router, shared_expert_gate])),
                 "w13": w13.view(E + num_shared, 2 * F_, H), "w2": w2}
 
     @classmethod
@@ -133,7 +133,7 @@ class SwiGLUMoE(nn.Module):
         rows = x.reshape(-1, self.hidden_size).contiguous()
         slots = self.top_k + self.num_shared
         block_m = routing_block_m(rows.shape[0] * slots, self.num_experts + self.num_shared)
-        routing = route(rows, w, self.top_k, self.num_shared, block_m)
+        routing = route(rows, w, self.top_k, self.num_shared, block_m, num_experts=self.num_experts)
         pairs = routing.sorted_pairs, routing.block_experts
         h = expert_gate_up(rows, self.w13, *pairs, slots, self.activation, block_m)
         y = expert_down(h, self.w2, routing.weights, *pairs, block_m)

@@ -56,7 +56,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fuselm.ops.common.matmul import dot_acc, load_k_step
 from fuselm.runtime import cdiv, check_same_device, check_tensor, next_power_of_2, use_triton
 
 MAX_EXPERTS = 512
@@ -86,6 +85,13 @@ def max_pairs(num_tokens: int, slots: int, num_experts_total: int, block_m: int)
     return cdiv(pairs + min(num_experts_total, pairs) * (block_m - 1), block_m) * block_m
 
 
+def pad_router_rows(router_with_gate: torch.Tensor, multiple: int = 8) -> torch.Tensor:
+    """router_with_gate [E + 1, H] with zero rows appended up to a multiple of ``multiple`` rows
+    (a new tensor): ``route(..., num_experts=E)`` then gets 16-byte aligned logits rows."""
+    rows = router_with_gate.shape[0]
+    return F.pad(router_with_gate, (0, 0, 0, cdiv(rows, multiple) * multiple - rows))
+
+
 # ----------------------------------------------------------------------------- reference
 def sort_pairs_ref(experts: torch.Tensor, num_experts_total: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pairs, block_experts) of an [N, S] expert-id tensor, in plain PyTorch (a stable sort)."""
@@ -111,12 +117,12 @@ def sort_pairs_ref(experts: torch.Tensor, num_experts_total: int, block_m: int) 
 
 
 def route_pairs_ref(x: torch.Tensor, router_with_gate: torch.Tensor, top_k: int, num_shared: int,
-                    block_m: int) -> Routing:
+                    block_m: int, num_experts: int | None = None) -> Routing:
     """The routing in plain PyTorch (the contract of the module docstring; the CPU fallback and
     the tests' reference). Numerics of ``naive.route_ref``, except that the top-k comes from a
     stable descending sort, so ties go to the lower expert id as in the kernel."""
     N = x.shape[0]
-    E = router_with_gate.shape[0] - 1
+    E = router_with_gate.shape[0] - 1 if num_experts is None else num_experts
     logits = F.linear(x, router_with_gate)  # the router's E and the gate's one logit, as the kernel path
     probs = torch.softmax(logits[:, :E], dim=-1, dtype=torch.float32)
     top, experts = torch.sort(probs, dim=-1, descending=True, stable=True)
@@ -124,7 +130,7 @@ def route_pairs_ref(x: torch.Tensor, router_with_gate: torch.Tensor, top_k: int,
     weights = [(top / top.sum(dim=-1, keepdim=True)).to(x.dtype).float()]
     ids = [experts.to(torch.int32)]
     if num_shared:
-        scale = torch.sigmoid(logits[:, E:].float())  # [N, 1]
+        scale = torch.sigmoid(logits[:, E:E + 1].float())  # [N, 1]
         weights.append(scale.expand(N, num_shared))
         ids.append(torch.arange(E, E + num_shared, dtype=torch.int32, device=x.device).expand(N, num_shared))
     weights, experts = torch.cat(weights, dim=1).contiguous(), torch.cat(ids, dim=1).contiguous()
@@ -139,8 +145,7 @@ def _route_kernel(
     N, stride_ln, num_blocks,
     E: tl.constexpr, TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr,
     BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, S_PAD: tl.constexpr,
-    SORT: tl.constexpr, BLOCK_M: tl.constexpr, SORT_BLOCK: tl.constexpr, SORT_BB: tl.constexpr,
-    E_TOTAL_PAD: tl.constexpr,
+    SORT: tl.constexpr, BLOCK_M: tl.constexpr, SORT_BLOCK: tl.constexpr, E_TOTAL_PAD: tl.constexpr,
 ):
     """Weights and experts of BLOCK_T tokens from their [E + 1] logits (the router's E, then the
     shared gate's), as the module docstring; with SORT (the only program) the pair sort too."""
@@ -185,7 +190,7 @@ def _route_kernel(
     if SORT:  # the only program (N <= BLOCK_T): sort the pairs here too, one launch in all
         tl.debug_barrier()  # this program's expert ids are in memory for all its threads
         _sort_in_one_program(experts_ptr, sorted_ptr, block_experts_ptr, N * S, num_blocks, E + NUM_SHARED,
-                             BLOCK_M, SORT_BLOCK, SORT_BB, E_TOTAL_PAD)
+                             BLOCK_M, SORT_BLOCK, E_TOTAL_PAD)
 
 
 @triton.jit
@@ -244,7 +249,7 @@ def _mark_blocks(sorted_ptr, block_experts_ptr, start, count, b_begin, b_end, nu
 def _sort_in_one_program(
     experts_ptr, sorted_ptr, block_experts_ptr,
     num_pairs, num_blocks, E_TOTAL,
-    BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BB: tl.constexpr, E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, E_PAD: tl.constexpr,
 ):
     """The counting sort by one program (module docstring), inlined into ``_route_kernel`` up to
     16 tokens: pairs per expert, the exclusive prefix sum of the padded counts, the blocks and
@@ -257,7 +262,7 @@ def _sort_in_one_program(
         count += tl.sum(_one_hot(tl.load(experts_ptr + i, mask=i < num_pairs, other=-1), ecols, E_TOTAL), axis=0)
     padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     start = tl.cumsum(padded, axis=0) - padded
-    _mark_blocks(sorted_ptr, block_experts_ptr, start, count, 0, num_blocks, num_pairs, BLOCK_M, BB, E_PAD)
+    _mark_blocks(sorted_ptr, block_experts_ptr, start, count, 0, num_blocks, num_pairs, BLOCK_M, BLOCK, E_PAD)
     _place_pairs(experts_ptr, sorted_ptr, 0, num_pairs, start, E_TOTAL, BLOCK, E_PAD)
 
 
@@ -302,8 +307,7 @@ def _offsets_kernel(counts_ptr, table_ptr, num_chunks, BLOCK_M: tl.constexpr, RB
 @triton.jit
 def _scatter_kernel(experts_ptr, offsets_ptr, table_ptr, sorted_ptr, block_experts_ptr,
                     num_pairs, num_blocks, blocks_per_program, E_TOTAL,
-                    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BB: tl.constexpr,
-                    E_PAD: tl.constexpr):
+                    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, E_PAD: tl.constexpr):
     """Sort launch 3 (a program per CHUNK pairs): the chunk's pairs to their entries, and
     ``blocks_per_program`` blocks' experts and padding (disjoint from every pair entry)."""
     c = tl.program_id(0)
@@ -313,7 +317,7 @@ def _scatter_kernel(experts_ptr, offsets_ptr, table_ptr, sorted_ptr, block_exper
                  tl.load(offsets_ptr + c * E_PAD + ecols), E_TOTAL, BLOCK, E_PAD)
     b0 = c * blocks_per_program
     _mark_blocks(sorted_ptr, block_experts_ptr, tl.load(table_ptr + ecols), tl.load(table_ptr + E_PAD + ecols),
-                 b0, tl.minimum(b0 + blocks_per_program, num_blocks), num_pairs, BLOCK_M, BB, E_PAD)
+                 b0, tl.minimum(b0 + blocks_per_program, num_blocks), num_pairs, BLOCK_M, BLOCK, E_PAD)
 
 
 # ----------------------------------------------------------------------------- host launchers
@@ -334,13 +338,13 @@ def _sort_geometry(num_experts_total: int) -> tuple[int, int, int]:
     return e_pad, min(256, max(16, 16384 // e_pad)), 8 if e_pad >= 256 else 4
 
 
-def route_kernel(logits, top_k: int, num_shared: int, weights, experts,
+def route_kernel(logits, num_experts: int, top_k: int, num_shared: int, weights, experts,
                  sorted_pairs=None, block_experts=None, block_m: int = 16) -> None:
-    """Launch 1: weights, experts [N, S] from the [N, E + 1] logits (N >= 1); with ``sorted_pairs``
+    """Launch 1: weights, experts [N, S] from the [N, >= E + 1] logits (N >= 1; columns 0..E-1 the
+    router's, E the gate's, any further ones unread); with ``sorted_pairs``
     / ``block_experts`` given and one program holding every token (N <= ROUTE_BLOCK_T, decode),
     the pair sort too (``sort_kernel``'s work, no more launches)."""
-    N = logits.shape[0]
-    E = logits.shape[1] - 1
+    N, E = logits.shape[0], num_experts
     e_pad, num_warps = _route_geometry(E)
     sort = sorted_pairs is not None and N <= ROUTE_BLOCK_T
     e_total_pad, sort_block, sort_warps = _sort_geometry(E + num_shared)
@@ -349,7 +353,7 @@ def route_kernel(logits, top_k: int, num_shared: int, weights, experts,
         N, logits.stride(0), block_experts.numel() if sort else 0,
         E=E, TOP_K=top_k, NUM_SHARED=num_shared, BLOCK_T=ROUTE_BLOCK_T, E_PAD=e_pad,
         S_PAD=max(2, next_power_of_2(top_k + num_shared)), SORT=sort, BLOCK_M=block_m, SORT_BLOCK=sort_block,
-        SORT_BB=max(1, sort_block // block_m), E_TOTAL_PAD=e_total_pad, num_warps=max(num_warps, sort_warps) if sort else num_warps,
+        E_TOTAL_PAD=e_total_pad, num_warps=max(num_warps, sort_warps) if sort else num_warps,
     )
 
 
@@ -372,7 +376,7 @@ def sort_kernel(experts, num_experts_total: int, block_m: int, sorted_pairs, blo
                           num_warps=num_warps)
     _scatter_kernel[(chunks,)](experts, counts, table, sorted_pairs, block_experts, num_pairs, num_blocks,
                                cdiv(num_blocks, chunks), num_experts_total, BLOCK_M=block_m, CHUNK=SORT_CHUNK,
-                               BLOCK=block, BB=max(1, block // block_m), E_PAD=e_pad, num_warps=num_warps)
+                               BLOCK=block, E_PAD=e_pad, num_warps=num_warps)
 
 
 def _is_int(value) -> bool:
@@ -390,20 +394,24 @@ def _check_buffer(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.
 
 
 def route(x: torch.Tensor, router_with_gate: torch.Tensor, top_k: int, num_shared: int, block_m: int,
-          *, out: Routing | None = None) -> Routing:
+          *, num_experts: int | None = None, out: Routing | None = None) -> Routing:
     """The routing of x [N, H] (module docstring: layout, numerics, launches).
 
     Args:
         x: [N, H] fp32/fp16/bf16 tokens.
-        router_with_gate: [E + 1, H] in x's dtype: the router weight's E rows, then the shared
-            expert gate's row (ignored when num_shared is 0). E <= ``MAX_EXPERTS``.
+        router_with_gate: [R, H] in x's dtype, R >= E + 1: the router weight's E rows, then the
+            shared expert gate's row (ignored when num_shared is 0), then rows that are ignored
+            (``pad_router_rows``: logits rows 16-byte aligned, so that cuBLAS takes its fast
+            kernels; at 257 columns it took an sm75-era kernel, 304 us at 16384 tokens on the
+            H200). E <= ``MAX_EXPERTS``.
+        num_experts: E, by default R - 1.
         top_k: routed experts per token, in [1, E].
         num_shared: the shared expert's slots per token (>= 0), ids E .. E + num_shared - 1.
         block_m: the grouped GEMMs' row tile: a power of two >= 16.
         out: optional buffers to fill (e.g. a CUDA graph's static outputs), shaped as the result.
     Returns:
-        ``Routing``; CUDA tensors (or CPU ones under TRITON_INTERPRET=1) take two Triton launches,
-        other CPU tensors the PyTorch reference.
+        ``Routing``; CUDA tensors (or CPU ones under TRITON_INTERPRET=1) take the module
+        docstring's launches, other CPU tensors the PyTorch reference.
     """
     check_tensor("x", x)
     check_tensor("router_with_gate", router_with_gate)
@@ -413,7 +421,10 @@ def route(x: torch.Tensor, router_with_gate: torch.Tensor, top_k: int, num_share
     if router_with_gate.dim() != 2 or router_with_gate.shape[0] < 2 or router_with_gate.shape[1] != H:
         raise ValueError(f"router_with_gate: expected [E + 1, H = {H}] with E >= 1, "
                          f"got {tuple(router_with_gate.shape)}")
-    E = router_with_gate.shape[0] - 1
+    E = router_with_gate.shape[0] - 1 if num_experts is None else num_experts
+    if not _is_int(E) or not 1 <= E <= router_with_gate.shape[0] - 1:
+        raise ValueError(f"num_experts: expected an int in [1, {router_with_gate.shape[0] - 1}] (router_with_gate's "
+                         f"rows less the gate's), got {num_experts!r}")
     if E > MAX_EXPERTS:
         raise ValueError(f"router_with_gate: {E} experts exceed the {MAX_EXPERTS} a program holds")
     if router_with_gate.dtype != x.dtype:
@@ -450,12 +461,12 @@ def route(x: torch.Tensor, router_with_gate: torch.Tensor, top_k: int, num_share
     if N == 0:
         return out
     if not use_triton(x):
-        ref = route_pairs_ref(x, router_with_gate, top_k, num_shared, block_m)
+        ref = route_pairs_ref(x, router_with_gate, top_k, num_shared, block_m, E)
         for name in ("weights", "experts", "sorted_pairs", "block_experts"):
             getattr(out, name).copy_(getattr(ref, name))
         return out
     logits = F.linear(x, router_with_gate)  # [N, E + 1] in x's dtype: cuBLAS's fp32 accumulation, rounded
-    route_kernel(logits, top_k, num_shared, out.weights, out.experts, out.sorted_pairs, out.block_experts, block_m)
+    route_kernel(logits, E, top_k, num_shared, out.weights, out.experts, out.sorted_pairs, out.block_experts, block_m)
     if not routes_and_sorts_in_one_launch(N):
         sort_kernel(out.experts, E_total, block_m, out.sorted_pairs, out.block_experts)
     return out
