@@ -77,16 +77,16 @@ def unfused(moe: SwiGLUMoE, x: torch.Tensor, x_per_pair: torch.Tensor):
     return combine(y, x.shape[0], slots, x.dtype)
 
 
-SWEEP = {"block_n": (64, 128), "block_k": (64, 128), "num_warps": (4, 8), "num_stages": (3, 4)}
+SWEEP = {"block_n": (64, 128, 256), "block_k": (64, 128), "num_warps": (4, 8), "num_stages": (3, 4)}
 
 
 def sweep(moe: SwiGLUMoE, token_counts, out: Path) -> None:
     """Each grouped GEMM alone at every SWEEP tile config, and the routing, per token count and
-    row tile (both 16 and 64 rows from 64 tokens on)."""
+    row tile (16 rows below 64 tokens, 16 and 64 to 1023, 64 and 128 from 1024)."""
     slots = moe.top_k + moe.num_shared
     results = []
     cases = [(tokens, block_m) for tokens in token_counts
-             for block_m in ((moe_op.SMALL_BLOCK_M, moe_op.BLOCK_M) if tokens >= 64 else (moe_op.SMALL_BLOCK_M,))]
+             for block_m in ((16,) if tokens < 64 else (16, 64) if tokens < 1024 else (64, 128))]
     for tokens, block_m in cases:
         x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
         routing = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, block_m, num_experts=moe.num_experts)

@@ -46,29 +46,23 @@ def _gemm_swiglu_kernel(
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(F, BLOCK_N), GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    grows = pid_n * 2 * BLOCK_N + 2 * tl.arange(0, BLOCK_N)  # gate rows of the interleaved w13 (up: + 1)
+    wrows = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)  # interleaved gate/up rows of w13
     k = tl.arange(0, BLOCK_K)
     # Out-of-range rows wrap to valid ones (their results are never stored), so the main loop
     # needs no row or column masks.
     x_ptrs = x_ptr + (rows % M).to(tl.int64)[:, None] * stride_xm + k[None, :]
-    wg_ptrs = w_ptr + (grows % (2 * F)).to(tl.int64)[None, :] * stride_wn + k[:, None]  # [BLOCK_K, BLOCK_N] of Wg.T
-    # G and U in two accumulators, two dots a K step: one [BLOCK_M, 2 BLOCK_N] accumulator split
-    # into gate and up columns in the epilogue spilled (880 B a thread at 128 x 128, 8 warps: an
-    # sm_90 build of triton 3.6, benchmarks/kernel_registers.py's method)
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_ptrs = w_ptr + (wrows % (2 * F)).to(tl.int64)[None, :] * stride_wn + k[:, None]  # [BLOCK_K, 2 BLOCK_N] of w13.T
+    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
     sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
-        xt, wg = load_k_step(x_ptrs, wg_ptrs, k, D - k0, EVEN_K)
-        _, wu = load_k_step(x_ptrs, wg_ptrs + stride_wn, k, D - k0, EVEN_K)
-        acc_g = dot_acc(xt, wg, acc_g, IEEE)
-        acc_u = dot_acc(xt, wu, acc_u, IEEE)
+        xt, w = load_k_step(x_ptrs, w_ptrs, k, D - k0, EVEN_K)
+        acc = dot_acc(xt, w, acc, IEEE)
         if RMS:
             xf = xt.to(tl.float32)
             sum_sq += tl.sum(xf * xf, axis=1)
         x_ptrs += BLOCK_K
-        wg_ptrs += BLOCK_K
-    g, u = acc_g, acc_u
+        w_ptrs += BLOCK_K
+    g, u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     if RMS:
         # RMSNorm folded in: rms(x) @ W.T = rstd * (x @ (W * norm_weight).T), the norm weight
         # already multiplied into w13's columns by the caller.
