@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 from fuselm.ops.moe import SwiGLUMoE
-from fuselm.ops.moe import op as moe_op
 from fuselm.ops.moe.grouped_gemm import GroupedGemmConfig, combine, expert_down, expert_gate_up, grouped_gemm_config
 from fuselm.ops.moe.routing import route
 from fuselm.ops.silu_mul import silu_mul
@@ -65,16 +64,13 @@ def floor_ms(moe: SwiGLUMoE, experts_hit: float, tokens: int, bandwidth: float, 
 
 def unfused(moe: SwiGLUMoE, x: torch.Tensor, x_per_pair: torch.Tensor):
     """Routing, down GEMM and combine as fuselm's; gate/up as a grouped GEMM with no epilogue
-    writing [P, 2F] (``expert_down`` on w13 with unit weights, reading ``x_per_pair`` [N S, H],
-    x repeated per slot, made outside the timing), then ``silu_mul``, then the down GEMM."""
-    slots = moe.top_k + moe.num_shared
+    writing [P, 2F] (``expert_down`` on w13, reading ``x_per_pair`` [N S, H], x repeated per slot,
+    made outside the timing), then ``silu_mul``, then the down GEMM."""
     routing = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 64, num_experts=moe.num_experts)
     pairs = routing.sorted_pairs, routing.block_experts
-    ones = torch.ones_like(routing.weights)
-    gu = expert_down(x_per_pair, moe.w13, ones, *pairs, 64).to(x.dtype)  # [P, 2F], gate/up interleaved
+    gu = expert_down(x_per_pair, moe.w13, *pairs, 64)  # [P, 2F], gate/up interleaved
     h = silu_mul(gu[:, 0::2], gu[:, 1::2])
-    y = expert_down(h, moe.w2, routing.weights, *pairs, 64)
-    return combine(y, x.shape[0], slots, x.dtype)
+    return combine(expert_down(h, moe.w2, *pairs, 64), routing.weights, x.dtype)
 
 
 SWEEP = {"block_n": (64, 128, 256), "block_k": (64, 128), "num_warps": (4, 8), "num_stages": (3, 4)}
@@ -101,7 +97,7 @@ def sweep(moe: SwiGLUMoE, token_counts, out: Path) -> None:
                 cfg = GroupedGemmConfig(*values)
                 fn = ((lambda: expert_gate_up(x, moe.w13, *pairs, slots, moe.activation, block_m, out=h, config=cfg))
                       if kind == "gate_up" else
-                      (lambda: expert_down(h, moe.w2, routing.weights, *pairs, block_m, config=cfg)))
+                      (lambda: expert_down(h, moe.w2, *pairs, block_m, config=cfg)))
                 try:
                     row[kind]["n{} k{} w{} s{}".format(*values)] = graph_bench(fn)
                 except Exception as exc:  # shared memory or registers exceeded at some tiles

@@ -10,3 +10,12 @@ fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 # want STAGE: whether a runner's " $stages " (set after sourcing this, space-padded) names STAGE.
 want() { [[ $stages == *" $1 "* ]]; }
+# The device brings back at most 8 files from $OUT: on exit, every file under it (but earlier
+# archives) goes into one $OUT/results-<runner>.tgz (read them with `tar xzf`). A runner killed by
+# the call's own time limit packs nothing: keep each stage under its `timeout`.
+pack_out() {
+  local archive="results-$(basename "${0:-shell}" .sh).tgz"
+  (cd "$OUT" && find . -type f ! -name '*.tgz' | tar czf "$archive.part" -T - \
+     && find . -type f ! -name '*.tgz' ! -name '*.part' -delete && mv "$archive.part" "$archive")
+}
+trap pack_out EXIT

@@ -96,11 +96,12 @@ def run_gate_up(x, w13, experts, act, block_m, config=None, listed=None):
     return h, ref
 
 
-def run_down(h, w2, weights, experts, block_m, config=None):
+def run_down(h, w2, experts, block_m, config=None):
     sorted_pairs, block_experts = pair_list(experts, w2.shape[0], block_m)
-    y = expert_down(h, w2, weights, sorted_pairs, block_experts, block_m,
-                    out=poisoned_like(torch.empty(h.shape[0], w2.shape[1], device=DEVICE)), config=config)
-    return y, expert_down_ref(h, w2, weights, sorted_pairs, block_experts, block_m)
+    y = expert_down(h, w2, sorted_pairs, block_experts, block_m,
+                    out=poisoned_like(torch.empty(h.shape[0], w2.shape[1], dtype=h.dtype, device=DEVICE)),
+                    config=config)
+    return y, expert_down_ref(h, w2, sorted_pairs, block_experts, block_m)
 
 
 # ----------------------------------------------------------------------------- the pair list itself
@@ -157,8 +158,7 @@ def test_unlisted_pairs_are_left_untouched():
     assert_close(h[rows], ref[rows], TOL[dtype], "h")
     # down reads only listed rows: the NaN rows of h do not leak into them
     sorted_pairs, block_experts = pair_list(experts, E_TOTAL, 16, listed)
-    y = expert_down(h, w2, torch.rand(experts.shape, device=DEVICE), sorted_pairs, block_experts, 16,
-                    out=poisoned_like(torch.empty(h.shape[0], H, device=DEVICE)))
+    y = expert_down(h, w2, sorted_pairs, block_experts, 16, out=poisoned_like(torch.empty(h.shape[0], H, device=DEVICE)))
     assert y[~rows].isnan().all() and not y[rows].isnan().any()
 
 
@@ -169,25 +169,24 @@ def test_down_matches_reference(block_m, config, dtype):
     experts = random_experts()
     h = randn(experts.numel(), F_, dtype=dtype)
     _, w2 = expert_weights(dtype)
-    weights = torch.rand(experts.shape, device=DEVICE)
-    y, ref = run_down(h, w2, weights, experts, block_m, config)
-    assert y.shape == (experts.numel(), H) and y.dtype == torch.float32
+    y, ref = run_down(h, w2, experts, block_m, config)
+    assert y.shape == (experts.numel(), H) and y.dtype == dtype  # the product rounded to h's dtype
     assert_matches(y, ref, dtype, "y")
-    # the product is rounded to h's dtype before the fp32 weight: y / w is a value of that dtype
-    unweighted = y / weights.reshape(-1, 1)
-    assert_close(unweighted, unweighted.to(dtype).float(), 1e-6, "y / weight")
 
 
 # ----------------------------------------------------------------------------- combine
 @pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("y_dtype", DTYPES)
 @pytest.mark.parametrize("n, s, h", [(7, 3, 40), (5, 1, 1500)])
-def test_combine_is_exact(n, s, h, out_dtype):
-    y = randn(n * s, h)
-    out = combine(y, n, s, out_dtype, out=poisoned_like(torch.empty(n, h, dtype=out_dtype, device=DEVICE)))
+def test_combine_is_exact(n, s, h, y_dtype, out_dtype):
+    y = randn(n * s, h, dtype=y_dtype)
+    weights = torch.rand(n, s, device=DEVICE)
+    out = combine(y, weights, out_dtype, out=poisoned_like(torch.empty(n, h, dtype=out_dtype, device=DEVICE)))
     assert out.dtype == out_dtype
-    assert torch.equal(out, combine_ref(y, n, s, out_dtype))  # same fp32 adds in the same order
+    assert torch.equal(out, combine_ref(y, weights, out_dtype))  # same fp32 products and adds, same order
     # One rounding of the fp32 sum: half an ulp, 2^-11 (fp16) / 2^-8 (bf16) relative, at most.
-    assert_close(out, y.double().reshape(n, s, h).sum(1), {torch.float32: 1e-6, torch.float16: 1e-3}.get(out_dtype, 4e-3))
+    exact = (y.double().reshape(n, s, h) * weights.double()[:, :, None]).sum(1)
+    assert_close(out, exact, {torch.float32: 1e-6, torch.float16: 1e-3}.get(out_dtype, 4e-3))
 
 
 # ----------------------------------------------------------------------------- routing corner cases
@@ -207,9 +206,9 @@ def test_idle_expert_and_all_pairs_on_one_expert(case):
     h, ref = run_gate_up(x, w13, experts, Activation(), 16)
     assert_matches(h, ref, dtype, "h")
     weights = torch.rand(experts.shape, device=DEVICE)
-    y, y_ref = run_down(h, w2, weights, experts, 16)
+    y, y_ref = run_down(h, w2, experts, 16)
     assert_matches(y, y_ref, dtype, "y")
-    assert_close(combine(y, N, experts.shape[1], dtype), combine_ref(y_ref, N, experts.shape[1], dtype), 1e-6)
+    assert_close(combine(y, weights, dtype), combine_ref(y_ref, weights, dtype), 1e-6)
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -247,8 +246,8 @@ def test_end_to_end_matches_swiglu_moe_ref(n, act):
     sorted_pairs, block_experts = pair_list(experts, E + chunks, block_m)
 
     h = expert_gate_up(x, w13, sorted_pairs, block_experts, s, act, block_m)
-    y = expert_down(h, w2, weights, sorted_pairs, block_experts, block_m)
-    out = combine(y, n, s, x.dtype)
+    y = expert_down(h, w2, sorted_pairs, block_experts, block_m)
+    out = combine(y, weights, x.dtype)
     expected = swiglu_moe_ref(x, m["router_weight"], top_k, m["gate_up"], m["down"], m["shared_gate"],
                               m["shared_up"], m["shared_down"], m["shared_expert_gate"], act)
     assert out.shape == x.shape and out.dtype == x.dtype
@@ -282,13 +281,15 @@ S = TOP_K + SHARED
     (lambda a: expert_gate_up(a["x"], a["w13"], a["sp"], a["be"], 0, Activation(), 16), "slots"),
     (lambda a: expert_gate_up(a["x"], a["w13"], a["sp"], a["be"], S, Activation(), 16,
                               out=torch.empty(N * S, F_ + 1, device=DEVICE)), "out: expected"),
-    (lambda a: expert_down(a["h"], a["w2"][:, :, :-1], a["weights"], a["sp"], a["be"], 16), "w2: expected"),
-    (lambda a: expert_down(a["h"], a["w2"].half(), a["weights"], a["sp"], a["be"], 16), "w2: dtype"),
-    (lambda a: expert_down(a["h"], a["w2"], a["weights"][:-1], a["sp"], a["be"], 16), "weights: expected"),
-    (lambda a: expert_down(a["h"], a["w2"], a["weights"].half(), a["sp"], a["be"], 16), "weights: dtype"),
-    (lambda a: combine(a["h"].float(), N + 1, S, torch.float32), "y: expected"),
-    (lambda a: combine(a["h"].half(), N, S, torch.float32), "y: dtype"),
-    (lambda a: combine(a["h"], N, S, torch.int8), "out_dtype"),
+    (lambda a: expert_down(a["h"], a["w2"][:, :, :-1], a["sp"], a["be"], 16), "w2: expected"),
+    (lambda a: expert_down(a["h"], a["w2"].half(), a["sp"], a["be"], 16), "w2: dtype"),
+    (lambda a: expert_down(a["h"], a["w2"], a["sp"], a["be"], 16, out=torch.empty(N * S, H, dtype=torch.float16,
+                                                                                  device=DEVICE)), "out: expected"),
+    (lambda a: combine(a["h"], a["weights"][:-1], torch.float32), "y: expected"),
+    (lambda a: combine(a["h"], a["weights"].half(), torch.float32), "weights: dtype"),
+    (lambda a: combine(a["h"], a["weights"].t(), torch.float32), "weights: rows must be contiguous"),
+    (lambda a: combine(a["h"].long(), a["weights"], torch.float32), "y: dtype"),
+    (lambda a: combine(a["h"], a["weights"], torch.int8), "out_dtype"),
 ])
 def test_bad_input_names_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
@@ -305,6 +306,6 @@ def test_cpu_without_interpreter_uses_reference(monkeypatch):
     act = Activation.swiglu_oai(0.6, 1.702)
     h = expert_gate_up(a["x"], a["w13"], a["sp"], a["be"], S, act, 16)
     assert torch.equal(h, expert_gate_up_ref(a["x"], a["w13"], a["sp"], a["be"], S, act, 16))
-    y = expert_down(h, a["w2"], a["weights"], a["sp"], a["be"], 16)
-    assert torch.equal(y, expert_down_ref(h, a["w2"], a["weights"], a["sp"], a["be"], 16))
-    assert torch.equal(combine(y, N, S, torch.float16), combine_ref(y, N, S, torch.float16))
+    y = expert_down(h, a["w2"], a["sp"], a["be"], 16)
+    assert torch.equal(y, expert_down_ref(h, a["w2"], a["sp"], a["be"], 16))
+    assert torch.equal(combine(y, a["weights"], torch.float16), combine_ref(y, a["weights"], torch.float16))

@@ -1,6 +1,6 @@
 """Grouped expert GEMMs of the Qwen3.5-MoE sparse block (issue 19): the gate/up GEMM with SwiGLU
-in its epilogue, the down GEMM with the routing weight in its epilogue, and the per-token combine,
-all reading the sorted, block-padded pair list that the routing kernel writes.
+in its epilogue, the down GEMM, and the per-token combine with the routing weights, the GEMMs
+reading the sorted, block-padded pair list that the routing kernel writes.
 
 Pair list (the input contract). N tokens, S slots per token (the top-k routed experts, then the
 shared expert's chunks: a shared expert is just more experts, E_total in all); pair p = n * S + j
@@ -13,7 +13,7 @@ values: no host sync, CUDA-graph safe. Unused blocks return at once.
 
 Shapes: x [N, H]; w13 [E_total, 2F, H], each expert's gate and up rows interleaved (row 2f =
 gate f, row 2f + 1 = up f: ``interleave_gate_up`` per expert); w2 [E_total, H, F];
-weights [N, S] fp32; h [N * S, F] in x's dtype; y [N * S, H] fp32; out [N, H].
+weights [N, S] fp32; h [N * S, F] and y [N * S, H] in x's dtype; out [N, H].
 
 - ``expert_gate_up``: a program owns one block of ``block_m`` pairs (all of one expert e) and
   BLOCK_N features of h: the block's rows of x are gathered through the pair list (x[p // S], no
@@ -23,10 +23,12 @@ weights [N, S] fp32; h [N * S, F] in x's dtype; y [N * S, H] fp32; out [N, H].
   product rounded once. Row p of h is pair p's (h in pair order); rows of pairs not listed are
   not written.
 - ``expert_down``: per block, rows of h gathered by pair id, times w2[e]^T in fp32, the product
-  rounded to h's dtype (as HF's down_proj linear rounds it), times the pair's fp32 weight, stored
-  in fp32 at row p of y.
-- ``combine``: out[n] = sum_j y[n * S + j] in fp32, j = 0..S-1 in order (deterministic, no
-  atomics), rounded once to the output dtype.
+  rounded to h's dtype (as HF's down_proj linear rounds it) and stored at row p of y.
+- ``combine``: out[n] = sum_j weights[n, j] y[n * S + j] in fp32, j = 0..S-1 in order
+  (deterministic, no atomics), rounded once to the output dtype. The weight is applied here, to
+  the already rounded product, so y travels in the model dtype: the same fp32 products and sums
+  as weighting in the down GEMM's epilogue and keeping y in fp32, at half y's bytes (fp32 y was
+  299 us of the combine at 16384 tokens on the H200).
 
 Numerics: the contract of ``naive.swiglu_moe_ref`` (products rounded to the model dtype, weighted
 expert outputs summed in fp32, one rounding), with the shared expert's gated output entering as
@@ -39,7 +41,7 @@ Not done yet: the decode-specialised weight-streaming path (<= 16 tokens, where 
 weight should be read once by a GEMV-shaped kernel rather than by block_m-row tiles mostly
 padding); tiles past 64 tokens tuned (those below were measured at 1, 8 and 64); the combine fused into
 the down kernel (a token's slots live in different blocks, so that needs atomics or a
-slot-ordered second pass; today y [N * S, H] fp32 makes one round trip through memory).
+slot-ordered second pass; today y [N * S, H] makes one round trip through memory).
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ def _expert_gate_up_kernel(
 
 @triton.jit
 def _expert_down_kernel(
-    h_ptr, w_ptr, weights_ptr, pairs_ptr, experts_ptr, y_ptr,
+    h_ptr, w_ptr, pairs_ptr, experts_ptr, y_ptr,
     NUM_PAIRS, H, F, stride_hm, stride_we, stride_wn, stride_ym,
     IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -126,23 +128,22 @@ def _expert_down_kernel(
         acc = dot_acc(ht, w, acc, IEEE)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    # The product rounded to h's dtype (HF's down_proj output), then weighted in fp32.
-    weight = tl.load(weights_ptr + pairs, mask=valid, other=0.0)
-    yv = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
+    # The product rounded to h's dtype (HF's down_proj output); the combine weights it.
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = valid[:, None] & (cols < H)[None, :]
-    tl.store(y_ptr + pairs.to(tl.int64)[:, None] * stride_ym + cols[None, :], yv, mask=mask)
+    tl.store(y_ptr + pairs.to(tl.int64)[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
-def _combine_kernel(y_ptr, out_ptr, H, SLOTS, stride_ym, stride_om, BLOCK_H: tl.constexpr):
+def _combine_kernel(y_ptr, weights_ptr, out_ptr, H, SLOTS, stride_ym, stride_om, BLOCK_H: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < H
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     row_ptr = y_ptr + n * SLOTS * stride_ym + cols
-    for _ in range(0, SLOTS):  # slot order: deterministic
-        acc += tl.load(row_ptr, mask=ok, other=0.0)
+    for j in range(0, SLOTS):  # slot order: deterministic; each product in fp32
+        acc += tl.load(weights_ptr + n * SLOTS + j) * tl.load(row_ptr, mask=ok, other=0.0).to(tl.float32)
         row_ptr += stride_ym
     tl.store(out_ptr + n * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -239,32 +240,28 @@ def _check_gate_up(x, w13, sorted_pairs, block_experts, slots, activation, block
     _check_pair_list(sorted_pairs, block_experts, block_m, x.device)
 
 
-def _check_down(h, w2, weights, sorted_pairs, block_experts, block_m) -> None:
+def _check_down(h, w2, sorted_pairs, block_experts, block_m) -> None:
     _check_tensor("h", h, 2)
     _check_tensor("w2", w2, 3)
-    _check_tensor("weights", weights, 2, (torch.float32,))
-    if weights.numel() != h.shape[0]:
-        raise ValueError(f"weights: expected [N, S] with N * S = {h.shape[0]} (the rows of h), "
-                         f"got {tuple(weights.shape)}")
-    if not weights.is_contiguous():
-        raise ValueError("weights: must be contiguous")
     if w2.shape[2] != h.shape[1]:
         raise ValueError(f"w2: expected [E_total, H, F = {h.shape[1]}], got {tuple(w2.shape)}")
     if w2.dtype != h.dtype:
         raise ValueError(f"w2: dtype {w2.dtype} does not match h {h.dtype}")
-    for name, t in (("w2", w2), ("weights", weights)):
-        if t.device != h.device:
-            raise ValueError(f"{name}: on {t.device}, h on {h.device}")
+    if w2.device != h.device:
+        raise ValueError(f"w2: on {w2.device}, h on {h.device}")
     _check_pair_list(sorted_pairs, block_experts, block_m, h.device)
 
 
-def _check_combine(y, num_tokens, slots, out_dtype) -> torch.dtype:
-    _check_tensor("y", y, 2, (torch.float32,))
-    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
-        raise ValueError(f"num_tokens: expected an int >= 0, got {num_tokens!r}")
-    _check_int("slots", slots)
-    if y.shape[0] != num_tokens * slots:
-        raise ValueError(f"y: expected N * S = {num_tokens * slots} rows, got shape {tuple(y.shape)}")
+def _check_combine(y, weights, out_dtype) -> torch.dtype:
+    _check_tensor("y", y, 2)
+    _check_tensor("weights", weights, 2, (torch.float32,))
+    if not weights.is_contiguous():
+        raise ValueError("weights: must be contiguous")
+    if y.shape[0] != weights.numel():
+        raise ValueError(f"y: expected N * S = {weights.numel()} rows (weights [N, S] = {tuple(weights.shape)}), "
+                         f"got shape {tuple(y.shape)}")
+    if weights.device != y.device:
+        raise ValueError(f"weights: on {weights.device}, y on {y.device}")
     return parse_dtype(out_dtype, "out_dtype")
 
 
@@ -296,23 +293,23 @@ def expert_gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_pairs: torch.Tenso
     return h
 
 
-def expert_down(h: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, sorted_pairs: torch.Tensor,
-                block_experts: torch.Tensor, block_m: int, *, out: torch.Tensor | None = None,
+def expert_down(h: torch.Tensor, w2: torch.Tensor, sorted_pairs: torch.Tensor, block_experts: torch.Tensor,
+                block_m: int, *, out: torch.Tensor | None = None,
                 config: GroupedGemmConfig | None = None) -> torch.Tensor:
-    """y [N * S, H] fp32, row p = weights[p] * round(h[p] @ w2[e]^T) for each listed pair p;
-    rows of unlisted pairs keep ``out``'s values (or are uninitialised). weights [N, S] fp32."""
-    _check_down(h, w2, weights, sorted_pairs, block_experts, block_m)
+    """y [N * S, H] in h's dtype, row p = round(h[p] @ w2[e]^T) (fp32 product, one rounding) for
+    each listed pair p; rows of unlisted pairs keep ``out``'s values (or are uninitialised)."""
+    _check_down(h, w2, sorted_pairs, block_experts, block_m)
     P, F = h.shape
     H = w2.shape[1]
-    y = _check_out("out", out, (P, H), torch.float32, h.device)
+    y = _check_out("out", out, (P, H), h.dtype, h.device)
     if not use_triton(h):
-        return expert_down_ref(h, w2, weights, sorted_pairs, block_experts, block_m, out=y)
+        return expert_down_ref(h, w2, sorted_pairs, block_experts, block_m, out=y)
     if P == 0 or H == 0 or sorted_pairs.numel() == 0:
         return y
     cfg = config or grouped_gemm_config("down", h.dtype, block_m)
     grid = (block_experts.numel(), cdiv(H, cfg.block_n))
     _expert_down_kernel[grid](
-        h, w2, weights, sorted_pairs, block_experts, y,
+        h, w2, sorted_pairs, block_experts, y,
         P, H, F, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         IEEE=h.dtype == torch.float32, EVEN_K=F % cfg.block_k == 0,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -321,18 +318,19 @@ def expert_down(h: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, sorted
     return y
 
 
-def combine(y: torch.Tensor, num_tokens: int, slots: int, out_dtype: torch.dtype | str,
-            *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """[N, H] in ``out_dtype``: out[n] = sum_j y[n * S + j], fp32, slot order, one rounding."""
-    out_dtype = _check_combine(y, num_tokens, slots, out_dtype)
-    H = y.shape[1]
+def combine(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype | str, *,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, H] in ``out_dtype``: out[n] = sum_j weights[n, j] * y[n * S + j] for weights [N, S] fp32,
+    each product and the sum in fp32, slot order, one rounding."""
+    out_dtype = _check_combine(y, weights, out_dtype)
+    (num_tokens, slots), H = weights.shape, y.shape[1]
     o = _check_out("out", out, (num_tokens, H), out_dtype, y.device)
     if not use_triton(y):
-        return o.copy_(combine_ref(y, num_tokens, slots, out_dtype))
+        return o.copy_(combine_ref(y, weights, out_dtype))
     if num_tokens == 0 or H == 0:
         return o
     block_h = min(COMBINE_BLOCK_H, next_power_of_2(H))
-    _combine_kernel[(num_tokens, cdiv(H, block_h))](y, o, H, slots, y.stride(0), o.stride(0), BLOCK_H=block_h,
+    _combine_kernel[(num_tokens, cdiv(H, block_h))](y, weights, o, H, slots, y.stride(0), o.stride(0), BLOCK_H=block_h,
                                                     num_warps=4)
     return o
 
@@ -359,23 +357,23 @@ def expert_gate_up_ref(x, w13, sorted_pairs, block_experts, slots: int, activati
     return h
 
 
-def expert_down_ref(h, w2, weights, sorted_pairs, block_experts, block_m: int, *, out=None) -> torch.Tensor:
-    """``expert_down`` in plain PyTorch: fp32 product, rounded to h's dtype, times the fp32
-    weight; unlisted rows of a new y are zero."""
-    y = torch.zeros((h.shape[0], w2.shape[1]), dtype=torch.float32, device=h.device) if out is None else out
+def expert_down_ref(h, w2, sorted_pairs, block_experts, block_m: int, *, out=None) -> torch.Tensor:
+    """``expert_down`` in plain PyTorch: the product in fp32 (work dtype), rounded to h's dtype;
+    unlisted rows of a new y are zero."""
+    y = torch.zeros((h.shape[0], w2.shape[1]), dtype=h.dtype, device=h.device) if out is None else out
     pairs, experts = _listed_pairs(sorted_pairs, block_experts, block_m, h.shape[0])
-    flat_weights = weights.reshape(-1).float()
     work = work_dtype(h)
     for e in experts.unique().tolist():
         p = pairs[experts == e]
-        prod = (h[p].to(work) @ w2[e].to(work).T).to(h.dtype)
-        y[p] = (prod.float() * flat_weights[p, None]).to(y.dtype)
+        y[p] = (h[p].to(work) @ w2[e].to(work).T).to(h.dtype)
     return y
 
 
-def combine_ref(y, num_tokens: int, slots: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """``combine`` in plain PyTorch: the slots added in order in fp32, one rounding."""
-    rows = y.float().reshape(num_tokens, slots, y.shape[1])
+def combine_ref(y, weights, out_dtype: torch.dtype) -> torch.Tensor:
+    """``combine`` in plain PyTorch: weight times the slot's row in fp32, added in slot order, one
+    rounding."""
+    num_tokens, slots = weights.shape
+    rows = y.float().reshape(num_tokens, slots, y.shape[1]) * weights.float()[:, :, None]
     acc = rows[:, 0].clone()
     for j in range(1, slots):
         acc += rows[:, j]

@@ -6,8 +6,8 @@ expert) on fuselm's kernels, built from HF's block. Inference only.
 
 Five launches per call up to 16 tokens (decode), eight past that (``routing.route``: the router +
 shared-gate GEMM, then softmax / top-k and the pair sort: two launches up to 16 tokens, five past;
-``grouped_gemm``: gate/up with the activation, down with the routing weight, the per-token
-combine), fixed grids and no host sync whatever the routing (CUDA-graph capturable). On a CPU
+``grouped_gemm``: gate/up with the activation, down, the per-token combine with the routing
+weights), fixed grids and no host sync whatever the routing (CUDA-graph capturable). On a CPU
 without TRITON_INTERPRET every step runs its plain-PyTorch reference. Not yet: GEMM tiles for
 decode's few rows per expert (today 16-row tiles, mostly padding at one token).
 
@@ -136,8 +136,8 @@ class SwiGLUMoE(nn.Module):
         routing = route(rows, w, self.top_k, self.num_shared, block_m, num_experts=self.num_experts)
         pairs = routing.sorted_pairs, routing.block_experts
         h = expert_gate_up(rows, self.w13, *pairs, slots, self.activation, block_m)
-        y = expert_down(h, self.w2, routing.weights, *pairs, block_m)
-        return combine(y, rows.shape[0], slots, x.dtype).view(x.shape)
+        y = expert_down(h, self.w2, *pairs, block_m)
+        return combine(y, routing.weights, x.dtype).view(x.shape)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
