@@ -8,6 +8,10 @@ launch's 16-byte divisibility of pointers and of the sizes and strides that have
 those hints the build spends registers on address arithmetic the GPU's does not, and shows KBs of
 spill that are not there), then its PTX goes through that triton's own ``ptxas -v``. Shapes: the
 Qwen3.5 0.8b training step's (bf16, GDN K = V = 128, conv width 4, hidden 1024).
+
+What it is good for: seeing a spill. What it is not: a predictor of time. Of five changes made
+from its counts in session 16 (fewer registers, less spill), the H200 measured three slower, one
+no faster and one 6% faster (NOTES.md 41, 43): time them before keeping them.
 """
 
 from __future__ import annotations

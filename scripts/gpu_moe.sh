@@ -8,7 +8,7 @@
 #              path and the floor, uniform and skewed routing: moe.md / moe.json, moe_skewed.*;
 #              each kernel's GPU time per token count: moe_kernels.md
 #   sweep      benchmarks/moe.py --sweep: the routing and each grouped GEMM alone at every tile config
-#              (1, 8, 64, 256 tokens; 16- and 64-row tiles from 64 on): moe_sweep.md / moe_sweep.json
+#              (1, 8, 64, 4096 tokens; 16 and 64 rows at 64, 64 and 128 at 4096): moe_sweep.md / moe_sweep.json
 #   generate   `fuselm generate --config 35b-a3b` (random bf16 weights drawn on the device, ~69 GB:
 #              use the nvidia-h200 kind), batch 1 and 8: moe_generate.md
 # Usage: bash scripts/gpu_moe.sh [STAGE ...]   (default: tests sanitizer bench)
@@ -33,7 +33,7 @@ if want bench; then
     --out "$OUT" || status=1
 fi
 if want sweep; then
-  PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 500 python3 benchmarks/moe.py --sweep --tokens 1 8 64 256 --out "$OUT" \
+  PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 500 python3 benchmarks/moe.py --sweep --tokens 1 8 64 4096 --out "$OUT" \
     > "$OUT/moe_sweep.log" 2>&1 || status=1
   tail -3 "$OUT/moe_sweep.log"
 fi
