@@ -58,19 +58,18 @@ def main() -> None:
     print(f"triton {triton.__version__}, sm_90")
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "dy_ptr": "*bf16", "dconv_ptr": "*fp32", "dw_part_ptr": "*fp32",
            "T": "i32", "C": "i32", "stride_xb": "i32", "stride_xt": "i32", "n_t_blocks": "i32"}
-    tiles = dict(K=4, BLOCK_T=conv.BLOCK_T, SUB_T=conv.DCONV_SUB_T, BLOCK_C=128)
+    tiles = dict(K=4, BLOCK_T=conv.BLOCK_T, BLOCK_C=128)
     print("short_conv_silu _dconv_kernel:", usage(
-        conv._dconv_kernel, sig | constexpr("K", "KP", "BLOCK_T", "SUB_T", "BLOCK_C"), tiles | dict(KP=4)))
+        conv._dconv_kernel, sig | constexpr("K", "BLOCK_T", "BLOCK_C"), tiles, num_warps=conv.WARPS))
     sig = {"dconv_ptr": "*fp32", "w_ptr": "*bf16", "dx_ptr": "*bf16", "T": "i32", "C": "i32"}
-    print("short_conv_silu _dx_kernel:", usage(conv._dx_kernel, sig | constexpr("K", "BLOCK_T", "SUB_T", "BLOCK_C"), tiles))
+    print("short_conv_silu _dx_kernel:", usage(conv._dx_kernel, sig | constexpr("K", "BLOCK_T", "BLOCK_C"), tiles,
+                                               num_warps=conv.WARPS))
     sig = {"dy_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "dres_ptr": "*bf16", "dx_ptr": "*bf16",
            "dw_partial_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "rows_per_program": "i32", "stride_dy": "i32",
            "stride_x": "i32", "stride_dres": "i32", "stride_dx": "i32", "eps": "fp32", "offset": "fp32"}
-    block_m = rms.BWD_TILE // 1024
     print("rms_norm _rms_norm_bwd_kernel:", usage(
-        rms._rms_norm_bwd_kernel, sig | constexpr("HAS_DRES", "ZERO_CENTERED", "BLOCK_M", "BLOCK_N"),
-        dict(HAS_DRES=True, ZERO_CENTERED=True, BLOCK_M=block_m, BLOCK_N=1024),
-        num_warps=min(max(rms.BWD_TILE // 256, 4), 16)))
+        rms._rms_norm_bwd_kernel, sig | constexpr("HAS_DRES", "ZERO_CENTERED", "BLOCK_N"),
+        dict(HAS_DRES=True, ZERO_CENTERED=True, BLOCK_N=1024), num_warps=4))
     gdn = dict(H=16, HV=32, K=128, V=128, BT=chunk.CHUNK)
     names = ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "G_ptr", "u_ptr", "w_ptr", "kd_ptr", "aqk_ptr", "t_ptr",
              "chunk_start_ptr", "chunk_len_ptr")
@@ -86,10 +85,10 @@ def main() -> None:
     sig = {"k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16", "t_ptr": "*fp32", "dn_ptr": "*bf16",
            "dw_ptr": "*bf16", "dk_ptr": "*fp32", "dv_ptr": "*bf16", "dgp_ptr": "*fp32", "dg_ptr": "*fp32",
            "dbeta_ptr": "*fp32", "chunk_start_ptr": "*i64", "chunk_len_ptr": "*i32", "seq_len": "i32", "T_total": "i32"}
-    sig |= constexpr("H", "HV", "K", "V", "BT", "SUB", "BK", "BV", "NKP", "L2NORM", "P", "EQUAL")
+    sig |= constexpr("H", "HV", "K", "V", "BT", "BK", "BV", "NKP", "L2NORM", "P", "EQUAL")
     print("GDN _chunk_bwd_wy_kernel:", usage(
         chunk_backward._chunk_bwd_wy_kernel, sig,
-        gdn | dict(SUB=chunk.SUB, BK=chunk_backward.WY_BLOCK_K, BV=64, NKP=2, L2NORM=True, P="tf32", EQUAL=True),
+        gdn | dict(BK=chunk_backward.WY_BLOCK_K, BV=64, NKP=2, L2NORM=True, P="tf32", EQUAL=True),
         num_warps=chunk_backward.WY_WARPS))
     sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "g_ptr": "*fp32", "h_ptr": "*bf16", "dh_ptr": "*bf16", "new_v_ptr": "*bf16",
            "dn_ptr": "*bf16", "do_ptr": "*bf16", "dq_ptr": "*fp32", "dk_ptr": "*fp32", "dw_ptr": "*bf16", "dgp_ptr": "*fp32",

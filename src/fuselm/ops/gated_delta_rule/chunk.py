@@ -177,21 +177,6 @@ def _load_inverse(t_ptr, t0, n, HV, i_hv, BT: tl.constexpr):
 
 
 @triton.jit
-def _row_rsqrt(ptr, t0, n_rows, stride_t, col0, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-               L2NORM: tl.constexpr):
-    """[BT] r = rsqrt(sum x^2 + 1e-6) of the q or k rows (K columns, read BC at a time): the l2
-    norm's factor; ones without L2NORM."""
-    if L2NORM:
-        ss = tl.zeros([BT], dtype=tl.float32)
-        for c0 in tl.static_range(0, K, BC):
-            x = _load_rows(ptr, t0, n_rows, stride_t, col0 + c0, K - c0, BT, BC).to(tl.float32)
-            ss += tl.sum(x * x, axis=1)
-        return tl.rsqrt(ss + 1e-6)
-    else:
-        return tl.full([BT], 1.0, tl.float32)
-
-
-@triton.jit
 def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, G_ptr, u_ptr, w_ptr, kd_ptr, aqk_ptr, t_ptr, chunk_start_ptr, chunk_len_ptr,
     seq_len, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -328,7 +313,6 @@ def chunk_table(cu_seqlens: torch.Tensor, total_tokens: int, chunk: int = CHUNK)
 # multiprocessor too (the training step's 4 x 16 heads ran 256 of them in two waves). H100, B1 H16
 # (128 programs at BV16): 4 stages 5% faster than 3 (NOTES.md 18). Not do_not_specialize on
 # seq_len (see above).
-RECURRENCE_BLOCK_V = 32
 RECURRENCE_WARPS = 4
 RECURRENCE_STAGES = 4  # when every program has a multiprocessor of its own; 3 when two share one
 

@@ -79,8 +79,8 @@ import triton.language as tl
 
 from fuselm.ops.gated_delta_rule.chunk import (
     CHUNK, PREPARE_WARPS, RECURRENCE_STAGES, RECURRENCE_WARPS, SUB, _chunk_prepare_kernel,
-    _chunk_recurrence_kernel, _chunk_span, _load_inverse, _load_keys, _load_rows, _load_vec, _mm, _row_rsqrt,
-    _state_block, _store_block, chunk_gated_delta_rule_kernels, chunk_table, recurrence_geometry,
+    _chunk_recurrence_kernel, _chunk_span, _load_inverse, _load_keys, _load_rows, _load_vec, _mm, _state_block,
+    _store_block, chunk_gated_delta_rule_kernels, chunk_table, recurrence_geometry,
 )
 from fuselm.runtime import cdiv, max_shared_memory, next_power_of_2
 
@@ -153,6 +153,21 @@ def _load_normalised(ptr, t0, n_rows, stride_t, col0, n_cols, BT: tl.constexpr, 
     else:
         r = tl.full([BT], 1.0, tl.float32)
     return x * r[:, None], r
+
+
+@triton.jit
+def _row_rsqrt(ptr, t0, n_rows, stride_t, col0, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+               L2NORM: tl.constexpr):
+    """[BT] r = rsqrt(sum x^2 + 1e-6) of the q or k rows (K columns, read BC at a time): the l2
+    norm's factor (``_load_keys``); ones without L2NORM."""
+    if L2NORM:
+        ss = tl.zeros([BT], dtype=tl.float32)
+        for c0 in tl.static_range(0, K, BC):
+            x = _load_rows(ptr, t0, n_rows, stride_t, col0 + c0, K - c0, BT, BC).to(tl.float32)
+            ss += tl.sum(x * x, axis=1)
+        return tl.rsqrt(ss + 1e-6)
+    else:
+        return tl.full([BT], 1.0, tl.float32)
 
 
 @triton.jit
@@ -247,7 +262,7 @@ def _chunk_bwd_dqkw_kernel(
 def _chunk_bwd_wy_kernel(
     k_ptr, v_ptr, g_ptr, beta_ptr, t_ptr, dn_ptr, dw_ptr, dk_ptr, dv_ptr, dgp_ptr, dg_ptr, dbeta_ptr,
     chunk_start_ptr, chunk_len_ptr, seq_len, T_total, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-    V: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NKP: tl.constexpr,
+    V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NKP: tl.constexpr,
     L2NORM: tl.constexpr, P: tl.constexpr, EQUAL: tl.constexpr,
 ):
     """Kernel 4b, one program per (chunk, value head): through U = T Vb, W = T Kb and
@@ -420,7 +435,7 @@ def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, saved, scale, init
     dg, dbeta = (torch.empty(T, HV, dtype=torch.float32, device=device) for _ in range(2))
     _chunk_bwd_wy_kernel[(slots, HV)](
         k, v, g, beta, inverse, dn, dw, dk, dv, dgp, dg, dbeta, start, length, seq_len, T,
-        H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=min(WY_BLOCK_K, BK), BV=min(WY_BLOCK_V[dt], BV_full), NKP=NK,
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=min(WY_BLOCK_K, BK), BV=min(WY_BLOCK_V[dt], BV_full), NKP=NK,
         L2NORM=l2, P=precision, EQUAL=equal, num_warps=WY_WARPS,
     )
     dq_out, dk_out = torch.empty_like(q), torch.empty_like(k)

@@ -346,7 +346,7 @@ def route_kernel(logits, num_experts: int, top_k: int, num_shared: int, weights,
     the pair sort too (``sort_kernel``'s work, no more launches)."""
     N, E = logits.shape[0], num_experts
     e_pad, num_warps = _route_geometry(E)
-    sort = sorted_pairs is not None and N <= ROUTE_BLOCK_T
+    sort = sorted_pairs is not None and routes_and_sorts_in_one_launch(N)
     e_total_pad, sort_block, sort_warps = _sort_geometry(E + num_shared)
     _route_kernel[(cdiv(N, ROUTE_BLOCK_T),)](
         logits, weights, experts, sorted_pairs if sort else experts, block_experts if sort else experts,
@@ -465,7 +465,7 @@ def route(x: torch.Tensor, router_with_gate: torch.Tensor, top_k: int, num_share
         for name in ("weights", "experts", "sorted_pairs", "block_experts"):
             getattr(out, name).copy_(getattr(ref, name))
         return out
-    logits = F.linear(x, router_with_gate)  # [N, E + 1] in x's dtype: cuBLAS's fp32 accumulation, rounded
+    logits = F.linear(x, router_with_gate)  # [N, R] in x's dtype: cuBLAS's fp32 accumulation, rounded
     route_kernel(logits, E, top_k, num_shared, out.weights, out.experts, out.sorted_pairs, out.block_experts, block_m)
     if not routes_and_sorts_in_one_launch(N):
         sort_kernel(out.experts, E_total, block_m, out.sorted_pairs, out.block_experts)
