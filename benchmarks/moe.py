@@ -3,6 +3,7 @@
 
     python benchmarks/moe.py [--tokens 1 8 64 256 4096 16384] [--skewed] [--profile] [--out DIR]
     python benchmarks/moe.py --sweep [--tokens 1 8 64] [--out DIR]     -> moe_sweep.md / .json
+    python benchmarks/moe.py --sweep-route [--out DIR]                 -> moe_route_sweep.md / .json
 
 H 2048, E 256, k 8, F 512, F_s 512, bf16, random weights. Per token count: GPU time of one call
 replayed from a CUDA graph (fuselm; do_bench median), HF's block as called (eager: its experts
@@ -14,12 +15,14 @@ routing hits (counted from it; for uniform routing about E (1 - (1 - k/E)^N)), t
 from the actual routing). Writes moe.md and moe.json under --out. ``--sweep``: each
 kernel alone (graph replays) per token count: the routing, and the gate/up and down grouped GEMMs
 at every tile config of SWEEP (features per program, K step, warps, stages) on the routing the
-block uses at that count; the tiles today are reasoned, not measured (grouped_gemm.py).
+block uses at that count. ``--sweep-route``: the decode routing (one program) at 1, 8 and 16
+tokens by its sort's variant, step width and warps.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -28,6 +31,7 @@ import torch
 
 from fuselm.ops.moe import SwiGLUMoE
 from fuselm.ops.moe.grouped_gemm import GroupedGemmConfig, combine, expert_down, expert_gate_up, grouped_gemm_config
+from fuselm.ops.moe import routing
 from fuselm.ops.moe.routing import route
 from fuselm.ops.silu_mul import silu_mul
 from fuselm.runtime import copy_bandwidth, matrix_rate
@@ -66,14 +70,49 @@ def unfused(moe: SwiGLUMoE, x: torch.Tensor, x_per_pair: torch.Tensor):
     """Routing, down GEMM and combine as fuselm's; gate/up as a grouped GEMM with no epilogue
     writing [P, 2F] (``expert_down`` on w13, reading ``x_per_pair`` [N S, H], x repeated per slot,
     made outside the timing), then ``silu_mul``, then the down GEMM."""
-    routing = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 64, num_experts=moe.num_experts)
-    pairs = routing.sorted_pairs, routing.block_experts
+    routed = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 64, num_experts=moe.num_experts)
+    pairs = routed.sorted_pairs, routed.block_experts
     gu = expert_down(x_per_pair, moe.w13, *pairs, 64)  # [P, 2F], gate/up interleaved
     h = silu_mul(gu[:, 0::2], gu[:, 1::2])
-    return combine(expert_down(h, moe.w2, *pairs, 64), routing.weights, x.dtype)
+    return combine(expert_down(h, moe.w2, *pairs, 64), routed.weights, x.dtype)
 
 
-SWEEP = {"block_n": (64, 128, 256), "block_k": (64, 128), "num_warps": (4, 8), "num_stages": (3, 4)}
+SWEEP = {"block_n": (32, 64, 128, 256), "block_k": (64, 128), "num_warps": (4, 8), "num_stages": (3, 4)}
+
+
+def sweep_configs(block_m: int):
+    """The SWEEP tiles worth timing at block_m rows: 32 features only at decode's 16 rows (more
+    programs over the few experts' weights), 256 only past it."""
+    for values in itertools.product(*SWEEP.values()):
+        if (values[0] == 32 and block_m > 16) or (values[0] == 256 and block_m <= 16):
+            continue
+        yield GroupedGemmConfig(*values)
+
+
+def sweep_route(moe: SwiGLUMoE, out: Path) -> None:
+    """The decode routing (one program routes and sorts) at 1, 8 and 16 tokens: the pairwise sort
+    at each step width and warp count, and the one-hot sort (FEW_PAIRS 0) at its warps."""
+    defaults = routing.FEW_PAIRS, routing.FEW_PAIRS_STEP, routing.FEW_PAIRS_WARPS
+    lines = [f"## decode routing alone, 35B-A3B layer, bf16, {torch.cuda.get_device_name()} (us, graph replays; "
+             f"default: pairwise, step {defaults[1]}, {defaults[2]} warps)", "",
+             "| tokens | sort | step | warps | us |", "|---|---|---|---|---|"]
+    results = []
+    for tokens in (1, 8, 16):
+        x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+        pairs_pad = 1 << (tokens * (moe.top_k + moe.num_shared) - 1).bit_length()
+        variants = [("pairwise", step, warps) for step in (16, 32, 64, 128) if step <= pairs_pad for warps in (1, 2, 4, 8)]
+        for sort, step, warps in variants + [("one-hot", "-", "-")]:
+            routing.FEW_PAIRS, routing.FEW_PAIRS_STEP, routing.FEW_PAIRS_WARPS = (
+                (defaults[0], step, warps) if sort == "pairwise" else (0, *defaults[1:]))
+            us = 1e3 * graph_bench(lambda: route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 16,
+                                                 num_experts=moe.num_experts))
+            results.append({"tokens": tokens, "sort": sort, "step": step, "warps": warps, "us": us})
+            lines.append(f"| {tokens} | {sort} | {step} | {warps} | {us:.1f} |")
+    routing.FEW_PAIRS, routing.FEW_PAIRS_STEP, routing.FEW_PAIRS_WARPS = defaults
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "moe_route_sweep.md").write_text("\n".join(lines) + "\n")
+    (out / "moe_route_sweep.json").write_text(json.dumps(results, indent=1))
+    print("\n".join(lines))
 
 
 def sweep(moe: SwiGLUMoE, token_counts, out: Path) -> None:
@@ -85,16 +124,16 @@ def sweep(moe: SwiGLUMoE, token_counts, out: Path) -> None:
              for block_m in ((16,) if tokens < 64 else (16, 64) if tokens < 1024 else (64, 128))]
     for tokens, block_m in cases:
         x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
-        routing = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, block_m, num_experts=moe.num_experts)
-        pairs = routing.sorted_pairs, routing.block_experts
+        routed = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, block_m, num_experts=moe.num_experts)
+        pairs = routed.sorted_pairs, routed.block_experts
         h = expert_gate_up(x, moe.w13, *pairs, slots, moe.activation, block_m)
         route_ms = graph_bench(
             lambda: route(x, moe.router_with_gate, moe.top_k, moe.num_shared, block_m, num_experts=moe.num_experts))
         row = {"tokens": tokens, "block_m": block_m, "route_ms": route_ms, "gate_up": {}, "down": {}}
         for kind in ("gate_up", "down"):
             row[f"{kind}_default"] = str(grouped_gemm_config(kind, x.dtype, block_m))
-            for values in itertools.product(*SWEEP.values()):
-                cfg = GroupedGemmConfig(*values)
+            for cfg in sweep_configs(block_m):
+                values = dataclasses.astuple(cfg)
                 fn = ((lambda: expert_gate_up(x, moe.w13, *pairs, slots, moe.activation, block_m, out=h, config=cfg))
                       if kind == "gate_up" else
                       (lambda: expert_down(h, moe.w2, *pairs, block_m, config=cfg)))
@@ -126,10 +165,14 @@ def main():
     parser.add_argument("--profile", action="store_true",
                         help="also each kernel's GPU time per call (torch.profiler, eager calls): moe_kernels.md")
     parser.add_argument("--sweep", action="store_true", help="the kernels' tile configs alone: moe_sweep.md")
+    parser.add_argument("--sweep-route", action="store_true",
+                        help="the decode routing's sort variants at 1, 8, 16 tokens: moe_route_sweep.md")
     args = parser.parse_args()
     torch.manual_seed(0)
     block = hf_block()
     moe = SwiGLUMoE.from_hf(block)
+    if args.sweep_route:
+        return sweep_route(moe, Path(args.out))
     if args.sweep:
         return sweep(moe, args.tokens, Path(args.out))
     bandwidth, rate = copy_bandwidth() * 1e12, matrix_rate() * 1e12  # bytes/s, FLOP/s
@@ -139,8 +182,8 @@ def main():
         if args.skewed:  # half the tokens lean towards experts 0..15
             lean = moe.router_with_gate[:16].float().mean(0)
             x[: tokens // 2] += (4 * lean / lean.norm()).to(x.dtype)
-        routing = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 64, num_experts=moe.num_experts)
-        hit = int(routing.experts[:, : moe.top_k].unique().numel())
+        routed = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 64, num_experts=moe.num_experts)
+        hit = int(routed.experts[:, : moe.top_k].unique().numel())
         ours = graph_bench(lambda: moe(x))
         with torch.no_grad():
             hf = bench(lambda: block(x[None]))

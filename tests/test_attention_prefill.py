@@ -1,6 +1,6 @@
 """prefill_attention (paged causal attention of a prompt chunk) against its float64 reference and
 the model's PyTorch path (gather_pages + masked SDPA): fresh and continued chunks, mixed rows with
-right padding, GQA groups 1, 2, 3 and 4, page sizes 16, 32 and 64 (two column steps a page),
+right padding, GQA groups 1, 2, 3 and 4, page sizes 16, 32 and 128 (two column steps a page),
 shuffled pages, strided q. Every column at or past a row's last real position is NaN, and so is
 every page the block table points at past it: the kernel must never read them."""
 
@@ -70,7 +70,7 @@ CASES = {  # starts, lengths, T, nH, nKV, hd, P
     "continued-gqa4": ([40, 17], [23, 23], 23, 8, 2, 32, 16),
     "continued-page32": ([70, 5], [33, 30], 33, 4, 1, 16, 32),
     "mixed-gqa3": ([0, 45, 3, 16], [19, 6, 1, 0], 19, 6, 2, 16, 16),
-    "continued-page64": ([70, 0], [37, 45], 45, 4, 2, 16, 64),  # 32-column steps inside 64-column pages
+    "continued-page128": ([70, 150], [37, 45], 45, 4, 2, 16, 128),  # 64-column steps inside 128-column pages
 }
 
 

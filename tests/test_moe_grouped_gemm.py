@@ -183,7 +183,7 @@ def test_combine_is_exact(n, s, h, y_dtype, out_dtype):
     weights = torch.rand(n, s, device=DEVICE)
     out = combine(y, weights, out_dtype, out=poisoned_like(torch.empty(n, h, dtype=out_dtype, device=DEVICE)))
     assert out.dtype == out_dtype
-    assert torch.equal(out, combine_ref(y, weights, out_dtype))  # same fp32 products and adds, same order
+    assert torch.equal(out, combine_ref(y, weights, out_dtype))  # the same fp32 fmas in the same order
     # One rounding of the fp32 sum: half an ulp, 2^-11 (fp16) / 2^-8 (bf16) relative, at most.
     exact = (y.double().reshape(n, s, h) * weights.double()[:, :, None]).sum(1)
     assert_close(out, exact, {torch.float32: 1e-6, torch.float16: 1e-3}.get(out_dtype, 4e-3))

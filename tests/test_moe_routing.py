@@ -304,20 +304,38 @@ def test_bad_dtype_is_a_type_error():
         route(torch.zeros(3, 8, dtype=torch.int64, device=DEVICE), torch.zeros(4, 8, device=DEVICE), 1, 1, 16)
 
 
-@pytest.mark.parametrize("N", [1, 16, 17])
-def test_decode_routes_in_one_launch(N, monkeypatch):
-    """Up to 16 tokens the routing kernel sorts the pairs itself (one launch); past that the sort
-    is a second launch. Same result either way."""
-    from fuselm.ops.moe import routing
-
+@pytest.mark.parametrize("few_pairs", [routing.FEW_PAIRS, 0])  # pairwise sort; one-hot sort in the program
+@pytest.mark.parametrize("N, E, top_k, block_m", [(1, 7, 3, 16), (16, 7, 3, 64), (16, 40, 8, 16), (17, 7, 3, 16)])
+def test_decode_routes_in_one_launch(N, E, top_k, block_m, few_pairs, monkeypatch):
+    """Up to 16 tokens the routing kernel sorts the pairs itself (one launch: by pairwise
+    comparisons up to FEW_PAIRS pairs, by one-hot counts past that); past 16 tokens the sort is a
+    second launch. Same result every way (16 x 9 pairs: the 35B-A3B decode's 256-pair tile)."""
     sorts = []
     launch = routing.sort_kernel
     monkeypatch.setattr(routing, "sort_kernel", lambda *args: sorts.append(1) or launch(*args))
+    monkeypatch.setattr(routing, "FEW_PAIRS", few_pairs)
     x = torch.randn(N, 40, generator=torch.Generator().manual_seed(N)).to(DEVICE)
-    w = torch.randn(8, 40, generator=torch.Generator().manual_seed(99)).to(DEVICE) * 0.2
-    got = route(x, w, 3, 1, 16)
+    w = torch.randn(E + 1, 40, generator=torch.Generator().manual_seed(99)).to(DEVICE) * 0.2
+    got = route(x, w, top_k, 1, block_m)
     assert len(sorts) == (N > 16)
-    expected = route_pairs_ref(x, w, 3, 1, 16)
+    expected = route_pairs_ref(x, w, top_k, 1, block_m)
     assert torch.equal(got.experts, expected.experts)
     assert torch.equal(got.sorted_pairs, expected.sorted_pairs)
     assert torch.equal(got.block_experts, expected.block_experts)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's numpy on NaN rows
+@pytest.mark.parametrize("few_pairs", [routing.FEW_PAIRS, 0])
+def test_nan_tokens_crowd_one_expert_and_the_list_stays_valid(few_pairs, monkeypatch):
+    """A NaN token matches no probability: each of its k slots gets expert E - 1 (kept in range).
+    With 12 such tokens of 16 that expert holds 36 pairs, three 16-row blocks, the one way a decode
+    batch puts more than block_m pairs on one expert; the list is still the exact sort of the ids."""
+    monkeypatch.setattr(routing, "FEW_PAIRS", few_pairs)
+    N, H, E, top_k = 16, 24, 7, 3
+    x = torch.randn(N, H, generator=torch.Generator().manual_seed(5))
+    x[4:] = float("nan")
+    x = x.to(DEVICE)
+    w = torch.randn(E + 1, H, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    r = route(x, w, top_k, 1, 16, out=poisoned_routing(N, top_k + 1, E + 1, 16))
+    assert r.experts[4:, :top_k].eq(E - 1).all()
+    assert_pairs(r, E + 1)

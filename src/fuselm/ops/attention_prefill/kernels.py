@@ -6,7 +6,7 @@ folded into the M dimension of the dots: flat row m of a program is (query t, he
 t = m // GROUP, g = m % GROUP, so BLOCK_M (a power of two) covers about BLOCK_M / GROUP queries
 and a group that is not a power of two wastes nothing but the last tile's tail (a query's heads
 may straddle two programs; every row is independent). A program takes one row b, one kv head and
-one tile of rows, and walks its row's cache columns BLOCK_N at a time (32, or the page size P if
+one tile of rows, and walks its row's cache columns BLOCK_N at a time (64, or the page size P if
 smaller; BLOCK_N divides P): one block-table load per block, then the K/V tile of that block.
 
 Query t sits at position starts[b] + t. Real queries (t < lengths[b]) see columns 0 .. position.
@@ -45,7 +45,7 @@ from fuselm.runtime import cdiv, next_power_of_2
 
 LOG2E = 1.4426950408889634
 MIN_DOT = 16  # tl.dot's smallest M / K: BLOCK_M and the padded head dim are at least this
-BLOCK_N = 32  # key columns per step (tile_config says why)
+BLOCK_N = 64  # key columns per step (tile_config says why)
 MAX_HEAD_DIM = 256  # head dims above it are refused (the tile no longer fits a program)
 
 
@@ -152,10 +152,9 @@ def tile_config(T: int, group: int, head_dim: int, page: int, element_size: int)
     # memory (an H100 has 227 KiB per block; the rest is layout-conversion scratch); else 1 stage.
     q_bytes = block_m * block_d * element_size
     stages = 2 if q_bytes + 2 * 2 * page * block_d * element_size <= 160 * 1024 else 1
-    # Key columns per step: 32 (or the page, if smaller). A whole 64-column page a step held
-    # [BLOCK_D, 64] K and [64, BLOCK_D] V tiles in registers: 255 registers and 912 B of spill a
-    # thread at head dim 256 (BLOCK_M 64, 8 warps; 104 B at head dim 128), sm_90 builds of triton
-    # 3.6 (benchmarks/kernel_registers.py's method); 32 columns: 96 B and none.
+    # Key columns per step: 64 (or the page, if smaller). At Qwen3.5's head dim 256 this spills
+    # (255 registers and 912 B a thread in an sm_90 build of triton 3.6; 32 columns: 96 B), yet 32
+    # columns were 20-43% slower on the H200 (benchmarks/prefill_attention.py, NOTES 42).
     block_n = min(page, BLOCK_N)
     return dict(BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4 if block_d <= 64 else 8,
                 num_stages=stages)

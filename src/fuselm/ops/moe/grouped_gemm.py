@@ -24,11 +24,11 @@ weights [N, S] fp32; h [N * S, F] and y [N * S, H] in x's dtype; out [N, H].
   not written.
 - ``expert_down``: per block, rows of h gathered by pair id, times w2[e]^T in fp32, the product
   rounded to h's dtype (as HF's down_proj linear rounds it) and stored at row p of y.
-- ``combine``: out[n] = sum_j weights[n, j] y[n * S + j] in fp32, j = 0..S-1 in order
-  (deterministic, no atomics), rounded once to the output dtype. The weight is applied here, to
-  the already rounded product, so y travels in the model dtype: the same fp32 products and sums
-  as weighting in the down GEMM's epilogue and keeping y in fp32, at half y's bytes (fp32 y was
-  299 us of the combine at 16384 tokens on the H200).
+- ``combine``: out[n] = sum_j weights[n, j] y[n * S + j] as fp32 fused multiply-adds, j = 0..S-1
+  in order (deterministic, no atomics), rounded once to the output dtype. The weight is applied
+  here, to the already rounded product, so y travels in the model dtype: half the bytes of an fp32
+  y weighted in the down GEMM's epilogue (the combine 299 -> 154 us at 16384 tokens on the H200,
+  the block 3.27 -> 3.08 ms).
 
 Numerics: the contract of ``naive.swiglu_moe_ref`` (products rounded to the model dtype, weighted
 expert outputs summed in fp32, one rounding), with the shared expert's gated output entering as
@@ -39,7 +39,7 @@ Launches: three per block (gate/up, down, combine), after the routing's.
 
 Not done yet: the decode-specialised weight-streaming path (<= 16 tokens, where each expert's
 weight should be read once by a GEMV-shaped kernel rather than by block_m-row tiles mostly
-padding); tiles past 64 tokens tuned (those below were measured at 1, 8 and 64); the combine fused into
+padding); tiles between 64 and 4096 tokens measured (those in use were tuned at 1, 8, 64 and 4096); the combine fused into
 the down kernel (a token's slots live in different blocks, so that needs atomics or a
 slot-ordered second pass; today y [N * S, H] makes one round trip through memory).
 """
@@ -142,8 +142,8 @@ def _combine_kernel(y_ptr, weights_ptr, out_ptr, H, SLOTS, stride_ym, stride_om,
     ok = cols < H
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     row_ptr = y_ptr + n * SLOTS * stride_ym + cols
-    for j in range(0, SLOTS):  # slot order: deterministic; each product in fp32
-        acc += tl.load(weights_ptr + n * SLOTS + j) * tl.load(row_ptr, mask=ok, other=0.0).to(tl.float32)
+    for j in range(0, SLOTS):  # slot order: deterministic; acc = fma(w, y, acc) in fp32, one rounding a slot
+        acc = tl.fma(tl.load(weights_ptr + n * SLOTS + j), tl.load(row_ptr, mask=ok, other=0.0).to(tl.float32), acc)
         row_ptr += stride_ym
     tl.store(out_ptr + n * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -160,13 +160,15 @@ class GroupedGemmConfig:
     num_stages: int
 
 
-# Tuned on the H200 (benchmarks/moe.py --sweep, 35B-A3B layer, bf16, session 17): at block_m 16
-# (1 and 8 tokens) gate/up 64 features, K step 128, 4 warps (20.4 / 74.2 us against 23.8 / 74.3
-# at K step 64, 8 warps) and down 128 features (14.1 / 45.1 us); at block_m 64 (64 tokens) both 128
-# features (gate/up 0.270 ms against 0.341 at 64 features, down 0.302 against 0.501); 4 stages
-# (2 stages: +5-70%). fp32 halves the K step (shared memory).
-GATE_UP_TILES = {16: GroupedGemmConfig(64, 128, 4, 4), 64: GroupedGemmConfig(128, 64, 8, 4)}  # by block_m
-DOWN_TILES = {16: GroupedGemmConfig(128, 64, 8, 4), 64: GroupedGemmConfig(128, 64, 8, 4)}
+# Tuned on the H200 (benchmarks/moe.py --sweep, 35B-A3B layer, bf16): at block_m 16 (1 and 8
+# tokens, session 17) gate/up 64 features, K step 128, 4 warps (20.4 / 74.2 us against 23.8 / 74.3
+# at K step 64, 8 warps) and down 128 features (14.1 / 45.1 us); 4 stages (2 stages: +5-70%). The
+# 64-row tiles serve past ~16 pairs an expert (``op.routing_block_m``: from ~450 tokens); at 4096
+# tokens (session 18) 256 features: gate/up 0.488 ms against 0.523 at 128, down 0.355 against
+# 0.462 (128-row tiles: 0.496 and 0.377). fp32 halves the K step and takes at most 128 features
+# (shared memory).
+GATE_UP_TILES = {16: GroupedGemmConfig(64, 128, 4, 4), 64: GroupedGemmConfig(256, 64, 8, 3)}  # by block_m
+DOWN_TILES = {16: GroupedGemmConfig(128, 64, 8, 4), 64: GroupedGemmConfig(256, 64, 8, 4)}
 
 COMBINE_BLOCK_H = 1024  # combine: hidden features per program (4 warps)
 
@@ -175,7 +177,9 @@ def grouped_gemm_config(kind: str, dtype: torch.dtype, block_m: int) -> GroupedG
     """The tile config of ``kind`` in {"gate_up", "down"} for ``dtype`` operands at ``block_m``
     rows (the 16-row tiles up to 16, the 64-row ones past that)."""
     tile = (GATE_UP_TILES if kind == "gate_up" else DOWN_TILES)[16 if block_m <= 16 else 64]
-    return dataclasses.replace(tile, block_k=tile.block_k // 2) if dtype == torch.float32 else tile
+    if dtype == torch.float32:
+        return dataclasses.replace(tile, block_k=tile.block_k // 2, block_n=min(tile.block_n, 128))
+    return tile
 
 
 # ----------------------------------------------------------------------------- checks
@@ -320,8 +324,9 @@ def expert_down(h: torch.Tensor, w2: torch.Tensor, sorted_pairs: torch.Tensor, b
 
 def combine(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype | str, *,
             out: torch.Tensor | None = None) -> torch.Tensor:
-    """[N, H] in ``out_dtype``: out[n] = sum_j weights[n, j] * y[n * S + j] for weights [N, S] fp32,
-    each product and the sum in fp32, slot order, one rounding."""
+    """[N, H] in ``out_dtype``: out[n] = sum_j weights[n, j] * y[n * S + j] for weights [N, S] fp32:
+    in slot order acc = fma(weights[n, j], y[n * S + j], acc) in fp32 (each product added unrounded,
+    as the GPU's compiler would contract it anyway), then one rounding to ``out_dtype``."""
     out_dtype = _check_combine(y, weights, out_dtype)
     (num_tokens, slots), H = weights.shape, y.shape[1]
     o = _check_out("out", out, (num_tokens, H), out_dtype, y.device)
@@ -370,11 +375,13 @@ def expert_down_ref(h, w2, sorted_pairs, block_experts, block_m: int, *, out=Non
 
 
 def combine_ref(y, weights, out_dtype: torch.dtype) -> torch.Tensor:
-    """``combine`` in plain PyTorch: weight times the slot's row in fp32, added in slot order, one
-    rounding."""
+    """``combine`` in plain PyTorch: the fp32 fused multiply-adds in slot order, then one rounding. An
+    fp32 product is exact in fp64, so acc + w * y in fp64 rounded to fp32 is the fp32 fma (but for a
+    sum landing exactly halfway between two fp32 values after its fp64 rounding: ~2^-29 a step)."""
     num_tokens, slots = weights.shape
-    rows = y.float().reshape(num_tokens, slots, y.shape[1]) * weights.float()[:, :, None]
-    acc = rows[:, 0].clone()
-    for j in range(1, slots):
-        acc += rows[:, j]
+    rows = y.double().reshape(num_tokens, slots, y.shape[1])
+    w = weights.float().double()
+    acc = torch.zeros_like(rows[:, 0], dtype=torch.float32)
+    for j in range(slots):
+        acc = (acc.double() + w[:, j, None] * rows[:, j]).float()
     return acc.to(out_dtype)

@@ -146,6 +146,7 @@ def _route_kernel(
     E: tl.constexpr, TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr,
     BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, S_PAD: tl.constexpr,
     SORT: tl.constexpr, BLOCK_M: tl.constexpr, SORT_BLOCK: tl.constexpr, E_TOTAL_PAD: tl.constexpr,
+    PAIRS_PAD: tl.constexpr, PAIRS_STEP: tl.constexpr, RUN_BLOCKS: tl.constexpr,
 ):
     """Weights and experts of BLOCK_T tokens from their [E + 1] logits (the router's E, then the
     shared gate's), as the module docstring; with SORT (the only program) the pair sort too."""
@@ -187,10 +188,14 @@ def _route_kernel(
     mask = row_ok[:, None] & (slots < S)
     tl.store(weights_ptr + offs, out_w, mask=mask)
     tl.store(experts_ptr + offs, out_e, mask=mask)
-    if SORT:  # the only program (N <= BLOCK_T): sort the pairs here too, one launch in all
+    if SORT:  # the only program (N <= ROUTE_BLOCK_T): sort the pairs here too, one launch in all
         tl.debug_barrier()  # this program's expert ids are in memory for all its threads
-        _sort_in_one_program(experts_ptr, sorted_ptr, block_experts_ptr, N * S, num_blocks, E + NUM_SHARED,
-                             BLOCK_M, SORT_BLOCK, E_TOTAL_PAD)
+        if PAIRS_PAD > 0:
+            _sort_few_pairs(experts_ptr, sorted_ptr, block_experts_ptr, N * S, num_blocks, E + NUM_SHARED,
+                            BLOCK_M, PAIRS_PAD, PAIRS_STEP, RUN_BLOCKS)
+        else:
+            _sort_in_one_program(experts_ptr, sorted_ptr, block_experts_ptr, N * S, num_blocks, E + NUM_SHARED,
+                                 BLOCK_M, SORT_BLOCK, E_TOTAL_PAD)
 
 
 @triton.jit
@@ -267,6 +272,60 @@ def _sort_in_one_program(
 
 
 @triton.jit
+def _sort_few_pairs(
+    experts_ptr, sorted_ptr, block_experts_ptr,
+    num_pairs, num_blocks, E_TOTAL,
+    BLOCK_M: tl.constexpr, P_PAD: tl.constexpr, CB: tl.constexpr, MAX_RUN_BLOCKS: tl.constexpr,
+):
+    """The counting sort of at most P_PAD pairs (decode) by pairwise comparisons, no per-expert
+    columns. Pair j goes to its expert's first entry plus its expert's earlier pairs; an expert's
+    first entry is the sum of the padded counts of the lower experts that have pairs (each counted
+    at its first pair). The first pair of each expert also writes its expert's blocks and padding;
+    blocks past the used ones get -1 and sentinels. The same list as ``_sort_in_one_program``.
+    [P_PAD, CB] tiles (all pairs i against CB pairs j a step); MAX_RUN_BLOCKS >= an expert's
+    blocks (cdiv(P_PAD, BLOCK_M)); blocks b < P_PAD (num_blocks <= num_pairs)."""
+    i = tl.arange(0, P_PAD)
+    e_i = tl.load(experts_ptr + i, mask=i < num_pairs, other=-1)
+    ok_i = (i < num_pairs) & (e_i >= 0) & (e_i < E_TOTAL)  # ids outside [0, E_TOTAL): not counted, not placed
+    # pass 1: whether pair i is its expert's first, and the expert's padded count
+    before_i = tl.zeros([P_PAD], dtype=tl.int32)
+    count_i = tl.zeros([P_PAD], dtype=tl.int32)
+    for j0 in range(0, P_PAD, CB):
+        j = j0 + tl.arange(0, CB)
+        e_j = tl.load(experts_ptr + j, mask=j < num_pairs, other=-1)
+        same = (e_i[:, None] == e_j[None, :]) & ok_i[:, None]
+        before_i += tl.sum((same & (j[None, :] < i[:, None])).to(tl.int32), axis=1)
+        count_i += tl.sum(same.to(tl.int32), axis=1)
+    first_i = ok_i & (before_i == 0)
+    padded_i = tl.where(first_i, (count_i + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    used = tl.sum(padded_i, axis=0)
+    # pass 2: pair j to its entry; an expert's first pair writes its blocks' expert and padding
+    r = tl.arange(0, MAX_RUN_BLOCKS)
+    m = tl.arange(0, BLOCK_M)
+    for j0 in range(0, P_PAD, CB):
+        j = j0 + tl.arange(0, CB)
+        e_j = tl.load(experts_ptr + j, mask=j < num_pairs, other=-1)
+        ok_j = (j < num_pairs) & (e_j >= 0) & (e_j < E_TOTAL)
+        same = (e_i[:, None] == e_j[None, :]) & ok_i[:, None]
+        before_j = tl.sum((same & (i[:, None] < j[None, :])).to(tl.int32), axis=0)
+        count_j = tl.sum(same.to(tl.int32), axis=0)
+        start_j = tl.sum(tl.where(e_i[:, None] < e_j[None, :], padded_i[:, None], 0), axis=0)
+        tl.store(sorted_ptr + start_j + before_j, j, mask=ok_j)
+        first_j = ok_j & (before_j == 0)
+        blocks_j = (count_j + BLOCK_M - 1) // BLOCK_M
+        tl.store(block_experts_ptr + start_j[:, None] // BLOCK_M + r[None, :],
+                 tl.broadcast_to(e_j[:, None], [CB, MAX_RUN_BLOCKS]), mask=first_j[:, None] & (r[None, :] < blocks_j[:, None]))
+        pad = start_j + count_j  # the expert's padding entries: pad .. start + blocks BLOCK_M - 1
+        tl.store(sorted_ptr + pad[:, None] + m[None, :], tl.zeros([CB, BLOCK_M], dtype=tl.int32) + num_pairs,
+                 mask=first_j[:, None] & (pad[:, None] + m[None, :] < (start_j + blocks_j * BLOCK_M)[:, None]))
+    b = tl.arange(0, P_PAD)  # blocks past the used ones: -1, every entry the sentinel
+    unused = (b * BLOCK_M >= used) & (b < num_blocks)
+    tl.store(block_experts_ptr + b, tl.zeros([P_PAD], dtype=tl.int32) - 1, mask=unused)
+    tl.store(sorted_ptr + (b * BLOCK_M)[:, None] + m[None, :], tl.zeros([P_PAD, BLOCK_M], dtype=tl.int32) + num_pairs,
+             mask=unused[:, None])
+
+
+@triton.jit
 def _count_kernel(experts_ptr, counts_ptr, num_pairs, E_TOTAL,
                   CHUNK: tl.constexpr, BLOCK: tl.constexpr, E_PAD: tl.constexpr):
     """Sort launch 1 (a program per CHUNK pairs): counts [chunks, E_PAD], each chunk's pairs per expert."""
@@ -322,6 +381,9 @@ def _scatter_kernel(experts_ptr, offsets_ptr, table_ptr, sorted_ptr, block_exper
 
 # ----------------------------------------------------------------------------- host launchers
 ROUTE_BLOCK_T = 16  # tokens per routing program; up to this many, one program routes and sorts
+FEW_PAIRS = 256  # up to this many pairs (padded to a power of two) that program sorts by pairwise comparisons
+FEW_PAIRS_STEP = 16  # ... against this many pairs a step
+FEW_PAIRS_WARPS = 4  # the routing program's warps then
 SORT_CHUNK = 256  # pairs per program of the count and scatter launches
 
 
@@ -348,12 +410,17 @@ def route_kernel(logits, num_experts: int, top_k: int, num_shared: int, weights,
     e_pad, num_warps = _route_geometry(E)
     sort = sorted_pairs is not None and routes_and_sorts_in_one_launch(N)
     e_total_pad, sort_block, sort_warps = _sort_geometry(E + num_shared)
+    pairs_pad = next_power_of_2(N * (top_k + num_shared))
+    few_pairs = sort and pairs_pad <= FEW_PAIRS
+    if sort:
+        num_warps = FEW_PAIRS_WARPS if few_pairs else max(num_warps, sort_warps)
     _route_kernel[(cdiv(N, ROUTE_BLOCK_T),)](
         logits, weights, experts, sorted_pairs if sort else experts, block_experts if sort else experts,
         N, logits.stride(0), block_experts.numel() if sort else 0,
-        E=E, TOP_K=top_k, NUM_SHARED=num_shared, BLOCK_T=ROUTE_BLOCK_T, E_PAD=e_pad,
-        S_PAD=max(2, next_power_of_2(top_k + num_shared)), SORT=sort, BLOCK_M=block_m, SORT_BLOCK=sort_block,
-        E_TOTAL_PAD=e_total_pad, num_warps=max(num_warps, sort_warps) if sort else num_warps,
+        E=E, TOP_K=top_k, NUM_SHARED=num_shared, BLOCK_T=max(2, min(ROUTE_BLOCK_T, next_power_of_2(N))),
+        E_PAD=e_pad, S_PAD=max(2, next_power_of_2(top_k + num_shared)), SORT=sort, BLOCK_M=block_m,
+        SORT_BLOCK=sort_block, E_TOTAL_PAD=e_total_pad, PAIRS_PAD=pairs_pad if few_pairs else 0,
+        PAIRS_STEP=min(pairs_pad, FEW_PAIRS_STEP), RUN_BLOCKS=max(2, pairs_pad // block_m), num_warps=num_warps,
     )
 
 
