@@ -91,7 +91,8 @@ def sweep_configs(block_m: int):
 
 def sweep_route(moe: SwiGLUMoE, out: Path) -> None:
     """The decode routing (one program routes and sorts) at 1, 8 and 16 tokens: the pairwise sort
-    at each step width and warp count, and the one-hot sort (FEW_PAIRS 0) at its warps."""
+    at each step width and warp count, and the one-hot sort (FEW_PAIRS 0) at its warps; then the
+    routing at 64 and 4096 tokens by tokens per routing program and warps."""
     defaults = routing.FEW_PAIRS, routing.FEW_PAIRS_STEP, routing.FEW_PAIRS_WARPS
     lines = [f"## decode routing alone, 35B-A3B layer, bf16, {torch.cuda.get_device_name()} (us, graph replays; "
              f"default: pairwise, step {defaults[1]}, {defaults[2]} warps)", "",
@@ -109,6 +110,20 @@ def sweep_route(moe: SwiGLUMoE, out: Path) -> None:
             results.append({"tokens": tokens, "sort": sort, "step": step, "warps": warps, "us": us})
             lines.append(f"| {tokens} | {sort} | {step} | {warps} | {us:.1f} |")
     routing.FEW_PAIRS, routing.FEW_PAIRS_STEP, routing.FEW_PAIRS_WARPS = defaults
+    defaults = routing.ROUTE_BLOCK_T, routing.ROUTE_WARPS
+    lines += ["", f"Past {routing.DECODE_TOKENS} tokens (the routing kernel, then the three sort launches) by "
+              f"tokens per routing program and warps (default {defaults[0]}, {defaults[1]}):", "",
+              "| tokens | tokens a program | warps | us |", "|---|---|---|---|"]
+    for tokens in (64, 4096):
+        x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+        for block_t in (2, 4, 8, 16):
+            for warps in (1, 2, 4, 8):
+                routing.ROUTE_BLOCK_T, routing.ROUTE_WARPS = block_t, warps
+                us = 1e3 * graph_bench(lambda: route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 64,
+                                                     num_experts=moe.num_experts))
+                results.append({"tokens": tokens, "block_t": block_t, "warps": warps, "us": us})
+                lines.append(f"| {tokens} | {block_t} | {warps} | {us:.1f} |")
+    routing.ROUTE_BLOCK_T, routing.ROUTE_WARPS = defaults
     out.mkdir(parents=True, exist_ok=True)
     (out / "moe_route_sweep.md").write_text("\n".join(lines) + "\n")
     (out / "moe_route_sweep.json").write_text(json.dumps(results, indent=1))

@@ -36,7 +36,7 @@ Outputs (``Routing``):
 
 Launches: the router and gate logits by one GEMM, ``F.linear(x, router_with_gate)`` (cuBLAS; a
 Triton program per 16 tokens reading the whole router was 115 us at one token on the H200, one
-program's share of the GPU's bandwidth); ``_route_kernel`` (a program per ROUTE_BLOCK_T = 16
+program's share of the GPU's bandwidth); ``_route_kernel`` (a program per ROUTE_BLOCK_T
 tokens: softmax, k rounds of argmax, the gate's sigmoid) writes weights and experts; the counting
 sort, deterministic, no atomics: ``_count_kernel`` (a program per SORT_CHUNK pairs: its pairs
 per expert), ``_offsets_kernel`` (one program: each expert's first entry, the exclusive prefix
@@ -188,7 +188,7 @@ def _route_kernel(
     mask = row_ok[:, None] & (slots < S)
     tl.store(weights_ptr + offs, out_w, mask=mask)
     tl.store(experts_ptr + offs, out_e, mask=mask)
-    if SORT:  # the only program (N <= ROUTE_BLOCK_T): sort the pairs here too, one launch in all
+    if SORT:  # the only program (N <= DECODE_TOKENS): sort the pairs here too, one launch in all
         tl.debug_barrier()  # this program's expert ids are in memory for all its threads
         if PAIRS_PAD > 0:
             _sort_few_pairs(experts_ptr, sorted_ptr, block_experts_ptr, N * S, num_blocks, E + NUM_SHARED,
@@ -380,10 +380,15 @@ def _scatter_kernel(experts_ptr, offsets_ptr, table_ptr, sorted_ptr, block_exper
 
 
 # ----------------------------------------------------------------------------- host launchers
-ROUTE_BLOCK_T = 16  # tokens per routing program; up to this many, one program routes and sorts
+DECODE_TOKENS = 16  # up to this many tokens one routing program routes and sorts them all
+# Past that, tokens per routing program and its warps. H200 (moe.py --sweep-route, the three sort
+# launches included): 2 tokens a program on 1 warp 42.7 us at 64 tokens and 69.4 at 4096, against
+# 57.3 and 84.1 for 16 tokens on 8 warps (each of the k argmax rounds reduces across the warps).
+ROUTE_BLOCK_T = 2
+ROUTE_WARPS = 1
 FEW_PAIRS = 256  # up to this many pairs (padded to a power of two) that program sorts by pairwise comparisons
-FEW_PAIRS_STEP = 16  # ... against this many pairs a step
-FEW_PAIRS_WARPS = 4  # the routing program's warps then
+FEW_PAIRS_STEP = 32  # ... against this many pairs a step
+FEW_PAIRS_WARPS = None  # the routing program's warps then (None: 4 up to 128 pairs, 8 past; a sweep sets it)
 SORT_CHUNK = 256  # pairs per program of the count and scatter launches
 
 
@@ -404,7 +409,7 @@ def route_kernel(logits, num_experts: int, top_k: int, num_shared: int, weights,
                  sorted_pairs=None, block_experts=None, block_m: int = 16) -> None:
     """Launch 1: weights, experts [N, S] from the [N, >= E + 1] logits (N >= 1; columns 0..E-1 the
     router's, E the gate's, any further ones unread); with ``sorted_pairs``
-    / ``block_experts`` given and one program holding every token (N <= ROUTE_BLOCK_T, decode),
+    / ``block_experts`` given and one program holding every token (N <= DECODE_TOKENS, decode),
     the pair sort too (``sort_kernel``'s work, no more launches)."""
     N, E = logits.shape[0], num_experts
     e_pad, num_warps = _route_geometry(E)
@@ -412,12 +417,21 @@ def route_kernel(logits, num_experts: int, top_k: int, num_shared: int, weights,
     e_total_pad, sort_block, sort_warps = _sort_geometry(E + num_shared)
     pairs_pad = next_power_of_2(N * (top_k + num_shared))
     few_pairs = sort and pairs_pad <= FEW_PAIRS
-    if sort:
-        num_warps = FEW_PAIRS_WARPS if few_pairs else max(num_warps, sort_warps)
-    _route_kernel[(cdiv(N, ROUTE_BLOCK_T),)](
+    # Warps and step from the H200 (moe.py --sweep-route; router GEMM included): 1 token 12.8-14.1 us
+    # at any warps; 8 tokens 23.0 us (32 pairs a step, 4 warps) against 34.9 for the one-hot sort;
+    # 16 tokens 43.7 (8 warps) against 47.8.
+    if N <= DECODE_TOKENS:  # one program
+        block_t = max(2, next_power_of_2(N))
+        if few_pairs:
+            num_warps = FEW_PAIRS_WARPS or (4 if pairs_pad <= 128 else 8)
+        elif sort:
+            num_warps = max(num_warps, sort_warps)
+    else:
+        block_t, num_warps = ROUTE_BLOCK_T, ROUTE_WARPS
+    _route_kernel[(cdiv(N, block_t),)](
         logits, weights, experts, sorted_pairs if sort else experts, block_experts if sort else experts,
         N, logits.stride(0), block_experts.numel() if sort else 0,
-        E=E, TOP_K=top_k, NUM_SHARED=num_shared, BLOCK_T=max(2, min(ROUTE_BLOCK_T, next_power_of_2(N))),
+        E=E, TOP_K=top_k, NUM_SHARED=num_shared, BLOCK_T=block_t,
         E_PAD=e_pad, S_PAD=max(2, next_power_of_2(top_k + num_shared)), SORT=sort, BLOCK_M=block_m,
         SORT_BLOCK=sort_block, E_TOTAL_PAD=e_total_pad, PAIRS_PAD=pairs_pad if few_pairs else 0,
         PAIRS_STEP=min(pairs_pad, FEW_PAIRS_STEP), RUN_BLOCKS=max(2, pairs_pad // block_m), num_warps=num_warps,
@@ -426,7 +440,7 @@ def route_kernel(logits, num_experts: int, top_k: int, num_shared: int, weights,
 
 def routes_and_sorts_in_one_launch(num_tokens: int) -> bool:
     """Whether the routing kernel sorts the pairs too (no sort launches) for N tokens."""
-    return num_tokens <= ROUTE_BLOCK_T
+    return num_tokens <= DECODE_TOKENS
 
 
 def sort_kernel(experts, num_experts_total: int, block_m: int, sorted_pairs, block_experts) -> None:
