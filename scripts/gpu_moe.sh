@@ -9,8 +9,9 @@
 #              each kernel's GPU time per token count: moe_kernels.md
 #   sweep      benchmarks/moe.py --sweep: the routing and each grouped GEMM alone at every tile config
 #              (1, 8, 64, 4096 tokens; 16 and 64 rows at 64, 64 and 128 at 4096): moe_sweep.md / moe_sweep.json
-#   generate   `fuselm generate --config 35b-a3b` (random bf16 weights drawn on the device, ~69 GB:
-#              use the nvidia-h200 kind), batch 1 and 8: moe_generate.md
+#   model      the 35B-A3B model whole beside HF transformers (benchmarks/qwen35.py --config 35b-a3b:
+#              random bf16 weights drawn on the device, ~69 GB each, one after the other: use the
+#              nvidia-h200 kind), decode batch 1, 8, 32: qwen35_moe.md / .json
 # Usage: bash scripts/gpu_moe.sh [STAGE ...]   (default: tests sanitizer bench)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -37,13 +38,9 @@ if want sweep; then
     > "$OUT/moe_sweep.log" 2>&1 || status=1
   tail -3 "$OUT/moe_sweep.log"
 fi
-if want generate; then
-  work=$(mktemp -d)
-  for batch in 1 8; do
-    timeout 400 python3 -m fuselm generate --config 35b-a3b --batch $batch --prompt-len 512 --max-new-tokens 128 \
-      --out "$work" > "$work/b$batch.log" 2>&1 || { status=1; tail -20 "$work/b$batch.log"; }
-    cat "$work/generate.md" >> "$OUT/moe_generate.md" 2>/dev/null
-  done
-  cat "$OUT/moe_generate.md" 2>/dev/null
+if want model; then
+  PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 500 python3 benchmarks/qwen35.py --config 35b-a3b --new-tokens 128 \
+    --hf-new-tokens 32 --out "$OUT" > "$OUT/qwen35_moe.log" 2>&1 || { status=1; tail -20 "$OUT/qwen35_moe.log"; }
+  cat "$OUT/qwen35_moe.md" 2>/dev/null
 fi
 exit $status
