@@ -5,9 +5,9 @@
 # transformers on the same directory, all in this run:
 #   1. static Engine, batch 1 (prefill time of one 512-token prompt, decode step), greedy and with
 #      the served requests' sampling (the checkpoint's generation_config): engine.md
-#   2. server with the CLI's prefill budget: 1 client; 32 concurrent clients; Poisson arrivals at
-#      80% of the 32-client request throughput. Stage serveN: a server with --max-prefill-tokens N,
-#      32 clients and the same Poisson rate (or $RATE)
+#   2. server with the CLI's prefill budget: 1 client; 32 concurrent clients (96 prompts, and 320
+#      for the steady state); Poisson arrivals at 80% of the 32-client request throughput. Stage
+#      serveN: a server with --max-prefill-tokens N, 32 clients and the same Poisson rate (or $RATE)
 #   3. static Engine, batch 32, greedy and with the served sampling: engine.md
 #   4. HF transformers: static generate at batch 1 and 32, and generate_batch checked: hf_anchor.*
 #   5. GPU tests of the serving path; compute-sanitizer memcheck of the sampling kernel
@@ -63,6 +63,9 @@ if want serve; then
   serve ""
   bench serve_c1 --num-prompts 8 --max-concurrency 1 --warmup-requests 2 --goodput ttft:500 tpot:10
   bench serve_c32 --num-prompts 96 --max-concurrency 32 --warmup-requests 4
+  # Steady state: 96 prompts are three waves, and the first wave's 32 x 512-token prefill has no
+  # decode to hide under (nor the last wave's drain): ~10% of the run (NOTES.md 34, 47)
+  bench serve_c32_steady --num-prompts 320 --max-concurrency 32 --warmup-requests 4
   rate=$(python3 -c "import json; print(0.8 * json.load(open('$work/serve_c32.json'))['request_throughput'])")
   echo "Poisson rate: $rate req/s (80% of the 32-client throughput)"
   bench serve_poisson --num-prompts 96 --request-rate "$rate" --burstiness 1 --max-concurrency 32 --goodput ttft:500

