@@ -29,9 +29,8 @@ from pathlib import Path
 
 import torch
 
-from fuselm.ops.moe import SwiGLUMoE
+from fuselm.ops.moe import SwiGLUMoE, routing
 from fuselm.ops.moe.grouped_gemm import GroupedGemmConfig, combine, expert_down, expert_gate_up, grouped_gemm_config
-from fuselm.ops.moe import routing
 from fuselm.ops.moe.routing import route
 from fuselm.ops.silu_mul import silu_mul
 from fuselm.runtime import copy_bandwidth, matrix_rate
