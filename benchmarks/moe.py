@@ -11,7 +11,8 @@ path syncs on the host, so no graph), our unfused path (the same routing and pai
 grouped gate/up GEMM without the activation, ``silu_mul``, the down GEMM: the epilogue's worth),
 and the floor: max(weight bytes touched / copy bandwidth, FLOPs / matrix rate), both measured in
 this run (a device copy; a bf16 mm of 8192^3). Weight bytes touched: the router, the experts the
-routing hits (counted from it; for uniform routing about E (1 - (1 - k/E)^N)), the shared expert. ``--skewed``: routing biased so half the tokens' picks fall on 16 experts (bytes counted
+routing hits (counted from it; for uniform routing about E (1 - (1 - k/E)^N)), the shared
+expert. ``--skewed``: routing biased so half the tokens' picks fall on 16 experts (bytes counted
 from the actual routing). Writes moe.md and moe.json under --out. ``--sweep``: each
 kernel alone (graph replays) per token count: the routing, and the gate/up and down grouped GEMMs
 at every tile config of SWEEP (features per program, K step, warps, stages) on the routing the
@@ -100,7 +101,8 @@ def sweep_route(moe: SwiGLUMoE, out: Path) -> None:
     for tokens in (1, 8, 16):
         x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
         pairs_pad = 1 << (tokens * (moe.top_k + moe.num_shared) - 1).bit_length()
-        variants = [("pairwise", step, warps) for step in (16, 32, 64, 128) if step <= pairs_pad for warps in (1, 2, 4, 8)]
+        variants = [("pairwise", step, warps) for step in (16, 32, 64, 128) if step <= pairs_pad
+                    for warps in (1, 2, 4, 8)]
         for sort, step, warps in variants + [("one-hot", "-", "-")]:
             routing.FEW_PAIRS, routing.FEW_PAIRS_STEP, routing.FEW_PAIRS_WARPS = (
                 (defaults[0], step, warps) if sort == "pairwise" else (0, *defaults[1:]))

@@ -382,7 +382,7 @@ def combine_ref(y, weights, out_dtype: torch.dtype) -> torch.Tensor:
     sum landing exactly halfway between two fp32 values after its fp64 rounding: ~2^-29 a step)."""
     num_tokens, slots = weights.shape
     rows = y.double().reshape(num_tokens, slots, y.shape[1])
-    w = weights.float().double()
+    w = weights.double()
     acc = torch.zeros_like(rows[:, 0], dtype=torch.float32)
     for j in range(slots):
         acc = (acc.double() + w[:, j, None] * rows[:, j]).float()

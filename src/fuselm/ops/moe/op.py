@@ -11,10 +11,11 @@ weights), fixed grids and no host sync whatever the routing (CUDA-graph capturab
 without TRITON_INTERPRET every step runs its plain-PyTorch reference. Not yet: GEMM tiles for
 decode's few rows per expert (today 16-row tiles, mostly padding at one token).
 
-Weights are kept in the kernels' layout, made once here: ``router_with_gate`` [E + 1 + pad, H] (HF's
-router rows, then ``shared_expert_gate``, then zero rows to a multiple of 8: ``pad_router_rows``); ``w13`` [E_total, 2F, H] (each expert's gate and up rows
-interleaved); ``w2`` [E_total, H, F]. The shared expert is ``num_shared`` = ceil(F_s / F) more
-experts of F features each, always selected, weighted by sigmoid(x w_sg^T): its F_s features
+Weights are kept in the kernels' layout, made once here: ``router_with_gate`` [E + 1 + pad, H]
+(HF's router rows, then ``shared_expert_gate``, then zero rows to a multiple of 8:
+``pad_router_rows``); ``w13`` [E_total, 2F, H] (each expert's gate and up rows interleaved);
+``w2`` [E_total, H, F]. The shared expert is ``num_shared`` = ceil(F_s / F) more experts of F
+features each, always selected, weighted by sigmoid(x w_sg^T): its F_s features
 zero-padded to num_shared F (a zero gate and up row gives an activation of 0 for every
 ``Activation``, and a zero down column adds nothing) and split in chunks of F.
 

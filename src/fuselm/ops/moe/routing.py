@@ -317,7 +317,8 @@ def _sort_few_pairs(
         first_j = ok_j & (before_j == 0)
         blocks_j = (count_j + BLOCK_M - 1) // BLOCK_M
         tl.store(block_experts_ptr + start_j[:, None] // BLOCK_M + r[None, :],
-                 tl.broadcast_to(e_j[:, None], [CB, MAX_RUN_BLOCKS]), mask=first_j[:, None] & (r[None, :] < blocks_j[:, None]))
+                 tl.broadcast_to(e_j[:, None], [CB, MAX_RUN_BLOCKS]),
+                 mask=first_j[:, None] & (r[None, :] < blocks_j[:, None]))
         pad = start_j + count_j  # the expert's padding entries: pad .. start + blocks BLOCK_M - 1
         tl.store(sorted_ptr + pad[:, None] + m[None, :], tl.zeros([CB, BLOCK_M], dtype=tl.int32) + num_pairs,
                  mask=first_j[:, None] & (pad[:, None] + m[None, :] < (start_j + blocks_j * BLOCK_M)[:, None]))
@@ -416,14 +417,15 @@ def route_kernel(logits, num_experts: int, top_k: int, num_shared: int, weights,
     the pair sort too (``sort_kernel``'s work, no more launches)."""
     N, E = logits.shape[0], num_experts
     e_pad, num_warps = _route_geometry(E)
-    sort = sorted_pairs is not None and routes_and_sorts_in_one_launch(N)
+    one_program = routes_and_sorts_in_one_launch(N)
+    sort = sorted_pairs is not None and one_program
     e_total_pad, sort_block, sort_warps = _sort_geometry(E + num_shared)
     pairs_pad = next_power_of_2(N * (top_k + num_shared))
     few_pairs = sort and pairs_pad <= FEW_PAIRS
     # Warps and step from the H200 (moe.py --sweep-route; router GEMM included): 1 token 12.8-14.1 us
     # at any warps; 8 tokens 23.0 us (32 pairs a step, 4 warps) against 34.9 for the one-hot sort;
     # 16 tokens 43.7 (8 warps) against 47.8.
-    if N <= DECODE_TOKENS:  # one program
+    if one_program:
         block_t = max(2, next_power_of_2(N))
         if few_pairs:
             num_warps = FEW_PAIRS_WARPS or (4 if pairs_pad <= 128 else 8)
