@@ -4,6 +4,7 @@
     python benchmarks/moe.py [--tokens 1 8 64 256 4096 16384] [--skewed] [--profile] [--out DIR]
     python benchmarks/moe.py --sweep [--tokens 1 8 64] [--out DIR]     -> moe_sweep.md / .json
     python benchmarks/moe.py --sweep-route [--out DIR]                 -> moe_route_sweep.md / .json
+    python benchmarks/moe.py --sweep-decode [--out DIR]                -> moe_decode_sweep.md / .json
 
 H 2048, E 256, k 8, F 512, F_s 512, bf16, random weights. Per token count: GPU time of one call
 replayed from a CUDA graph (fuselm; do_bench median), HF's block as called (eager: its experts
@@ -17,7 +18,10 @@ from the actual routing). Writes moe.md and moe.json under --out. ``--sweep``: e
 kernel alone (graph replays) per token count: the routing, and the gate/up and down grouped GEMMs
 at every tile config of SWEEP (features per program, K step, warps, stages) on the routing the
 block uses at that count. ``--sweep-route``: the decode routing (one program) at 1, 8 and 16
-tokens by its sort's variant, step width and warps.
+tokens by its sort's variant, step width and warps. ``--sweep-decode``: at 1, 2, 4, 8, 16 tokens
+the decode path's kernels (``decode.pair_gate_up``, ``decode.down_combine``) at every tile of
+DECODE_SWEEP beside the grouped path's (16-row gate/up, down, combine) and the routing with and
+without its sort: where the decode path pays, and its tiles.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 import torch
 
 from fuselm.ops.moe import SwiGLUMoE, routing
+from fuselm.ops.moe.decode import PairGemvConfig, down_combine, pair_gate_up, pair_gemv_config
 from fuselm.ops.moe.grouped_gemm import GroupedGemmConfig, combine, expert_down, expert_gate_up, grouped_gemm_config
 from fuselm.ops.moe.routing import route
 from fuselm.ops.silu_mul import silu_mul
@@ -131,6 +136,83 @@ def sweep_route(moe: SwiGLUMoE, out: Path) -> None:
     print("\n".join(lines))
 
 
+# The decode kernels' tiles: features a program, K step, warps, stages, tensor-core dot (gate/up).
+DECODE_SWEEP = {"block": (8, 16, 32), "block_k": (128, 256, 512), "num_warps": (4, 8), "num_stages": (1, 3)}
+
+
+def decode_configs(kind: str):
+    """DECODE_SWEEP's tiles for ``kind``: the plain-sum tiles whose fp32 accumulator
+    (2 block x block_k for gate/up) stays within 64 registers a thread; gate/up also by dot."""
+    for block, block_k, warps, stages in itertools.product(*DECODE_SWEEP.values()):
+        rows = 2 * block if kind == "gate_up" else block
+        for dot in ((False, True) if kind == "gate_up" else (False,)):
+            if not dot and rows * block_k > 64 * 32 * warps:
+                continue
+            yield PairGemvConfig(block, block_k, warps, stages, dot)
+
+
+def sweep_decode(moe: SwiGLUMoE, out: Path) -> None:
+    """The decode path's two kernels at every tile, beside the grouped path's three kernels and
+    the routing with / without its sort, at 1 to 16 tokens (graph replays, us)."""
+    slots = moe.top_k + moe.num_shared
+    results = []
+    lines = [f"## MoE decode kernels alone, 35B-A3B layer, bf16, {torch.cuda.get_device_name()} "
+             f"(us, graph replays)", "",
+             "| tokens | route + sort | route, no sort | grouped gate/up | grouped down | combine | grouped sum | "
+             "pair_gate_up (default / best) | down_combine (default / best) | decode sum (best) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    bests = []
+    for tokens in (1, 2, 4, 8, 16):
+        x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+        routed = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 16, num_experts=moe.num_experts)
+        pairs = routed.sorted_pairs, routed.block_experts
+        h = expert_gate_up(x, moe.w13, *pairs, slots, moe.activation, 16)
+        y = expert_down(h, moe.w2, *pairs, 16)
+        us = lambda fn: 1e3 * graph_bench(fn)  # noqa: E731
+        row = {"tokens": tokens,
+               "route_sort": us(lambda: route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 16,
+                                              num_experts=moe.num_experts)),
+               "route_no_sort": us(lambda: route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 16,
+                                                 num_experts=moe.num_experts, sort=False)),
+               "grouped_gate_up": us(lambda: expert_gate_up(x, moe.w13, *pairs, slots, moe.activation, 16, out=h)),
+               "grouped_down": us(lambda: expert_down(h, moe.w2, *pairs, 16, out=y)),
+               "combine": us(lambda: combine(y, routed.weights, x.dtype)),
+               "gate_up": {}, "down": {}}
+        for kind in ("gate_up", "down"):
+            row[f"{kind}_default"] = str(pair_gemv_config(kind, x.dtype, x.device))
+            for cfg in decode_configs(kind):
+                fn = ((lambda: pair_gate_up(x, moe.w13, routed.experts, moe.activation, out=h, config=cfg))
+                      if kind == "gate_up" else
+                      (lambda: down_combine(h, moe.w2, routed.experts, routed.weights, x.dtype, config=cfg)))
+                name = "f{} k{} w{} s{}{}".format(*dataclasses.astuple(cfg)[:4], " dot" if cfg.dot else "")
+                try:
+                    row[kind][name] = us(fn)
+                except Exception as exc:  # shared memory or registers exceeded at some tiles
+                    row[kind][name] = type(exc).__name__
+            row[f"{kind}_default_us"] = us(
+                (lambda: pair_gate_up(x, moe.w13, routed.experts, moe.activation, out=h)) if kind == "gate_up" else
+                (lambda: down_combine(h, moe.w2, routed.experts, routed.weights, x.dtype)))
+        best = {kind: min((v, k) for k, v in row[kind].items() if isinstance(v, float)) for kind in ("gate_up", "down")}
+        grouped = row["grouped_gate_up"] + row["grouped_down"] + row["combine"]
+        lines.append(f"| {tokens} | {row['route_sort']:.1f} | {row['route_no_sort']:.1f} | {row['grouped_gate_up']:.1f} | "
+                     f"{row['grouped_down']:.1f} | {row['combine']:.1f} | {grouped:.1f} | "
+                     f"{row['gate_up_default_us']:.1f} / {best['gate_up'][0]:.1f} | "
+                     f"{row['down_default_us']:.1f} / {best['down'][0]:.1f} | "
+                     f"{best['gate_up'][0] + best['down'][0]:.1f} |")
+        bests.append((tokens, row))
+        results.append(row)
+        print(lines[-1], flush=True)
+    for tokens, row in bests:
+        for kind in ("gate_up", "down"):
+            timed = sorted((v, k) for k, v in row[kind].items() if isinstance(v, float))
+            lines += ["", f"{tokens} tokens, {kind}, default {row[f'{kind}_default']}; the 6 fastest of "
+                      f"{len(row[kind])}:", "", "| tile | us |", "|---|---|"] + [f"| {k} | {v:.1f} |" for v, k in timed[:6]]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "moe_decode_sweep.md").write_text("\n".join(lines) + "\n")
+    (out / "moe_decode_sweep.json").write_text(json.dumps(results, indent=1))
+    print("\n".join(lines))
+
+
 def sweep(moe: SwiGLUMoE, token_counts, out: Path) -> None:
     """Each grouped GEMM alone at every SWEEP tile config, and the routing, per token count and
     row tile (16 rows below 64 tokens, 16 and 64 to 1023, 64 and 128 from 1024)."""
@@ -183,10 +265,15 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="the kernels' tile configs alone: moe_sweep.md")
     parser.add_argument("--sweep-route", action="store_true",
                         help="the decode routing's sort variants at 1, 8, 16 tokens: moe_route_sweep.md")
+    parser.add_argument("--sweep-decode", action="store_true",
+                        help="the decode path's kernels by tile at 1-16 tokens beside the grouped path's: "
+                             "moe_decode_sweep.md")
     args = parser.parse_args()
     torch.manual_seed(0)
     block = hf_block()
     moe = SwiGLUMoE.from_hf(block)
+    if args.sweep_decode:
+        return sweep_decode(moe, Path(args.out))
     if args.sweep_route:
         return sweep_route(moe, Path(args.out))
     if args.sweep:

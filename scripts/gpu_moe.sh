@@ -9,6 +9,8 @@
 #              each kernel's GPU time per token count: moe_kernels.md
 #   sweep      benchmarks/moe.py --sweep: the routing and each grouped GEMM alone at every tile config
 #              (1, 8, 64, 4096 tokens; 16 and 64 rows at 64, 64 and 128 at 4096): moe_sweep.md / moe_sweep.json
+#   decode     benchmarks/moe.py --sweep-decode: the decode path's kernels by tile at 1-16 tokens beside
+#              the grouped path's: moe_decode_sweep.md / .json
 #   model      the 35B-A3B model whole beside HF transformers (benchmarks/qwen35.py --config 35b-a3b:
 #              random bf16 weights drawn on the device, ~69 GB each, one after the other: use the
 #              nvidia-h200 kind), decode batch 1, 8, 32: qwen35_moe.md / .json
@@ -17,14 +19,15 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 stages=" ${*:-tests sanitizer bench} "
 status=0
-MOE_TESTS="tests/test_moe.py tests/test_moe_routing.py tests/test_moe_grouped_gemm.py tests/test_qwen35_moe.py"
+MOE_TESTS="tests/test_moe.py tests/test_moe_routing.py tests/test_moe_grouped_gemm.py tests/test_moe_decode.py
+  tests/test_qwen35_moe.py"
 if want tests; then
   timeout 300 python3 -m pytest -v -p no:cacheprovider --durations=10 $MOE_TESTS > "$OUT/moe_tests.log" 2>&1 || status=1
   tail -4 "$OUT/moe_tests.log"
 fi
 if want sanitizer; then
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
-    python3 -m pytest -q -p no:cacheprovider tests/test_moe_routing.py tests/test_moe_grouped_gemm.py \
+    python3 -m pytest -q -p no:cacheprovider tests/test_moe_routing.py tests/test_moe_grouped_gemm.py tests/test_moe_decode.py \
     -k "not graph" > "$OUT/moe_sanitizer.log" 2>&1 || status=1
   tail -4 "$OUT/moe_sanitizer.log"
 fi
@@ -32,6 +35,11 @@ if want bench; then
   PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 400 python3 benchmarks/moe.py --profile --out "$OUT" || status=1
   PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 300 python3 benchmarks/moe.py --skewed --tokens 64 4096 \
     --out "$OUT" || status=1
+fi
+if want decode; then
+  PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 400 python3 benchmarks/moe.py --sweep-decode --out "$OUT" \
+    > "$OUT/moe_decode_sweep.log" 2>&1 || { status=1; tail -20 "$OUT/moe_decode_sweep.log"; }
+  head -12 "$OUT/moe_decode_sweep.md"
 fi
 if want sweep; then
   PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 500 python3 benchmarks/moe.py --sweep --tokens 1 8 64 4096 --out "$OUT" \

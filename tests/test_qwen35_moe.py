@@ -139,3 +139,14 @@ def test_decode_weight_bytes_count_the_experts_a_step_reads(models):
                  for layer in model.layers) * 4
     assert decode_weight_bytes(model, 10 ** 4) == whole
     assert abs(decode_weight_bytes(model, 1) - (whole - routed * (1 - c.num_experts_per_tok / c.num_experts))) <= 32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 16])
+def test_an_moe_layer_runs_at_most_four_kernels_a_decode_step(models, tokens):
+    """Seed 003's gate, as ``fuselm audit`` counts it: router GEMM, routing, gate/up (activation
+    and shared expert inside), down with the combine."""
+    from fuselm.engine.audit import MOE_MAX_KERNELS, moe_layer_kernels
+
+    _, model = models
+    assert moe_layer_kernels(model, tokens) <= MOE_MAX_KERNELS == 4

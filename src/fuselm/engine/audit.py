@@ -3,6 +3,8 @@
     decode_weight_bytes(model, batch)  bytes of weights one decode step reads (the bandwidth floor)
     launch_audit(engine, requests)  per decode step, on CUDA: kernels, device copies, graph
                                     launches, kernel launches outside graphs, host syncs
+    moe_layer_kernels(model, tokens)  on CUDA: the kernels one MoE layer's block runs for a decode
+                                    step of ``tokens`` rows (issue 19's gate: at most MOE_MAX_KERNELS)
     parity_with_hf(hf, model, ...)  greedy HF generate vs greedy generation through the Engine,
                                     logits compared by teacher forcing
     run_audit(...)                  the body of ``fuselm audit``: both, as (results, markdown, ok)
@@ -22,10 +24,14 @@ from fuselm.engine.request import Request, SamplingParams
 from fuselm.engine.runner import ModelRunner
 from fuselm.engine.sampling import PLAIN
 from fuselm.models.qwen35 import Qwen35, Qwen35Config
+from fuselm.models.qwen35.layers import MoE
 
 # fp32 logits vs HF fp32 (summation order only): max abs difference on the CPU; a GPU adds
 # Triton's approximate exp/rsqrt and other reduction orders on both sides.
 FP32_MAX_ABS_CPU, FP32_MAX_ABS_GPU = 1e-3, 1e-2
+# Kernels per MoE layer per decode step (seed 003's gate: routing, gate/up with the activation and the
+# shared expert, down with the combine; the router GEMM one more).
+MOE_MAX_KERNELS = 4
 # Half precision: the teacher-forced cosine to HF fp32 may fall short of HF half precision's own by this.
 HALF_COSINE_SLACK = 1e-5
 # Half precision when HF fp32 does not fit beside the models: the cosine to HF in the same dtype.
@@ -133,6 +139,24 @@ def launch_audit(engine_or_runner: Engine | ModelRunner, requests: int, steps: i
     result.update(requests=requests, batch_size=batch, steps_profiled=steps, graphs=runner.use_graphs,
                   sync_debug_error=sync_error)
     return result
+
+
+def moe_layer_kernels(model: Qwen35, tokens: int) -> int:
+    """GPU kernels the first MoE layer's block runs on ``tokens`` rows (its share of a decode step
+    at that batch: the step's graph replays the same launches), counted by torch.profiler over one
+    eager call after a warm-up; device copies and memsets count too."""
+    from torch.profiler import ProfilerActivity, profile
+
+    block = next((m for m in model.modules() if isinstance(m, MoE)), None)
+    if block is None:
+        raise ValueError("model: has no MoE layer")
+    x = torch.randn(tokens, block.hidden_size, dtype=block.w13.dtype, device=block.w13.device)
+    block(x)  # compiled and warm
+    torch.cuda.synchronize(x.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        block(x)
+        torch.cuda.synchronize(x.device)
+    return sum(event.device_type == torch.autograd.DeviceType.CUDA for event in prof.events())
 
 
 # ============================================================================ parity with HF
@@ -361,6 +385,12 @@ def run_audit(*, config: Qwen35Config | None = None, checkpoint: Path | None = N
                          f"{counts['host_syncs']:g} | {counts['sync_debug_error'] or 'no error'} |")
         lines += ["", f"Counted by torch.profiler (CUDA activity: every kernel inside the graph replay) over "
                       f"{steps} steps, per step."]
+        if model.config.is_moe:
+            moe = {requests: moe_layer_kernels(model, requests) for requests in sorted({1, batch})}
+            results["moe_layer_kernels"] = moe
+            launches_ok &= max(moe.values()) <= MOE_MAX_KERNELS
+            lines += ["", "Kernels per MoE layer per decode step (one block call profiled; bar <= "
+                      f"{MOE_MAX_KERNELS}): " + ", ".join(f"{k} at {n} token{'s' * (n > 1)}" for n, k in moe.items())]
     else:
         lines.append("n/a on the CPU: the step runs eagerly in the Triton interpreter (no CUDA graph, no device "
                      "kernels to count); run `fuselm audit` on a GPU for kernels, graph launches and host syncs.")

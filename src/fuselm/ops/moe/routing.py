@@ -73,8 +73,9 @@ class Routing:
 
     weights: torch.Tensor  # [N, S] fp32: k renormalised top-k weights, then the shared scale per shared slot
     experts: torch.Tensor  # [N, S] int32: k expert ids (descending probability), then E .. E + num_shared - 1
-    sorted_pairs: torch.Tensor  # [P_max] int32: pair ids p = n S + j grouped by expert, padded with N S
-    block_experts: torch.Tensor  # [P_max // block_m] int32: each block's expert, -1 past the used blocks
+    sorted_pairs: torch.Tensor | None  # [P_max] int32: pair ids p = n S + j grouped by expert, padded with N S
+    block_experts: torch.Tensor | None  # [P_max // block_m] int32: each block's expert, -1 past the used blocks
+    # (both None when routed with sort=False: the decode path reads ``experts`` directly)
     top_k: int
     num_shared: int
     block_m: int
@@ -480,7 +481,7 @@ def _check_buffer(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.
 
 
 def route(x: torch.Tensor, router_with_gate: torch.Tensor, top_k: int, num_shared: int, block_m: int,
-          *, num_experts: int | None = None, out: Routing | None = None) -> Routing:
+          *, num_experts: int | None = None, out: Routing | None = None, sort: bool = True) -> Routing:
     """The routing of x [N, H] (module docstring: layout, numerics, launches).
 
     Args:
@@ -495,6 +496,8 @@ def route(x: torch.Tensor, router_with_gate: torch.Tensor, top_k: int, num_share
         num_shared: the shared expert's slots per token (>= 0), ids E .. E + num_shared - 1.
         block_m: the grouped GEMMs' row tile: a power of two >= 16.
         out: optional buffers to fill (e.g. a CUDA graph's static outputs), shaped as the result.
+        sort: False: weights and experts only (one launch after the GEMM; ``sorted_pairs`` and
+            ``block_experts`` None, block_m unused): the decode path (``decode.py``) needs no pair list.
     Returns:
         ``Routing``; CUDA tensors (or CPU ones under TRITON_INTERPRET=1) take the module
         docstring's launches, other CPU tensors the PyTorch reference.
@@ -529,29 +532,36 @@ def route(x: torch.Tensor, router_with_gate: torch.Tensor, top_k: int, num_share
     p_max = max_pairs(N, S, E_total, block_m)
     if p_max + block_m > _INT32_MAX:
         raise ValueError(f"x: {N} tokens x {S} slots overflow the int32 pair ids")
+    if not isinstance(sort, bool):
+        raise ValueError(f"sort: expected a bool, got {sort!r}")
     device = x.device
     if out is None:
         out = Routing(torch.empty(N, S, dtype=torch.float32, device=device),
                       torch.empty(N, S, dtype=torch.int32, device=device),
-                      torch.empty(p_max, dtype=torch.int32, device=device),
-                      torch.empty(p_max // block_m, dtype=torch.int32, device=device),
+                      torch.empty(p_max, dtype=torch.int32, device=device) if sort else None,
+                      torch.empty(p_max // block_m, dtype=torch.int32, device=device) if sort else None,
                       top_k, num_shared, block_m)
     else:
         if not isinstance(out, Routing):
             raise TypeError(f"out: expected a Routing, got {type(out).__name__}")
         _check_buffer("weights", out.weights, (N, S), torch.float32, device)
         _check_buffer("experts", out.experts, (N, S), torch.int32, device)
-        _check_buffer("sorted_pairs", out.sorted_pairs, (p_max,), torch.int32, device)
-        _check_buffer("block_experts", out.block_experts, (p_max // block_m,), torch.int32, device)
+        if sort:
+            _check_buffer("sorted_pairs", out.sorted_pairs, (p_max,), torch.int32, device)
+            _check_buffer("block_experts", out.block_experts, (p_max // block_m,), torch.int32, device)
         out.top_k, out.num_shared, out.block_m = top_k, num_shared, block_m
     if N == 0:
         return out
+    names = ("weights", "experts", "sorted_pairs", "block_experts") if sort else ("weights", "experts")
     if not use_triton(x):
         ref = route_pairs_ref(x, router_with_gate, top_k, num_shared, block_m, E)
-        for name in ("weights", "experts", "sorted_pairs", "block_experts"):
+        for name in names:
             getattr(out, name).copy_(getattr(ref, name))
         return out
     logits = F.linear(x, router_with_gate)  # [N, R] in x's dtype: cuBLAS's fp32 accumulation, rounded
+    if not sort:
+        route_kernel(logits, E, top_k, num_shared, out.weights, out.experts)
+        return out
     route_kernel(logits, E, top_k, num_shared, out.weights, out.experts, out.sorted_pairs, out.block_experts, block_m)
     if not routes_and_sorts_in_one_launch(N):
         sort_kernel(out.experts, E_total, block_m, out.sorted_pairs, out.block_experts)
