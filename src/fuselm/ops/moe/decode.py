@@ -97,21 +97,24 @@ def _pair_gate_up_kernel(
 @triton.jit
 def _down_combine_kernel(
     h_ptr, w_ptr, experts_ptr, weights_ptr, out_ptr,
-    SLOTS, H, F, stride_hm, stride_we, stride_wn, stride_om,
-    EVEN_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    H, stride_hm, stride_we, stride_wn, stride_om,
+    SLOTS: tl.constexpr, F: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # output features: rows of w2[e]
     k = tl.arange(0, BLOCK_K)
     w_offs = (rows % H).to(tl.int64)[:, None] * stride_wn + k[None, :]  # rows past H wrap, never stored
     out = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in range(0, SLOTS):  # slot order: deterministic
+    # Both loops unrolled (SLOTS and F are constexpr): no load waits on an earlier slot's sum, so
+    # every slot's weight tiles can be in flight at once (a rolled loop kept one 16 KB tile in
+    # flight a program: 12.5 us for 18.9 MB at one token on the H200).
+    for j in tl.static_range(SLOTS):  # slot order: deterministic
         p = n * SLOTS + j
         e = tl.load(experts_ptr + p).to(tl.int64)
         w_ptrs = w_ptr + e * stride_we + w_offs
         h_ptrs = h_ptr + p * stride_hm + k
         acc = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, F, BLOCK_K):
+        for k0 in tl.static_range(0, F, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs)
                 hv = tl.load(h_ptrs)
@@ -142,19 +145,29 @@ class PairGemvConfig:
     dot: bool = False
 
 
-# Untuned first values (the dense decode GEMV's shapes: 16-32 features a program, K steps of 256-512);
-# benchmarks/moe.py --sweep-decode times the alternatives.
-PAIR_GATE_UP_TILE = PairGemvConfig(16, 256, 4, 3)
-DOWN_COMBINE_TILE = PairGemvConfig(16, 512, 4, 3)
+# H200 sweeps (moe.py --sweep-decode, session 19, moe_decode_sweep.md; graph replays: the kernel +
+# ~6 us of replay). gate/up: 8 features, K step 256, 4 warps first or within 1% at 1, 4, 8, 16
+# tokens (18.5 / 43.3 / 71.7 / 115.7 us); the tensor-core dot variant never among the first six;
+# stages change nothing (Triton does not pipeline these plain loads). down_combine, loops
+# unrolled: 4 features, K step 256 at <= 2 tokens (14.6 us at one token against 15.4 at 8
+# features; 2 tokens 19.4 / 19.5), 8 features past that (4 tokens 26.8 against 30.0, 8 tokens
+# 44.2 against 47.7, 16 tokens 70.9 against 72.2).
+PAIR_GATE_UP_TILE = PairGemvConfig(8, 256, 4, 1)
+DOWN_COMBINE_TILE = PairGemvConfig(8, 256, 4, 1)
+DOWN_COMBINE_FEW_TILE, DOWN_COMBINE_FEW_TOKENS = PairGemvConfig(4, 256, 4, 1), 2
 # The interpreter (CPU tests): small tiles, so odd shapes have several programs and a K tail.
 INTERPRET_TILE = PairGemvConfig(8, 16, 4, 1)
 
 
-def pair_gemv_config(kind: str, dtype: torch.dtype, device: torch.device) -> PairGemvConfig:
-    """The tile of ``kind`` in {"gate_up", "down"} for ``dtype`` operands (fp32: half the K step)."""
+def pair_gemv_config(kind: str, dtype: torch.dtype, device: torch.device, num_tokens: int) -> PairGemvConfig:
+    """The tile of ``kind`` in {"gate_up", "down"} for ``dtype`` operands and ``num_tokens`` tokens
+    (fp32: half the K step)."""
     if device.type != "cuda":
         return INTERPRET_TILE
-    tile = PAIR_GATE_UP_TILE if kind == "gate_up" else DOWN_COMBINE_TILE
+    if kind == "gate_up":
+        tile = PAIR_GATE_UP_TILE
+    else:
+        tile = DOWN_COMBINE_FEW_TILE if num_tokens <= DOWN_COMBINE_FEW_TOKENS else DOWN_COMBINE_TILE
     if dtype == torch.float32:
         return dataclasses.replace(tile, block_k=tile.block_k // 2)
     return tile
@@ -221,7 +234,7 @@ def pair_gate_up(x: torch.Tensor, w13: torch.Tensor, experts: torch.Tensor, acti
         return h.copy_(pair_gate_up_ref(x, w13, experts, activation))
     if N == 0 or F == 0:
         return h
-    cfg = config or pair_gemv_config("gate_up", x.dtype, x.device)
+    cfg = config or pair_gemv_config("gate_up", x.dtype, x.device, N)
     _pair_gate_up_kernel[(N * S, cdiv(F, cfg.block))](
         x, w13, experts, h,
         S, F, H, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
@@ -256,11 +269,11 @@ def down_combine(h: torch.Tensor, w2: torch.Tensor, experts: torch.Tensor, weigh
         return o.copy_(down_combine_ref(h, w2, experts, weights, out_dtype))
     if N == 0 or H == 0:
         return o
-    cfg = config or pair_gemv_config("down", h.dtype, h.device)
+    cfg = config or pair_gemv_config("down", h.dtype, h.device, N)
     _down_combine_kernel[(N, cdiv(H, cfg.block))](
         h, w2, experts, weights, o,
-        S, H, F, h.stride(0), w2.stride(0), w2.stride(1), o.stride(0),
-        EVEN_K=F % cfg.block_k == 0, BLOCK_H=cfg.block, BLOCK_K=cfg.block_k,
+        H, h.stride(0), w2.stride(0), w2.stride(1), o.stride(0),
+        SLOTS=S, F=F, EVEN_K=F % cfg.block_k == 0, BLOCK_H=cfg.block, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o

@@ -37,13 +37,11 @@ from the reference (fp32 sums over K; the slots summed in slot order).
 
 Launches: three per block (gate/up, down, combine), after the routing's.
 
-Not done yet: a decode-specialised weight-streaming path (<= 16 tokens: 16-row tiles hold one
-or a few real rows; at 8 tokens gate/up and down run near their weight floor, at one token
-gate/up takes 12.8 us for ~9 us of weights on the H200); tiles between 64 and 4096 tokens
-measured (those in use were tuned at 1, 8, 64 and 4096); the combine fused into the down kernel
-(a token's slots live in different blocks, so that needs atomics or a slot-ordered second pass;
-today y [N * S, H] makes one round trip through memory: 5 launches a block at decode, issue 19
-asks for 4).
+Up to ``op.PAIR_PATH_TOKENS`` tokens (decode) the block takes ``decode.py`` instead: a
+matrix-vector program per pair, the down GEMM and this combine in one launch, no pair list.
+
+Not done yet: tiles between 64 and 4096 tokens measured (those in use were tuned at 1, 8, 64
+and 4096).
 """
 
 from __future__ import annotations

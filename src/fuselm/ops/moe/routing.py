@@ -47,7 +47,8 @@ program sorting all pairs took 2.3 ms at 4096 tokens on the H200. Up to 16 token
 routing kernel is one program and sorts too: two launches in all. It sorts up to FEW_PAIRS pairs
 by pairwise comparisons (``_sort_few_pairs``: 10.7 -> 3.8 us at one token and 29.6 -> 13.2 at 8
 on the H200 against one-hot counts over the 512 padded expert ids), more by those one-hot counts
-(``_sort_in_one_program``: many slots a token).
+(``_sort_in_one_program``: many slots a token). ``route(..., sort=False)``: weights and experts
+only, the GEMM and ``_route_kernel`` (the block's decode path, ``decode.py``, needs no pair list).
 """
 
 from __future__ import annotations
