@@ -416,24 +416,25 @@ def route_kernel(logits, num_experts: int, top_k: int, num_shared: int, weights,
     """Launch 1: weights, experts [N, S] from the [N, >= E + 1] logits (N >= 1; columns 0..E-1 the
     router's, E the gate's, any further ones unread); with ``sorted_pairs``
     / ``block_experts`` given and one program holding every token (N <= DECODE_TOKENS, decode),
-    the pair sort too (``sort_kernel``'s work, no more launches)."""
+    the pair sort too (``sort_kernel``'s work, no more launches). Without the sort, ROUTE_BLOCK_T
+    tokens a program whatever N (the decode path's routing; at 8 tokens one program of 8 warps took
+    8.7 us on the H200, at one token 3.7)."""
     N, E = logits.shape[0], num_experts
     e_pad, num_warps = _route_geometry(E)
-    one_program = routes_and_sorts_in_one_launch(N)
-    sort = sorted_pairs is not None and one_program
+    sort = sorted_pairs is not None and routes_and_sorts_in_one_launch(N)
     e_total_pad, sort_block, sort_warps = _sort_geometry(E + num_shared)
     pairs_pad = next_power_of_2(N * (top_k + num_shared))
     few_pairs = sort and pairs_pad <= FEW_PAIRS
     # Warps and step from the H200 (moe.py --sweep-route; router GEMM included): 1 token 12.8-14.1 us
     # at any warps; 8 tokens 23.0 us (32 pairs a step, 4 warps) against 34.9 for the one-hot sort;
     # 16 tokens 43.7 (8 warps) against 47.8.
-    if one_program:
+    if sort:  # one program routes and sorts every token
         block_t = max(2, next_power_of_2(N))
         if few_pairs:
             num_warps = FEW_PAIRS_WARPS or (4 if pairs_pad <= 128 else 8)
-        elif sort:
+        else:
             num_warps = max(num_warps, sort_warps)
-    else:
+    else:  # no sort in this launch (past DECODE_TOKENS, or sort=False): ROUTE_BLOCK_T tokens a program
         block_t, num_warps = ROUTE_BLOCK_T, ROUTE_WARPS
     _route_kernel[(cdiv(N, block_t),)](
         logits, weights, experts, sorted_pairs if sort else experts, block_experts if sort else experts,
