@@ -136,20 +136,17 @@ def sweep_route(moe: SwiGLUMoE, out: Path) -> None:
     print("\n".join(lines))
 
 
-# The decode kernels' tiles: features a program, K step, warps, stages, tensor-core dot (gate/up).
+# The decode kernels' tiles: features a program, K step, warps, stages.
 # (Stages are left at 1: Triton does not pipeline these plain loads, 1 and 3 timed the same.)
 DECODE_SWEEP = {"block": (4, 8, 16, 32), "block_k": (128, 256, 512), "num_warps": (2, 4, 8), "num_stages": (1,)}
 
 
 def decode_configs(kind: str):
-    """DECODE_SWEEP's tiles for ``kind``: the plain-sum tiles whose fp32 accumulator
-    (2 block x block_k for gate/up) stays within 64 registers a thread; gate/up also by dot."""
+    """DECODE_SWEEP's tiles for ``kind`` whose fp32 accumulator (2 block x block_k for gate/up)
+    stays within 64 registers a thread."""
     for block, block_k, warps, stages in itertools.product(*DECODE_SWEEP.values()):
-        rows = 2 * block if kind == "gate_up" else block
-        for dot in ((False, True) if kind == "gate_up" else (False,)):
-            if not dot and rows * block_k > 64 * 32 * warps:
-                continue
-            yield PairGemvConfig(block, block_k, warps, stages, dot)
+        if (2 * block if kind == "gate_up" else block) * block_k <= 64 * 32 * warps:
+            yield PairGemvConfig(block, block_k, warps, stages)
 
 
 def sweep_decode(moe: SwiGLUMoE, out: Path) -> None:
@@ -185,7 +182,7 @@ def sweep_decode(moe: SwiGLUMoE, out: Path) -> None:
                 fn = ((lambda: pair_gate_up(x, moe.w13, routed.experts, moe.activation, out=h, config=cfg))
                       if kind == "gate_up" else
                       (lambda: down_combine(h, moe.w2, routed.experts, routed.weights, x.dtype, config=cfg)))
-                name = "f{} k{} w{} s{}{}".format(*dataclasses.astuple(cfg)[:4], " dot" if cfg.dot else "")
+                name = "f{} k{} w{} s{}".format(*dataclasses.astuple(cfg))
                 try:
                     row[kind][name] = us(fn)
                 except Exception as exc:  # shared memory or registers exceeded at some tiles

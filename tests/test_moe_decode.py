@@ -1,6 +1,6 @@
 """The MoE decode path (ops/moe/decode.py, issue 19): ``pair_gate_up`` and ``down_combine`` against
 their references (the grouped path's contract), every activation, fp32 and fp16 (bf16 on the
-GPU), odd shapes, both tile kinds (plain sum, tensor-core dot), poisoned outputs; the routing
+GPU), odd shapes, several tiles, poisoned outputs; the routing
 without its sort; ``SwiGLUMoE`` on the decode path equal to the grouped path; bad input; the CPU
 fallback."""
 
@@ -20,9 +20,9 @@ from test_moe_grouped_gemm import (ACT_IDS, ACTIVATIONS, DTYPES, E_TOTAL, F_, H,
                                    expert_weights, random_experts)
 
 S = TOP_K + SHARED
-# Several feature tiles and a K tail at H = 40, F = 24; the dot variant pads x to 16 columns.
-TILES = [None, PairGemvConfig(8, 16, 4, 1, dot=True), PairGemvConfig(16, 32, 2, 1)]
-TILE_IDS = ["default", "dot-8x16", "sum-16x32"]
+# Several feature tiles and a K tail at H = 40, F = 24.
+TILES = [None, PairGemvConfig(4, 32, 2, 1), PairGemvConfig(16, 32, 2, 1)]
+TILE_IDS = ["default", "4x32", "16x32"]
 
 
 @pytest.mark.parametrize("config", TILES, ids=TILE_IDS)
@@ -78,6 +78,8 @@ def test_route_without_sort_gives_the_same_weights_and_experts():
     bare = route(x, router, TOP_K, SHARED, 16, sort=False)
     assert bare.sorted_pairs is None and bare.block_experts is None
     assert torch.equal(bare.weights, full.weights) and torch.equal(bare.experts, full.experts)
+    with pytest.raises(ValueError, match="sort"):
+        route(x, router, TOP_K, SHARED, 16, sort=1)
 
 
 @pytest.mark.parametrize("n", [1, 5, 16])

@@ -325,7 +325,7 @@ def run_audit(*, config: Qwen35Config | None = None, checkpoint: Path | None = N
     ``Qwen35.from_hf`` of it. ``batch`` prompts of ``prompt_len`` random ids (``seed``),
     ``max_new_tokens`` greedy tokens. Prints a header line as it starts. Returns (results for json,
     markdown, ok: the parity bar holds and, on CUDA, every step is one graph launch with no kernel
-    launched outside it and no host sync). ValueError / FileNotFoundError for bad arguments,
+    launched outside it and no host sync, and an MoE layer runs at most MOE_MAX_KERNELS kernels). ValueError / FileNotFoundError for bad arguments,
     ImportError without transformers."""
     try:
         import transformers

@@ -2,12 +2,12 @@
 weights streamed by matrix-vector kernels, no pair sort, and the down GEMM, the routing weight and
 the top-k sum in one launch.
 
-At decode a token's k + 1 experts are mostly other tokens' too rarely for tiles to share weight
-rows: the grouped GEMMs' 16-row tiles held one real row, their grids had few programs (9 blocks x 8
-feature tiles at one token), and the combine was a launch of its own. Here a program owns one
-pair's (or one token's) few output features and streams their weight rows once; the expert ids
-are read from ``Routing.experts`` directly, so the routing skips its sort (``route(..., sort=False)``).
-Per block: router GEMM, routing, ``pair_gate_up``, ``down_combine``: four launches.
+At decode few tokens share an expert, so the grouped GEMMs' 16-row tiles held one real row,
+their grids had few programs (9 blocks x 8 feature tiles at one token), and the combine was a
+launch of its own. Here a program owns one pair's (or one token's) few output features and
+streams their weight rows once; the expert ids are read from ``Routing.experts`` directly, so the
+routing skips its sort (``route(..., sort=False)``). Per block: router GEMM, routing,
+``pair_gate_up``, ``down_combine``: four launches.
 
 Shapes: x [N, H]; w13 [E_total, 2F, H] with each expert's gate and up rows interleaved (row 2f =
 gate f, row 2f + 1 = up f); w2 [E_total, H, F]; experts [N, S] int32, ids in [0, E_total) (the
@@ -15,10 +15,10 @@ routing's, trusted as the grouped GEMMs trust the pair list); weights [N, S] fp3
 h [N * S, F] in x's dtype, row p = n * S + j token n's slot j; out [N, H].
 
 - ``pair_gate_up``: a program owns pair p and BLOCK_F features of h: the 2 BLOCK_F interleaved
-  rows of w13[experts[p]] times x[p // S], K-step by K-step, products accumulated in fp32 (as a
-  [2 BLOCK_F, BLOCK_K] tile summed once at the end, or with DOT through a tensor-core dot on x
-  padded to 16 columns: a tile config picks), then the dense kernel's epilogue: G and U rounded
-  to x's dtype, the gate factor rounded, the product rounded once.
+  rows of w13[experts[p]] times x[p // S], K-step by K-step, products accumulated in fp32 (a
+  [2 BLOCK_F, BLOCK_K] tile summed once at the end; a tensor-core dot on x padded to 16 columns
+  was never faster in the H200 sweep), then the dense kernel's epilogue: G and U rounded to x's
+  dtype, the gate factor rounded, the product rounded once.
 - ``down_combine``: a program owns token n and BLOCK_H output features: for each slot j in order,
   y = round(h[n S + j] @ w2[e]^T) (fp32 sum, rounded to h's dtype as HF's down_proj output), then
   acc = fma(weights[n, j], y, acc) in fp32; out[n] = acc rounded once. The grouped path's
@@ -29,7 +29,7 @@ dtype, the weighted slots summed in fp32 in slot order, one rounding); only the 
 order inside each dot differs.
 
 Bytes: a pair reads its expert's 3 F H weights once; tokens that share an expert (the shared
-expert always) read it once each, the repeats close together in the grid (pair-major programs, L2).
+expert always) read it once each, at about the same time (the grid runs pairs fastest): L2 hits.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.common.activation import Activation, gate_factor, up_factor
-from fuselm.ops.common.matmul import dot_acc
 from fuselm.ops.moe.grouped_gemm import combine_ref, expert_down_ref, expert_gate_up_ref
 from fuselm.ops.moe.routing import sort_pairs_ref
 from fuselm.runtime import KERNEL_DTYPES, cdiv, parse_dtype, use_triton
@@ -54,8 +53,7 @@ def _pair_gate_up_kernel(
     x_ptr, w_ptr, experts_ptr, h_ptr,
     SLOTS, F, H, stride_xm, stride_we, stride_wn, stride_hm,
     limit, alpha,
-    ACT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
-    BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+    ACT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     p = tl.program_id(0).to(tl.int64)  # the pair: token p // S, slot p % S
     e = tl.load(experts_ptr + p).to(tl.int64)
@@ -64,11 +62,7 @@ def _pair_gate_up_kernel(
     # Rows past 2F wrap to valid ones (never stored).
     w_ptrs = w_ptr + e * stride_we + (wrows % (2 * F)).to(tl.int64)[:, None] * stride_wn + k[None, :]
     x_ptrs = x_ptr + (p // SLOTS) * stride_xm + k
-    if DOT:  # x as column 0 of a [BLOCK_K, 16] tile, the other columns zero
-        col0 = (tl.arange(0, 16) == 0)[None, :]
-        acc = tl.zeros([2 * BLOCK_F, 16], dtype=tl.float32)
-    else:
-        acc = tl.zeros([2 * BLOCK_F, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([2 * BLOCK_F, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
@@ -77,10 +71,7 @@ def _pair_gate_up_kernel(
             k_ok = k < H - k0
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
             xv = tl.load(x_ptrs, mask=k_ok, other=0.0)
-        if DOT:
-            acc = dot_acc(w, tl.where(col0, xv[:, None], 0.0).to(w.dtype), acc, IEEE)
-        else:
-            acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     gu = tl.sum(acc, axis=1)  # [2 BLOCK_F]: gate f at 2f, up f at 2f + 1
@@ -135,20 +126,18 @@ def _down_combine_kernel(
 @dataclass(frozen=True)
 class PairGemvConfig:
     """Output features per program (``block``: h features for gate/up, so 2 * block rows of w13;
-    hidden features for down), the K step, warps, stages, and for gate/up whether the sum runs
-    through a tensor-core dot (``dot``)."""
+    hidden features for down), the K step, warps and stages (Triton's launch options)."""
 
     block: int
     block_k: int
     num_warps: int
     num_stages: int
-    dot: bool = False
 
 
 # H200 sweeps (moe.py --sweep-decode, session 19, moe_decode_sweep.md; graph replays: the kernel +
 # ~6 us of replay). gate/up: 8 features, K step 256, 4 warps first or within 1% at 1, 4, 8, 16
-# tokens (18.5 / 43.3 / 71.7 / 115.7 us); the tensor-core dot variant never among the first six;
-# stages change nothing (Triton does not pipeline these plain loads). down_combine, loops
+# tokens (18.5 / 43.3 / 71.7 / 115.7 us); a tensor-core dot variant (x padded to 16 columns) never
+# among the first six, so it went; stages change nothing (Triton does not pipeline these plain loads). down_combine, loops
 # unrolled: 4 features, K step 256 at <= 2 tokens (14.6 us at one token against 15.4 at 8
 # features; 2 tokens 19.4 / 19.5), 8 features past that (4 tokens 26.8 against 30.0, 8 tokens
 # 44.2 against 47.7, 16 tokens 70.9 against 72.2).
@@ -239,8 +228,7 @@ def pair_gate_up(x: torch.Tensor, w13: torch.Tensor, experts: torch.Tensor, acti
         x, w13, experts, h,
         S, F, H, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         activation.kernel_limit, float(activation.alpha),
-        ACT=activation.code, IEEE=x.dtype == torch.float32, EVEN_K=H % cfg.block_k == 0, DOT=cfg.dot,
-        BLOCK_F=cfg.block, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ACT=activation.code, EVEN_K=H % cfg.block_k == 0, BLOCK_F=cfg.block, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return h
 
