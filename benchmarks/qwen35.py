@@ -15,7 +15,9 @@ metrics (``fuselm.bench.generate.request_timings``): prefill = first arrival to 
 token (one ``model.prefill`` of the batch + the first token), decode = first first token to the
 last finish (the remaining steps as graph replays, the host's reads pipelined one step behind);
 best of ``--repeats`` runs after a warm-up. Then kernels, graph launches and host syncs per step
-(``fuselm.engine.audit.launch_audit``: torch.profiler). Weight floor = bytes of weights a decode
+(``fuselm.engine.audit.launch_audit``: torch.profiler), one prefill's kernels and GPU kernel time
+against its wall time (``prefill_profile``), and the slowest kernels of a prefill and a decode step
+at the smallest and largest batch (issue 18's breakdowns). Weight floor = bytes of weights a decode
 step reads (``decode_weight_bytes``) / the measured device copy bandwidth
 (``fuselm.runtime.copy_bandwidth``: read + written bytes, TB/s).
 
@@ -43,7 +45,7 @@ import torch
 
 from fuselm.bench.generate import request_timings
 from fuselm.engine import Engine, SamplingParams
-from fuselm.engine.audit import decode_weight_bytes, launch_audit
+from fuselm.engine.audit import decode_weight_bytes, launch_audit, prefill_profile
 from fuselm.models.qwen35.presets import PRESETS, preset_config, random_hf_qwen35, random_qwen35
 from fuselm.runtime import copy_bandwidth
 from timing import results_dir
@@ -101,7 +103,8 @@ def run_fuselm(config, args, device) -> dict:
                "decode_steps": steps, "decode_s": decode_s, "decode_ms_per_step": 1e3 * decode_s / steps,
                "decode_tokens_per_s": batch * steps / decode_s, "graph_batch_size": engine.runner.batch_size_for(batch),
                "weight_bytes": decode_weight_bytes(model, batch),
-               "launches": launch_audit(engine, batch, steps=4) if device.type == "cuda" else None}
+               "launches": launch_audit(engine, batch, steps=4) if device.type == "cuda" else None,
+               "prefill_profile": prefill_profile(model, prompts.to(device)) if device.type == "cuda" else None}
         result["batches"][batch] = row
         print(f"fuselm batch {batch}: prefill {row['prefill_tokens_per_s']:,.0f} tok/s, decode "
               f"{row['decode_tokens_per_s']:,.1f} tok/s ({row['decode_ms_per_step']:.3f} ms/step)", flush=True)
@@ -146,6 +149,24 @@ def run_hf(config, args, device) -> dict:
     return result
 
 
+def kernel_time_lines(ours) -> list[str]:
+    """Kernel time (torch.profiler) of one prefill and one decode step, at the smallest and the
+    largest batch measured: the slowest kernels, ms a call (launches)."""
+    batches = [b for b in sorted(ours["batches"]) if ours["batches"][b].get("prefill_profile")]
+    lines = []
+    for batch in sorted({batches[0], batches[-1]}) if batches else []:
+        row = ours["batches"][batch]
+        tables = {"prefill": row["prefill_profile"]["kernel_ms"], "decode step": row["launches"]["kernel_ms"]}
+        names = [*dict.fromkeys(n for table in tables.values() for n in table if n != "(all)"), "(all)"]
+        lines += ["", f"### Kernel time at batch {batch}: one prefill ({row['prefill_profile']['tokens']} tokens a row) "
+                  "and one decode step (graph replay), ms (launches)", "", "| kernel | prefill | decode step |",
+                  "|---|---|---|"]
+        for name in names:
+            cells = [f"{t[0]:.3f} ({t[1]:g})" if (t := table.get(name)) else "-" for table in tables.values()]
+            lines.append(f"| {name.replace('|', '/')} | {cells[0]} | {cells[1]} |")
+    return lines
+
+
 def config_is_moe(ours) -> bool:
     """Whether the weight bytes of a step grow with the batch (an MoE model's experts)."""
     return len({row["weight_bytes"] for row in ours["batches"].values()}) > 1
@@ -185,13 +206,17 @@ def markdown(meta, ours, hf) -> str:
                         f"{row['decode_tokens_per_s'] / ref['decode_tokens_per_s']:.1f}x | " if ref else "n/a | n/a | n/a | ")
                      + f"{launches.get('kernels', 'n/a')} | {launches.get('graph_launches', 'n/a')} | "
                      + f"{launches.get('host_syncs', 'n/a')} |")
-    lines += ["", "## Prefill", "", "| batch x prompt | fuselm tok/s | fuselm ms | HF tok/s | HF ms | fuselm / HF |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "## Prefill", "", "| batch x prompt | fuselm tok/s | fuselm ms | HF tok/s | HF ms | fuselm / HF | "
+              "kernels (copies) | GPU kernel ms / wall ms of one `model.prefill` |", "|---|---|---|---|---|---|---|---|"]
     for batch, row in ours["batches"].items():
         ref = hf["batches"].get(batch) if hf else None
+        prof = row.get("prefill_profile")
         lines.append(f"| {batch} x {meta['prompt_len']} | {row['prefill_tokens_per_s']:,.0f} | {1e3 * row['prefill_s']:.1f} | "
                      + (f"{ref['prefill_tokens_per_s']:,.0f} | {1e3 * ref['prefill_s']:.1f} | "
-                        f"{row['prefill_tokens_per_s'] / ref['prefill_tokens_per_s']:.2f}x |" if ref else "n/a | n/a | n/a |"))
+                        f"{row['prefill_tokens_per_s'] / ref['prefill_tokens_per_s']:.2f}x |" if ref else "n/a | n/a | n/a |")
+                     + (f" {prof['kernels']:g} ({prof['copies']:g}) | {prof['gpu_ms']:.2f} / {prof['wall_ms']:.2f} |"
+                        if prof else " n/a | n/a |"))
+    lines += kernel_time_lines(ours)
     one = ours["batches"].get(1)
     if one is not None and floor_ms is not None and meta["config"].startswith("9B"):
         ref = hf["batches"].get(1) if hf else None

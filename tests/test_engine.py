@@ -426,3 +426,30 @@ def test_one_graph_launch_and_no_host_sync_per_step(model):
     assert counts["graph_launches"] == 1 and counts["kernel_launches_outside_graphs"] == 0
     assert counts["host_syncs"] == 0 and counts["sync_debug_error"] is None and counts["kernels"] > 0
     assert not ON_GPU or counts["batch_size"] == 4
+    total_ms, launches = counts["kernel_ms"]["(all)"]
+    assert launches == counts["kernels"] + counts["copies"] and total_ms > 0
+
+
+@pytest.mark.gpu
+def test_prefill_profile_counts_kernels_and_times_them(model):
+    from fuselm.engine.audit import prefill_profile
+
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), device=model.device)
+    profile = prefill_profile(model, ids)
+    assert profile["kernels"] > 0 and profile["gpu_ms"] > 0 and profile["wall_ms"] > 0
+    assert profile["kernel_ms"]["(all)"] == [profile["gpu_ms"], profile["kernels"] + profile["copies"]]
+
+
+def test_kernel_time_table_groups_device_events_by_name():
+    """The audit's kernel-time table from profiler events: CUDA events only, grouped by the first
+    60 characters of the name, ms and launches per call, slowest first, the total last."""
+    from types import SimpleNamespace
+
+    from fuselm.engine.audit import kernel_time_table
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(name=name, device_type=device, device_time_total=us) for name, device, us in (
+        ("gemm", cuda, 300.0), ("norm", cuda, 50.0), ("gemm", cuda, 100.0), ("aten::mm", cpu, 400.0),
+        ("k" * 70, cuda, 10.0))]
+    table = kernel_time_table(events, calls=2, top=2)
+    assert table == {"gemm": [0.2, 1.0], "norm": [0.025, 0.5], "(all)": [0.23, 2.0]}

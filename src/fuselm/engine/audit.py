@@ -3,6 +3,8 @@
     decode_weight_bytes(model, batch)  bytes of weights one decode step reads (the bandwidth floor)
     launch_audit(engine, requests)  per decode step, on CUDA: kernels, device copies, graph
                                     launches, kernel launches outside graphs, host syncs
+    prefill_profile(model, input_ids)  on CUDA: one prefill's kernels, GPU kernel time against wall
+                                    time, and its kernel-time breakdown
     moe_layer_kernels(model, tokens)  on CUDA: the kernels one MoE layer's block runs for a decode
                                     step of ``tokens`` rows (issue 19's gate: at most MOE_MAX_KERNELS)
     parity_with_hf(hf, model, ...)  greedy HF generate vs greedy generation through the Engine,
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import gc
 import itertools
+import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -32,6 +36,8 @@ FP32_MAX_ABS_CPU, FP32_MAX_ABS_GPU = 1e-3, 1e-2
 # Kernels per MoE layer per decode step (seed 003's gate: routing, gate/up with the activation and the
 # shared expert, down with the combine; the router GEMM one more).
 MOE_MAX_KERNELS = 4
+# Rows of the kernel-time tables (launch_audit's decode step, prefill_profile).
+KERNEL_TABLE_ROWS = 12
 # Half precision: the teacher-forced cosine to HF fp32 may fall short of HF half precision's own by this.
 HALF_COSINE_SLACK = 1e-5
 # Half precision when HF fp32 does not fit beside the models: the cosine to HF in the same dtype.
@@ -124,7 +130,8 @@ def launch_audit(engine_or_runner: Engine | ModelRunner, requests: int, steps: i
         else:
             runner.release([request.slot for request in started])
     counts = dict(kernels=0, copies=0, graph_launches=0, kernel_launches_outside_graphs=0, host_syncs=0)
-    for event in prof.events():
+    events = prof.events()
+    for event in events:
         name = event.name
         if event.device_type == torch.autograd.DeviceType.CUDA:
             counts["copies" if name.startswith(("Memcpy", "Memset")) else "kernels"] += 1
@@ -137,8 +144,58 @@ def launch_audit(engine_or_runner: Engine | ModelRunner, requests: int, steps: i
             counts["host_syncs"] += 1
     result = {key: value / steps for key, value in counts.items()}
     result.update(requests=requests, batch_size=batch, steps_profiled=steps, graphs=runner.use_graphs,
-                  sync_debug_error=sync_error)
+                  sync_debug_error=sync_error, kernel_ms=kernel_time_table(events, steps))
     return result
+
+
+def kernel_time_table(events, calls: int = 1, top: int = KERNEL_TABLE_ROWS) -> dict[str, list]:
+    """The ``top`` kernels by GPU time among profiler ``events`` (those on a CUDA device; device
+    copies and memsets included), grouped by the first 60 characters of the name: {name: [ms per
+    call, launches per call]}, slowest first, and "(all)" for the sum over every kernel."""
+    ms, launches = defaultdict(float), defaultdict(int)
+    for event in events:
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            ms[event.name[:60]] += event.device_time_total / 1e3 / calls
+            launches[event.name[:60]] += 1
+    table = {name: [round(ms[name], 4), launches[name] / calls]
+             for name in sorted(ms, key=ms.get, reverse=True)[:top]}
+    table["(all)"] = [round(sum(ms.values()), 4), sum(launches.values()) / calls]
+    return table
+
+
+def prefill_profile(model: Qwen35, input_ids: torch.Tensor, repeats: int = 3) -> dict:
+    """One ``model.prefill`` of ``input_ids`` [B, T] (on the model's CUDA device) into a fresh
+    cache: ``wall_ms`` (host time of the call to the GPU's last kernel, the best of ``repeats``
+    unprofiled calls after a warm-up), ``gpu_ms`` (the GPU time of its kernels, summed, from one
+    profiled call: where it is well under wall_ms the GPU waits on the host), ``kernels`` and
+    ``copies`` (launches), ``kernel_ms`` (``kernel_time_table``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if model.device.type != "cuda":
+        raise RuntimeError("prefill_profile times CUDA kernels; the model is not on a CUDA device")
+    if input_ids.dim() != 2 or input_ids.device != model.device:
+        raise ValueError(f"input_ids: expected [B, T] on {model.device}, got {tuple(input_ids.shape)} on "
+                         f"{input_ids.device}")
+    batch, tokens = input_ids.shape
+
+    def call() -> float:
+        cache = model.new_cache(batch, tokens + 1)
+        torch.cuda.synchronize(model.device)
+        start = time.perf_counter()
+        model.prefill(input_ids, cache)
+        torch.cuda.synchronize(model.device)
+        return time.perf_counter() - start
+
+    call()  # compiled and warm
+    wall = min(call() for _ in range(repeats))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+    table = kernel_time_table(prof.events(), top=KERNEL_TABLE_ROWS)
+    copies = sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA
+                 and event.name.startswith(("Memcpy", "Memset")))
+    total_ms, launches = table["(all)"]
+    return {"batch": batch, "tokens": tokens, "wall_ms": 1e3 * wall, "gpu_ms": total_ms,
+            "kernels": launches - copies, "copies": copies, "kernel_ms": table}
 
 
 def moe_layer_kernels(model: Qwen35, tokens: int) -> int:
@@ -385,6 +442,17 @@ def run_audit(*, config: Qwen35Config | None = None, checkpoint: Path | None = N
                          f"{counts['host_syncs']:g} | {counts['sync_debug_error'] or 'no error'} |")
         lines += ["", f"Counted by torch.profiler (CUDA activity: every kernel inside the graph replay) over "
                       f"{steps} steps, per step."]
+        prefill = prefill_profile(model, prompts)
+        results["prefill"] = prefill
+        lines += ["", f"Prefill of the {batch} x {prompt_len} prompts (`model.prefill`, eager): {prefill['kernels']:g} "
+                  f"kernels and {prefill['copies']:g} device copies, {prefill['gpu_ms']:.2f} ms of GPU kernel time "
+                  f"against {prefill['wall_ms']:.2f} ms wall. Kernel time, prefill and one decode step at "
+                  f"{batch} requests (ms, launches):", "", "| kernel | prefill | decode step |", "|---|---|---|"]
+        decode_table = results["launches"][batch]["kernel_ms"]
+        for name in [*dict.fromkeys(n for n in [*prefill["kernel_ms"], *decode_table] if n != "(all)"), "(all)"]:
+            cells = [f"{t[0]:.3f} ({t[1]:g})" if (t := table.get(name)) else "-"
+                     for table in (prefill["kernel_ms"], decode_table)]
+            lines.append(f"| {name.replace('|', '/')} | {cells[0]} | {cells[1]} |")
         if model.config.is_moe:
             moe = {requests: moe_layer_kernels(model, requests) for requests in sorted({1, batch})}
             results["moe_layer_kernels"] = moe
