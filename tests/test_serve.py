@@ -286,6 +286,33 @@ def test_requests_past_max_queue_get_503(server):
     wait_until_idle(server)
 
 
+def test_an_moe_model_serves_concurrent_requests_their_solo_output():
+    """Qwen3.5-MoE (the tiny-moe preset, random weights: token-id prompts) behind the same server:
+    two requests run together get the tokens each gets alone."""
+    model = ServedModel.random("tiny-moe", dtype=torch.float32, device="cpu", max_batch=2, max_len=MAX_LEN, seed=0)
+    server = ServerThread(model)
+    try:
+        bodies = [{"prompt": prompt, **greedy(3, ignore_eos=True, return_token_ids=True)}
+                  for prompt in ([1, 2, 3], [7, 5, 9, 11, 4])]
+        alone = []
+        for body in bodies:
+            status, answer = post(server, COMPLETIONS, body)
+            assert status == 200, answer
+            alone.append(answer["choices"][0]["token_ids"])
+
+        async def together():
+            async with aiohttp.ClientSession() as session:
+                async def one(body):
+                    async with session.post(server.url + COMPLETIONS, json=body) as response:
+                        assert response.status == 200
+                        return (await response.json())["choices"][0]["token_ids"]
+                return await asyncio.gather(*(one(body) for body in bodies))
+
+        assert asyncio.run(together()) == alone and all(len(ids) == 3 for ids in alone)
+    finally:
+        server.stop()
+
+
 # ==================================================================================== shutdown
 def test_stopping_aborts_running_requests_and_ends_the_engine_thread():
     model = ServedModel.random("tiny", dtype=torch.float32, device="cpu", max_batch=1, max_len=MAX_LEN, seed=0)
