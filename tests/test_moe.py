@@ -2,14 +2,15 @@
 interpreter on a CPU) against HF transformers' Qwen3_5MoeSparseMoeBlock on the same tensors: fp32
 within 1e-5 (a shared expert wider than the routed ones, split in chunks), bf16 (GPU) within the
 one-rounding contract; routing as HF's; experts with no token, all tokens on the same experts, odd
-token counts; a clamped activation against an expert-by-expert loop; bad input."""
+token counts; a clamped activation against an expert-by-expert loop (these two on both of the
+block's paths: the decode path and the grouped GEMMs); bad input."""
 
 import pytest
 import torch
 
 from conftest import DEVICE
 from fuselm import Activation
-from fuselm.ops.moe import SwiGLUMoE, route_ref
+from fuselm.ops.moe import SwiGLUMoE, op, route_ref
 from fuselm.ops.silu_mul import silu_mul_ref
 
 transformers = pytest.importorskip("transformers")
@@ -46,7 +47,16 @@ def test_matches_hf_in_fp32(n):
     assert torch.equal(experts, hf_experts)
 
 
-def test_all_tokens_on_the_same_experts_and_idle_experts():
+# The block's two paths: the decode path up to op.PAIR_PATH_TOKENS tokens (these tests' token
+# counts), the grouped GEMMs past it (forced here by PAIR_PATH_TOKENS = 0).
+@pytest.fixture(params=["decode", "grouped"])
+def path(request, monkeypatch):
+    if request.param == "grouped":
+        monkeypatch.setattr(op, "PAIR_PATH_TOKENS", 0)
+    return request.param
+
+
+def test_all_tokens_on_the_same_experts_and_idle_experts(path):
     """A router that sends every token to experts 5 and 2 (the other six get nothing)."""
     block = hf_block(seed=2)
     with torch.no_grad():
@@ -72,7 +82,7 @@ def test_bf16_rounds_once():
     assert torch.nn.functional.cosine_similarity(out.flatten(), exact.flatten(), dim=0) > 0.9995
 
 
-def test_clamped_activation_against_an_expert_by_expert_loop():
+def test_clamped_activation_against_an_expert_by_expert_loop(path):
     block = hf_block(seed=5)
     x = tokens(11, seed=6) * 4  # large enough that the clamp at 0.5 bites
     act = Activation.swiglu_limit(0.5)
