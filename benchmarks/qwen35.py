@@ -45,7 +45,7 @@ import torch
 
 from fuselm.bench.generate import request_timings
 from fuselm.engine import Engine, SamplingParams
-from fuselm.engine.audit import decode_weight_bytes, launch_audit, prefill_profile
+from fuselm.engine.audit import decode_weight_bytes, kernel_time_rows, launch_audit, prefill_profile
 from fuselm.models.qwen35.presets import PRESETS, preset_config, random_hf_qwen35, random_qwen35
 from fuselm.runtime import copy_bandwidth
 from timing import results_dir
@@ -156,14 +156,10 @@ def kernel_time_lines(ours) -> list[str]:
     lines = []
     for batch in sorted({batches[0], batches[-1]}) if batches else []:
         row = ours["batches"][batch]
-        tables = {"prefill": row["prefill_profile"]["kernel_ms"], "decode step": row["launches"]["kernel_ms"]}
-        names = [*dict.fromkeys(n for table in tables.values() for n in table if n != "(all)"), "(all)"]
         lines += ["", f"### Kernel time at batch {batch}: one prefill ({row['prefill_profile']['tokens']} tokens a row) "
-                  "and one decode step (graph replay), ms (launches)", "", "| kernel | prefill | decode step |",
-                  "|---|---|---|"]
-        for name in names:
-            cells = [f"{t[0]:.3f} ({t[1]:g})" if (t := table.get(name)) else "-" for table in tables.values()]
-            lines.append(f"| {name.replace('|', '/')} | {cells[0]} | {cells[1]} |")
+                  "and one decode step (graph replay), ms (launches)", ""]
+        lines += kernel_time_rows({"prefill": row["prefill_profile"]["kernel_ms"],
+                                   "decode step": row["launches"]["kernel_ms"]})
     return lines
 
 

@@ -442,10 +442,11 @@ def test_prefill_profile_counts_kernels_and_times_them(model):
 
 def test_kernel_time_table_groups_device_events_by_name():
     """The audit's kernel-time table from profiler events: CUDA events only, grouped by the first
-    60 characters of the name, ms and launches per call, slowest first, the total last."""
+    60 characters of the name, ms and launches per call, slowest first, the total last; and its
+    markdown, tables side by side."""
     from types import SimpleNamespace
 
-    from fuselm.engine.audit import kernel_time_table
+    from fuselm.engine.audit import kernel_time_rows, kernel_time_table
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     events = [SimpleNamespace(name=name, device_type=device, device_time_total=us) for name, device, us in (
@@ -453,3 +454,6 @@ def test_kernel_time_table_groups_device_events_by_name():
         ("k" * 70, cuda, 10.0))]
     table = kernel_time_table(events, calls=2, top=2)
     assert table == {"gemm": [0.2, 1.0], "norm": [0.025, 0.5], "(all)": [0.23, 2.0]}
+    assert kernel_time_rows({"a": table, "b": {"gemv": [1.5, 3], "(all)": [1.5, 3]}}) == [
+        "| kernel | a | b |", "|---|---|---|", "| gemm | 0.200 (1) | - |", "| norm | 0.025 (0.5) | - |",
+        "| gemv | - | 1.500 (3) |", "| (all) | 0.230 (2) | 1.500 (3) |"]

@@ -163,6 +163,17 @@ def kernel_time_table(events, calls: int = 1, top: int = KERNEL_TABLE_ROWS) -> d
     return table
 
 
+def kernel_time_rows(tables: dict[str, dict]) -> list[str]:
+    """Markdown table of ``kernel_time_table`` results side by side ({column title: table}): each
+    kernel in the order first seen, ms a call (launches), "-" where a table lacks it, "(all)" last."""
+    names = [*dict.fromkeys(name for table in tables.values() for name in table if name != "(all)"), "(all)"]
+    lines = ["| kernel | " + " | ".join(tables) + " |", "|---" * (len(tables) + 1) + "|"]
+    for name in names:
+        cells = [f"{table[name][0]:.3f} ({table[name][1]:g})" if name in table else "-" for table in tables.values()]
+        lines.append(f"| {name.replace('|', '/')} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def prefill_profile(model: Qwen35, input_ids: torch.Tensor, repeats: int = 3) -> dict:
     """One ``model.prefill`` of ``input_ids`` [B, T] (on the model's CUDA device) into a fresh
     cache: ``wall_ms`` (host time of the call to the GPU's last kernel, the best of ``repeats``
@@ -447,12 +458,9 @@ def run_audit(*, config: Qwen35Config | None = None, checkpoint: Path | None = N
         lines += ["", f"Prefill of the {batch} x {prompt_len} prompts (`model.prefill`, eager): {prefill['kernels']:g} "
                   f"kernels and {prefill['copies']:g} device copies, {prefill['gpu_ms']:.2f} ms of GPU kernel time "
                   f"against {prefill['wall_ms']:.2f} ms wall. Kernel time, prefill and one decode step at "
-                  f"{batch} requests (ms, launches):", "", "| kernel | prefill | decode step |", "|---|---|---|"]
-        decode_table = results["launches"][batch]["kernel_ms"]
-        for name in [*dict.fromkeys(n for n in [*prefill["kernel_ms"], *decode_table] if n != "(all)"), "(all)"]:
-            cells = [f"{t[0]:.3f} ({t[1]:g})" if (t := table.get(name)) else "-"
-                     for table in (prefill["kernel_ms"], decode_table)]
-            lines.append(f"| {name.replace('|', '/')} | {cells[0]} | {cells[1]} |")
+                  f"{batch} requests (ms, launches):", ""]
+        lines += kernel_time_rows({"prefill": prefill["kernel_ms"],
+                                   "decode step": results["launches"][batch]["kernel_ms"]})
         if model.config.is_moe:
             moe = {requests: moe_layer_kernels(model, requests) for requests in sorted({1, batch})}
             results["moe_layer_kernels"] = moe
