@@ -224,7 +224,7 @@ def moe_layer_kernels(model: Qwen35, tokens: int) -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         block(x)
         torch.cuda.synchronize(x.device)
-    return sum(event.device_type == torch.autograd.DeviceType.CUDA for event in prof.events())
+    return int(kernel_time_table(prof.events())["(all)"][1])
 
 
 # ============================================================================ parity with HF
@@ -393,8 +393,8 @@ def run_audit(*, config: Qwen35Config | None = None, checkpoint: Path | None = N
     ``Qwen35.from_hf`` of it. ``batch`` prompts of ``prompt_len`` random ids (``seed``),
     ``max_new_tokens`` greedy tokens. Prints a header line as it starts. Returns (results for json,
     markdown, ok: the parity bar holds and, on CUDA, every step is one graph launch with no kernel
-    launched outside it and no host sync, and an MoE layer runs at most MOE_MAX_KERNELS kernels). ValueError / FileNotFoundError for bad arguments,
-    ImportError without transformers."""
+    launched outside it and no host sync, and an MoE layer runs at most MOE_MAX_KERNELS kernels).
+    ValueError / FileNotFoundError for bad arguments, ImportError without transformers."""
     try:
         import transformers
         from transformers import Qwen3_5ForCausalLM

@@ -42,12 +42,28 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.common.activation import Activation, gate_factor, up_factor
-from fuselm.ops.moe.grouped_gemm import combine_ref, expert_down_ref, expert_gate_up_ref
+from fuselm.ops.moe.grouped_gemm import (_check_out, _check_tensor, combine_ref, expert_down_ref,  # the same checks
+                                         expert_gate_up_ref)
 from fuselm.ops.moe.routing import sort_pairs_ref
-from fuselm.runtime import KERNEL_DTYPES, cdiv, parse_dtype, use_triton
+from fuselm.runtime import cdiv, parse_dtype, use_triton
 
 
 # ----------------------------------------------------------------------------- kernels
+@triton.jit
+def _gemv_k_step(w_ptrs, v_ptrs, k, k_left, EVEN_K: tl.constexpr):
+    """One K step of a matrix-vector product: the fp32 products of the weight tile [ROWS, BLOCK_K]
+    at ``w_ptrs`` and the vector [BLOCK_K] at ``v_ptrs`` (K offsets ``k``; with ``EVEN_K`` False the
+    columns at k >= ``k_left`` load as zeros), to be added to the caller's [ROWS, BLOCK_K] sums."""
+    if EVEN_K:
+        w = tl.load(w_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k_ok = k < k_left
+        w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=k_ok, other=0.0)
+    return w.to(tl.float32) * v.to(tl.float32)[None, :]
+
+
 @triton.jit
 def _pair_gate_up_kernel(
     x_ptr, w_ptr, experts_ptr, h_ptr,
@@ -64,14 +80,7 @@ def _pair_gate_up_kernel(
     x_ptrs = x_ptr + (p // SLOTS) * stride_xm + k
     acc = tl.zeros([2 * BLOCK_F, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            xv = tl.load(x_ptrs)
-        else:
-            k_ok = k < H - k0
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-            xv = tl.load(x_ptrs, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        acc += _gemv_k_step(w_ptrs, x_ptrs, k, H - k0, EVEN_K)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     gu = tl.sum(acc, axis=1)  # [2 BLOCK_F]: gate f at 2f, up f at 2f + 1
@@ -106,14 +115,7 @@ def _down_combine_kernel(
         h_ptrs = h_ptr + p * stride_hm + k
         acc = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
         for k0 in tl.static_range(0, F, BLOCK_K):
-            if EVEN_K:
-                w = tl.load(w_ptrs)
-                hv = tl.load(h_ptrs)
-            else:
-                k_ok = k < F - k0
-                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-                hv = tl.load(h_ptrs, mask=k_ok, other=0.0)
-            acc += w.to(tl.float32) * hv.to(tl.float32)[None, :]
+            acc += _gemv_k_step(w_ptrs, h_ptrs, k, F - k0, EVEN_K)
             w_ptrs += BLOCK_K
             h_ptrs += BLOCK_K
         # The product rounded to h's dtype (HF's down_proj output), then weighted: one fma.
@@ -137,8 +139,8 @@ class PairGemvConfig:
 # H200 sweeps (moe.py --sweep-decode, session 19, moe_decode_sweep.md; graph replays: the kernel +
 # ~6 us of replay). gate/up: 8 features, K step 256, 4 warps first or within 1% at 1, 4, 8, 16
 # tokens (18.5 / 43.3 / 71.7 / 115.7 us); a tensor-core dot variant (x padded to 16 columns) never
-# among the first six, so it went; stages change nothing (Triton does not pipeline these plain loads). down_combine, loops
-# unrolled: 4 features, K step 256 at <= 2 tokens (14.6 us at one token against 15.4 at 8
+# among the first six, so it went; stages change nothing (Triton does not pipeline these plain
+# loads). down_combine, loops unrolled: 4 features, K step 256 at <= 2 tokens (14.6 us at one token against 15.4 at 8
 # features; 2 tokens 19.4 / 19.5), 8 features past that (4 tokens 26.8 against 30.0, 8 tokens
 # 44.2 against 47.7, 16 tokens 70.9 against 72.2).
 PAIR_GATE_UP_TILE = PairGemvConfig(8, 256, 4, 1)
@@ -163,18 +165,6 @@ def pair_gemv_config(kind: str, dtype: torch.dtype, device: torch.device, num_to
 
 
 # ----------------------------------------------------------------------------- checks
-def _check_tensor(name, t, dims: int, dtypes=KERNEL_DTYPES) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != dims:
-        raise ValueError(f"{name}: expected {dims} dimensions, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(f"{name}: dtype {str(t.dtype).removeprefix('torch.')} is not supported (use {allowed})")
-    if t.numel() and t.stride(-1) != 1:
-        raise ValueError(f"{name}: rows must be contiguous (last-dim stride 1)")
-
-
 def _check_weights(name, w, x_name, x, k_dim: int) -> None:
     _check_tensor(name, w, 3)
     if w.dtype != x.dtype:
@@ -188,21 +178,11 @@ def _check_weights(name, w, x_name, x, k_dim: int) -> None:
 def _check_experts(experts, num_tokens: int, device) -> int:
     _check_tensor("experts", experts, 2, (torch.int32,))
     if experts.shape[0] != num_tokens or experts.shape[1] < 1 or not experts.is_contiguous():
-        raise ValueError(f"experts: expected a contiguous [N = {num_tokens}, S >= 1] tensor, got {tuple(experts.shape)}")
+        raise ValueError(f"experts: expected a contiguous [N = {num_tokens}, S >= 1] tensor, "
+                         f"got {tuple(experts.shape)}")
     if experts.device != device:
         raise ValueError(f"experts: on {experts.device}, expected {device}")
     return experts.shape[1]
-
-
-def _check_out(out, shape, dtype, device) -> torch.Tensor:
-    if out is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(shape) or out.dtype != dtype:
-        got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"out: expected {tuple(shape)} {dtype}, got {got}")
-    if out.device != device or not out.is_contiguous():
-        raise ValueError(f"out: expected a contiguous tensor on {device}")
-    return out
 
 
 # ----------------------------------------------------------------------------- host functions
@@ -218,7 +198,7 @@ def pair_gate_up(x: torch.Tensor, w13: torch.Tensor, experts: torch.Tensor, acti
         raise ValueError(f"activation: expected an Activation, got {activation!r}")
     (N, H), F = x.shape, w13.shape[1] // 2
     S = _check_experts(experts, N, x.device)
-    h = _check_out(out, (N * S, F), x.dtype, x.device)
+    h = _check_out("out", out, (N * S, F), x.dtype, x.device)
     if not use_triton(x):
         return h.copy_(pair_gate_up_ref(x, w13, experts, activation))
     if N == 0 or F == 0:
@@ -228,7 +208,8 @@ def pair_gate_up(x: torch.Tensor, w13: torch.Tensor, experts: torch.Tensor, acti
         x, w13, experts, h,
         S, F, H, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         activation.kernel_limit, float(activation.alpha),
-        ACT=activation.code, EVEN_K=H % cfg.block_k == 0, BLOCK_F=cfg.block, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ACT=activation.code, EVEN_K=H % cfg.block_k == 0, BLOCK_F=cfg.block, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return h
 
@@ -252,7 +233,7 @@ def down_combine(h: torch.Tensor, w2: torch.Tensor, experts: torch.Tensor, weigh
         raise ValueError(f"h: expected N * S = {N * S} rows, got shape {tuple(h.shape)}")
     out_dtype = parse_dtype(out_dtype, "out_dtype")
     H, F = w2.shape[1], h.shape[1]
-    o = _check_out(out, (N, H), out_dtype, h.device)
+    o = _check_out("out", out, (N, H), out_dtype, h.device)
     if not use_triton(h):
         return o.copy_(down_combine_ref(h, w2, experts, weights, out_dtype))
     if N == 0 or H == 0:
