@@ -126,7 +126,7 @@ def main(argv=None) -> int:
 
     def prepare(warps, store=False, load=False):
         chunk._chunk_prepare_kernel[(slots, HV)](
-            q, k, v, g, beta, G, u, w, kd, aqk, inverse, q, q, T, scale, H=H, HV=HV, K=K, V=V, BT=BT, SUB=chunk.SUB,
+            q, k, v, g, beta, G, u, w, kd, aqk, inverse, q, q, T, scale, q.stride(1), k.stride(1), v.stride(1), H=H, HV=HV, K=K, V=V, BT=BT, SUB=chunk.SUB,
             BK=128, BV=128, L2NORM=True, P="tf32", EQUAL=True, STORE_T=store, LOAD_T=load,
             num_warps=warps)
 
@@ -141,8 +141,9 @@ def main(argv=None) -> int:
     for block_v, warps, stages in itertools.product((16, 32, 64), (2, 4), (2, 3, 4)):
         def run():
             chunk._chunk_recurrence_kernel[(V // block_v, HV)](
-                u, w, kd, G, h, new_v, G, G, q, q, T, HV=HV, K=K, V=V, BT=BT, BK=K, BV=block_v, HAS_H0=False,
-                STORE_HT=False, P="tf32", EQUAL=True, num_warps=warps, num_stages=stages)
+                u, w, kd, G, h, new_v, G, G, q, q, T, G, G, HV=HV, K=K, V=V, BT=BT, BK=K, BV=block_v, HAS_H0=False,
+                STORE_HT=False, P="tf32", EQUAL=True, INDEXED=False, HAS_H0_FLAGS=False, num_warps=warps,
+                num_stages=stages)
         try:
             run()
             torch.cuda.synchronize()
@@ -154,9 +155,9 @@ def main(argv=None) -> int:
             rows[f"recurrence BV{block_v} w{warps} s{stages}"] = type(exc).__name__
         print(block_v, warps, stages, rows[f"recurrence BV{block_v} w{warps} s{stages}"], flush=True)
     # backward recurrence (inputs: the forward's, a random dO)
-    chunk._chunk_recurrence_kernel[(V // 32, HV)](u, w, kd, G, h, new_v, G, G, q, q, T, HV=HV, K=K, V=V, BT=BT, BK=K,
-                                                  BV=32, HAS_H0=False, STORE_HT=False, P="tf32", EQUAL=True,
-                                                  num_warps=4, num_stages=4)
+    chunk._chunk_recurrence_kernel[(V // 32, HV)](u, w, kd, G, h, new_v, G, G, q, q, T, G, G, HV=HV, K=K, V=V, BT=BT,
+                                                  BK=K, BV=32, HAS_H0=False, STORE_HT=False, P="tf32", EQUAL=True,
+                                                  INDEXED=False, HAS_H0_FLAGS=False, num_warps=4, num_stages=4)
     do = torch.randn(T, HV, V, device="cuda", dtype=DT)
     dh = torch.empty_like(h)
     dn = torch.empty_like(new_v)

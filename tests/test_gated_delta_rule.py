@@ -286,6 +286,73 @@ def test_chunked_kernels_varlen_and_prefill_then_decode():
     assert rel_err(o_dec, o_ref[:, 68:70]) <= 1e-4 and rel_err(h, ht_ref[:1]) <= 1e-4
 
 
+@pytest.mark.parametrize("impl", ["reference", "kernels"])
+@pytest.mark.parametrize("B, T, H, HV, K, V", [(3, 37, 2, 4, 64, 48), (2, 70, 1, 2, 64, 64)])
+def test_chunked_reads_projection_slices_and_a_state_pool(impl, B, T, H, HV, K, V, monkeypatch):
+    """The model's prefill call: q, k, v are slices of one wider [B, T, C] tensor (read in place
+    by the kernels), the states live in a pool (rows 4, -1 = a padding row, 1; the first reads
+    its row, the third starts from zeros, has_initial_state False), o goes into a poisoned ``out``
+    buffer. Against the recurrence from the gathered states; untouched pool rows keep their bits."""
+    device = "cpu" if impl == "reference" else DEVICE
+    if impl == "reference" and ON_GPU:
+        pytest.skip("the plain-PyTorch path is the CPU's")
+    q, k, v, g, beta = (t.to(device) for t in inputs(B, T, H, HV, K, V))
+    wide = torch.randn(B, T, 2 * H * K + HV * V + 7, device=device)
+    wide[..., :H * K], wide[..., H * K:2 * H * K] = q.flatten(2), k.flatten(2)
+    wide[..., 2 * H * K:2 * H * K + HV * V] = v.flatten(2)
+    qs, ks = wide[..., :H * K].unflatten(-1, (H, K)), wide[..., H * K:2 * H * K].unflatten(-1, (H, K))
+    vs = wide[..., 2 * H * K:2 * H * K + HV * V].unflatten(-1, (HV, V))
+    pool = torch.randn(6, HV, K, V, device=device)
+    before = pool.clone()
+    slots = torch.tensor([4, -1, 1][:B], device=device)
+    has_state = torch.tensor([True, True, False][:B], device=device)
+    out = torch.full_like(v, float("nan"))
+    if impl == "reference":
+        import fuselm.ops.gated_delta_rule.chunk as chunk_module
+
+        monkeypatch.setattr(chunk_module, "use_triton", lambda t: False)
+    o, final = chunk_gated_delta_rule(qs, ks, vs, g, beta, initial_state=pool, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True, state_indices=slots, has_initial_state=has_state,
+                                      out=out)
+    assert o is out and final is pool
+    h0 = torch.stack([before[4], torch.zeros_like(before[0]), torch.zeros_like(before[0])][:B])
+    o_ref, ht_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                   use_qk_l2norm_in_kernel=True)
+    assert rel_err(o, o_ref) <= 1e-4
+    assert rel_err(pool[4], ht_ref[0]) <= 1e-4
+    if B > 2:
+        assert rel_err(pool[1], ht_ref[2]) <= 1e-4
+    for untouched in ([0, 2, 3, 5] + ([1] if B <= 2 else [])):
+        assert torch.equal(pool[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(has_initial_state=torch.ones(2, dtype=torch.bool)), "has_initial_state: only used with state_indices"),
+    (dict(state_indices=torch.tensor([0, 1]), initial_state=torch.zeros(3, 2, 64, 64),
+          has_initial_state=torch.ones(3, dtype=torch.bool)), "has_initial_state: expected a bool tensor"),
+    (dict(state_indices=torch.tensor([0, 1]), initial_state=torch.zeros(3, 2, 64, 64),
+          has_initial_state=torch.ones(2, dtype=torch.int64)), "has_initial_state: expected a bool tensor"),
+    (dict(out=torch.empty(2, 5, 2, 63)), "out: expected a contiguous"),
+    (dict(out=torch.empty(2, 5, 64, 2).transpose(-1, -2)), "out: expected a contiguous"),
+    (dict(out=torch.empty(2, 5, 2, 64, dtype=torch.float16)), "out: expected a contiguous"),
+    (dict(state_indices=torch.tensor([0, 1]), initial_state=torch.zeros(3, 2, 64, 64, dtype=torch.float16)),
+     "state_indices: the pool is updated in place as fp32"),
+])
+def test_chunked_pool_and_out_bad_input(change, match):
+    q, k, v, g, beta = inputs(2, 5, 1, 2, 64, 64)
+    args = {name: value.to(DEVICE) for name, value in change.items()}
+    with pytest.raises(ValueError, match=match):
+        chunk_gated_delta_rule(q, k, v, g, beta, **args)
+
+
+def test_chunked_pool_refuses_autograd():
+    q, k, v, g, beta = inputs(1, 5, 1, 2, 64, 64)
+    q.requires_grad_(True)
+    with pytest.raises(ValueError, match="state_indices, out: inference only"):
+        chunk_gated_delta_rule(q, k, v, g, beta, initial_state=torch.zeros(2, 2, 64, 64, device=DEVICE),
+                               state_indices=torch.tensor([1], device=DEVICE))
+
+
 # ----------------------------------------------------------------------------- the model's decode step
 def decode_step_inputs(N, H, HV, K, V, KW, pool, dtype, seed=0):
     torch.manual_seed(seed)

@@ -62,7 +62,9 @@ class PrefillStep:
     g = 0 (the state passes them unchanged)."""
 
     slots: torch.Tensor  # [B] int64, the cache slot of each row (a padding row may repeat a real row)
+    state_slots: torch.Tensor  # [B] int64: slots, -1 where a row repeats an earlier row's slot (no state write)
     starts: torch.Tensor  # [B] int64, tokens already in the cache (each row's first position here)
+    continues: torch.Tensor  # [B] bool, starts > 0: the row's recurrent state continues from its slot
     lengths: torch.Tensor  # [B] int64, real tokens per row in this chunk (>= 1)
     token_mask: torch.Tensor  # [B, T] bool, the real tokens
     positions: torch.Tensor  # [B, T] int64, starts + 0 .. T-1
@@ -123,6 +125,7 @@ class GatedDeltaNet(nn.Module):
         self.num_k_heads, self.num_v_heads = c.linear_num_key_heads, c.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = c.linear_key_head_dim, c.linear_value_head_dim
         self.key_dim, self.value_dim, self.conv_dim = c.linear_key_dim, c.linear_value_dim, c.linear_conv_dim
+        self.heads_dim = self.value_dim  # the delta rule's output width (``output``'s input)
         self.kernel_size = c.linear_conv_kernel_dim
         self.hidden_size = c.hidden_size
         self.eps = c.rms_norm_eps
@@ -185,8 +188,10 @@ class GatedDeltaNet(nn.Module):
         projected = self.project(x) if projected is None else projected
         return self.output(self.prefill_heads(projected, cache, step), projected)
 
-    def prefill_heads(self, projected: torch.Tensor, cache: DeltaNetCache, step: PrefillStep) -> torch.Tensor:
-        """``project(x)`` [B, T, P] -> the delta rule's output [B, T, value_dim] (before ``output``)."""
+    def prefill_heads(self, projected: torch.Tensor, cache: DeltaNetCache, step: PrefillStep,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """``project(x)`` [B, T, P] -> the delta rule's output [B, T, value_dim] (before ``output``;
+        into ``out`` when given, a contiguous buffer of that shape)."""
         qkv, b, a = self._split_projection(projected)
         # Causal depthwise conv + SiLU over each row's tokens after the inputs before the chunk
         # (the slot's conv state; zeros before position 0), as HF's causal_conv1d_fn rounds it;
@@ -196,11 +201,21 @@ class GatedDeltaNet(nn.Module):
         # HF: g = -exp(A_log) * softplus(a + dt_bias) in fp32; beta = sigmoid(b) in the model dtype.
         # Padded tokens get g = 0, beta = 0: S <- S * e^0 + 0, the state passes them unchanged.
         g, beta = gated_delta_gates(self.A_log, a, self.dt_bias, b, step.token_mask)
-        initial = None
-        if not step.fresh:  # the earlier chunks' state; zeros for rows that start here
-            initial = torch.where((step.starts > 0)[:, None, None, None], cache.recurrent[step.slots], 0)
-        o, final = chunk_gated_delta_rule(q, k, v, g, beta, self.head_k_dim ** -0.5, initial, True, True)
-        cache.recurrent.index_copy_(0, step.slots, final)  # fp32 [B, HV, Kd, Vd]
+        # q, k, v are read as slices of conv_out (no copies). The recurrent state pool is fp32
+        # [slots, HV, Kd, Vd]. A fresh chunk starts from zeros and its final state goes straight
+        # into each row's slot (a padding row repeating a slot writes none). A continued chunk
+        # gathers its rows' states first (zeros for rows that start here) and scatters the finals:
+        # in place, a padding row could read its slot after the row it repeats had written it.
+        B, T = projected.shape[:2]
+        out = None if out is None else out.view(B, T, self.num_v_heads, self.head_v_dim)
+        scale = self.head_k_dim ** -0.5
+        if step.fresh:
+            o = chunk_gated_delta_rule(q, k, v, g, beta, scale, cache.recurrent, True, True,
+                                       state_indices=step.state_slots, has_initial_state=step.continues, out=out)[0]
+        else:
+            initial = torch.where(step.continues[:, None, None, None], cache.recurrent[step.slots], 0)
+            o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale, initial, True, True, out=out)
+            cache.recurrent.index_copy_(0, step.slots, final)
         return o.flatten(-2)
 
     def decode(self, x: torch.Tensor, cache: DeltaNetCache, step: DecodeStep,
@@ -213,12 +228,16 @@ class GatedDeltaNet(nn.Module):
         projected = self.project(x) if projected is None else projected
         return self.output(self.decode_heads(projected, cache, step), projected)
 
-    def decode_heads(self, projected: torch.Tensor, cache: DeltaNetCache, step: DecodeStep) -> torch.Tensor:
-        """``project(x)`` [max_batch, 1, P] -> the delta rule's output [max_batch, 1, value_dim]."""
+    def decode_heads(self, projected: torch.Tensor, cache: DeltaNetCache, step: DecodeStep,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """``project(x)`` [max_batch, 1, P] -> the delta rule's output [max_batch, 1, value_dim]
+        (into ``out`` when given, a contiguous buffer of that shape)."""
+        N = projected.shape[0]
         o = gated_delta_rule_decode_step(
             projected[:, 0], cache.conv, self.conv_weight, self.A_log, self.dt_bias, cache.recurrent,
             step.state_slots, step.positions, num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim,
-            num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim)
+            num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim,
+            out=None if out is None else out.view(N, self.num_v_heads, self.head_v_dim))
         return o.flatten(1)[:, None]
 
 
@@ -240,6 +259,7 @@ class GatedAttention(nn.Module):
         self.eps = c.rms_norm_eps
         self.scale = c.head_dim ** -0.5
         self.q_size, self.kv_size = 2 * self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.heads_dim = self.num_heads * self.head_dim  # attention's output width (``output``'s input)
         self.qkv_proj = _param(self.q_size + 2 * self.kv_size, c.hidden_size)
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if c.attention_bias else None
         self.q_norm = _param(self.head_dim)
@@ -302,8 +322,10 @@ class GatedAttention(nn.Module):
         projected = self.project(x) if projected is None else projected
         return self.output(self.prefill_heads(projected, cache, step), projected)
 
-    def prefill_heads(self, projected: torch.Tensor, cache: AttentionCache, step: PrefillStep) -> torch.Tensor:
-        """``project(x)`` [B, T, P] -> attention's output [B, T, nH hd] (before ``output``)."""
+    def prefill_heads(self, projected: torch.Tensor, cache: AttentionCache, step: PrefillStep,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """``project(x)`` [B, T, P] -> attention's output [B, T, nH hd] (before ``output``; copied
+        into ``out`` when given)."""
         q, k, v = self._split_projection(projected, step.cos, step.sin)
         # K/V of position p into slot p % P of page pages[p // P] (P = page size), positions past
         # the block-table row (only padding gets there) into the scratch page: the step's
@@ -319,7 +341,11 @@ class GatedAttention(nn.Module):
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
             attn = prefill_attention(q, cache.key, cache.value, step.pages, step.starts, step.lengths, self.scale)
-        return attn.transpose(1, 2).flatten(2)
+        if out is None:
+            return attn.transpose(1, 2).flatten(2)
+        B, heads, T, head_dim = attn.shape
+        out.view(B, T, heads, head_dim).copy_(attn.transpose(1, 2))
+        return out
 
     def decode(self, x: torch.Tensor, cache: AttentionCache, step: DecodeStep,
                projected: torch.Tensor | None = None) -> torch.Tensor:
@@ -332,14 +358,16 @@ class GatedAttention(nn.Module):
         projected = self.project(x) if projected is None else projected
         return self.output(self.decode_heads(projected, cache, step), projected)
 
-    def decode_heads(self, projected: torch.Tensor, cache: AttentionCache, step: DecodeStep) -> torch.Tensor:
-        """``project(x)`` [max_batch, 1, P] -> attention's output [max_batch, 1, nH hd]."""
+    def decode_heads(self, projected: torch.Tensor, cache: AttentionCache, step: DecodeStep,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """``project(x)`` [max_batch, 1, P] -> attention's output [max_batch, 1, nH hd] (copied into
+        ``out`` when given)."""
         q = qk_norm_rope_kv_write(projected, self.q_norm, self.k_norm, step.cos, step.sin, cache.key, cache.value,
                                   step.write_column, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                   head_dim=self.head_dim, eps=self.eps, write_row=step.write_page)
         attn = decode_attention(q, cache.key, cache.value, step.kv_lengths, self.scale,
                                 block_table=step.block_table)  # [B, heads, head_dim]
-        return attn.flatten(1)[:, None]
+        return attn.flatten(1)[:, None] if out is None else out.copy_(attn.flatten(1)[:, None])
 
 
 # ============================================================================ MLP

@@ -177,8 +177,11 @@ class Qwen35(nn.Module):
         # positions past the block-table row (only padding gets there) write to the scratch page
         write_page, write_column = cache.kv_write_targets(positions, pages,
                                                           positions < cache.pages_per_slot * cache.page_size)
-        step = PrefillStep(slots, starts, lengths, token_mask, positions, fresh, pages, write_page, write_column,
-                           cos=cos[:, :, None], sin=sin[:, :, None])
+        # a padding row repeats an earlier row's slot: it must not write that slot's recurrent state
+        rows = torch.arange(slots.shape[0], device=slots.device)
+        first_with_slot = (slots[:, None] == slots[None, :]).to(torch.int8).argmax(dim=1) == rows
+        step = PrefillStep(slots, torch.where(first_with_slot, slots, -1), starts, starts > 0, lengths, token_mask,
+                           positions, fresh, pages, write_page, write_column, cos=cos[:, :, None], sin=sin[:, :, None])
         return F.embedding(input_ids, self.embed_tokens), step
 
     def _decode_inputs(self, token_ids: torch.Tensor, cache: Qwen35Cache):
@@ -318,9 +321,10 @@ class Qwen35(nn.Module):
 
         def mix(mixer, x, i):  # x [b + R T, 1, D]: the decode rows, then the prompt tokens
             projected = mixer.project(x)  # one input-projection GEMM for both halves
-            decoded = mixer.decode_heads(projected[:b], rows.layers[i], decode)
-            prefilled = mixer.prefill_heads(projected[b:].view(R, T, -1), cache.layers[i], prefill)
-            return mixer.output(torch.cat([decoded, prefilled.view(R * T, 1, -1)]), projected)  # one GEMM
+            heads = projected.new_empty(b + R * T, 1, mixer.heads_dim)  # both halves' outputs, one buffer
+            mixer.decode_heads(projected[:b], rows.layers[i], decode, out=heads[:b])
+            mixer.prefill_heads(projected[b:].view(R, T, -1), cache.layers[i], prefill, out=heads[b:].view(R, T, -1))
+            return mixer.output(heads, projected)  # one GEMM
 
         hidden = self._layers(torch.cat([decode_x, prefill_x.view(R * T, 1, -1)]), mix)
         rows.lengths.add_(rows.active.to(torch.int64))

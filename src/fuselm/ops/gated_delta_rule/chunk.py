@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.gated_delta_rule.fused_recurrent import _check, fla_input_options, fla_state_layout
-from fuselm.ops.gated_delta_rule.naive import chunk_gated_delta_rule_ref
-from fuselm.runtime import cdiv, needs_autograd, next_power_of_2, num_sms, use_triton
+from fuselm.ops.gated_delta_rule.naive import chunk_gated_delta_rule_ref, run_on_state_pool
+from fuselm.runtime import check_same_device, cdiv, needs_autograd, next_power_of_2, num_sms, use_triton
 
 CHUNK = 64  # tokens per chunk (BT): four 16-row blocks of the inverse, one wgmma-sized M
 SUB = 16  # rows per diagonal block of the inverse (the smallest tensor-core tile)
@@ -179,13 +179,14 @@ def _load_inverse(t_ptr, t0, n, HV, i_hv, BT: tl.constexpr):
 @triton.jit
 def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, G_ptr, u_ptr, w_ptr, kd_ptr, aqk_ptr, t_ptr, chunk_start_ptr, chunk_len_ptr,
-    seq_len, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    seq_len, scale, stride_q, stride_k, stride_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, P: tl.constexpr,
     EQUAL: tl.constexpr, STORE_T: tl.constexpr, LOAD_T: tl.constexpr,
 ):
     """G, Kd, U, W and (unless LOAD_T) Aqk of one chunk and value head. T = (I + A)^-1 is inverted
     here and also stored (fp32) when STORE_T (a forward that autograd will take back); LOAD_T (the
-    backward's recompute) reads that T instead and writes no Aqk (the forward's is kept)."""
+    backward's recompute) reads that T instead and writes no Aqk (the forward's is kept). q, k and
+    v rows are ``stride_*`` elements apart (heads dense within a row)."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -196,7 +197,7 @@ def _chunk_prepare_kernel(
         row_ok = rows < n
         G = tl.cumsum(_load_vec(g_ptr, t0, n, HV, i_hv, BT), axis=0)
         tl.store(G_ptr + (t0 + rows) * HV + i_hv, G, mask=row_ok)
-        k = _load_keys(k_ptr, t0, n, H * K, i_h * K, K, BT, BK, L2NORM)
+        k = _load_keys(k_ptr, t0, n, stride_k, i_h * K, K, BT, BK, L2NORM)
         # the keys as the state update reads them: K e^{G_C - G}
         G_last = tl.sum(tl.where(rows == n - 1, G, 0.0), axis=0)
         _store_block(kd_ptr, k * tl.where(row_ok, tl.exp(G_last - G), 0.0)[:, None], t0, n, HV * K, i_hv * K, K, BK, BT)
@@ -205,7 +206,7 @@ def _chunk_prepare_kernel(
             T = _load_inverse(t_ptr, t0, n, HV, i_hv, BT).to(dt)
         else:
             # Aqk = lower(Q K^T * Gamma) scale, diagonal included
-            q = _load_keys(q_ptr, t0, n, H * K, i_h * K, K, BT, BK, L2NORM)
+            q = _load_keys(q_ptr, t0, n, stride_q, i_h * K, K, BT, BK, L2NORM)
             keep = (rows[:, None] >= rows[None, :]) & row_ok[:, None]
             gamma = tl.exp(tl.where(keep, G[:, None] - G[None, :], float("-inf")))
             aqk = _mm(q.to(dt), tl.trans(k.to(dt)), P) * gamma * scale
@@ -219,7 +220,7 @@ def _chunk_prepare_kernel(
                          mask=row_ok[:, None])
             T = T_fp32.to(dt)
         # U = T diag(beta) V, W = T diag(beta e^G) K
-        v = _load_rows(v_ptr, t0, n, HV * V, i_hv * V, V, BT, BV).to(tl.float32)
+        v = _load_rows(v_ptr, t0, n, stride_v, i_hv * V, V, BT, BV).to(tl.float32)
         _store_block(u_ptr, _mm(T, (v * beta[:, None]).to(dt), P), t0, n, HV * V, i_hv * V, V, BV, BT)
         _store_block(w_ptr, _mm(T, (k * (beta * tl.exp(G))[:, None]).to(dt), P), t0, n, HV * K, i_hv * K, K, BK, BT)
 
@@ -227,12 +228,29 @@ def _chunk_prepare_kernel(
 @triton.jit
 def _chunk_recurrence_kernel(
     u_ptr, w_ptr, kd_ptr, G_ptr, h_ptr, new_v_ptr, h0_ptr, ht_ptr, cu_seqlens_ptr, first_chunk_ptr, seq_len,
+    state_indices_ptr, has_h0_ptr,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, P: tl.constexpr, EQUAL: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, P: tl.constexpr, EQUAL: tl.constexpr, INDEXED: tl.constexpr,
+    HAS_H0_FLAGS: tl.constexpr,
 ):
-    """Per chunk: h[c] = S (input dtype), N = U - W S (stored), S = e^{G_C} S + Kd^T N."""
+    """Per chunk: h[c] = S (input dtype), N = U - W S (stored), S = e^{G_C} S + Kd^T N.
+    INDEXED (HAS_H0 then False): sequence n's state is read from pool row state_indices[n] of h0
+    (only where has_h0[n] with HAS_H0_FLAGS) and its final state written back there (ht = h0); a
+    negative index reads zeros and writes nothing. Each program reads and writes only its own
+    [BK, BV] block of its row: no race between distinct rows."""
     i_n, i_hv, v0, bos, eos, first_chunk, cv, state_mask, state_offs, S = _state_block(
         h0_ptr, cu_seqlens_ptr, first_chunk_ptr, seq_len, HAS_H0, HV, K, V, BT, BK, BV, EQUAL)
+    final_row = i_n.to(tl.int64)
+    final_mask = state_mask
+    if INDEXED:
+        # (block mask & a scalar condition: as a bound on the row index, which the interpreter takes)
+        final_row = tl.load(state_indices_ptr + i_n).to(tl.int64)
+        final_mask = state_mask & (tl.arange(0, BK) < tl.where(final_row >= 0, BK, 0))[:, None]
+        read_rows = BK
+        if HAS_H0_FLAGS:
+            read_rows = tl.where(tl.load(has_h0_ptr + i_n) != 0, BK, 0)
+        S = tl.load(h0_ptr + final_row * HV * K * V + state_offs,
+                    mask=final_mask & (tl.arange(0, BK) < read_rows)[:, None], other=0.0)
     dt = w_ptr.dtype.element_ty
     rows = tl.arange(0, BT)
     for i_c in tl.range(0, tl.cdiv(eos - bos, BT)):
@@ -250,12 +268,12 @@ def _chunk_recurrence_kernel(
                  mask=row_ok[:, None] & (cv < V)[None, :])
         S = tl.exp(G_last) * S + _mm(tl.trans(kd), new_v, P)
     if STORE_HT:
-        tl.store(ht_ptr + i_n.to(tl.int64) * HV * K * V + state_offs, S, mask=state_mask)
+        tl.store(ht_ptr + final_row * HV * K * V + state_offs, S, mask=final_mask)
 
 
 @triton.jit
 def _chunk_output_kernel(
-    q_ptr, G_ptr, aqk_ptr, h_ptr, new_v_ptr, o_ptr, chunk_start_ptr, chunk_len_ptr, seq_len, scale,
+    q_ptr, G_ptr, aqk_ptr, h_ptr, new_v_ptr, o_ptr, chunk_start_ptr, chunk_len_ptr, seq_len, scale, stride_q,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, P: tl.constexpr, EQUAL: tl.constexpr,
 ):
@@ -269,7 +287,7 @@ def _chunk_output_kernel(
         dt = h_ptr.dtype.element_ty
         ck = tl.arange(0, BK)
         cv = v0 + tl.arange(0, BV)
-        q = _load_keys(q_ptr, t0, n, H * K, i_h * K, K, BT, BK, L2NORM)
+        q = _load_keys(q_ptr, t0, n, stride_q, i_h * K, K, BT, BK, L2NORM)
         G = _load_vec(G_ptr, t0, n, HV, i_hv, BT)
         h = tl.load(h_ptr + (i_c * HV + i_hv) * K * V + ck[:, None] * V + cv[None, :],
                     mask=(ck < K)[:, None] & (cv < V)[None, :], other=0.0)
@@ -342,11 +360,15 @@ OUTPUT_WARPS = 4
 
 
 def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, output_final_state, l2,
-                                   cu_seqlens=None, seq_len=None, block_v=None, for_backward=False):
+                                   cu_seqlens=None, seq_len=None, block_v=None, for_backward=False,
+                                   state_indices=None, has_initial_state=None, out=None):
     """The three kernels on packed inputs q [1, T, H, K] ...: N sequences given by ``cu_seqlens``,
-    or T / seq_len sequences of ``seq_len`` tokens each. Returns (o, final or None, saved): with
-    ``for_backward``, saved = (Aqk [T, HV, 64] in the input dtype, T = (I + A)^-1 [T, HV, 64] fp32)
-    for ``chunk_gated_delta_rule_backward_kernels``, else None."""
+    or T / seq_len sequences of ``seq_len`` tokens each. q, k, v may have any token stride (their
+    heads dense: a wider projection's slices); g, beta contiguous. Returns (o, final or None,
+    saved): with ``for_backward``, saved = (Aqk [T, HV, 64] in the input dtype, T = (I + A)^-1
+    [T, HV, 64] fp32) for ``chunk_gated_delta_rule_backward_kernels``, else None. With
+    ``state_indices`` [N], ``initial_state`` is the pool (``chunk_gated_delta_rule``) and final is
+    it; ``out``: a contiguous [1, T, HV, V] buffer for o."""
     _, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if cu_seqlens is None and seq_len == 1:  # never launch with seq_len == 1 (see above)
@@ -373,23 +395,28 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
     h = torch.empty(slots, HV, K, V, dtype=dt, device=device)  # the state at each chunk's start
     _chunk_prepare_kernel[(slots, HV)](
         q, k, v, g, beta, G, u, w, kd, aqk, inverse, start, length, seq_len, float(scale),
-        H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=BK, BV=BV_full, L2NORM=l2, P=precision, EQUAL=equal,
+        q.stride(1), k.stride(1), v.stride(1), H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=BK, BV=BV_full, L2NORM=l2, P=precision, EQUAL=equal,
         STORE_T=for_backward, LOAD_T=False, num_warps=PREPARE_WARPS,
     )
-    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if output_final_state else None
+    indexed = state_indices is not None
+    if indexed:
+        final = initial_state
+    else:
+        final = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if output_final_state else None
     geometry_v, geometry_stages = recurrence_geometry(N * HV, V, device)
     block_v = block_v or geometry_v
     stages = min(stages, geometry_stages)
     _chunk_recurrence_kernel[(cdiv(V, block_v), N * HV)](
         u, w, kd, G, h, new_v, initial_state if initial_state is not None else G, final if final is not None else G,
-        cu_seqlens, first, seq_len, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=block_v,
-        HAS_H0=initial_state is not None, STORE_HT=final is not None, P=precision, EQUAL=equal,
-        num_warps=RECURRENCE_WARPS, num_stages=stages,
+        cu_seqlens, first, seq_len, state_indices if indexed else G,
+        has_initial_state if has_initial_state is not None else G, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=block_v,
+        HAS_H0=initial_state is not None and not indexed, STORE_HT=final is not None, P=precision, EQUAL=equal,
+        INDEXED=indexed, HAS_H0_FLAGS=has_initial_state is not None, num_warps=RECURRENCE_WARPS, num_stages=stages,
     )
-    o = torch.empty_like(v)
+    o = torch.empty(v.shape, dtype=v.dtype, device=device) if out is None else out
     out_v = min(OUTPUT_BLOCK_V, BV_full)
     _chunk_output_kernel[(slots, HV, cdiv(V, out_v))](
-        q, G, aqk, h, new_v, o, start, length, seq_len, float(scale),
+        q, G, aqk, h, new_v, o, start, length, seq_len, float(scale), q.stride(1),
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=out_v, L2NORM=l2, P=precision, EQUAL=equal,
         num_warps=OUTPUT_WARPS,
     )
@@ -406,13 +433,15 @@ def chunk_gated_delta_rule(
     state_v_first: bool = False, cu_seqlens: torch.Tensor | None = None, cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None, cp_context=None, *, use_gate_in_kernel: bool = False,
     A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, chunk_size: int = 64,
-    transpose_state_layout: bool | None = None,
+    transpose_state_layout: bool | None = None, state_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None, out: torch.Tensor | None = None,
 ):
     """Gated delta rule over whole sequences, chunk by chunk (prefill): flash-linear-attention's
     ``chunk_gated_delta_rule`` signature (fla-core 0.6), a drop-in replacement.
 
     Args:
-        q, k: [B, T, H, K]; v: [B, T, HV, V], HV a multiple of H; g (<= 0), beta: [B, T, HV].
+        q, k: [B, T, H, K]; v: [B, T, HV, V], HV a multiple of H; g (<= 0), beta: [B, T, HV]. Each
+            token's heads dense; any token stride (slices of a wider projection are read in place).
         scale: on q; default K ** -0.5.
         initial_state: [N, HV, K, V] (N = B, or the number of packed sequences); fp32, or 16-bit
             (taken to fp32, as FLA does).
@@ -430,6 +459,15 @@ def chunk_gated_delta_rule(
             in fp32 first (``A_log`` [HV] required, ``dt_bias`` [HV] optional).
         chunk_size: FLA's 16, 32 or 64; fuselm's chunks are 64 tokens whatever is asked (the
             chunk length changes only the summation order).
+        state_indices: int [N], a state pool (as ``fused_recurrent_gated_delta_rule``'s):
+            ``initial_state`` is an fp32 pool [P, HV, K, V], sequence n starts from row
+            ``state_indices[n]`` and its final state is written back there (the pool is updated in
+            place and returned as the final state); a negative index (a padded row) starts from
+            zeros and writes nothing. Indices >= 0 must be distinct (a row's read may follow
+            another's write within the launch). Inference only.
+        has_initial_state: bool [N], with ``state_indices``: sequence n reads its pool row only
+            where True (False: starts from zeros, e.g. a fresh request in a reused slot).
+        out: a contiguous [B, T, HV, V] buffer in v's dtype for o (inference only).
     The FLA options are computed with PyTorch ops before the kernels (differentiable: gradients
     reach the raw g, A_log, dt_bias and beta logits). Returns:
         (o [B, T, HV, V] in v's dtype, final_state or None). Differentiable in q, k, v, g, beta and
@@ -442,41 +480,91 @@ def chunk_gated_delta_rule(
         raise ValueError(f"chunk_size: expected one of {FLA_CHUNK_SIZES}, got {chunk_size!r}")
     if not use_gate_in_kernel and (A_log is not None or dt_bias is not None):
         raise ValueError("A_log, dt_bias: only used with use_gate_in_kernel=True (g is then the raw gate input)")
+    if state_indices is not None and (state_v_first or (isinstance(initial_state, torch.Tensor)
+                                                        and initial_state.dtype != torch.float32)):
+        raise ValueError("state_indices: the pool is updated in place as fp32 [P, HV, K, V]; "
+                         "state_v_first and 16-bit initial states are not supported with it")
     g, beta, initial_state = fla_input_options(v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias,
                                                use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first)
     o, final = _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                       use_qk_l2norm_in_kernel, cu_seqlens)
+                                       use_qk_l2norm_in_kernel, cu_seqlens, state_indices, has_initial_state,
+                                       out)
     if final is not None and state_v_first:
         final = final.transpose(-1, -2).contiguous()
     return o, final
 
 
 def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                            cu_seqlens):
-    """``chunk_gated_delta_rule`` on fuselm's own arguments (fp32 [N, HV, K, V] states, g and beta
-    as the recurrence takes them)."""
-    N = _check(q, k, v, g, beta, None, initial_state, cu_seqlens, None)
+                            cu_seqlens, state_indices=None, has_initial_state=None, out=None):
+    """``chunk_gated_delta_rule`` on fuselm's own arguments (fp32 [N, HV, K, V] states or pool, g
+    and beta as the recurrence takes them)."""
+    N = _check(q, k, v, g, beta, None, initial_state, cu_seqlens, state_indices)
+    _check_pool_and_out(v, N, state_indices, has_initial_state, out)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if q.is_cuda and q.dtype != torch.float32 and min(q.shape[-1], v.shape[-1]) < MIN_16BIT_HEAD_DIM:
         # 16-bit heads under 64 wide: the 16-bit kernels give non-finite results on the H100
         # (triton 3.6; K or V of 16 or 32, forward and backward, NOTES.md 31); the fp32 kernels
         # (ieee dots) are right, so such heads run in fp32 and o comes back in v's dtype.
         o, final = _chunk_gated_delta_rule(q.float(), k.float(), v.float(), g.float(), beta.float(), scale,
-                                           initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
-        return o.to(v.dtype), final
+                                           initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                                           state_indices, has_initial_state)
+        return (o.to(v.dtype) if out is None else out.copy_(o)), final
     args = (q, k, v, g, beta)
-    if use_triton(q) and needs_autograd(*args, *(() if initial_state is None else (initial_state,))):
-        from fuselm.ops.gated_delta_rule.chunk_backward import ChunkGatedDeltaRuleFunction  # imports this module
+    if needs_autograd(*args, *(() if initial_state is None else (initial_state,))):
+        if state_indices is not None or out is not None:
+            raise ValueError("state_indices, out: inference only (no autograd through a state pool or an out "
+                             "buffer); call under torch.no_grad() or without them")
+        if use_triton(q):
+            from fuselm.ops.gated_delta_rule.chunk_backward import ChunkGatedDeltaRuleFunction  # imports this module
 
-        return ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_state, scale, output_final_state,
-                                                 use_qk_l2norm_in_kernel, cu_seqlens)
+            return ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_state, scale, output_final_state,
+                                                     use_qk_l2norm_in_kernel, cu_seqlens)
     if not use_triton(q):  # plain PyTorch: autograd goes through the reference
-        return chunk_gated_delta_rule_ref(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                          use_qk_l2norm_in_kernel, cu_seqlens)
+        def reference(h0):
+            return chunk_gated_delta_rule_ref(q, k, v, g, beta, scale, h0, output_final_state or state_indices is not None,
+                                              use_qk_l2norm_in_kernel, cu_seqlens)
+
+        o, final = (reference(initial_state) if state_indices is None else
+                    run_on_state_pool(reference, initial_state, state_indices, has_initial_state))
+        return (o if out is None else out.copy_(o)), final
     B, T = q.shape[:2]
     if N == 0 or B * T == 0:
-        return torch.empty_like(v), (initial_state.clone() if output_final_state and initial_state is not None else None)
-    packed = [t.reshape(1, B * T, *t.shape[2:]).contiguous() for t in args]  # B rows of T = B sequences
-    o, final, _ = chunk_gated_delta_rule_kernels(*packed, scale, initial_state, output_final_state,
-                                                 use_qk_l2norm_in_kernel, cu_seqlens, seq_len=T)
-    return o.view(v.shape), final
+        o = torch.empty_like(v) if out is None else out
+        if state_indices is not None:
+            return o, initial_state
+        return o, (initial_state.clone() if output_final_state and initial_state is not None else None)
+    # B rows of T tokens = B sequences; q, k, v read in place where their rows allow it
+    packed = [_token_rows(t, B, T) for t in (q, k, v)] + [t.reshape(1, B * T, -1).contiguous() for t in (g, beta)]
+    o, final, _ = chunk_gated_delta_rule_kernels(
+        *packed, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, seq_len=T,
+        state_indices=None if state_indices is None else state_indices.contiguous(),
+        has_initial_state=None if has_initial_state is None else has_initial_state.contiguous(),
+        out=None if out is None else out.view(1, B * T, *v.shape[2:]))
+    return (o.view(v.shape) if out is None else out), final
+
+
+def _token_rows(t: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """[B, T, heads, dim] as [1, B T, heads, dim]: a view when each token's heads are dense and the
+    rows follow each other at one token stride (a wider projection's slice), else a copy."""
+    heads, dim = t.shape[2:]
+    step = t.stride(1)
+    if t.stride(3) == 1 and t.stride(2) == dim and step >= heads * dim and (B == 1 or t.stride(0) == T * step):
+        return t.as_strided((1, B * T, heads, dim), (B * T * step, step, dim, 1))
+    return t.reshape(1, B * T, heads, dim).contiguous()
+
+
+def _check_pool_and_out(v, N, state_indices, has_initial_state, out) -> None:
+    """``has_initial_state`` (only with ``state_indices``) and ``out`` as ``chunk_gated_delta_rule``
+    documents them; the pool itself is ``_check``'s."""
+    if has_initial_state is not None:
+        if state_indices is None:
+            raise ValueError("has_initial_state: only used with state_indices (a state pool)")
+        if (not isinstance(has_initial_state, torch.Tensor) or has_initial_state.dtype != torch.bool
+                or has_initial_state.shape != (N,)):
+            raise ValueError(f"has_initial_state: expected a bool tensor [N] = ({N},)")
+        check_same_device(v=v, has_initial_state=has_initial_state)
+    if out is not None:
+        if (not isinstance(out, torch.Tensor) or out.shape != v.shape or out.dtype != v.dtype
+                or not out.is_contiguous()):
+            raise ValueError(f"out: expected a contiguous {v.dtype} tensor of v's shape {tuple(v.shape)}")
+        check_same_device(v=v, out=out)

@@ -397,14 +397,15 @@ def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, saved, scale, init
     h = torch.empty(slots, HV, K, V, dtype=dt, device=device)
     _chunk_prepare_kernel[(slots, HV)](
         q, k, v, g, beta, G, u, w, kd, aqk, inverse, start, length, seq_len, float(scale),
-        H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=BK, BV=BV_full, L2NORM=l2, P=precision, EQUAL=equal,
-        STORE_T=False, LOAD_T=True, num_warps=PREPARE_WARPS,
+        q.stride(1), k.stride(1), v.stride(1), H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=BK, BV=BV_full, L2NORM=l2,
+        P=precision, EQUAL=equal, STORE_T=False, LOAD_T=True, num_warps=PREPARE_WARPS,
     )
     block_v, fwd_stages = recurrence_geometry(N * HV, V, device)
     _chunk_recurrence_kernel[(cdiv(V, block_v), N * HV)](
-        u, w, kd, G, h, new_v, initial_state if initial_state is not None else G, G, cu_seqlens, first, seq_len,
+        u, w, kd, G, h, new_v, initial_state if initial_state is not None else G, G, cu_seqlens, first, seq_len, G, G,
         HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=block_v, HAS_H0=initial_state is not None, STORE_HT=False,
-        P=precision, EQUAL=equal, num_warps=RECURRENCE_WARPS, num_stages=min(stages, fwd_stages),
+        P=precision, EQUAL=equal, INDEXED=False, HAS_H0_FLAGS=False, num_warps=RECURRENCE_WARPS,
+        num_stages=min(stages, fwd_stages),
     )
     block_v, bwd_stages = recurrence_geometry(N * HV, V, device, backward=True)
     # 3: dS backwards over the chunks

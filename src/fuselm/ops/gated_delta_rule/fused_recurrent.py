@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselm.ops.gated_delta_rule.naive import decay_gate, gates_from_projections, recurrent_gated_delta_rule_ref
+from fuselm.ops.gated_delta_rule.naive import (decay_gate, gates_from_projections, recurrent_gated_delta_rule_ref,
+                                              run_on_state_pool)
 from fuselm.runtime import (arch_major, cdiv, check_same_device, check_tensor, needs_autograd, next_power_of_2, num_sms,
                             use_triton)
 
@@ -348,14 +349,10 @@ def _reference_path(q, k, v, g, beta, raw, scale, initial_state, output_final_st
     if raw is not None:
         a, b, A_log, dt_bias = raw
         g, beta = gates_from_projections(A_log, a, dt_bias, b)
-    h0 = initial_state
     if state_indices is not None:
-        valid = state_indices >= 0
-        h0 = torch.where(valid[:, None, None, None], initial_state[state_indices.clamp(min=0).long()], 0.0)
-    o, final = recurrent_gated_delta_rule_ref(q, k, v, g, beta, scale, h0, True, l2, cu_seqlens)
-    if state_indices is not None:
-        initial_state[state_indices[valid].long()] = final[valid]
-        return o, initial_state
+        return run_on_state_pool(lambda h0: recurrent_gated_delta_rule_ref(q, k, v, g, beta, scale, h0, True, l2,
+                                                                           cu_seqlens), initial_state, state_indices)
+    o, final = recurrent_gated_delta_rule_ref(q, k, v, g, beta, scale, initial_state, True, l2, cu_seqlens)
     return o, final if output_final_state else None
 
 

@@ -125,6 +125,19 @@ def chunk_gated_delta_rule_ref(
                           initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
 
 
+def run_on_state_pool(reference, pool, state_indices, has_initial_state=None):
+    """A reference run on a state pool [P, HV, K, V]: sequence n starts from
+    ``pool[state_indices[n]]`` (zeros where the index is negative or ``has_initial_state[n]`` is
+    False) and leaves its final state there (a negative index: nowhere). ``reference(h0)`` returns
+    (o, final [N, HV, K, V]). Returns (o, pool), the pool updated in place."""
+    valid = state_indices >= 0
+    read = valid if has_initial_state is None else valid & has_initial_state.to(torch.bool)
+    h0 = torch.where(read[:, None, None, None], pool[state_indices.clamp(min=0).long()], 0.0)
+    o, final = reference(h0)
+    pool[state_indices[valid].long()] = final[valid]
+    return o, pool
+
+
 def gated_delta_rule_decode_step_ref(proj, conv_state, conv_weight, A_log, dt_bias, state, state_slots, positions,
                                      H, K, HV, V, scale=None):
     """One Qwen3.5 Gated DeltaNet decode token per row from the in_proj output ``proj`` [N, P]
