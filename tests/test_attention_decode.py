@@ -4,11 +4,9 @@ interpreter too), caches written only at each row's write column."""
 
 import pytest
 import torch
-from torch import nn
 
 from conftest import DEVICE
-from fuselm.models.qwen35 import Qwen35Config
-from fuselm.models.qwen35.layers import GatedAttention, rotary_cos_sin
+from fuselm.models.qwen35.layers import rotary_cos_sin
 from fuselm.ops.attention_decode import qk_norm_rope_kv_write, qk_norm_rope_kv_write_ref
 from helpers import ELEMENTWISE_DTYPES
 
@@ -141,24 +139,23 @@ def test_strided_layouts(qkv_layout, cos_layout, dtype):
 
 
 @pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES, ids=str)
-def test_matches_the_models_gated_attention_path(dtype):
-    """Against ``GatedAttention._split_projection`` (q/k norms, RoPE) + the KV write of
-    ``decode`` themselves, on the given qkv projection."""
-    nH, nKV, hd, B = 4, 2, 32, 3
-    config = Qwen35Config(hidden_size=2 * nH * hd + 2 * nKV * hd, num_attention_heads=nH, num_key_value_heads=nKV,
-                          head_dim=hd, num_hidden_layers=4)
-    attention = GatedAttention(config)
-    inputs = make_inputs(B, nH, nKV, hd, hd // 4, dtype, max_batch=B + 1, L=7, cos_layout="4d", seed=2)
-    attention.q_norm = nn.Parameter(inputs["q_norm_weight"], requires_grad=False)
-    attention.k_norm = nn.Parameter(inputs["k_norm_weight"], requires_grad=False)
-    q_model, k, v = attention._split_projection(inputs["qkv"], inputs["cos"], inputs["sin"])
-    key_model, value_model = inputs["key_cache"].clone(), inputs["value_cache"].clone()
-    rows, columns = torch.arange(B, device=DEVICE), inputs["write_column"]
-    key_model[rows, :, columns] = k[:, :, 0]
-    value_model[rows, :, columns] = v[:, :, 0]
-    q = qk_norm_rope_kv_write(**inputs, num_heads=nH, num_kv_heads=nKV, head_dim=hd, eps=config.rms_norm_eps)
-    assert torch.equal(q, q_model)
-    assert torch.equal(inputs["key_cache"], key_model) and torch.equal(inputs["value_cache"], value_model)
+def test_k_out_gets_every_rows_normed_rotated_k(dtype):
+    """``k_out`` (the prefill path's keys for attention within a chunk): every row's k as the
+    reference computes it, beside the cache writes; a poisoned buffer is overwritten whole."""
+    B, nH, nKV, hd, rot = 5, 4, 2, 32, 8
+    inputs = make_inputs(B, nH, nKV, hd, rot, dtype, max_batch=B + 1, L=7, seed=3)
+    kw = dict(num_heads=nH, num_kv_heads=nKV, head_dim=hd, eps=EPS)
+    k_ref = torch.empty(B, nKV, hd, device=DEVICE, dtype=dtype)
+    ref_in = dict(inputs, key_cache=inputs["key_cache"].clone(), value_cache=inputs["value_cache"].clone())
+    q_ref = qk_norm_rope_kv_write_ref(**ref_in, **kw, k_out=k_ref)
+    k_out = torch.full((B, nKV, hd), float("nan"), device=DEVICE, dtype=dtype)
+    q = qk_norm_rope_kv_write(**inputs, **kw, k_out=k_out)
+    assert_same(q, q_ref, dtype, hd)
+    assert_same(k_out, k_ref, dtype, hd)
+    assert torch.equal(inputs["key_cache"], ref_in["key_cache"]) and torch.equal(inputs["value_cache"],
+                                                                                 ref_in["value_cache"])
+    with pytest.raises(ValueError, match="k_out: expected a contiguous"):
+        qk_norm_rope_kv_write(**inputs, **kw, k_out=k_out[:, :1])
 
 
 def test_batch_of_zero_rows():

@@ -22,13 +22,12 @@ from torch import nn
 
 from fuselm.models.qwen35.cache import AttentionCache, DeltaNetCache
 from fuselm.models.qwen35.config import LINEAR_ATTENTION, Qwen35Config
-from fuselm.ops.attention_decode import apply_rotary_ref, decode_attention, qk_norm_rope_kv_write
+from fuselm.ops.attention_decode import decode_attention, qk_norm_rope_kv_write
 from fuselm.ops.attention_prefill import prefill_attention
 from fuselm.ops.causal_conv1d import causal_conv1d_silu
 from fuselm.ops.decode_linear import decode_linear
 from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, gated_delta_gates, gated_delta_rule_decode_step
 from fuselm.ops.moe import SwiGLUMoE
-from fuselm.ops.rms_norm import rms_norm
 from fuselm.ops.swiglu_mlp import SwiGLUMLP, interleave_gate_up
 
 TakeTensor = Callable[[str], torch.Tensor]
@@ -293,18 +292,6 @@ class GatedAttention(nn.Module):
         ``GatedDeltaNet.project``)."""
         return F.linear(x, self.qkv_proj, self.qkv_bias)
 
-    def _split_projection(self, qkv, cos, sin):
-        """qkv [B, T, P] -> q [B, nH, T, hd], k, v [B, nKV, T, hd] (the gate: ``output``)."""
-        B, T, _ = qkv.shape
-        q_gate, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
-        q = q_gate.view(B, T, self.num_heads, 2 * self.head_dim)[..., :self.head_dim]
-        # Zero-centered RMSNorm per head: fp32 statistics, (x_normed * (1 + w)) rounded once.
-        q = rms_norm(q, self.q_norm, self.eps, 1.0)
-        k = rms_norm(k.view(B, T, self.num_kv_heads, self.head_dim), self.k_norm, self.eps, 1.0)
-        q, k = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
-        v = v.view(B, T, self.num_kv_heads, self.head_dim)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-
     def output(self, heads: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
         """Attention's output ``heads`` [..., nH hd] -> o_proj(heads * sigmoid(gate)) [..., D] with
         the gate from ``projected`` [..., P], in the model dtype as HF (sigmoid rounded, product
@@ -326,19 +313,28 @@ class GatedAttention(nn.Module):
                       out: torch.Tensor | None = None) -> torch.Tensor:
         """``project(x)`` [B, T, P] -> attention's output [B, T, nH hd] (before ``output``; copied
         into ``out`` when given)."""
-        q, k, v = self._split_projection(projected, step.cos, step.sin)
-        # K/V of position p into slot p % P of page pages[p // P] (P = page size), positions past
-        # the block-table row (only padding gets there) into the scratch page: the step's
-        # write_page / write_column. Padded positions land beyond their row's length, where
-        # decode never reads and a later token overwrites.
-        cache.key[step.write_page, :, step.write_column] = k.transpose(1, 2)
-        cache.value[step.write_page, :, step.write_column] = v.transpose(1, 2)
+        # q/k norm + RoPE + the K/V write, each token a row of ``qk_norm_rope_kv_write`` (HF's
+        # roundings: zero-centered RMSNorm per head, fp32 statistics, one rounding; RoPE's products
+        # and sum rounded as PyTorch's eager ops round them): K/V of position p into slot p % P of page pages[p // P] (P =
+        # page size), positions past the block-table row (only padding gets there) into the
+        # scratch page: the step's write_page / write_column. Padded positions land beyond their
+        # row's length, where decode never reads and a later token overwrites.
+        B, T, _ = projected.shape
+        k = projected.new_empty(B * T, self.num_kv_heads, self.head_dim) if step.fresh else None
+        q = qk_norm_rope_kv_write(projected.reshape(B * T, -1), self.q_norm, self.k_norm, step.cos.reshape(B * T, -1),
+                                  step.sin.reshape(B * T, -1), cache.key, cache.value, step.write_column.reshape(-1),
+                                  num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                  eps=self.eps, write_row=step.write_page.reshape(-1), k_out=k)
+        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         # Causal attention, fp32 softmax. A fresh chunk attends within itself (SDPA, HF's sdpa
         # path); a later one to its row's positions 0 .. position, the earlier chunks' K/V and its
         # own, read from its pages where they lie (``prefill_attention``: no gather, no mask
         # tensor; padded queries give zeros).
         if step.fresh:
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+            k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = projected[..., self.q_size + self.kv_size:].unflatten(-1, (self.num_kv_heads, self.head_dim))
+            attn = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, scale=self.scale,
+                                                  enable_gqa=True)
         else:
             attn = prefill_attention(q, cache.key, cache.value, step.pages, step.starts, step.lengths, self.scale)
         if out is None:
@@ -351,7 +347,7 @@ class GatedAttention(nn.Module):
                projected: torch.Tensor | None = None) -> torch.Tensor:
         """x [max_batch, 1, D] (or ``projected`` = ``project(x)``) -> [max_batch, 1, D]. qkv GEMM;
         q/k norm + RoPE + the K/V write into each row's page and slot in one launch
-        (``qk_norm_rope_kv_write``, the roundings of ``_split_projection``); attention over each
+        (``qk_norm_rope_kv_write``, as ``prefill_heads``); attention over each
         row's positions 0 .. position only, through its block-table row (``decode_attention``:
         split over the sequence, fp32 softmax); the sigmoid gate, then o_proj (``output``: the
         gate as its own small kernel, faster than fused at every row count measured)."""

@@ -95,11 +95,11 @@ def _norm_rope_tile(
 @triton.jit
 def _qk_norm_rope_kv_write_kernel(
     qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, column_ptr, write_row_ptr, q_out_ptr,
-    stride_qkv, stride_cos, stride_sin,
+    k_out_ptr, stride_qkv, stride_cos, stride_sin,
     stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
     n_heads, n_kv_heads, n_cols, rot, eps, cache_len,
     Q_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    EMULATE_BF16_RNE: tl.constexpr, ADD_RN: tl.constexpr, HAS_WRITE_ROW: tl.constexpr,
+    EMULATE_BF16_RNE: tl.constexpr, ADD_RN: tl.constexpr, HAS_WRITE_ROW: tl.constexpr, HAS_K_OUT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -125,6 +125,9 @@ def _qk_norm_rope_kv_write_kernel(
         out = _norm_rope_tile(k_src, n_cols, heads, n_kv_heads, k_w_ptr, cos_row, sin_row, n_cols, rot, half, eps,
                               DTYPE, EMULATE_BF16_RNE, ADD_RN, BLOCK_N)
         mask = (heads < n_kv_heads)[:, None] & col_mask[None, :]
+        if HAS_K_OUT:  # k (normed, rotated) also to k_out [B, nKV, hd], for attention within the chunk
+            tl.store(k_out_ptr + (row * n_kv_heads + heads.to(tl.int64))[:, None] * n_cols + cols[None, :], out,
+                     mask=mask)
         column = tl.load(column_ptr + row).to(tl.int64)
         # a column outside [0, L) writes nothing (the host checks it only where that costs no sync)
         mask = mask & (cols < tl.where((column >= 0) & (column < cache_len), n_cols, 0))[None, :]
@@ -139,10 +142,11 @@ def _qk_norm_rope_kv_write_kernel(
 
 def qk_norm_rope_kv_write_kernel(qkv, q_norm_weight, k_norm_weight, cos, sin, key_cache, value_cache, write_column,
                                  write_row, q_out, num_heads: int, num_kv_heads: int, head_dim: int,
-                                 eps: float) -> None:
+                                 eps: float, k_out=None) -> None:
     """Launch on checked arguments: qkv [B, P], cos/sin [B, rotary_dim] (unit column stride, any
     row stride), weights contiguous [hd], caches [rows, nKV, L, hd] with unit last stride,
-    write_column int [B], write_row int [B] or None (row b), q_out contiguous [B, nH, 1, hd]."""
+    write_column int [B], write_row int [B] or None (row b), q_out contiguous [B, nH, 1, hd],
+    k_out contiguous [B, nKV, hd] or None."""
     B = qkv.shape[0]
     # The rms_norm forward kernel's tile (heads per program, padded head_dim) and warp count.
     block_m, block_n, num_warps = row_block_geometry(head_dim)
@@ -150,11 +154,11 @@ def qk_norm_rope_kv_write_kernel(qkv, q_norm_weight, k_norm_weight, cos, sin, ke
     kv_tiles = cdiv(num_kv_heads, block_m)
     _qk_norm_rope_kv_write_kernel[(B, q_tiles + kv_tiles)](
         qkv, q_norm_weight, k_norm_weight, cos, sin, key_cache, value_cache, write_column,
-        write_column if write_row is None else write_row, q_out, qkv.stride(0), cos.stride(0), sin.stride(0),
+        write_column if write_row is None else write_row, q_out, q_out if k_out is None else k_out, qkv.stride(0), cos.stride(0), sin.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         num_heads, num_kv_heads, head_dim, cos.shape[-1], eps, key_cache.shape[2],
         Q_TILES=q_tiles, BLOCK_M=block_m, BLOCK_N=block_n,
         EMULATE_BF16_RNE=INTERPRET and qkv.dtype == torch.bfloat16, ADD_RN=not INTERPRET,
-        HAS_WRITE_ROW=write_row is not None, num_warps=num_warps,
+        HAS_WRITE_ROW=write_row is not None, HAS_K_OUT=k_out is not None, num_warps=num_warps,
     )

@@ -38,10 +38,11 @@ def qk_norm_rope_kv_write_ref(
     qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, write_column: torch.Tensor, *,
     num_heads: int, num_kv_heads: int, head_dim: int, eps: float, write_row: torch.Tensor | None = None,
+    k_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, num_heads, 1, head_dim] (normed, rotated; contiguous); writes row b's k and v into
     ``key_cache[r, :, write_column[b]]`` / ``value_cache[r, :, write_column[b]]``, r =
-    ``write_row[b]`` (a paged cache's page; default b).
+    ``write_row[b]`` (a paged cache's page; default b), and k into ``k_out`` [B, nKV, hd] if given.
 
     qkv: [B, 1, P] or [B, P] (P = 2 nH hd + 2 nKV hd); cos, sin: [B, rotary_dim] (or any
     [B, 1, ..., rotary_dim]); caches [rows, nKV, L, hd]; write_column, write_row: int [B].
@@ -61,6 +62,8 @@ def qk_norm_rope_kv_write_ref(
     rows = torch.arange(B, device=qkv.device) if write_row is None else write_row
     key_cache[rows, :, write_column] = k[:, :, 0]
     value_cache[rows, :, write_column] = v[:, :, 0]
+    if k_out is not None:
+        k_out.copy_(k[:, :, 0])
     return q.contiguous()
 
 

@@ -103,7 +103,7 @@ def qk_norm_rope_kv_write(
     qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, write_column: torch.Tensor, *,
     num_heads: int, num_kv_heads: int, head_dim: int, eps: float, q_out: torch.Tensor | None = None,
-    write_row: torch.Tensor | None = None,
+    write_row: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated-attention decode prep (Qwen3.5): q/k zero-centered RMSNorm per head, partial RoPE,
     K/V cache write, in one launch; bit-identical to ``naive.qk_norm_rope_kv_write_ref`` (the
@@ -129,11 +129,21 @@ def qk_norm_rope_kv_write(
             CUDA-graph safe).
         write_row: optional int64 (or int32) [B], the cache row (page) of each batch row; values
             in [0, rows) (checked on the CPU only).
+        k_out: optional contiguous [B, nKV, hd] buffer in qkv's dtype: also receives k (normed,
+            rotated; every row, whatever its column), e.g. for a prompt chunk's attention within
+            itself (a prefill runs this op over its tokens as rows).
     Returns:
         q [B, nH, 1, hd], contiguous, normed and rotated (``q_out`` when given).
     """
     cos, sin, eps, q_out = _check(qkv, q_norm_weight, k_norm_weight, cos, sin, key_cache, value_cache, write_column,
                                   num_heads, num_kv_heads, head_dim, eps, q_out, write_row)
+    if k_out is not None:
+        check_tensor("k_out", k_out)
+        check_same_device(qkv=qkv, k_out=k_out)
+        shape = (qkv.shape[0], num_kv_heads, head_dim)
+        if k_out.shape != shape or k_out.dtype != qkv.dtype or not k_out.is_contiguous():
+            raise ValueError(f"k_out: expected a contiguous {qkv.dtype} tensor [B, num_kv_heads, head_dim] = "
+                             f"{shape}, got {k_out.dtype} {tuple(k_out.shape)}")
     B = qkv.shape[0]
     if B == 0:
         return q_out
@@ -141,9 +151,10 @@ def qk_norm_rope_kv_write(
         with torch.no_grad():
             return q_out.copy_(qk_norm_rope_kv_write_ref(
                 qkv, q_norm_weight, k_norm_weight, cos, sin, key_cache, value_cache, write_column,
-                num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps, write_row=write_row))
+                num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps, write_row=write_row,
+                k_out=k_out))
     rows = _rows("qkv", qkv, B)  # [B, 1, P] -> [B, P]: a view
     qkv_norm_weights = [w.contiguous() for w in (q_norm_weight, k_norm_weight)]
     qk_norm_rope_kv_write_kernel(rows, *qkv_norm_weights, cos, sin, key_cache, value_cache, write_column, write_row,
-                                 q_out, num_heads, num_kv_heads, head_dim, eps)
+                                 q_out, num_heads, num_kv_heads, head_dim, eps, k_out)
     return q_out
