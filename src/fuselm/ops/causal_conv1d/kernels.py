@@ -12,7 +12,6 @@ old state), and each program owns whole columns of its channels, so reads and wr
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -72,14 +71,21 @@ def _state_kernel(x_ptr, state_ptr, slots_ptr, starts_ptr, lengths_ptr, T, C, st
              mask=(i < K)[:, None] & c_mask[None, :])
 
 
+# The conv's tile: BLOCK_T tokens x BLOCK_C channels a program, CONV_WARPS warps
+# (benchmarks/prefill_kernels_sweep.py sweeps them).
+CONV_BLOCK_T = 32
+CONV_BLOCK_C = 128
+CONV_WARPS = 4
+
+
 def causal_conv1d_silu_kernels(x, weight, conv_state, slots, starts, lengths, out) -> None:
     B, T, C = x.shape
     K = weight.shape[-1]
-    block_c = min(128, next_power_of_2(C))
-    block_t = 32
+    block_c = min(CONV_BLOCK_C, next_power_of_2(C))
+    block_t = CONV_BLOCK_T
     _conv_kernel[(B, cdiv(T, block_t), cdiv(C, block_c))](
         x, weight, conv_state, slots, starts, out, T, C, x.stride(0), x.stride(1),
-        K=K, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4)
+        K=K, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=CONV_WARPS)
     _state_kernel[(B, cdiv(C, block_c))](
         x, conv_state, slots, starts, lengths, T, C, x.stride(0), x.stride(1),
         K=K, BLOCK_K=next_power_of_2(K), BLOCK_C=block_c, num_warps=4)

@@ -1,0 +1,111 @@
+"""Tile sweeps of two prefill kernels that ran far from the copy rate in the 9B mixed step
+(NOTES.md 50-51): the Gated DeltaNet causal conv (``causal_conv1d_silu``: 11 us a layer for 224
+tokens x 8192 channels) and the MLP's SwiGLU over the cuBLAS gate/up product's column pairs
+(``swiglu_pairs_forward_kernel``: 10.6 us for 255 x 12288). Each case: 20 calls in one CUDA graph,
+do_bench median per call; % = bytes moved / time / the copy rate measured in the same run.
+
+    python benchmarks/prefill_kernels_sweep.py [--out DIR]    (writes prefill_kernels_sweep.md/.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+
+import fuselm.ops.causal_conv1d.kernels as conv_kernels
+from fuselm.ops.causal_conv1d import causal_conv1d_silu
+from fuselm.ops.common.activation import Activation
+from fuselm.ops.silu_mul import kernels as silu_kernels
+from timing import bench, capture, results_dir
+
+CALLS = 20
+
+
+def per_call_ms(fn) -> float:
+    return bench(capture(fn, CALLS).replay) / CALLS
+
+
+def copy_rate() -> float:
+    """Bytes per ms of a 1 GB device copy (read + write)."""
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 2 / bench(lambda: dst.copy_(src))
+
+
+def conv_rows(rate: float) -> list[dict]:
+    rows = []
+    C, K = 8192, 4  # Qwen3.5-9B: conv_dim 8192, kernel 4, read from the in_proj output's slice
+    for T in (224, 8192):
+        proj = torch.randn(1, T, C + 4160, device="cuda", dtype=torch.bfloat16)
+        x = proj[..., :C]
+        weight = torch.randn(C, 1, K, device="cuda", dtype=torch.bfloat16)
+        state = torch.randn(4, C, K, device="cuda", dtype=torch.bfloat16)
+        slots, starts, lengths = (torch.tensor([v], device="cuda") for v in (1, 0, T))
+        ref = causal_conv1d_silu(x, weight, state.clone(), slots, starts, lengths)
+        moved = 2 * T * C * 2
+        for block_t, block_c, warps in itertools.product((16, 32, 64, 128), (64, 128, 256), (2, 4, 8)):
+            conv_kernels.CONV_BLOCK_T, conv_kernels.CONV_BLOCK_C, conv_kernels.CONV_WARPS = block_t, block_c, warps
+            try:
+                out = causal_conv1d_silu(x, weight, state.clone(), slots, starts, lengths)
+                ms = per_call_ms(lambda: causal_conv1d_silu(x, weight, state, slots, starts, lengths))
+            except Exception as exc:  # noqa: BLE001 (out of resources at some tiles)
+                rows.append(dict(kernel="conv", T=T, tile=f"{block_t}x{block_c} w{warps}", error=type(exc).__name__))
+                continue
+            rows.append(dict(kernel="conv", T=T, tile=f"{block_t}x{block_c} w{warps}", ms=ms,
+                             pct=100 * moved / ms / rate, exact=bool(torch.equal(out, ref))))
+    conv_kernels.CONV_BLOCK_T, conv_kernels.CONV_BLOCK_C, conv_kernels.CONV_WARPS = 32, 128, 4
+    return rows
+
+
+def swiglu_rows(rate: float) -> list[dict]:
+    rows = []
+    act = Activation.parse("silu")
+    F = 12288
+    for M in (255, 1024):
+        gate_up = torch.randn(M, 2 * F, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(M, F, device="cuda", dtype=torch.bfloat16)
+        ref = silu_kernels.swiglu_pairs_forward_kernel(gate_up, out.clone(), act)
+        moved = 3 * M * F * 2
+        geometries = [silu_kernels.row_geometry(F)] + [silu_kernels.Geometry(m, n, w) for m, n, w in (
+            (1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (1, 2048, 4), (1, 2048, 8), (2, 2048, 8), (4, 512, 4),
+            (1, 4096, 8), (8, 256, 4))]
+        for geo in geometries:
+            def run():
+                silu_kernels._silu_mul_fwd_kernel[silu_kernels._grid(M, F, geo)](
+                    gate_up, gate_up[:, 1:], out, M, F, gate_up.stride(0), gate_up.stride(0), out.stride(0),
+                    act.kernel_limit, float(act.alpha), ACT=act.code, BLOCK_M=geo.block_m, BLOCK_N=geo.block_n,
+                    COL_STRIDE=2, num_warps=geo.num_warps)
+            run()
+            ms = per_call_ms(run)
+            rows.append(dict(kernel="swiglu_pairs", M=M, tile=f"{geo.block_m}x{geo.block_n} w{geo.num_warps}", ms=ms,
+                             pct=100 * moved / ms / rate, exact=bool(torch.equal(out, ref))))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rate = copy_rate()
+    rows = conv_rows(rate) + swiglu_rows(rate)
+    lines = [f"## prefill kernels by tile, {torch.cuda.get_device_name()} (copy {rate / 1e9:.2f} TB/s)", "",
+             "| kernel | size | tile (rows x cols, warps) | us | % of copy | exact |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        size = f"T {r['T']}" if "T" in r else f"M {r['M']}"
+        if "error" in r:
+            lines.append(f"| {r['kernel']} | {size} | {r['tile']} | {r['error']} | | |")
+        else:
+            lines.append(f"| {r['kernel']} | {size} | {r['tile']} | {1e3 * r['ms']:.2f} | {r['pct']:.0f}% | "
+                         f"{r['exact']} |")
+    out = results_dir(Path(args.out) if args.out else None)
+    (out / "prefill_kernels_sweep.md").write_text("\n".join(lines) + "\n")
+    (out / "prefill_kernels_sweep.json").write_text(json.dumps(dict(copy_bytes_per_ms=rate, rows=rows), indent=1))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
