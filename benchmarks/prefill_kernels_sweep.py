@@ -4,7 +4,8 @@ tokens x 8192 channels) and the MLP's SwiGLU over the cuBLAS gate/up product's c
 (``swiglu_pairs_forward_kernel``: 10.6 us for 255 x 12288). Each case: 20 calls in one CUDA graph,
 do_bench median per call; % = bytes moved / time / the copy rate measured in the same run.
 
-    python benchmarks/prefill_kernels_sweep.py [--out DIR]    (writes prefill_kernels_sweep.md/.json)
+    python benchmarks/prefill_kernels_sweep.py [--only conv|swiglu] [--out DIR]
+    (writes prefill_kernels_sweep.md/.json)
 """
 
 from __future__ import annotations
@@ -89,9 +90,10 @@ def swiglu_rows(rate: float) -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--only", choices=("conv", "swiglu"), default=None, help="sweep one kernel")
     args = parser.parse_args()
     rate = copy_rate()
-    rows = conv_rows(rate) + swiglu_rows(rate)
+    rows = (conv_rows(rate) if args.only != "swiglu" else []) + (swiglu_rows(rate) if args.only != "conv" else [])
     lines = [f"## prefill kernels by tile, {torch.cuda.get_device_name()} (copy {rate / 1e9:.2f} TB/s)", "",
              "| kernel | size | tile (rows x cols, warps) | us | % of copy | exact |", "|---|---|---|---|---|---|"]
     for r in rows:

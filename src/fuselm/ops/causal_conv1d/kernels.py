@@ -1,8 +1,9 @@
 """Triton kernels for ``causal_conv1d_silu`` (Gated DeltaNet prefill's short convolution).
 
 ``_conv_kernel``: grid (B, T / BLOCK_T, C / BLOCK_C); a program reads x [BLOCK_T + K - 1, BLOCK_C]
-straight from the [B, T, C] projection (channels contiguous: no transpose), the positions before
-the chunk from the slot's circular conv state (zeros before position 0), and writes
+straight from the [B, T, C] projection (channels contiguous: no transpose) as K shifted tiles, the
+positions before the chunk (first tile only) from the slot's circular conv state (zeros before
+position 0), and writes
 round(silu(round(sum_j w[c, j] x[t - K + 1 + j, c]))) with the K products summed in fp32 (the
 weight dtype's conv accumulates in fp32 and rounds once, then SiLU rounds: HF's two roundings).
 ``_state_kernel``: grid (B, C / BLOCK_C); the inputs at positions start + length - K ..
@@ -44,9 +45,18 @@ def _conv_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, starts_ptr, out_ptr, T, C, 
     x_row = x_ptr + b * stride_xb
     state_row = state_ptr + tl.load(slots_ptr + b).to(tl.int64) * C * K
     acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
-    for j in tl.static_range(K):
-        w = tl.load(w_ptr + channels * K + j, mask=c_mask, other=0.0).to(tl.float32)
-        acc += _input_at(x_row, state_row, start + t - (K - 1) + j, start, T, stride_xt, channels, c_mask, K) * w[None, :]
+    if tl.program_id(1) * BLOCK_T >= K - 1:  # every input of the tile is in the chunk: plain shifted loads
+        for j in tl.static_range(K):
+            w = tl.load(w_ptr + channels * K + j, mask=c_mask, other=0.0).to(tl.float32)
+            src = t - (K - 1) + j
+            x = tl.load(x_row + src.to(tl.int64)[:, None] * stride_xt + channels[None, :],
+                        mask=(src < T)[:, None] & c_mask[None, :], other=0.0)
+            acc += x.to(tl.float32) * w[None, :]
+    else:  # the chunk's first tokens also read the slot's state (or zeros before position 0)
+        for j in tl.static_range(K):
+            w = tl.load(w_ptr + channels * K + j, mask=c_mask, other=0.0).to(tl.float32)
+            acc += _input_at(x_row, state_row, start + t - (K - 1) + j, start, T, stride_xt, channels, c_mask,
+                             K) * w[None, :]
     dtype = out_ptr.dtype.element_ty
     conv = acc.to(dtype).to(tl.float32)  # the conv's own rounding
     y = conv / (1.0 + tl.exp(-conv))

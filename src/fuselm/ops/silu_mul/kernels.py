@@ -112,7 +112,15 @@ def choose_geometry(n_cols: int, device: torch.device) -> Geometry:
     return row_geometry(n_cols)
 
 
-GEOMETRIES = {"row": row_geometry, "tiled": tiled_geometry}
+def pairs_geometry(n_cols: int) -> Geometry:
+    """SwiGLU over a [M, 2F] product's column pairs (stride-2 loads): one row's 2048-column tile a
+    program, 4 warps. H200 sweep (benchmarks/prefill_kernels_sweep.py, 9B F = 12288): 5.30 us at
+    255 rows (84% of copy), 22.4 at 1024 (80%), against the one-row geometry's 8.04 and 33.8 (55%,
+    53%); 1024-column tiles 5.52 / 21.7."""
+    return Geometry(1, min(2048, next_power_of_2(max(n_cols, 1))), num_warps=4)
+
+
+GEOMETRIES = {"row": row_geometry, "tiled": tiled_geometry, "pairs": pairs_geometry}
 
 
 def _geometry(n_cols: int, device: torch.device, geometry: str | None) -> Geometry:
@@ -150,7 +158,7 @@ def swiglu_pairs_forward_kernel(gate_up: torch.Tensor, out: torch.Tensor, act: A
     """out [M, F] = gate_factor(G) * up_factor(U) for ``gate_up`` [M, 2F] whose columns 2f, 2f + 1
     are (G, U) of feature f: ``x @ w13.T`` with the interleaved weight (``interleave_gate_up``).
     Rows may be strided, columns contiguous. The arithmetic of the forward kernel."""
-    return silu_mul_forward_kernel(gate_up, gate_up[:, 1:], out, act, col_stride=2)
+    return silu_mul_forward_kernel(gate_up, gate_up[:, 1:], out, act, geometry="pairs", col_stride=2)
 
 
 def silu_mul_backward_kernel(
