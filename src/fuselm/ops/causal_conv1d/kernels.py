@@ -81,11 +81,12 @@ def _state_kernel(x_ptr, state_ptr, slots_ptr, starts_ptr, lengths_ptr, T, C, st
              mask=(i < K)[:, None] & c_mask[None, :])
 
 
-# The conv's tile: BLOCK_T tokens x BLOCK_C channels a program, CONV_WARPS warps
-# (benchmarks/prefill_kernels_sweep.py sweeps them).
-CONV_BLOCK_T = 32
-CONV_BLOCK_C = 128
-CONV_WARPS = 4
+# The conv's tile: BLOCK_T tokens x BLOCK_C channels a program, CONV_WARPS warps. H200 sweep
+# (benchmarks/prefill_kernels_sweep.py, 9B: 8192 channels of the in_proj output): 16 x 64 on 2
+# warps 7.26 us at 224 tokens (best), 137 us at 8192 (best 134); 32 x 128 on 4 warps 8.96 / 176.
+CONV_BLOCK_T = 16
+CONV_BLOCK_C = 64
+CONV_WARPS = 2
 
 
 def causal_conv1d_silu_kernels(x, weight, conv_state, slots, starts, lengths, out) -> None:
