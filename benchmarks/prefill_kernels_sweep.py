@@ -1,10 +1,11 @@
-"""Tile sweeps of two prefill kernels that ran far from the copy rate in the 9B mixed step
-(NOTES.md 50-51): the Gated DeltaNet causal conv (``causal_conv1d_silu``: 11 us a layer for 224
-tokens x 8192 channels) and the MLP's SwiGLU over the cuBLAS gate/up product's column pairs
-(``swiglu_pairs_forward_kernel``: 10.6 us for 255 x 12288). Each case: 20 calls in one CUDA graph,
+"""Tile sweeps of prefill kernels that ran far from the copy rate in the 9B mixed step (NOTES.md
+50-52): the Gated DeltaNet causal conv (``causal_conv1d_silu``: 11 us a layer for 224 tokens x 8192
+channels), the MLP's SwiGLU over the cuBLAS gate/up product's column pairs
+(``swiglu_pairs_forward_kernel``: 10.6 us for 255 x 12288), and the chunk kernels' warps at short
+prompts (the prepare: 13 us a layer at 33 tokens as at 224). Each case: 20 calls in one CUDA graph,
 do_bench median per call; % = bytes moved / time / the copy rate measured in the same run.
 
-    python benchmarks/prefill_kernels_sweep.py [--only conv|swiglu] [--out DIR]
+    python benchmarks/prefill_kernels_sweep.py [--only conv|swiglu|chunk] [--out DIR]
     (writes prefill_kernels_sweep.md/.json)
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 import fuselm.ops.causal_conv1d.kernels as conv_kernels
+import fuselm.ops.gated_delta_rule.chunk as chunk
 from fuselm.ops.causal_conv1d import causal_conv1d_silu
 from fuselm.ops.common.activation import Activation
 from fuselm.ops.silu_mul import kernels as silu_kernels
@@ -88,13 +90,43 @@ def swiglu_rows(rate: float) -> list[dict]:
     return rows
 
 
+def chunk_rows() -> list[dict]:
+    """The three chunk kernels as the 9B prefill calls them (H 16, HV 32, K = V = 128, bf16, q/k/v
+    slices of the conv output, a fresh pool state), by the prepare and output kernels' warps: a
+    short prompt runs one program a (chunk, head), so each program's latency is the step's."""
+    rows = []
+    H, HV, K, V = 16, 32, 128, 128
+    for T in (33, 224, 8192):
+        conv_out = torch.randn(1, T, 2 * H * K + HV * V, device="cuda", dtype=torch.bfloat16)
+        q = conv_out[..., :H * K].unflatten(-1, (H, K))
+        k = conv_out[..., H * K:2 * H * K].unflatten(-1, (H, K))
+        v = conv_out[..., 2 * H * K:].unflatten(-1, (HV, V))
+        g = -torch.rand(1, T, HV, device="cuda")
+        beta = torch.rand(1, T, HV, device="cuda", dtype=torch.bfloat16)
+        pool = torch.zeros(4, HV, K, V, device="cuda")
+        slots, fresh = torch.tensor([1], device="cuda"), torch.tensor([False], device="cuda")
+        out = torch.empty(1, T, HV, V, device="cuda", dtype=torch.bfloat16)
+
+        def run():
+            chunk.chunk_gated_delta_rule(q, k, v, g, beta, K ** -0.5, pool, True, True, state_indices=slots,
+                                         has_initial_state=fresh, out=out)
+        for prepare, output in itertools.product((2, 4, 8), (2, 4, 8)):
+            chunk.PREPARE_WARPS, chunk.OUTPUT_WARPS = prepare, output
+            run()
+            rows.append(dict(kernel="gdn_chunk", T=T, tile=f"prepare w{prepare}, output w{output}",
+                             ms=per_call_ms(run), pct=None, exact=True))
+    chunk.PREPARE_WARPS, chunk.OUTPUT_WARPS = 4, 4
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None)
-    parser.add_argument("--only", choices=("conv", "swiglu"), default=None, help="sweep one kernel")
+    parser.add_argument("--only", choices=("conv", "swiglu", "chunk"), default=None, help="sweep one kernel")
     args = parser.parse_args()
     rate = copy_rate()
-    rows = (conv_rows(rate) if args.only != "swiglu" else []) + (swiglu_rows(rate) if args.only != "conv" else [])
+    sweeps = {"conv": lambda: conv_rows(rate), "swiglu": lambda: swiglu_rows(rate), "chunk": chunk_rows}
+    rows = [row for name, sweep in sweeps.items() if args.only in (None, name) for row in sweep()]
     lines = [f"## prefill kernels by tile, {torch.cuda.get_device_name()} (copy {rate / 1e9:.2f} TB/s)", "",
              "| kernel | size | tile (rows x cols, warps) | us | % of copy | exact |", "|---|---|---|---|---|---|"]
     for r in rows:
@@ -102,8 +134,8 @@ def main():
         if "error" in r:
             lines.append(f"| {r['kernel']} | {size} | {r['tile']} | {r['error']} | | |")
         else:
-            lines.append(f"| {r['kernel']} | {size} | {r['tile']} | {1e3 * r['ms']:.2f} | {r['pct']:.0f}% | "
-                         f"{r['exact']} |")
+            pct = "-" if r["pct"] is None else f"{r['pct']:.0f}%"
+            lines.append(f"| {r['kernel']} | {size} | {r['tile']} | {1e3 * r['ms']:.2f} | {pct} | {r['exact']} |")
     out = results_dir(Path(args.out) if args.out else None)
     (out / "prefill_kernels_sweep.md").write_text("\n".join(lines) + "\n")
     (out / "prefill_kernels_sweep.json").write_text(json.dumps(dict(copy_bytes_per_ms=rate, rows=rows), indent=1))

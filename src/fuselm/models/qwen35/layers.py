@@ -315,10 +315,10 @@ class GatedAttention(nn.Module):
         into ``out`` when given)."""
         # q/k norm + RoPE + the K/V write, each token a row of ``qk_norm_rope_kv_write`` (HF's
         # roundings: zero-centered RMSNorm per head, fp32 statistics, one rounding; RoPE's products
-        # and sum rounded as PyTorch's eager ops round them): K/V of position p into slot p % P of page pages[p // P] (P =
-        # page size), positions past the block-table row (only padding gets there) into the
-        # scratch page: the step's write_page / write_column. Padded positions land beyond their
-        # row's length, where decode never reads and a later token overwrites.
+        # and sum rounded as PyTorch's eager ops round them). K/V of position p go into slot p % P
+        # of page pages[p // P] (P = page size), positions past the block-table row (only padding
+        # gets there) into the scratch page: the step's write_page / write_column. Padded positions
+        # land beyond their row's length, where decode never reads and a later token overwrites.
         B, T, _ = projected.shape
         k = projected.new_empty(B * T, self.num_kv_heads, self.head_dim) if step.fresh else None
         q = qk_norm_rope_kv_write(projected.reshape(B * T, -1), self.q_norm, self.k_norm, step.cos.reshape(B * T, -1),
@@ -339,8 +339,7 @@ class GatedAttention(nn.Module):
             attn = prefill_attention(q, cache.key, cache.value, step.pages, step.starts, step.lengths, self.scale)
         if out is None:
             return attn.transpose(1, 2).flatten(2)
-        B, heads, T, head_dim = attn.shape
-        out.view(B, T, heads, head_dim).copy_(attn.transpose(1, 2))
+        out.view(B, T, self.num_heads, self.head_dim).copy_(attn.transpose(1, 2))
         return out
 
     def decode(self, x: torch.Tensor, cache: AttentionCache, step: DecodeStep,

@@ -154,7 +154,8 @@ def qk_norm_rope_kv_write_kernel(qkv, q_norm_weight, k_norm_weight, cos, sin, ke
     kv_tiles = cdiv(num_kv_heads, block_m)
     _qk_norm_rope_kv_write_kernel[(B, q_tiles + kv_tiles)](
         qkv, q_norm_weight, k_norm_weight, cos, sin, key_cache, value_cache, write_column,
-        write_column if write_row is None else write_row, q_out, q_out if k_out is None else k_out, qkv.stride(0), cos.stride(0), sin.stride(0),
+        write_column if write_row is None else write_row, q_out, q_out if k_out is None else k_out, qkv.stride(0),
+        cos.stride(0), sin.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         num_heads, num_kv_heads, head_dim, cos.shape[-1], eps, key_cache.shape[2],

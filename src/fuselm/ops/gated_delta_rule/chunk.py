@@ -395,7 +395,8 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
     h = torch.empty(slots, HV, K, V, dtype=dt, device=device)  # the state at each chunk's start
     _chunk_prepare_kernel[(slots, HV)](
         q, k, v, g, beta, G, u, w, kd, aqk, inverse, start, length, seq_len, float(scale),
-        q.stride(1), k.stride(1), v.stride(1), H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=BK, BV=BV_full, L2NORM=l2, P=precision, EQUAL=equal,
+        q.stride(1), k.stride(1), v.stride(1), H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=BK, BV=BV_full,
+        L2NORM=l2, P=precision, EQUAL=equal,
         STORE_T=for_backward, LOAD_T=False, num_warps=PREPARE_WARPS,
     )
     indexed = state_indices is not None
@@ -521,7 +522,8 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final
                                                      use_qk_l2norm_in_kernel, cu_seqlens)
     if not use_triton(q):  # plain PyTorch: autograd goes through the reference
         def reference(h0):
-            return chunk_gated_delta_rule_ref(q, k, v, g, beta, scale, h0, output_final_state or state_indices is not None,
+            return chunk_gated_delta_rule_ref(q, k, v, g, beta, scale, h0,
+                                              output_final_state or state_indices is not None,
                                               use_qk_l2norm_in_kernel, cu_seqlens)
 
         o, final = (reference(initial_state) if state_indices is None else
