@@ -326,6 +326,29 @@ def test_chunked_reads_projection_slices_and_a_state_pool(impl, B, T, H, HV, K, 
         assert torch.equal(pool[untouched], before[untouched])
 
 
+def test_chunked_state_pool_with_packed_sequences_and_rows_apart():
+    """The pool with varlen sequences (cu_seqlens: pool rows 2 and 0, the second starting from
+    zeros), and a batch whose rows are not one token stride apart (a copy, same result)."""
+    q, k, v, g, beta = inputs(1, 70, 1, 2, 64, 64)
+    cu = torch.tensor([0, 66, 70], device=DEVICE, dtype=torch.int32)
+    pool = torch.randn(3, 2, 64, 64, device=DEVICE)
+    before = pool.clone()
+    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=pool, cu_seqlens=cu,
+                                  state_indices=torch.tensor([2, 0], device=DEVICE),
+                                  has_initial_state=torch.tensor([True, False], device=DEVICE))
+    h0 = torch.stack([before[2], torch.zeros_like(before[0])])
+    o_ref, ht_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                   cu_seqlens=cu)
+    assert rel_err(o, o_ref) <= 1e-4 and rel_err(pool[[2, 0]], ht_ref) <= 1e-4
+    assert torch.equal(pool[1], before[1])
+    # rows 3 tokens apart in a [2, 5 + 3] buffer: not one token stride apart across rows
+    qw, kw, vw, gw, bw = inputs(2, 8, 1, 2, 64, 64)
+    o, ht = chunk_gated_delta_rule(qw[:, :5], kw[:, :5], vw[:, :5], gw[:, :5], bw[:, :5], output_final_state=True)
+    o_ref, ht_ref = recurrent_gated_delta_rule_ref(qw[:, :5], kw[:, :5], vw[:, :5], gw[:, :5], bw[:, :5],
+                                                   output_final_state=True)
+    assert rel_err(o, o_ref) <= 1e-4 and rel_err(ht, ht_ref) <= 1e-4
+
+
 @pytest.mark.parametrize("change, match", [
     (dict(has_initial_state=torch.ones(2, dtype=torch.bool)), "has_initial_state: only used with state_indices"),
     (dict(state_indices=torch.tensor([0, 1]), initial_state=torch.zeros(3, 2, 64, 64),
