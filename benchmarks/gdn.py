@@ -28,7 +28,7 @@ import triton.language as tl
 from fuselm.ops.gated_delta_rule import chunk, chunk_gated_delta_rule, fused_recurrent, fused_recurrent_gated_delta_rule
 from fuselm.runtime import copy_bandwidth
 from fuselm.testing import rel_err
-from timing import bench, capture, graph_bench, kernel_breakdown, loop_us, results_dir
+from timing import bench, capture, graph_bench, graph_per_call_ms, kernel_breakdown, loop_us, results_dir
 
 try:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
@@ -144,13 +144,12 @@ def main(argv=None) -> int:
             ms[name + " graph per call"] = sorted(rounds[name])[len(rounds[name]) // 2]
             print(B, name, "as called", called[name], "per call", rounds[name], flush=True)
         scratch = torch.empty(1, device="cuda")
-        ms["one-store kernel graph per call"] = bench(capture(lambda: _one_store[(1,)](scratch),
-                                                              calls=GRAPH_CALLS).replay) / GRAPH_CALLS
+        ms["one-store kernel graph per call"] = graph_per_call_ms(lambda: _one_store[(1,)](scratch), GRAPH_CALLS)
         ms["one-store kernel graph"] = graph_bench(lambda: _one_store[(1,)](scratch))  # a graph launch's floor
         sweep = {}
         for block_v, warps in itertools.product((8, 16, 32), (1, 2, 4)):
             fused_recurrent.BLOCK_V, fused_recurrent.NUM_WARPS = block_v, warps
-            sweep[f"BV{block_v} w{warps}"] = bench(capture(fns["fuselm"], calls=GRAPH_CALLS).replay) / GRAPH_CALLS
+            sweep[f"BV{block_v} w{warps}"] = graph_per_call_ms(fns["fuselm"], GRAPH_CALLS)
             torch.cuda.synchronize()
             print(B, block_v, warps, sweep[f"BV{block_v} w{warps}"], flush=True)
         fused_recurrent.BLOCK_V, fused_recurrent.NUM_WARPS = default_geometry

@@ -23,13 +23,7 @@ import fuselm.ops.gated_delta_rule.chunk as chunk
 from fuselm.ops.causal_conv1d import causal_conv1d_silu
 from fuselm.ops.common.activation import Activation
 from fuselm.ops.silu_mul import kernels as silu_kernels
-from timing import bench, capture, results_dir
-
-CALLS = 20
-
-
-def per_call_ms(fn) -> float:
-    return bench(capture(fn, CALLS).replay) / CALLS
+from timing import bench, graph_per_call_ms, results_dir
 
 
 def copy_rate() -> float:
@@ -55,7 +49,7 @@ def conv_rows(rate: float) -> list[dict]:
             conv_kernels.CONV_BLOCK_T, conv_kernels.CONV_BLOCK_C, conv_kernels.CONV_WARPS = block_t, block_c, warps
             try:
                 out = causal_conv1d_silu(x, weight, state.clone(), slots, starts, lengths)
-                ms = per_call_ms(lambda: causal_conv1d_silu(x, weight, state, slots, starts, lengths))
+                ms = graph_per_call_ms(lambda: causal_conv1d_silu(x, weight, state, slots, starts, lengths))
             except Exception as exc:  # noqa: BLE001 (out of resources at some tiles)
                 rows.append(dict(kernel="conv", T=T, tile=f"{block_t}x{block_c} w{warps}", error=type(exc).__name__))
                 continue
@@ -84,7 +78,7 @@ def swiglu_rows(rate: float) -> list[dict]:
                     act.kernel_limit, float(act.alpha), ACT=act.code, BLOCK_M=geo.block_m, BLOCK_N=geo.block_n,
                     COL_STRIDE=2, num_warps=geo.num_warps)
             run()
-            ms = per_call_ms(run)
+            ms = graph_per_call_ms(run)
             rows.append(dict(kernel="swiglu_pairs", M=M, tile=f"{geo.block_m}x{geo.block_n} w{geo.num_warps}", ms=ms,
                              pct=100 * moved / ms / rate, exact=bool(torch.equal(out, ref))))
     return rows
@@ -114,7 +108,7 @@ def chunk_rows() -> list[dict]:
             chunk.PREPARE_WARPS, chunk.OUTPUT_WARPS = prepare, output
             run()
             rows.append(dict(kernel="gdn_chunk", T=T, tile=f"prepare w{prepare}, output w{output}",
-                             ms=per_call_ms(run), pct=None, exact=True))
+                             ms=graph_per_call_ms(run), pct=None, exact=True))
     chunk.PREPARE_WARPS, chunk.OUTPUT_WARPS = 4, 4
     return rows
 

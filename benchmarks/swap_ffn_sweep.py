@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from timing import bench, capture, kernel_breakdown, results_dir  # noqa: E402
+from timing import bench, capture, graph_per_call_ms, kernel_breakdown, results_dir  # noqa: E402
 
 import fuselm.ops.swap_ffn.kernels as kernels  # noqa: E402
 from fuselm.models.swap_ffn import FusedSwapFFN, SwapFFN, SwapFFNConfig  # noqa: E402
@@ -34,7 +34,7 @@ SS_PASS = [2, 1, 4, 8]  # rows per program
 
 
 def per_call_us(fn) -> float:
-    return bench(capture(fn, CALLS).replay) * 1e3 / CALLS
+    return graph_per_call_ms(fn, CALLS) * 1e3
 
 
 def ffn_operands(cfg: SwapFFNConfig, rows: int):

@@ -45,6 +45,12 @@ def graph_bench(fn) -> float:
     return bench(capture(fn).replay)
 
 
+def graph_per_call_ms(fn, calls: int = 20) -> float:
+    """GPU time per call of ``calls`` calls of ``fn`` captured in one CUDA graph (the graph launch
+    amortised over them): do_bench of its replay / calls, in ms."""
+    return bench(capture(fn, calls).replay) / calls
+
+
 def _loop_us(fn, calls: int, include_gpu: bool) -> float:
     """Median of 5 loops of ``calls`` calls, µs per call; the clock stops before (host time) or
     after (``include_gpu``) waiting for the GPU."""

@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselm.ops.gated_delta_rule.fused_recurrent import _check, fla_input_options, fla_state_layout
+from fuselm.ops.gated_delta_rule.fused_recurrent import (_check, check_state_pool_layout, fla_input_options,
+                                                        fla_state_layout)
 from fuselm.ops.gated_delta_rule.naive import chunk_gated_delta_rule_ref, run_on_state_pool
 from fuselm.runtime import check_same_device, cdiv, needs_autograd, next_power_of_2, num_sms, use_triton
 
@@ -481,10 +482,7 @@ def chunk_gated_delta_rule(
         raise ValueError(f"chunk_size: expected one of {FLA_CHUNK_SIZES}, got {chunk_size!r}")
     if not use_gate_in_kernel and (A_log is not None or dt_bias is not None):
         raise ValueError("A_log, dt_bias: only used with use_gate_in_kernel=True (g is then the raw gate input)")
-    if state_indices is not None and (state_v_first or (isinstance(initial_state, torch.Tensor)
-                                                        and initial_state.dtype != torch.float32)):
-        raise ValueError("state_indices: the pool is updated in place as fp32 [P, HV, K, V]; "
-                         "state_v_first and 16-bit initial states are not supported with it")
+    check_state_pool_layout(state_indices, initial_state, state_v_first)
     g, beta, initial_state = fla_input_options(v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias,
                                                use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first)
     o, final = _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,

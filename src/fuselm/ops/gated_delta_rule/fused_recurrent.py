@@ -194,6 +194,15 @@ def _check(q, k, v, g, beta, raw, initial_state, cu_seqlens, state_indices):
     return N
 
 
+def check_state_pool_layout(state_indices, initial_state, state_v_first: bool) -> None:
+    """A ``state_indices`` pool is updated in place as fp32 [P, HV, K, V]: ValueError for the FLA
+    options that would need a converted copy (``state_v_first``, a 16-bit initial state)."""
+    if state_indices is not None and (state_v_first or (isinstance(initial_state, torch.Tensor)
+                                                        and initial_state.dtype != torch.float32)):
+        raise ValueError("state_indices: the pool is updated in place as fp32 [P, HV, K, V]; "
+                         "state_v_first and 16-bit initial states are not supported with it")
+
+
 def fla_state_layout(state_v_first: bool, transpose_state_layout: bool | None) -> bool:
     """FLA's ``state_v_first``, with its deprecated alias ``transpose_state_layout`` (a warning)."""
     if transpose_state_layout is None:
@@ -277,10 +286,7 @@ def fused_recurrent_gated_delta_rule(
         raise NotImplementedError("gk, gv: per-key / per-value decay is not supported; pass g [B, T, HV]")
     if use_gate_in_kernel and (a is not None or b is not None):
         raise ValueError("a, b: not used with use_gate_in_kernel=True (pass g, the raw gate input, and beta)")
-    if state_indices is not None and (state_v_first or (isinstance(initial_state, torch.Tensor)
-                                                        and initial_state.dtype != torch.float32)):
-        raise ValueError("state_indices: the pool is updated in place as fp32 [P, HV, K, V]; "
-                         "state_v_first and 16-bit initial states are not supported with it")
+    check_state_pool_layout(state_indices, initial_state, state_v_first)
     g, beta, initial_state = fla_input_options(
         v, g, beta, initial_state, use_gate_in_kernel, A_log if use_gate_in_kernel else None,
         dt_bias if use_gate_in_kernel else None, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first)
