@@ -15,7 +15,7 @@ want() { [[ $stages == *" $1 "* ]]; }
 # the call's own time limit packs nothing: keep each stage under its `timeout`.
 pack_out() {
   local archive="results-$(basename "${0:-shell}" .sh).tgz"
-  (cd "$OUT" && find . -type f ! -name '*.tgz' | tar czf "$archive.part" -T - \
+  (cd "$OUT" && find . -type f ! -name '*.tgz' ! -name '*.part' | tar czf "$archive.part" -T - \
      && find . -type f ! -name '*.tgz' ! -name '*.part' -delete && mv "$archive.part" "$archive")
 }
 trap pack_out EXIT
