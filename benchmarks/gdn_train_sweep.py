@@ -4,11 +4,11 @@ q/k [1, T, 16, 128], v [1, T, 32, 128] (HV 32 value heads sharing 16 key heads),
     python benchmarks/gdn_train_sweep.py --out DIR     -> gdn_train_sweep.md / .json
 
 Times (do_bench medians, ms) of each kernel launch alone, on inputs the previous kernels wrote:
-the forward recurrence at each BV / warps / stages (session 16 also timed two layouts of it, the
-keys loaded already transposed and the state in 64-row key halves as flash-linear-attention's
-blockdim64 kernel: <= 5% apart, not kept), the backward recurrence, the prepare kernel (and the
-inversion of I + A alone: forward substitution, session 16's, against products of powers, the
-library's).
+the forward recurrence at each BV / warps / stages beside flash-linear-attention's
+``chunk_gated_delta_rule_fwd_h`` (autotuned) on the same inputs (session 21's variants of the
+recurrence, NOTES.md 53, are in git history as benchmarks/gdn_recurrence_variants.py), the backward
+recurrence, the prepare kernel (and the inversion of I + A alone: forward substitution, session
+16's, against products of powers, the library's).
 """
 
 from __future__ import annotations
@@ -116,7 +116,9 @@ def main(argv=None) -> int:
     slots = T // BT
     G = torch.empty(T, HV, dtype=torch.float32, device="cuda")
     u, new_v = (torch.empty(T, HV, V, dtype=DT, device="cuda") for _ in range(2))
-    w, kd = (torch.empty(T, HV, K, dtype=DT, device="cuda") for _ in range(2))
+    w = torch.empty(T, HV, K, dtype=DT, device="cuda")
+    keys = torch.empty(T, H, K, dtype=DT, device="cuda")  # the l2-normalised keys the prepare kernel writes
+    kd = torch.empty(T, HV, K, dtype=DT, device="cuda")  # K e^{G_C - G}, for the backward recurrence
     aqk = torch.empty(T, HV, BT, dtype=DT, device="cuda")
     h = torch.empty(slots, HV, K, V, dtype=DT, device="cuda")
     scale = K ** -0.5
@@ -126,7 +128,7 @@ def main(argv=None) -> int:
 
     def prepare(warps, store=False, load=False):
         chunk._chunk_prepare_kernel[(slots, HV)](
-            q, k, v, g, beta, G, u, w, kd, aqk, inverse, q, q, T, scale, q.stride(1), k.stride(1), v.stride(1),
+            q, k, v, g, beta, G, u, w, keys, kd, aqk, inverse, q, q, T, scale, q.stride(1), k.stride(1), v.stride(1),
             H=H, HV=HV, K=K, V=V, BT=BT, SUB=chunk.SUB,
             BK=128, BV=128, L2NORM=True, P="tf32", EQUAL=True, STORE_T=store, LOAD_T=load,
             num_warps=warps)
@@ -142,8 +144,8 @@ def main(argv=None) -> int:
     for block_v, warps, stages in itertools.product((16, 32, 64), (2, 4), (2, 3, 4)):
         def run():
             chunk._chunk_recurrence_kernel[(V // block_v, HV)](
-                u, w, kd, G, h, new_v, G, G, q, q, T, G, G, HV=HV, K=K, V=V, BT=BT, BK=K, BV=block_v, HAS_H0=False,
-                STORE_HT=False, P="tf32", EQUAL=True, INDEXED=False, HAS_H0_FLAGS=False, num_warps=warps,
+                u, w, keys, G, h, new_v, G, G, q, q, T, G, G, H * K, H=H, HV=HV, K=K, V=V, BT=BT, BK=K, BV=block_v,
+                HAS_H0=False, STORE_HT=False, P="tf32", EQUAL=True, INDEXED=False, HAS_H0_FLAGS=False, num_warps=warps,
                 num_stages=stages)
         try:
             run()
@@ -155,10 +157,19 @@ def main(argv=None) -> int:
         except Exception as exc:  # out of shared memory at some geometries
             rows[f"recurrence BV{block_v} w{warps} s{stages}"] = type(exc).__name__
         print(block_v, warps, stages, rows[f"recurrence BV{block_v} w{warps} s{stages}"], flush=True)
+    try:  # flash-linear-attention's forward recurrence on the same inputs (its gate in log2 units)
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+
+        G_log2, w4, u4 = (G * 1.4426950408889634).view(1, T, HV), w.view(1, T, HV, K), u.view(1, T, HV, V)
+        rows["fla-core fwd_h (autotuned)"] = bench(
+            lambda: chunk_gated_delta_rule_fwd_h(k=keys.view(1, T, H, K), w=w4, u=u4, g=G_log2))
+    except Exception as exc:  # noqa: BLE001 - fla-core absent or refusing
+        rows["fla-core fwd_h (autotuned)"] = f"{type(exc).__name__}: {exc}"[:200]
+    print(rows, flush=True)
     # backward recurrence (inputs: the forward's, a random dO)
-    chunk._chunk_recurrence_kernel[(V // 32, HV)](u, w, kd, G, h, new_v, G, G, q, q, T, G, G, HV=HV, K=K, V=V, BT=BT,
-                                                  BK=K, BV=32, HAS_H0=False, STORE_HT=False, P="tf32", EQUAL=True,
-                                                  INDEXED=False, HAS_H0_FLAGS=False, num_warps=4, num_stages=4)
+    chunk._chunk_recurrence_kernel[(V // 32, HV)](
+        u, w, keys, G, h, new_v, G, G, q, q, T, G, G, H * K, H=H, HV=HV, K=K, V=V, BT=BT, BK=K, BV=32, HAS_H0=False,
+        STORE_HT=False, P="tf32", EQUAL=True, INDEXED=False, HAS_H0_FLAGS=False, num_warps=4, num_stages=4)
     do = torch.randn(T, HV, V, device="cuda", dtype=DT)
     dh = torch.empty_like(h)
     dn = torch.empty_like(new_v)
@@ -167,8 +178,9 @@ def main(argv=None) -> int:
 
         def bwd():
             chunk_backward._chunk_bwd_recurrence_kernel[(V // block_v, HV)](
-                q, do, G, aqk, kd, w, dh, dn, G, G, q, q, T, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=K, BV=block_v,
-                L2NORM=True, HAS_DHT=False, STORE_DH0=False, P="tf32", EQUAL=True, num_warps=warps, num_stages=st)
+                q, do, G, aqk, kd, w, dh, dn, G, G, q, q, T, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=K,
+                BV=block_v, L2NORM=True, HAS_DHT=False, STORE_DH0=False, P="tf32", EQUAL=True, num_warps=warps,
+                num_stages=st)
         key = f"bwd recurrence BV{block_v} w{warps} s{st}"
         if key in rows:
             continue

@@ -8,18 +8,22 @@ Per chunk of BT = 64 tokens, with G = cumsum(g) from the chunk start, Gamma_ij =
     O = (Q e^G scale) S0 + lower(Q K^T * Gamma scale) N,  S_end = e^{G_C} S0 + (K e^{G_C - G})^T N.
 
 1. ``_chunk_prepare_kernel``, one program per (chunk, value head), all chunks in parallel: writes
-   G (fp32), U, W, Kd = K e^{G_C - G} and Aqk = lower(Q K^T * Gamma) scale. T is inverted in
+   G (fp32), U, W, Aqk = lower(Q K^T * Gamma) scale and, with the l2 norm, the normalised keys Kn
+   [T, H, K] (the recurrences read them, or the raw keys without it). T is inverted in
    fp32 (tf32 dots for half inputs): the four 16 x 16 diagonal blocks by products of powers
    (``_invert_unit_lower``), the rest by a block Neumann product (``_inverse_from_diagonal``).
 2. ``_chunk_recurrence_kernel``, one program per (sequence, value head, BV value columns): the
    only sequential part, two dependent dots per chunk with S [K, BV] (fp32) on chip; it writes
    each chunk's starting state h[c] and N. Its loads do not depend on S, so they are pipelined.
+   The decay to the chunk end goes on N's rows, S_end = e^{G_C} S0 + K^T (N e^{G_C - G}), so that
+   it reads the keys of the key head (shared by its value heads, as flash-linear-attention's
+   kernel) and not a decayed copy per value head.
 3. ``_chunk_output_kernel``, one program per (chunk, value head, value block), in parallel:
    O = (Q e^G scale) h[c] + Aqk N.
 
 Numerics (as flash-linear-attention's chunk kernels): products with K, V, W, U, Q, h and N take
-operands in the input dtype (h and N rounded to it) and accumulate in fp32; the carried state, G
-and the block inverse stay fp32. fp32 inputs use ieee fp32 dots throughout.
+operands in the input dtype (h, N, N e^{G_C - G} and the normalised keys rounded to it) and
+accumulate in fp32; the carried state, G and the block inverse stay fp32. fp32 inputs use ieee fp32 dots throughout.
 A batch of B equal-length rows runs as B packed sequences whose chunk spans the kernels compute;
 for variable lengths the chunk table is built on the device from cu_seqlens (no host sync).
 """
@@ -179,12 +183,15 @@ def _load_inverse(t_ptr, t0, n, HV, i_hv, BT: tl.constexpr):
 
 @triton.jit
 def _chunk_prepare_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, G_ptr, u_ptr, w_ptr, kd_ptr, aqk_ptr, t_ptr, chunk_start_ptr, chunk_len_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, G_ptr, u_ptr, w_ptr, kn_ptr, kd_ptr, aqk_ptr, t_ptr, chunk_start_ptr,
+    chunk_len_ptr,
     seq_len, scale, stride_q, stride_k, stride_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, P: tl.constexpr,
     EQUAL: tl.constexpr, STORE_T: tl.constexpr, LOAD_T: tl.constexpr,
 ):
-    """G, Kd, U, W and (unless LOAD_T) Aqk of one chunk and value head. T = (I + A)^-1 is inverted
+    """G, U, W, (unless LOAD_T) Aqk of one chunk and value head, and with L2NORM the chunk's
+    normalised keys Kn [T, H, K] (by the first value head of each key head); with LOAD_T also
+    Kd = K e^{G_C - G} [T, HV, K] for the backward recurrence. T = (I + A)^-1 is inverted
     here and also stored (fp32) when STORE_T (a forward that autograd will take back); LOAD_T (the
     backward's recompute) reads that T instead and writes no Aqk (the forward's is kept). q, k and
     v rows are ``stride_*`` elements apart (heads dense within a row)."""
@@ -199,11 +206,14 @@ def _chunk_prepare_kernel(
         G = tl.cumsum(_load_vec(g_ptr, t0, n, HV, i_hv, BT), axis=0)
         tl.store(G_ptr + (t0 + rows) * HV + i_hv, G, mask=row_ok)
         k = _load_keys(k_ptr, t0, n, stride_k, i_h * K, K, BT, BK, L2NORM)
-        # the keys as the state update reads them: K e^{G_C - G}
-        G_last = tl.sum(tl.where(rows == n - 1, G, 0.0), axis=0)
-        _store_block(kd_ptr, k * tl.where(row_ok, tl.exp(G_last - G), 0.0)[:, None], t0, n, HV * K, i_hv * K, K, BK, BT)
+        if L2NORM:
+            if i_hv % (HV // H) == 0:  # the keys as the recurrences read them
+                _store_block(kn_ptr, k, t0, n, H * K, i_h * K, K, BK, BT)
         beta = _load_vec(beta_ptr, t0, n, HV, i_hv, BT)
         if LOAD_T:
+            G_last = tl.sum(tl.where(rows == n - 1, G, 0.0), axis=0)
+            _store_block(kd_ptr, k * tl.where(row_ok, tl.exp(G_last - G), 0.0)[:, None], t0, n, HV * K, i_hv * K, K,
+                         BK, BT)
             T = _load_inverse(t_ptr, t0, n, HV, i_hv, BT).to(dt)
         else:
             # Aqk = lower(Q K^T * Gamma) scale, diagonal included
@@ -228,13 +238,14 @@ def _chunk_prepare_kernel(
 
 @triton.jit
 def _chunk_recurrence_kernel(
-    u_ptr, w_ptr, kd_ptr, G_ptr, h_ptr, new_v_ptr, h0_ptr, ht_ptr, cu_seqlens_ptr, first_chunk_ptr, seq_len,
-    state_indices_ptr, has_h0_ptr,
+    u_ptr, w_ptr, k_ptr, G_ptr, h_ptr, new_v_ptr, h0_ptr, ht_ptr, cu_seqlens_ptr, first_chunk_ptr, seq_len,
+    state_indices_ptr, has_h0_ptr, stride_k, H: tl.constexpr,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, P: tl.constexpr, EQUAL: tl.constexpr, INDEXED: tl.constexpr,
     HAS_H0_FLAGS: tl.constexpr,
 ):
-    """Per chunk: h[c] = S (input dtype), N = U - W S (stored), S = e^{G_C} S + Kd^T N.
+    """Per chunk: h[c] = S (input dtype), N = U - W S (stored), S = e^{G_C} S + K^T (N e^{G_C - G})
+    (K: the keys as the chunk kernels use them, rows ``stride_k`` apart).
     INDEXED (HAS_H0 then False): sequence n's state is read from pool row state_indices[n] of h0
     (only where has_h0[n] with HAS_H0_FLAGS) and its final state written back there (ht = h0); a
     negative index reads zeros and writes nothing. Each program reads and writes only its own
@@ -253,21 +264,24 @@ def _chunk_recurrence_kernel(
         S = tl.load(h0_ptr + final_row * HV * K * V + state_offs,
                     mask=final_mask & (tl.arange(0, BK) < read_rows)[:, None], other=0.0)
     dt = w_ptr.dtype.element_ty
+    i_h = i_hv // (HV // H)
     rows = tl.arange(0, BT)
     for i_c in tl.range(0, tl.cdiv(eos - bos, BT)):
         t0 = bos + i_c * BT
         n = tl.minimum(eos - t0, BT)
         row_ok = rows < n
         w = _load_rows(w_ptr, t0, n, HV * K, i_hv * K, K, BT, BK)
-        kd = _load_rows(kd_ptr, t0, n, HV * K, i_hv * K, K, BT, BK)
+        k = _load_rows(k_ptr, t0, n, stride_k, i_h * K, K, BT, BK)
         u = _load_rows(u_ptr, t0, n, HV * V, i_hv * V + v0, V - v0, BT, BV).to(tl.float32)
+        G = _load_vec(G_ptr, t0, n, HV, i_hv, BT)
         G_last = tl.load(G_ptr + (t0 + n - 1) * HV + i_hv)
         S_in = S.to(dt)
         tl.store(h_ptr + (first_chunk + i_c) * HV * K * V + state_offs, S_in, mask=state_mask)
-        new_v = (u - _mm(w, S_in, P)).to(dt)
-        tl.store(new_v_ptr + ((t0 + rows) * HV + i_hv)[:, None] * V + cv[None, :], new_v,
+        new_v = u - _mm(w, S_in, P)
+        tl.store(new_v_ptr + ((t0 + rows) * HV + i_hv)[:, None] * V + cv[None, :], new_v.to(dt),
                  mask=row_ok[:, None] & (cv < V)[None, :])
-        S = tl.exp(G_last) * S + _mm(tl.trans(kd), new_v, P)
+        decayed = (new_v * tl.where(row_ok, tl.exp(G_last - G), 0.0)[:, None]).to(dt)
+        S = tl.dot(tl.trans(k), decayed, S * tl.exp(G_last), input_precision=P)
     if STORE_HT:
         tl.store(ht_ptr + final_row * HV * K * V + state_offs, S, mask=final_mask)
 
@@ -323,7 +337,10 @@ def chunk_table(cu_seqlens: torch.Tensor, total_tokens: int, chunk: int = CHUNK)
 # specialisation on seq_len the recurrence ran 12-13% slower (H100, T 8192 and 32768, NOTES.md 18).
 # Recurrence geometry. The recurrence is a chain of dependent dots per chunk, so its time is the
 # chunks' latency times the waves of programs: more programs per wave hide more of the latency and a
-# second wave doubles the time. H200 sweep (benchmarks/gdn_train_sweep.py, T 16384, HV 32, K = V =
+# second wave doubles the time. Forward, reading the keys with the decay on N (H100, T 16384, HV 32,
+# benchmarks/gdn_recurrence_variants.py, NOTES.md 53): BV32 4 stages 0.290 ms (128 programs), 3
+# stages 0.316, BV16 3 stages 0.394 (256, two a multiprocessor), BV64 0.386. Before that change
+# (the stored Kd), H200 sweep (benchmarks/gdn_train_sweep.py, T 16384, HV 32, K = V =
 # 128, 4 warps, ms per launch): forward BV16 3 stages 0.397 (256 programs, two a multiprocessor: 3
 # stages of w, kd, u tiles fit twice in shared memory), BV16 4 stages 0.675 (one a multiprocessor:
 # two waves), BV32 4 stages 0.414 (128 programs), BV64 0.425; 2 warps 5-40x slower at BV 32-64.
@@ -338,14 +355,13 @@ RECURRENCE_STAGES = 4  # when every program has a multiprocessor of its own; 3 w
 
 def recurrence_geometry(heads: int, V: int, device: torch.device, backward: bool = False) -> tuple[int, int]:
     """(value columns per program, pipeline stages) of the forward (or backward) recurrence over
-    ``heads`` = sequences x value heads, for 16-bit inputs: the narrowest block of 16, 32 or 64
-    columns whose programs fit one wave (forward at 16 columns two a multiprocessor, with three
-    stages; otherwise one), else 64 (fewer waves)."""
+    ``heads`` = sequences x value heads, for 16-bit inputs: the narrowest block of 32 or 64 columns
+    (backward: 16, 32 or 64) whose programs fit one wave, else 64 (fewer waves)."""
     sms = num_sms(device)
     full = next_power_of_2(V)
-    for block_v in (16, 32, 64):
+    for block_v in ((16, 32, 64) if backward else (32, 64)):
         programs = heads * cdiv(V, min(block_v, full))
-        if programs <= sms * (2 if block_v == 16 and not backward else 1):
+        if programs <= sms:
             break
     block_v = min(block_v, full)
     stages = RECURRENCE_STAGES if heads * cdiv(V, block_v) <= sms else RECURRENCE_STAGES - 1
@@ -358,6 +374,15 @@ OUTPUT_BLOCK_V = 128  # value columns per program of the output kernel
 PREPARE_WARPS = 4
 MIN_16BIT_HEAD_DIM = 64  # 16-bit key / value heads narrower than this run in fp32 on a GPU (chunk_gated_delta_rule)
 OUTPUT_WARPS = 4
+
+
+def recurrence_keys(k: torch.Tensor, l2: bool) -> tuple[torch.Tensor, int]:
+    """(keys, token stride) the recurrences read for the packed keys k [1, T, H, K]: with the l2
+    norm an empty [T, H, K] buffer that the prepare kernel fills with the normalised keys, else k."""
+    if l2:
+        _, T, H, K = k.shape
+        return torch.empty(T, H, K, dtype=k.dtype, device=k.device), H * K
+    return k, k.stride(1)
 
 
 def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, output_final_state, l2,
@@ -390,12 +415,13 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
         slots, seq_len = start.numel(), 0
     G = torch.empty(T, HV, dtype=torch.float32, device=device)
     u, new_v = (torch.empty(T, HV, V, dtype=dt, device=device) for _ in range(2))
-    w, kd = (torch.empty(T, HV, K, dtype=dt, device=device) for _ in range(2))
+    w = torch.empty(T, HV, K, dtype=dt, device=device)
+    keys, stride_keys = recurrence_keys(k, l2)
     aqk = torch.empty(T, HV, CHUNK, dtype=dt, device=device)
     inverse = torch.empty(T, HV, CHUNK, dtype=torch.float32, device=device) if for_backward else G
     h = torch.empty(slots, HV, K, V, dtype=dt, device=device)  # the state at each chunk's start
     _chunk_prepare_kernel[(slots, HV)](
-        q, k, v, g, beta, G, u, w, kd, aqk, inverse, start, length, seq_len, float(scale),
+        q, k, v, g, beta, G, u, w, keys, G, aqk, inverse, start, length, seq_len, float(scale),
         q.stride(1), k.stride(1), v.stride(1), H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=BK, BV=BV_full,
         L2NORM=l2, P=precision, EQUAL=equal,
         STORE_T=for_backward, LOAD_T=False, num_warps=PREPARE_WARPS,
@@ -409,9 +435,10 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
     block_v = block_v or geometry_v
     stages = min(stages, geometry_stages)
     _chunk_recurrence_kernel[(cdiv(V, block_v), N * HV)](
-        u, w, kd, G, h, new_v, initial_state if initial_state is not None else G, final if final is not None else G,
+        u, w, keys, G, h, new_v, initial_state if initial_state is not None else G, final if final is not None else G,
         cu_seqlens, first, seq_len, state_indices if indexed else G,
-        has_initial_state if has_initial_state is not None else G, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=block_v,
+        has_initial_state if has_initial_state is not None else G, stride_keys,
+        H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=block_v,
         HAS_H0=initial_state is not None and not indexed, STORE_HT=final is not None, P=precision, EQUAL=equal,
         INDEXED=indexed, HAS_H0_FLAGS=has_initial_state is not None, num_warps=RECURRENCE_WARPS, num_stages=stages,
     )

@@ -5,6 +5,7 @@ The math (derived in ``chunk_backward_naive.py``, which computes the same thing 
 chunk of BT = 64 tokens and value head, with S0 = h[c] the state at the chunk start and dS1 the
 gradient of the state at its end:
     dN  = Aqk^T dO + Kd dS1,        dS0 = e^{G_C} dS1 + Qg^T dO - W^T dN      (sequential over chunks)
+    (Kd = diag(e^{G_C - G}) K, written by the backward's prepare kernel)
     dQg = dO S0^T,  dAqk = lower(dO N^T),  dKd = N dS1^T,  dW = -dN S0^T       (parallel per chunk)
     dVb = T^T dN,   dKb = T^T dW,   dT = dN Vb^T + dW Kb^T,   dA = strictly_lower(-T^T dT T^T)
 and from those the leaves dq, dk, dv, dg, dbeta. dg = reverse_cumsum(dG) (G = cumsum(g)) is summed
@@ -12,7 +13,7 @@ pair by pair, dg_t = sum_{i >= t} x_i + e^{G_C} <dS1, S0> + sum_{i < t} r_i + su
 (``chunk_backward_naive.py``), so that no O(1) terms cancel into a tiny dg under strong decay.
 
 Kernels, per backward call:
-1. ``_chunk_prepare_kernel`` (the forward's, LOAD_T): G, U, W, Kd = K e^{G_C - G} from the
+1. ``_chunk_prepare_kernel`` (the forward's, LOAD_T): G, U, W, the normalised keys and Kd from the
    forward's stored T (no K K^T, no inversion, no Aqk: the forward's is kept).
 2. ``_chunk_recurrence_kernel`` (the forward's, re-run): the chunk-start states h[c] and N.
 3. ``_chunk_bwd_recurrence_kernel``, one program per (sequence, value head, BV value columns): the
@@ -47,7 +48,7 @@ Kernels, per backward call:
 
 Saved by the forward: its inputs (q, k, v, g, beta, initial_state, cu_seqlens), Aqk ([T, HV, 64] in
 the input dtype) and T = (I + A)^-1 ([T, HV, 64] fp32, 256 B a token and value head: the forward's
-one inversion serves kernels 1 and 4b). Recomputed: G, U, W, Kd and the chunk-start states h[c]
+one inversion serves kernels 1 and 4b). Recomputed: G, U, W, the normalised keys, Kd and the chunk-start states h[c]
 and new values N (kernels 1 and 2; storing h[c] would hold N_chunks x HV x K x V values from the
 forward to the backward).
 
@@ -80,7 +81,7 @@ import triton.language as tl
 from fuselm.ops.gated_delta_rule.chunk import (
     CHUNK, PREPARE_WARPS, RECURRENCE_STAGES, RECURRENCE_WARPS, SUB, _chunk_prepare_kernel,
     _chunk_recurrence_kernel, _chunk_span, _load_inverse, _load_keys, _load_rows, _load_vec, _mm, _state_block,
-    _store_block, chunk_gated_delta_rule_kernels, chunk_table, recurrence_geometry,
+    _store_block, chunk_gated_delta_rule_kernels, chunk_table, recurrence_geometry, recurrence_keys,
 )
 from fuselm.runtime import cdiv, max_shared_memory, next_power_of_2
 
@@ -112,7 +113,9 @@ def _chunk_bwd_recurrence_kernel(
     P: tl.constexpr, EQUAL: tl.constexpr,
 ):
     """Chunks in reverse, dS = the gradient of the state at the current chunk's end:
-    dh[c] = dS (input dtype), dN = Aqk^T dO + Kd dS (stored), dS = e^{G_C} dS + Qg^T dO - W^T dN."""
+    dh[c] = dS (input dtype), dN = Aqk^T dO + Kd dS (stored), dS = e^{G_C} dS + Qg^T dO - W^T dN.
+    Kd is read as the prepare kernel stored it: made here from the keys (the decay on the key tile,
+    or on the rows of K dS) it took 0.63-0.75 ms at T 16384 against 0.48 (H100, NOTES.md 53)."""
     i_n, i_hv, v0, bos, eos, first_chunk, cv, state_mask, state_offs, dS = _state_block(
         dht_ptr, cu_seqlens_ptr, first_chunk_ptr, seq_len, HAS_DHT, HV, K, V, BT, BK, BV, EQUAL)
     i_h = i_hv // (HV // H)
@@ -389,22 +392,23 @@ def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, saved, scale, init
     else:
         start, length, first = chunk_table(cu_seqlens, T)
         slots, seq_len = start.numel(), 0
-    # 1-2: the forward's G, U, W, Kd from its T (Aqk kept), then h[c] and N
+    # 1-2: the forward's G, U, W, normalised keys from its T (Aqk kept), then h[c] and N
     aqk, inverse = saved
     G = torch.empty(T, HV, dtype=torch.float32, device=device)
     u, new_v = (torch.empty(T, HV, V, dtype=dt, device=device) for _ in range(2))
     w, kd = (torch.empty(T, HV, K, dtype=dt, device=device) for _ in range(2))
+    keys, stride_keys = recurrence_keys(k, l2)
     h = torch.empty(slots, HV, K, V, dtype=dt, device=device)
     _chunk_prepare_kernel[(slots, HV)](
-        q, k, v, g, beta, G, u, w, kd, aqk, inverse, start, length, seq_len, float(scale),
+        q, k, v, g, beta, G, u, w, keys, kd, aqk, inverse, start, length, seq_len, float(scale),
         q.stride(1), k.stride(1), v.stride(1), H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=BK, BV=BV_full, L2NORM=l2,
         P=precision, EQUAL=equal, STORE_T=False, LOAD_T=True, num_warps=PREPARE_WARPS,
     )
     block_v, fwd_stages = recurrence_geometry(N * HV, V, device)
     _chunk_recurrence_kernel[(cdiv(V, block_v), N * HV)](
-        u, w, kd, G, h, new_v, initial_state if initial_state is not None else G, G, cu_seqlens, first, seq_len, G, G,
-        HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=block_v, HAS_H0=initial_state is not None, STORE_HT=False,
-        P=precision, EQUAL=equal, INDEXED=False, HAS_H0_FLAGS=False, num_warps=RECURRENCE_WARPS,
+        u, w, keys, G, h, new_v, initial_state if initial_state is not None else G, G, cu_seqlens, first, seq_len, G, G,
+        stride_keys, H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=block_v, HAS_H0=initial_state is not None,
+        STORE_HT=False, P=precision, EQUAL=equal, INDEXED=False, HAS_H0_FLAGS=False, num_warps=RECURRENCE_WARPS,
         num_stages=min(stages, fwd_stages),
     )
     block_v, bwd_stages = recurrence_geometry(N * HV, V, device, backward=True)
@@ -414,8 +418,8 @@ def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, saved, scale, init
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if initial_state is not None else None
     _chunk_bwd_recurrence_kernel[(cdiv(V, block_v), N * HV)](
         q, do, G, aqk, kd, w, dh, dn, dht if dht is not None else G, dh0 if dh0 is not None else G,
-        cu_seqlens, first, seq_len, float(scale), H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=block_v, L2NORM=l2,
-        HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, P=precision, EQUAL=equal,
+        cu_seqlens, first, seq_len, float(scale), H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=block_v,
+        L2NORM=l2, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, P=precision, EQUAL=equal,
         num_warps=RECURRENCE_WARPS,
         num_stages=bwd_recurrence_stages(min(stages, bwd_stages), BK, block_v, dt, max_shared_memory(device)),
     )
