@@ -23,7 +23,8 @@ Per chunk of BT = 64 tokens, with G = cumsum(g) from the chunk start, Gamma_ij =
 
 Numerics (as flash-linear-attention's chunk kernels): products with K, V, W, U, Q, h and N take
 operands in the input dtype (h, N, N e^{G_C - G} and the normalised keys rounded to it) and
-accumulate in fp32; the carried state, G and the block inverse stay fp32. fp32 inputs use ieee fp32 dots throughout.
+accumulate in fp32; the carried state, G and the block inverse stay fp32. fp32 inputs use ieee fp32
+dots throughout.
 A batch of B equal-length rows runs as B packed sequences whose chunk spans the kernels compute;
 for variable lengths the chunk table is built on the device from cu_seqlens (no host sync).
 """
@@ -338,8 +339,8 @@ def chunk_table(cu_seqlens: torch.Tensor, total_tokens: int, chunk: int = CHUNK)
 # Recurrence geometry. The recurrence is a chain of dependent dots per chunk, so its time is the
 # chunks' latency times the waves of programs: more programs per wave hide more of the latency and a
 # second wave doubles the time. Forward, reading the keys with the decay on N (H100, T 16384, HV 32,
-# benchmarks/gdn_recurrence_variants.py, NOTES.md 53): BV32 4 stages 0.290 ms (128 programs), 3
-# stages 0.316, BV16 3 stages 0.394 (256, two a multiprocessor), BV64 0.386. Before that change
+# benchmarks/gdn_train_sweep.py and NOTES.md 53): BV32 4 stages 0.306 ms (128 programs), 3 stages
+# 0.323, BV16 3 stages 0.396 (256, two a multiprocessor), BV64 4 stages 0.426. Before that change
 # (the stored Kd), H200 sweep (benchmarks/gdn_train_sweep.py, T 16384, HV 32, K = V =
 # 128, 4 warps, ms per launch): forward BV16 3 stages 0.397 (256 programs, two a multiprocessor: 3
 # stages of w, kd, u tiles fit twice in shared memory), BV16 4 stages 0.675 (one a multiprocessor:
