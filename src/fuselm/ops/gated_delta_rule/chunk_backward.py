@@ -48,9 +48,9 @@ Kernels, per backward call:
 
 Saved by the forward: its inputs (q, k, v, g, beta, initial_state, cu_seqlens), Aqk ([T, HV, 64] in
 the input dtype) and T = (I + A)^-1 ([T, HV, 64] fp32, 256 B a token and value head: the forward's
-one inversion serves kernels 1 and 4b). Recomputed: G, U, W, the normalised keys, Kd and the chunk-start states h[c]
-and new values N (kernels 1 and 2; storing h[c] would hold N_chunks x HV x K x V values from the
-forward to the backward).
+one inversion serves kernels 1 and 4b). Recomputed: G, U, W, the normalised keys, Kd and the
+chunk-start states h[c] and new values N (kernels 1 and 2; storing h[c] would hold N_chunks x HV x
+K x V values from the forward to the backward).
 
 Measured (H200, triton 3.6, bf16, q/k [1, 16384, 16, 128], v [1, 16384, 32, 128], l2 norm, initial
 and final state): the single kernel this replaced took 9,807 us (8 warps: 255 registers, 772 B of
@@ -392,7 +392,7 @@ def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, saved, scale, init
     else:
         start, length, first = chunk_table(cu_seqlens, T)
         slots, seq_len = start.numel(), 0
-    # 1-2: the forward's G, U, W, normalised keys from its T (Aqk kept), then h[c] and N
+    # 1-2: the forward's G, U, W, normalised keys and Kd from its T (Aqk kept), then h[c] and N
     aqk, inverse = saved
     G = torch.empty(T, HV, dtype=torch.float32, device=device)
     u, new_v = (torch.empty(T, HV, V, dtype=dt, device=device) for _ in range(2))
