@@ -8,7 +8,7 @@ the forward recurrence at each BV / warps / stages beside flash-linear-attention
 ``chunk_gated_delta_rule_fwd_h`` (autotuned) on the same inputs (session 21's variants of the
 recurrence, NOTES.md 53, are in git history as benchmarks/gdn_recurrence_variants.py), the backward
 recurrence, the prepare kernel (and the inversion of I + A alone: forward substitution, session
-16's, against products of powers, the library's).
+16's, against products of powers, the library's, and session 21's in 16-row blocks, NOTES.md 54).
 """
 
 from __future__ import annotations
@@ -73,22 +73,156 @@ def _inverse_kernel(k_ptr, g_ptr, beta_ptr, t_ptr, seq_len, H: tl.constexpr, HV:
     tl.store(t_ptr + ((t0 + rows) * HV + i_hv).to(tl.int64)[:, None] * BT + rows[None, :], T, mask=row_ok[:, None])
 
 
+@triton.jit
+def _sub_block_rows(ptr, t0, s, n, stride_t, col0, n_cols, BC: tl.constexpr):
+    """[16, BC] rows 16 s .. 16 s + 15 of a chunk (zeros past its n rows and n_cols columns)."""
+    r = 16 * s + tl.arange(0, 16)
+    c = tl.arange(0, BC)
+    return tl.load(ptr + (t0 + r).to(tl.int64)[:, None] * stride_t + col0 + c[None, :],
+                   mask=(r < n)[:, None] & (c < n_cols)[None, :], other=0.0)
+
+
+@triton.jit
+def _sub_block_vec(ptr, t0, s, n, HV, i_hv):
+    r = 16 * s + tl.arange(0, 16)
+    return tl.load(ptr + (t0 + r) * HV + i_hv, mask=r < n, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _unit_lower_inverse_16(L):
+    """(I + L)^-1 for strictly lower [16, 16] L (L^16 = 0): (I - L)(I + L^2)(I + L^4)(I + L^8), ieee."""
+    r = tl.arange(0, 16)
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    L2 = tl.dot(L, L, input_precision="ieee")
+    L4 = tl.dot(L2, L2, input_precision="ieee")
+    L8 = tl.dot(L4, L4, input_precision="ieee")
+    return tl.dot(tl.dot(eye - L, eye + L2, input_precision="ieee"),
+                  tl.dot(eye + L4, eye + L8, input_precision="ieee"), input_precision="ieee")
+
+
+@triton.jit
+def _store_sub_block(t_ptr, X, t0, i, j, n, HV, i_hv, BT: tl.constexpr):
+    """Block (i, j) of a chunk's [BT, BT] T (fp32 [T, HV, BT] rows), rows past n not written."""
+    r = 16 * i + tl.arange(0, 16)
+    c = 16 * j + tl.arange(0, 16)
+    tl.store(t_ptr + ((t0 + r) * HV + i_hv).to(tl.int64)[:, None] * BT + c[None, :], X, mask=(r < n)[:, None])
+
+
+@triton.jit
+def _inverse_blocks_kernel(k_ptr, g_ptr, beta_ptr, t_ptr, seq_len, H: tl.constexpr, HV: tl.constexpr,
+                           K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, P: tl.constexpr):
+    """T = (I + A)^-1 of one chunk and value head in 16-row blocks (session 21's candidate for the
+    prepare's inversion, NOTES.md 53): the ten lower blocks of K K^T from the raw keys (the l2 norm
+    applied to the products, r_i r_j k_i.k_j), BK key columns a step; the diagonal blocks inverted
+    by products of powers (ieee); the rest by block forward substitution, T_ij = -T_ii sum_{j<=m<i}
+    A_im T_mj (P dots); stored fp32 in the library's [T, HV, BT] layout (upper blocks zero). G per
+    16-row block: its cumsum plus the earlier blocks' sums."""
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    t0, n = _chunk_span(i_c, k_ptr, k_ptr, seq_len, BT, True)
+    r = tl.arange(0, 16)
+    g0 = _sub_block_vec(g_ptr, t0, 0, n, HV, i_hv)
+    g1 = _sub_block_vec(g_ptr, t0, 1, n, HV, i_hv)
+    g2 = _sub_block_vec(g_ptr, t0, 2, n, HV, i_hv)
+    g3 = _sub_block_vec(g_ptr, t0, 3, n, HV, i_hv)
+    G0 = tl.cumsum(g0, axis=0)
+    G1 = tl.cumsum(g1, axis=0) + tl.sum(g0, axis=0)
+    G2 = tl.cumsum(g2, axis=0) + tl.sum(g0, axis=0) + tl.sum(g1, axis=0)
+    G3 = tl.cumsum(g3, axis=0) + tl.sum(g0, axis=0) + tl.sum(g1, axis=0) + tl.sum(g2, axis=0)
+    A00 = tl.zeros([16, 16], dtype=tl.float32)
+    A10, A11 = A00, A00
+    A20, A21, A22 = A00, A00, A00
+    A30, A31, A32, A33 = A00, A00, A00, A00
+    s0 = tl.zeros([16], dtype=tl.float32)
+    s1, s2, s3 = s0, s0, s0
+    for k0 in range(0, K, BK):
+        k_0 = _sub_block_rows(k_ptr, t0, 0, n, H * K, i_h * K + k0, K - k0, BK)
+        k_1 = _sub_block_rows(k_ptr, t0, 1, n, H * K, i_h * K + k0, K - k0, BK)
+        k_2 = _sub_block_rows(k_ptr, t0, 2, n, H * K, i_h * K + k0, K - k0, BK)
+        k_3 = _sub_block_rows(k_ptr, t0, 3, n, H * K, i_h * K + k0, K - k0, BK)
+        s0 += tl.sum(k_0.to(tl.float32) * k_0.to(tl.float32), axis=1)
+        s1 += tl.sum(k_1.to(tl.float32) * k_1.to(tl.float32), axis=1)
+        s2 += tl.sum(k_2.to(tl.float32) * k_2.to(tl.float32), axis=1)
+        s3 += tl.sum(k_3.to(tl.float32) * k_3.to(tl.float32), axis=1)
+        A00 = tl.dot(k_0, tl.trans(k_0), A00, input_precision=P)
+        A10 = tl.dot(k_1, tl.trans(k_0), A10, input_precision=P)
+        A11 = tl.dot(k_1, tl.trans(k_1), A11, input_precision=P)
+        A20 = tl.dot(k_2, tl.trans(k_0), A20, input_precision=P)
+        A21 = tl.dot(k_2, tl.trans(k_1), A21, input_precision=P)
+        A22 = tl.dot(k_2, tl.trans(k_2), A22, input_precision=P)
+        A30 = tl.dot(k_3, tl.trans(k_0), A30, input_precision=P)
+        A31 = tl.dot(k_3, tl.trans(k_1), A31, input_precision=P)
+        A32 = tl.dot(k_3, tl.trans(k_2), A32, input_precision=P)
+        A33 = tl.dot(k_3, tl.trans(k_3), A33, input_precision=P)
+    # A_ij = beta_i r_i r_j (k_i . k_j) e^{G_i - G_j}: strictly lower inside the diagonal blocks
+    b0, b1, b2, b3 = tl.rsqrt(s0 + 1e-6), tl.rsqrt(s1 + 1e-6), tl.rsqrt(s2 + 1e-6), tl.rsqrt(s3 + 1e-6)
+    a0 = _sub_block_vec(beta_ptr, t0, 0, n, HV, i_hv) * b0
+    a1 = _sub_block_vec(beta_ptr, t0, 1, n, HV, i_hv) * b1
+    a2 = _sub_block_vec(beta_ptr, t0, 2, n, HV, i_hv) * b2
+    a3 = _sub_block_vec(beta_ptr, t0, 3, n, HV, i_hv) * b3
+    low = r[:, None] > r[None, :]
+    A00 = tl.where(low, A00 * a0[:, None] * b0[None, :] * tl.exp(G0[:, None] - G0[None, :]), 0.0)
+    A11 = tl.where(low, A11 * a1[:, None] * b1[None, :] * tl.exp(G1[:, None] - G1[None, :]), 0.0)
+    A22 = tl.where(low, A22 * a2[:, None] * b2[None, :] * tl.exp(G2[:, None] - G2[None, :]), 0.0)
+    A33 = tl.where(low, A33 * a3[:, None] * b3[None, :] * tl.exp(G3[:, None] - G3[None, :]), 0.0)
+    A10 = A10 * a1[:, None] * b0[None, :] * tl.exp(G1[:, None] - G0[None, :])
+    A20 = A20 * a2[:, None] * b0[None, :] * tl.exp(G2[:, None] - G0[None, :])
+    A21 = A21 * a2[:, None] * b1[None, :] * tl.exp(G2[:, None] - G1[None, :])
+    A30 = A30 * a3[:, None] * b0[None, :] * tl.exp(G3[:, None] - G0[None, :])
+    A31 = A31 * a3[:, None] * b1[None, :] * tl.exp(G3[:, None] - G1[None, :])
+    A32 = A32 * a3[:, None] * b2[None, :] * tl.exp(G3[:, None] - G2[None, :])
+    T00 = _unit_lower_inverse_16(A00)
+    T11 = _unit_lower_inverse_16(A11)
+    T22 = _unit_lower_inverse_16(A22)
+    T33 = _unit_lower_inverse_16(A33)
+    T10 = -tl.dot(T11, tl.dot(A10, T00, input_precision=P), input_precision=P)
+    T21 = -tl.dot(T22, tl.dot(A21, T11, input_precision=P), input_precision=P)
+    T32 = -tl.dot(T33, tl.dot(A32, T22, input_precision=P), input_precision=P)
+    T20 = -tl.dot(T22, tl.dot(A20, T00, input_precision=P) + tl.dot(A21, T10, input_precision=P), input_precision=P)
+    T31 = -tl.dot(T33, tl.dot(A31, T11, input_precision=P) + tl.dot(A32, T21, input_precision=P), input_precision=P)
+    T30 = -tl.dot(T33, tl.dot(A30, T00, input_precision=P) + tl.dot(A31, T10, input_precision=P)
+                  + tl.dot(A32, T20, input_precision=P), input_precision=P)
+    zero = tl.zeros([16, 16], dtype=tl.float32)
+    _store_sub_block(t_ptr, T00, t0, 0, 0, n, HV, i_hv, BT)
+    _store_sub_block(t_ptr, zero, t0, 0, 1, n, HV, i_hv, BT)
+    _store_sub_block(t_ptr, zero, t0, 0, 2, n, HV, i_hv, BT)
+    _store_sub_block(t_ptr, zero, t0, 0, 3, n, HV, i_hv, BT)
+    _store_sub_block(t_ptr, T10, t0, 1, 0, n, HV, i_hv, BT)
+    _store_sub_block(t_ptr, T11, t0, 1, 1, n, HV, i_hv, BT)
+    _store_sub_block(t_ptr, zero, t0, 1, 2, n, HV, i_hv, BT)
+    _store_sub_block(t_ptr, zero, t0, 1, 3, n, HV, i_hv, BT)
+    _store_sub_block(t_ptr, T20, t0, 2, 0, n, HV, i_hv, BT)
+    _store_sub_block(t_ptr, T21, t0, 2, 1, n, HV, i_hv, BT)
+    _store_sub_block(t_ptr, T22, t0, 2, 2, n, HV, i_hv, BT)
+    _store_sub_block(t_ptr, zero, t0, 2, 3, n, HV, i_hv, BT)
+    _store_sub_block(t_ptr, T30, t0, 3, 0, n, HV, i_hv, BT)
+    _store_sub_block(t_ptr, T31, t0, 3, 1, n, HV, i_hv, BT)
+    _store_sub_block(t_ptr, T32, t0, 3, 2, n, HV, i_hv, BT)
+    _store_sub_block(t_ptr, T33, t0, 3, 3, n, HV, i_hv, BT)
+
+
 def inverse_rows(q, k, g, beta, T, H, HV, K, BT, slots, rows):
     """The two inversions alone: times, and each one's distance from a float64 inverse of the
     same A (first 64 chunks of head 0)."""
-    outs = []
-    for method in (0, 1):
+    outs, names = [], []
+    for method, block_k, warps in ((0, 0, 4), (1, 0, 4), *itertools.product((2,), (32, 64), (1, 2, 4))):
         t = torch.empty(T, HV, BT, dtype=torch.float32, device="cuda")
 
         def run():
-            _inverse_kernel[(slots, HV)](k, g, beta, t, T, H=H, HV=HV, K=K, BT=BT, SUB=chunk.SUB, METHOD=method,
-                                        P="tf32", num_warps=4)
+            if method == 2:
+                _inverse_blocks_kernel[(slots, HV)](k, g, beta, t, T, H=H, HV=HV, K=K, BT=BT, BK=block_k, P="tf32",
+                                                    num_warps=warps)
+            else:
+                _inverse_kernel[(slots, HV)](k, g, beta, t, T, H=H, HV=HV, K=K, BT=BT, SUB=chunk.SUB, METHOD=method,
+                                            P="tf32", num_warps=warps)
+        names.append(("substitution", "products", f"16-row blocks BK{block_k} w{warps}")[method])
         try:
             run()
-            rows[f"inverse only, {('substitution', 'products')[method]}"] = bench(run)
+            rows[f"inverse only, {names[-1]}"] = bench(run)
             outs.append(t)
         except Exception as exc:
-            rows[f"inverse only, {('substitution', 'products')[method]}"] = type(exc).__name__
+            rows[f"inverse only, {names[-1]}"] = type(exc).__name__
             outs.append(None)
     # float64 reference inverse of the same A for a few chunks (l2-normalised keys, as the kernel)
     kn = torch.nn.functional.normalize(k[0, : 64 * BT, 0].double(), dim=-1).view(64, BT, K)
@@ -96,10 +230,10 @@ def inverse_rows(q, k, g, beta, T, H, HV, K, BT, slots, rows):
     b = beta[0, : 64 * BT, 0].double().view(64, BT)
     A = torch.tril(b[:, :, None] * (kn @ kn.transpose(1, 2)) * torch.exp(G[:, :, None] - G[:, None, :]), -1)
     ref = torch.linalg.inv(torch.eye(BT, dtype=torch.float64, device="cuda") + A)
-    for method, t in enumerate(outs):
+    for name, t in zip(names, outs):
         if t is not None:
             got = t[: 64 * BT, 0].double().view(64, BT, BT)
-            rows[f"inverse only, {('substitution', 'products')[method]} max abs err"] = (got - ref).abs().max().item()
+            rows[f"inverse only, {name} max abs err"] = (got - ref).abs().max().item()
 
 
 def main(argv=None) -> int:
