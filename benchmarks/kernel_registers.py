@@ -28,8 +28,8 @@ from fuselm.ops.causal_conv1d import training as conv
 from fuselm.ops.gated_delta_rule import chunk, chunk_backward
 from fuselm.ops.rms_norm import kernels as rms
 
-DIV16 = {"seq_len", "T_total", "T", "C", "stride_xb", "stride_xt", "n_cols", "stride_dy", "stride_x", "stride_dres",
-         "stride_dx"}  # int arguments that are multiples of 16 at these shapes
+DIV16 = {"seq_len", "T_total", "T", "C", "stride_q", "stride_k", "stride_v", "stride_xb", "stride_xt", "n_cols",
+         "stride_dy", "stride_x", "stride_dres", "stride_dx"}  # int arguments that are multiples of 16 at these shapes
 
 
 def usage(fn, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3) -> str:
@@ -76,7 +76,8 @@ def main() -> None:
     types = ("*bf16", "*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16", "*fp32",
              "*i64",
              "*i32")
-    sig = dict(zip(names, types)) | {"seq_len": "i32", "scale": "fp32"} | constexpr(
+    sig = dict(zip(names, types)) | {"seq_len": "i32", "scale": "fp32", "stride_q": "i32", "stride_k": "i32",
+                                     "stride_v": "i32"} | constexpr(
         "H", "HV", "K", "V", "BT", "SUB", "BK", "BV", "L2NORM", "P", "EQUAL", "STORE_T", "LOAD_T")
     for store, load in ((True, False), (False, True)):
         tiles = dict(SUB=chunk.SUB, BK=128, BV=128, L2NORM=True, P="tf32", EQUAL=True)
