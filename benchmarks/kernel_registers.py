@@ -73,7 +73,7 @@ def main() -> None:
     gdn = dict(H=16, HV=32, K=128, V=128, BT=chunk.CHUNK)
     names = ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "G_ptr", "u_ptr", "w_ptr", "kn_ptr", "kd_ptr", "aqk_ptr",
              "t_ptr", "chunk_start_ptr", "chunk_len_ptr")
-    types = ("*bf16", "*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16", "*fp32",
+    types = ("*bf16", "*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16",
              "*i64",
              "*i32")
     sig = dict(zip(names, types)) | {"seq_len": "i32", "scale": "fp32", "stride_q": "i32", "stride_k": "i32",
@@ -84,7 +84,7 @@ def main() -> None:
         print(f"GDN _chunk_prepare_kernel {'forward (STORE_T)' if store else 'backward (LOAD_T)'}:", usage(
             chunk._chunk_prepare_kernel, sig, gdn | tiles | dict(STORE_T=store, LOAD_T=load),
             num_warps=chunk.PREPARE_WARPS))
-    sig = {"k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16", "t_ptr": "*fp32", "dn_ptr": "*bf16",
+    sig = {"k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16", "t_ptr": "*bf16", "dn_ptr": "*bf16",
            "dw_ptr": "*bf16", "dk_ptr": "*fp32", "dv_ptr": "*bf16", "dgp_ptr": "*fp32", "dg_ptr": "*fp32",
            "dbeta_ptr": "*fp32", "chunk_start_ptr": "*i64", "chunk_len_ptr": "*i32", "seq_len": "i32", "T_total": "i32"}
     sig |= constexpr("H", "HV", "K", "V", "BT", "BK", "BV", "NKP", "L2NORM", "P", "EQUAL")

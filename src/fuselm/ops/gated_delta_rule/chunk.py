@@ -23,8 +23,9 @@ Per chunk of BT = 64 tokens, with G = cumsum(g) from the chunk start, Gamma_ij =
 
 Numerics (as flash-linear-attention's chunk kernels): products with K, V, W, U, Q, h and N take
 operands in the input dtype (h, N, N e^{G_C - G} and the normalised keys rounded to it) and
-accumulate in fp32; the carried state, G and the block inverse stay fp32. fp32 inputs use ieee fp32
-dots throughout.
+accumulate in fp32; the carried state and G stay fp32; the block inverse is computed in fp32 and
+rounded to the input dtype once (as U and W take it, and as the backward reads it: stored so, as
+flash-linear-attention's). fp32 inputs use ieee fp32 dots throughout.
 A batch of B equal-length rows runs as B packed sequences whose chunk spans the kernels compute;
 for variable lengths the chunk table is built on the device from cu_seqlens (no host sync).
 """
@@ -174,11 +175,12 @@ def _state_block(state0_ptr, cu_seqlens_ptr, first_chunk_ptr, seq_len, HAS_STATE
 
 @triton.jit
 def _load_inverse(t_ptr, t0, n, HV, i_hv, BT: tl.constexpr):
-    """A chunk's stored T = (I + A)^-1 (fp32 [BT, BT]); rows past n are identity rows, as inverted."""
+    """A chunk's stored T = (I + A)^-1 ([BT, BT], in the input dtype), in fp32; rows past n are
+    identity rows, as inverted."""
     rows = tl.arange(0, BT)
     row_ok = rows < n
     T = tl.load(t_ptr + ((t0 + rows) * HV + i_hv).to(tl.int64)[:, None] * BT + rows[None, :],
-                mask=row_ok[:, None], other=0.0)
+                mask=row_ok[:, None], other=0.0).to(tl.float32)
     return tl.where(row_ok[:, None], T, tl.where(rows[:, None] == rows[None, :], 1.0, 0.0))
 
 
@@ -193,7 +195,7 @@ def _chunk_prepare_kernel(
     """G, U, W, (unless LOAD_T) Aqk of one chunk and value head, and with L2NORM the chunk's
     normalised keys Kn [T, H, K] (by the first value head of each key head); with LOAD_T also
     Kd = K e^{G_C - G} [T, HV, K] for the backward recurrence. T = (I + A)^-1 is inverted
-    here and also stored (fp32) when STORE_T (a forward that autograd will take back); LOAD_T (the
+    here and also stored (in the input dtype) when STORE_T (a forward that autograd will take back); LOAD_T (the
     backward's recompute) reads that T instead and writes no Aqk (the forward's is kept). q, k and
     v rows are ``stride_*`` elements apart (heads dense within a row)."""
     i_c = tl.program_id(0)
@@ -226,11 +228,10 @@ def _chunk_prepare_kernel(
                      aqk.to(aqk_ptr.dtype.element_ty), mask=row_ok[:, None])
             # T = (I + A)^-1, A = strictly_lower(diag(beta) (K K^T * Gamma))
             A = tl.where(rows[:, None] > rows[None, :], beta[:, None] * _mm(k.to(dt), tl.trans(k.to(dt)), P) * gamma, 0.0)
-            T_fp32 = _invert_unit_lower(A, BT, SUB, P)
-            if STORE_T:
-                tl.store(t_ptr + ((t0 + rows) * HV + i_hv).to(tl.int64)[:, None] * BT + rows[None, :], T_fp32,
+            T = _invert_unit_lower(A, BT, SUB, P).to(dt)
+            if STORE_T:  # as U and W take it: rounded to the input dtype
+                tl.store(t_ptr + ((t0 + rows) * HV + i_hv).to(tl.int64)[:, None] * BT + rows[None, :], T,
                          mask=row_ok[:, None])
-            T = T_fp32.to(dt)
         # U = T diag(beta) V, W = T diag(beta e^G) K
         v = _load_rows(v_ptr, t0, n, stride_v, i_hv * V, V, BT, BV).to(tl.float32)
         _store_block(u_ptr, _mm(T, (v * beta[:, None]).to(dt), P), t0, n, HV * V, i_hv * V, V, BV, BT)
@@ -393,7 +394,7 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
     or T / seq_len sequences of ``seq_len`` tokens each. q, k, v may have any token stride (their
     heads dense: a wider projection's slices); g, beta contiguous. Returns (o, final or None,
     saved): with ``for_backward``, saved = (Aqk [T, HV, 64] in the input dtype, T = (I + A)^-1
-    [T, HV, 64] fp32) for ``chunk_gated_delta_rule_backward_kernels``, else None. With
+    [T, HV, 64] in the input dtype) for ``chunk_gated_delta_rule_backward_kernels``, else None. With
     ``state_indices`` [N], ``initial_state`` is the pool (``chunk_gated_delta_rule``) and final is
     it; ``out``: a contiguous [1, T, HV, V] buffer for o."""
     _, T, H, K = q.shape
@@ -419,7 +420,7 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
     w = torch.empty(T, HV, K, dtype=dt, device=device)
     keys, stride_keys = recurrence_keys(k, l2)
     aqk = torch.empty(T, HV, CHUNK, dtype=dt, device=device)
-    inverse = torch.empty(T, HV, CHUNK, dtype=torch.float32, device=device) if for_backward else G
+    inverse = torch.empty(T, HV, CHUNK, dtype=dt, device=device) if for_backward else G
     h = torch.empty(slots, HV, K, V, dtype=dt, device=device)  # the state at each chunk's start
     _chunk_prepare_kernel[(slots, HV)](
         q, k, v, g, beta, G, u, w, keys, G, aqk, inverse, start, length, seq_len, float(scale),

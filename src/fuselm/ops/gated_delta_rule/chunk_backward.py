@@ -47,10 +47,11 @@ Kernels, per backward call:
    kernel (1.1 GB at T = 16384, HV = 32); 4c replaces the torch head sum and cast.
 
 Saved by the forward: its inputs (q, k, v, g, beta, initial_state, cu_seqlens), Aqk ([T, HV, 64] in
-the input dtype) and T = (I + A)^-1 ([T, HV, 64] fp32, 256 B a token and value head: the forward's
-one inversion serves kernels 1 and 4b). Recomputed: G, U, W, the normalised keys, Kd and the
-chunk-start states h[c] and new values N (kernels 1 and 2; storing h[c] would hold N_chunks x HV x
-K x V values from the forward to the backward).
+the input dtype) and T = (I + A)^-1 ([T, HV, 64] in the input dtype, 128 B a token and value head in
+16 bits: the forward's one inversion serves kernels 1 and 4b; fp32 until session 22, when 16 bits
+took 37 us less of kernel time at T 16384 on the H100, NOTES.md 55). Recomputed: G, U, W, the
+normalised keys, Kd and the chunk-start states h[c] and new values N (kernels 1 and 2; storing h[c]
+would hold N_chunks x HV x K x V values from the forward to the backward).
 
 Measured (H200, triton 3.6, bf16, q/k [1, 16384, 16, 128], v [1, 16384, 32, 128], l2 norm, initial
 and final state): the single kernel this replaced took 9,807 us (8 warps: 255 registers, 772 B of
@@ -64,12 +65,12 @@ still spill: a test path. flash-linear-attention's kernels for the same work, as
 this shape: chunk_bwd_kernel_dqkwg 982 us, prepare_wy_repr_bwd 519 us (it reads the forward's T
 rather than inverting again, and its l2 norm backward is a separate kernel).
 
-Numerics as the forward: products take operands in the input dtype (h, dh, N, dN and the
-gradient matrices dP, dB rounded to it) with fp32 accumulation; dS, G, T, dA and all per-token
-reductions stay fp32; fp32 inputs use ieee fp32 dots. The l2 norm of q and k
-(``use_qk_l2norm_in_kernel``) is applied in the kernels (as in the forward) and differentiated
-in kernel 4c: for y = x rsqrt(|x|^2 + 1e-6), dx = rsqrt(|x|^2 + 1e-6) (dy - y <y, dy>), applied
-once to the sum over the value heads sharing a key head (it is linear in dy).
+Numerics as the forward: products take operands in the input dtype (h, dh, N, dN and the gradient
+matrices dP, dB rounded to it) with fp32 accumulation; dS, G, dA and all per-token reductions stay
+fp32 (T is used in fp32 as stored, in the input dtype); fp32 inputs use ieee fp32 dots. The l2 norm
+of q and k (``use_qk_l2norm_in_kernel``) is applied in the kernels (as in the forward) and
+differentiated in kernel 4c: for y = x rsqrt(|x|^2 + 1e-6), dx = rsqrt(|x|^2 + 1e-6) (dy - y <y,
+dy>), applied once to the sum over the value heads sharing a key head (it is linear in dy).
 """
 
 from __future__ import annotations
