@@ -8,6 +8,7 @@ from fuselm import Activation, SwiGLUMLP, gemm_swiglu, interleave_gate_up, swigl
 from fuselm.ops.common.activation import gate_factor_ref, up_factor_ref
 from fuselm.ops.swiglu_mlp import gemm_swiglu_forward, gemm_swiglu_ref, swiglu_mlp_forward, swiglu_mlp_ref
 from fuselm.testing import assert_close, poisoned_like
+from fuselm.runtime import use_triton
 
 ACTIVATIONS = [Activation(), Activation.swiglu_limit(1.5), Activation.swiglu_oai(limit=1.5, alpha=1.702)]
 ACT_IDS = ["silu", "limit", "oai"]
@@ -54,20 +55,27 @@ def test_gemm_swiglu_and_mlp_forward(m, dtype, act):
 
 @pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_gemm_beyond_the_cublas_rows(monkeypatch, dtype, act):
-    """Past CUBLAS_SWIGLU_MAX_M rows the forward is the fused GEMM kernel (lowered here so that
-    small shapes take it): the same results as the cuBLAS + SwiGLU-pairs path below it."""
+def test_forward_in_row_slices_and_the_fused_kernel(monkeypatch, dtype, act):
+    """The forward's cuBLAS + SwiGLU-pairs path in slices of CUBLAS_SWIGLU_ROWS rows (lowered here:
+    45 rows in 16, 16, 13) gives what one product gives; the fused GEMM kernel (the backward's, and
+    the forward the MLP work times against it) gives the same results."""
     import fuselm.ops.swiglu_mlp.op as swiglu_op
+    from fuselm.ops.swiglu_mlp.kernels import gemm_swiglu_kernel
 
     x = randn(45, D, dtype=dtype)
     w13, w2 = weights(dtype)
-    below = gemm_swiglu_forward(x, w13, act)
-    monkeypatch.setattr(swiglu_op, "CUBLAS_SWIGLU_MAX_M", 40)
+    whole = gemm_swiglu_forward(x, w13, act)
+    monkeypatch.setattr(swiglu_op, "CUBLAS_SWIGLU_ROWS", 16)
     h = gemm_swiglu_forward(x, w13, act, out=poisoned_like(torch.empty(45, F, dtype=dtype, device=DEVICE)))
     assert not h.isnan().any(), "an element of h was not written"
+    assert torch.equal(h, whole), "row slices differ from one product"
     assert_close(h, exact_h(x, w13, act, dtype), TOL[dtype], "h")
     assert_close(h, gemm_swiglu_ref(x, w13, act), CONTRACT_TOL[dtype], "h vs contract")
-    assert_close(h, below, CONTRACT_TOL[dtype], "fused vs cuBLAS + pairs")
+    if use_triton(x):
+        fused = gemm_swiglu_kernel(x, w13, act, poisoned_like(h))
+        assert not fused.isnan().any(), "an element of the fused kernel's h was not written"
+        assert_close(fused, exact_h(x, w13, act, dtype), TOL[dtype], "fused h")
+        assert_close(fused, whole, CONTRACT_TOL[dtype], "fused vs cuBLAS + pairs")
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)

@@ -4,20 +4,17 @@ checks, the compute paths, autograd (eager) and ``torch.library`` ops (compile),
 Paths by token count M (rows of x):
 - M <= 32 (decode, ``DECODE_MAX_M``): ``_decode_gemv_kernel`` streams the gate/up weight once with
   SwiGLU in its epilogue, then the down weight once: two launches for the whole MLP.
-- 32 < M <= CUBLAS_SWIGLU_MAX_M (a server's mixed steps, prompt chunks): ``torch.mm`` (cuBLAS)
-  for the [M, 2F] gate/up product with the interleaved weight (G, U rounded to the dtype: the
+- M > 32 (a server's mixed steps, prompt chunks, prefill, training): ``torch.mm`` (cuBLAS) for
+  the [M, 2F] gate/up product with the interleaved weight (G, U rounded to the dtype: the
   contract's roundings), then SwiGLU over its (G, U) column pairs in one elementwise kernel
-  (``swiglu_pairs_forward_kernel``). Measured on the H100 (mlp_small_m.md, 9B shape): cuBLAS +
-  SwiGLU 0.099 ms at M=256 against 0.112-0.125 for the fused kernel's tiles, 0.122 vs 0.160 at
-  384, 0.159 vs 0.172 at 512; equal at 128 (mlp.md, Llama shape: 0.373 vs 0.407 at 1024, 1.61
-  vs 1.69 at 4096); that table times cuBLAS on the gate-then-up weight and contiguous halves, the
-  shipped path (interleaved w13, column pairs) was measured inside the 9B mixed step
-  (mixed_step.md: gate/up 3.82 -> ~3.0 ms over 32 layers at 255 rows: 2.7 GEMM + 0.32 SwiGLU).
-  The [M, 2F] temporary is at most CUBLAS_SWIGLU_MAX_M x 2F. fp32 follows torch's matmul
-  settings here (ieee unless TF32 is allowed), as the fused kernel's ieee dots.
-- M > CUBLAS_SWIGLU_MAX_M (long prefill, training): ``_gemm_swiglu_kernel`` (tensor cores, fp32
-  accumulators, SwiGLU epilogue, no [M, 2F] intermediate), then the down GEMM through
-  ``torch.mm`` (cuBLAS).
+  (``swiglu_pairs_forward_kernel``), CUBLAS_SWIGLU_ROWS rows at a time (the [rows, 2F]
+  temporary: 403 MB at the 9B shape). Measured on the H100, 9B shape (D 4096, 2F 24576, ms):
+  against the fused ``_gemm_swiglu_kernel`` (tensor cores, SwiGLU epilogue, no temporary)
+  0.637 vs 0.623 at M = 2048, 1.30 vs 1.42 at 4096, 2.48 vs 2.80 at 8192, 4.98 vs 6.50 at 16384
+  in 8192-row slices (5.25 in one); prefill 32 x 512 390 vs 400 ms (benchmarks/NOTES.md 56);
+  at M = 256 0.099 against 0.112-0.125 for the fused kernel's tiles (mlp_small_m.md). The fused
+  kernel stays for the backward (below) and for the work on beating this path (issue 18).
+  fp32 follows torch's matmul settings here (ieee unless TF32 is allowed).
 - Backward: the GEMM kernel recomputes G and U and writes dG, dU (and h for the down weight's
   gradient); only x and the weights are saved. dx and the weight gradients are cuBLAS GEMMs.
 """
@@ -34,9 +31,9 @@ from fuselm.ops.swiglu_mlp.kernels import decode_gemv_kernel, gemm_swiglu_kernel
 from fuselm.ops.swiglu_mlp.naive import gemm_swiglu_backward_ref, gemm_swiglu_ref
 from fuselm.runtime import as_rows, check_out, check_same_device, check_tensor, needs_autograd, use_triton
 
-# Rows up to which the forward is cuBLAS + the pairs' SwiGLU (faster on the H100 at every M
-# measured; the fused kernel beyond keeps the [M, 2F] product out of memory).
-CUBLAS_SWIGLU_MAX_M = 2048
+# Rows of x per cuBLAS gate/up product in the forward (bounds its [rows, 2F] temporary; the H100
+# took 4.98 ms at M = 16384 in 8192-row slices against 5.25 in one, 9B shape).
+CUBLAS_SWIGLU_ROWS = 8192
 
 
 # ----------------------------------------------------------------------------- weight layout
@@ -112,9 +109,10 @@ def _gemm_swiglu(x: torch.Tensor, w13: torch.Tensor, act: Activation, out: torch
         return out
     if x.shape[0] <= DECODE_MAX_M:
         return decode_gemv_kernel(x, w13, out, act)
-    if x.shape[0] <= CUBLAS_SWIGLU_MAX_M:
-        return swiglu_pairs_forward_kernel(torch.mm(x, w13.T), out, act)
-    return gemm_swiglu_kernel(x, w13, act, out)
+    for s in range(0, x.shape[0], CUBLAS_SWIGLU_ROWS):
+        rows = slice(s, s + CUBLAS_SWIGLU_ROWS)
+        swiglu_pairs_forward_kernel(torch.mm(x[rows], w13.T), out[rows], act)
+    return out
 
 
 def _swiglu_mlp(x, w13, w2, act: Activation, out: torch.Tensor) -> torch.Tensor:
