@@ -11,7 +11,7 @@ Paths by token count M (rows of x):
   temporary: 403 MB at the 9B shape). Measured on the H100, 9B shape (D 4096, 2F 24576, ms):
   against the fused ``_gemm_swiglu_kernel`` (tensor cores, SwiGLU epilogue, no temporary)
   0.637 vs 0.623 at M = 2048, 1.30 vs 1.42 at 4096, 2.48 vs 2.80 at 8192, 4.98 vs 6.50 at 16384
-  in 8192-row slices (5.25 in one); prefill 32 x 512 390 vs 400 ms (benchmarks/NOTES.md 56);
+  in 8192-row slices (5.25 in one); prefill 32 x 512 408 -> 388 ms (benchmarks/NOTES.md 56);
   at M = 256 0.099 against 0.112-0.125 for the fused kernel's tiles (mlp_small_m.md). The fused
   kernel stays for the backward (below) and for the work on beating this path (issue 18).
   fp32 follows torch's matmul settings here (ieee unless TF32 is allowed).
