@@ -57,8 +57,9 @@ def test_gemm_swiglu_and_mlp_forward(m, dtype, act):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_in_row_slices_and_the_fused_kernel(monkeypatch, dtype, act):
     """The forward's cuBLAS + SwiGLU-pairs path in slices of CUBLAS_SWIGLU_ROWS rows (lowered here:
-    45 rows in 16, 16, 13) gives what one product gives; the fused GEMM kernel (the backward's, and
-    the forward the MLP work times against it) gives the same results."""
+    45 rows in 16, 16, 13) gives what one product gives (to the contract: a BLAS may block
+    differently by row count); the fused GEMM kernel (the backward's, and the forward the MLP
+    work times against it) gives the same results."""
     import fuselm.ops.swiglu_mlp.op as swiglu_op
     from fuselm.ops.swiglu_mlp.kernels import gemm_swiglu_kernel
 
@@ -68,7 +69,7 @@ def test_forward_in_row_slices_and_the_fused_kernel(monkeypatch, dtype, act):
     monkeypatch.setattr(swiglu_op, "CUBLAS_SWIGLU_ROWS", 16)
     h = gemm_swiglu_forward(x, w13, act, out=poisoned_like(torch.empty(45, F, dtype=dtype, device=DEVICE)))
     assert not h.isnan().any(), "an element of h was not written"
-    assert torch.equal(h, whole), "row slices differ from one product"
+    assert_close(h, whole, CONTRACT_TOL[dtype], "row slices vs one product")  # a BLAS may block by M
     assert_close(h, exact_h(x, w13, act, dtype), TOL[dtype], "h")
     assert_close(h, gemm_swiglu_ref(x, w13, act), CONTRACT_TOL[dtype], "h vs contract")
     if use_triton(x):
