@@ -258,7 +258,7 @@ def main(argv=None) -> int:
     scale = K ** -0.5
     rows = {}
 
-    inverse = torch.empty(T, HV, BT, dtype=torch.float32, device="cuda")
+    inverse = torch.empty(T, HV, BT, dtype=DT, device="cuda")  # T as the forward stores it: the input dtype
 
     def prepare(warps, store=False, load=False):
         chunk._chunk_prepare_kernel[(slots, HV)](
