@@ -438,7 +438,8 @@ def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, saved, scale, init
         EQUAL=equal, num_warps=DQKW_WARPS, num_stages=DQKW_STAGES,
     )
     dv = torch.empty(T, HV, V, dtype=v.dtype, device=device)
-    dg, dbeta = (torch.empty(T, HV, dtype=torch.float32, device=device) for _ in range(2))
+    # summed in fp32 in the kernel, stored in the leaves' dtypes (the one rounding)
+    dg, dbeta = torch.empty(T, HV, dtype=g.dtype, device=device), torch.empty(T, HV, dtype=beta.dtype, device=device)
     _chunk_bwd_wy_kernel[(slots, HV)](
         k, v, g, beta, inverse, dn, dw, dk, dv, dgp, dg, dbeta, start, length, seq_len, T,
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=min(WY_BLOCK_K, BK), BV=min(WY_BLOCK_V[dt], BV_full), NKP=NK,
@@ -449,7 +450,7 @@ def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, saved, scale, init
         _head_sum_l2_bwd_kernel[(cdiv(T, HEAD_SUM_TOKENS), H)](
             x, dx_h, dx, T, H=H, HV=HV, K=K, BT=HEAD_SUM_TOKENS, BK=BK, L2NORM=l2, num_warps=4)
     dq, dk = dq_out, dk_out
-    return dq, dk, dv.view(v.shape), dg.view(g.shape).to(g.dtype), dbeta.view(beta.shape).to(beta.dtype), dh0
+    return dq, dk, dv.view(v.shape), dg.view(g.shape), dbeta.view(beta.shape), dh0
 
 
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
