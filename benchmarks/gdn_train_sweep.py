@@ -112,7 +112,7 @@ def _store_sub_block(t_ptr, X, t0, i, j, n, HV, i_hv, BT: tl.constexpr):
 def _inverse_blocks_kernel(k_ptr, g_ptr, beta_ptr, t_ptr, seq_len, H: tl.constexpr, HV: tl.constexpr,
                            K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, P: tl.constexpr):
     """T = (I + A)^-1 of one chunk and value head in 16-row blocks (session 21's candidate for the
-    prepare's inversion, NOTES.md 53): the ten lower blocks of K K^T from the raw keys (the l2 norm
+    prepare's inversion, NOTES.md 54): the ten lower blocks of K K^T from the raw keys (the l2 norm
     applied to the products, r_i r_j k_i.k_j), BK key columns a step; the diagonal blocks inverted
     by products of powers (ieee); the rest by block forward substitution, T_ij = -T_ii sum_{j<=m<i}
     A_im T_mj (P dots); stored fp32 in the library's [T, HV, BT] layout (upper blocks zero). G per

@@ -86,7 +86,7 @@ def main() -> None:
             num_warps=chunk.PREPARE_WARPS))
     sig = {"k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16", "t_ptr": "*bf16", "dn_ptr": "*bf16",
            "dw_ptr": "*bf16", "dk_ptr": "*fp32", "dv_ptr": "*bf16", "dgp_ptr": "*fp32", "dg_ptr": "*fp32",
-           "dbeta_ptr": "*fp32", "chunk_start_ptr": "*i64", "chunk_len_ptr": "*i32", "seq_len": "i32", "T_total": "i32"}
+           "dbeta_ptr": "*bf16", "chunk_start_ptr": "*i64", "chunk_len_ptr": "*i32", "seq_len": "i32", "T_total": "i32"}
     sig |= constexpr("H", "HV", "K", "V", "BT", "BK", "BV", "NKP", "L2NORM", "P", "EQUAL")
     print("GDN _chunk_bwd_wy_kernel:", usage(
         chunk_backward._chunk_bwd_wy_kernel, sig,

@@ -194,10 +194,10 @@ def _chunk_prepare_kernel(
 ):
     """G, U, W, (unless LOAD_T) Aqk of one chunk and value head, and with L2NORM the chunk's
     normalised keys Kn [T, H, K] (by the first value head of each key head); with LOAD_T also
-    Kd = K e^{G_C - G} [T, HV, K] for the backward recurrence. T = (I + A)^-1 is inverted
-    here and also stored (in the input dtype) when STORE_T (a forward that autograd will take back); LOAD_T (the
-    backward's recompute) reads that T instead and writes no Aqk (the forward's is kept). q, k and
-    v rows are ``stride_*`` elements apart (heads dense within a row)."""
+    Kd = K e^{G_C - G} [T, HV, K] for the backward recurrence. T = (I + A)^-1 is inverted here
+    and also stored (in the input dtype) when STORE_T (a forward that autograd will take back);
+    LOAD_T (the backward's recompute) reads that T instead and writes no Aqk (the forward's is
+    kept). q, k and v rows are ``stride_*`` elements apart (heads dense within a row)."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
