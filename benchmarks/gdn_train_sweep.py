@@ -262,7 +262,7 @@ def main(argv=None) -> int:
 
     def prepare(warps, store=False, load=False):
         chunk._chunk_prepare_kernel[(slots, HV)](
-            q, k, v, g, beta, G, u, w, keys, kd, aqk, inverse, q, q, T, scale, q.stride(1), k.stride(1), v.stride(1),
+            q, k, v, g, beta, G, u, w, keys, kd, aqk, inverse, h, q, q, T, scale, q.stride(1), k.stride(1), v.stride(1),
             H=H, HV=HV, K=K, V=V, BT=BT, SUB=chunk.SUB,
             BK=128, BV=128, L2NORM=True, P="tf32", EQUAL=True, STORE_T=store, LOAD_T=load,
             num_warps=warps)

@@ -72,10 +72,9 @@ def main() -> None:
         dict(HAS_DRES=True, ZERO_CENTERED=True, BLOCK_N=1024), num_warps=4))
     gdn = dict(H=16, HV=32, K=128, V=128, BT=chunk.CHUNK)
     names = ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "G_ptr", "u_ptr", "w_ptr", "kn_ptr", "kd_ptr", "aqk_ptr",
-             "t_ptr", "chunk_start_ptr", "chunk_len_ptr")
+             "t_ptr", "h_ptr", "chunk_start_ptr", "chunk_len_ptr")
     types = ("*bf16", "*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16",
-             "*i64",
-             "*i32")
+             "*bf16", "*i64", "*i32")
     sig = dict(zip(names, types)) | {"seq_len": "i32", "scale": "fp32", "stride_q": "i32", "stride_k": "i32",
                                      "stride_v": "i32"} | constexpr(
         "H", "HV", "K", "V", "BT", "SUB", "BK", "BV", "L2NORM", "P", "EQUAL", "STORE_T", "LOAD_T")

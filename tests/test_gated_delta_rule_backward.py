@@ -171,7 +171,7 @@ def test_kernel_gradients_bf16_model_shape():
 @pytest.mark.parametrize("dtype, B, T, H, HV", [(torch.float16, 3, 1024, 4, 4), (torch.bfloat16, 1, 4096, 16, 32)])
 def test_kernel_gradients_are_deterministic(dtype, B, T, H, HV):
     """Two backward passes on the same inputs give bitwise-equal gradients (K = V = 128: kernel
-    4a's loop over V, pipelined 3 deep, once wrote dW differently from run to run)."""
+    3a's loop over V, pipelined 3 deep, once wrote dW differently from run to run)."""
     args = [t if t is None else t.to(DEVICE) for t in inputs(B, T, H, HV, 128, 128)]
     args[:3] = [t.to(dtype) for t in args[:3]]
     do, dht = torch.randn(B, T, HV, 128, device=DEVICE, dtype=dtype), torch.randn(B, HV, 128, 128, device=DEVICE)

@@ -186,18 +186,20 @@ def _load_inverse(t_ptr, t0, n, HV, i_hv, BT: tl.constexpr):
 
 @triton.jit
 def _chunk_prepare_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, G_ptr, u_ptr, w_ptr, kn_ptr, kd_ptr, aqk_ptr, t_ptr, chunk_start_ptr,
-    chunk_len_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, G_ptr, u_ptr, w_ptr, kn_ptr, kd_ptr, aqk_ptr, t_ptr, h_ptr,
+    chunk_start_ptr, chunk_len_ptr,
     seq_len, scale, stride_q, stride_k, stride_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, P: tl.constexpr,
     EQUAL: tl.constexpr, STORE_T: tl.constexpr, LOAD_T: tl.constexpr,
 ):
-    """G, U, W, (unless LOAD_T) Aqk of one chunk and value head, and with L2NORM the chunk's
-    normalised keys Kn [T, H, K] (by the first value head of each key head); with LOAD_T also
-    Kd = K e^{G_C - G} [T, HV, K] for the backward recurrence. T = (I + A)^-1 is inverted here
-    and also stored (in the input dtype) when STORE_T (a forward that autograd will take back);
-    LOAD_T (the backward's recompute) reads that T instead and writes no Aqk (the forward's is
-    kept). q, k and v rows are ``stride_*`` elements apart (heads dense within a row)."""
+    """G, U, W and Aqk of one chunk and value head, and with L2NORM the chunk's normalised keys
+    Kn [T, H, K] (by the first value head of each key head). T = (I + A)^-1 is inverted here and
+    also stored (in the input dtype) when STORE_T (a forward that autograd will take back).
+    LOAD_T (the backward's recompute) reads that T and the forward's chunk-start states h[c]
+    instead, and writes G, W, Kd = K e^{G_C - G} [T, HV, K] for the backward recurrence and, in
+    U's place, the new values N = U - W h[c] (as the forward recurrence computes them: U and W
+    rounded to the input dtype first); no Aqk (the forward's is kept) and no Kn. q, k and v rows
+    are ``stride_*`` elements apart (heads dense within a row)."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -209,8 +211,8 @@ def _chunk_prepare_kernel(
         G = tl.cumsum(_load_vec(g_ptr, t0, n, HV, i_hv, BT), axis=0)
         tl.store(G_ptr + (t0 + rows) * HV + i_hv, G, mask=row_ok)
         k = _load_keys(k_ptr, t0, n, stride_k, i_h * K, K, BT, BK, L2NORM)
-        if L2NORM:
-            if i_hv % (HV // H) == 0:  # the keys as the recurrences read them
+        if L2NORM and not LOAD_T:
+            if i_hv % (HV // H) == 0:  # the keys as the forward recurrence reads them
                 _store_block(kn_ptr, k, t0, n, H * K, i_h * K, K, BK, BT)
         beta = _load_vec(beta_ptr, t0, n, HV, i_hv, BT)
         if LOAD_T:
@@ -233,9 +235,17 @@ def _chunk_prepare_kernel(
                 tl.store(t_ptr + ((t0 + rows) * HV + i_hv).to(tl.int64)[:, None] * BT + rows[None, :], T,
                          mask=row_ok[:, None])
         # U = T diag(beta) V, W = T diag(beta e^G) K
+        w = _mm(T, (k * (beta * tl.exp(G))[:, None]).to(dt), P).to(dt)
+        _store_block(w_ptr, w, t0, n, HV * K, i_hv * K, K, BK, BT)
         v = _load_rows(v_ptr, t0, n, stride_v, i_hv * V, V, BT, BV).to(tl.float32)
-        _store_block(u_ptr, _mm(T, (v * beta[:, None]).to(dt), P), t0, n, HV * V, i_hv * V, V, BV, BT)
-        _store_block(w_ptr, _mm(T, (k * (beta * tl.exp(G))[:, None]).to(dt), P), t0, n, HV * K, i_hv * K, K, BK, BT)
+        u = _mm(T, (v * beta[:, None]).to(dt), P)
+        if LOAD_T:  # N = U - W h[c]
+            ck = tl.arange(0, BK)
+            cv = tl.arange(0, BV)
+            h = tl.load(h_ptr + (i_c * HV + i_hv).to(tl.int64) * K * V + ck[:, None] * V + cv[None, :],
+                        mask=(ck < K)[:, None] & (cv < V)[None, :], other=0.0)
+            u = u.to(dt).to(tl.float32) - _mm(w, h, P)
+        _store_block(u_ptr, u, t0, n, HV * V, i_hv * V, V, BV, BT)
 
 
 @triton.jit
@@ -393,8 +403,9 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
     """The three kernels on packed inputs q [1, T, H, K] ...: N sequences given by ``cu_seqlens``,
     or T / seq_len sequences of ``seq_len`` tokens each. q, k, v may have any token stride (their
     heads dense: a wider projection's slices); g, beta contiguous. Returns (o, final or None,
-    saved): with ``for_backward``, saved = (Aqk [T, HV, 64] in the input dtype, T = (I + A)^-1
-    [T, HV, 64] in the input dtype) for ``chunk_gated_delta_rule_backward_kernels``, else None. With
+    saved): with ``for_backward``, saved = (Aqk [T, HV, 64], T = (I + A)^-1 [T, HV, 64], the chunk-start
+    states h [slots, HV, K, V], all in the input dtype) for ``chunk_gated_delta_rule_backward_kernels``,
+    else None. With
     ``state_indices`` [N], ``initial_state`` is the pool (``chunk_gated_delta_rule``) and final is
     it; ``out``: a contiguous [1, T, HV, V] buffer for o."""
     _, T, H, K = q.shape
@@ -423,7 +434,7 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
     inverse = torch.empty(T, HV, CHUNK, dtype=dt, device=device) if for_backward else G
     h = torch.empty(slots, HV, K, V, dtype=dt, device=device)  # the state at each chunk's start
     _chunk_prepare_kernel[(slots, HV)](
-        q, k, v, g, beta, G, u, w, keys, G, aqk, inverse, start, length, seq_len, float(scale),
+        q, k, v, g, beta, G, u, w, keys, G, aqk, inverse, G, start, length, seq_len, float(scale),
         q.stride(1), k.stride(1), v.stride(1), H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=BK, BV=BV_full,
         L2NORM=l2, P=precision, EQUAL=equal,
         STORE_T=for_backward, LOAD_T=False, num_warps=PREPARE_WARPS,
@@ -451,7 +462,7 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=out_v, L2NORM=l2, P=precision, EQUAL=equal,
         num_warps=OUTPUT_WARPS,
     )
-    return o, final, ((aqk, inverse) if for_backward else None)
+    return o, final, ((aqk, inverse, h) if for_backward else None)
 
 
 FLA_CHUNK_SIZES = (16, 32, 64)  # flash-linear-attention's chunk_size choices (fuselm computes in 64-token chunks)

@@ -13,52 +13,53 @@ pair by pair, dg_t = sum_{i >= t} x_i + e^{G_C} <dS1, S0> + sum_{i < t} r_i + su
 (``chunk_backward_naive.py``), so that no O(1) terms cancel into a tiny dg under strong decay.
 
 Kernels, per backward call:
-1. ``_chunk_prepare_kernel`` (the forward's, LOAD_T): G, U, W, the normalised keys and Kd from the
-   forward's stored T (no K K^T, no inversion, no Aqk: the forward's is kept).
-2. ``_chunk_recurrence_kernel`` (the forward's, re-run): the chunk-start states h[c] and N.
-3. ``_chunk_bwd_recurrence_kernel``, one program per (sequence, value head, BV value columns): the
+1. ``_chunk_prepare_kernel`` (the forward's, LOAD_T): G, W, Kd and the new values N = U - W h[c]
+   from the forward's stored T and chunk-start states h (no K K^T, no inversion, no Aqk: the
+   forward's is kept; no sequential pass: every chunk's N at once).
+2. ``_chunk_bwd_recurrence_kernel``, one program per (sequence, value head, BV value columns): the
    only sequential part, walking the chunks in reverse with dS [K, BV] (fp32) on chip. Per chunk
    two dependent dots (Kd dS, then W^T dN) and two that do not depend on dS (Aqk^T dO, Qg^T dO);
    writes dh[c] = dS1 (the gradient of chunk c's end state) and dN; and d(initial_state).
-4. Every chunk's gradients, all chunks in parallel, in three kernels (the split of
+3. Every chunk's gradients, all chunks in parallel, in three kernels (the split of
    flash-linear-attention's chunk_bwd_kernel_dqkwg and prepare_wy_repr_bwd), so that no kernel
    holds more than a few [BT, BK] and [BT, BT] fp32 tiles:
    a. ``_chunk_bwd_dqkw_kernel``, one program per (chunk, BK = 64 key columns, value head): loads
       h[c], dh[c], N, dN, dO BV value columns at a time and accumulates dQg, dKd, dW (-dN S0^T)
       and dAqk; with G, Gamma and its columns of q and k (l2-normalised over the whole rows) it
       writes dq (fp32, per value head, complete but for the l2 norm), dk's terms dP^T Q +
-      diag(e^{G_C - G}) dKd (fp32), dW (input dtype: the products of 4b take it so) and its
+      diag(e^{G_C - G}) dKd (fp32), dW (input dtype: the products of 3b take it so) and its
       key columns' part of dg (fp32, [NK, T, HV]). dAqk (over all of V) is computed by each of
       the NK = K / 64 programs of a chunk.
    b. ``_chunk_bwd_wy_kernel``, one program per (chunk, value head): reads the forward's
       T = (I + A)^-1, then loops over V (dT = dN Vb^T, dv = diag(beta) T^T dN), over K (dT +=
       dW Kb^T, and K K^T), finishes what needs dA and K K^T (dbeta's and dg's terms through A),
-      and loops over K again (dk += diag(beta e^G) T^T dW + (dB + dB^T) K, added in place to 4a's
-      part); writes dv, dbeta, and dg = 4a's parts + the terms through Kb and A. Only [BT, BT]
+      and loops over K again (dk += diag(beta e^G) T^T dW + (dB + dB^T) K, added in place to 3a's
+      part); writes dv, dbeta, and dg = 3a's parts + the terms through Kb and A. Only [BT, BT]
       tiles live across its loops.
    c. ``_head_sum_l2_bwd_kernel``, one program per (32 tokens, key head): dq and dk summed over
       the value heads sharing the key head, the l2 norm's backward, cast to the input dtype.
    Global intermediates between them, per token and value head at K = V = 128 in bf16 (beyond
    what the single kernel this replaces wrote: dq and dk fp32 per value head, 512 B each): dW
-   256 B written and read twice by 4b (the second read likely from L2), dk's part read and
-   rewritten by 4b (+1,024 B), 2 x 4 B of dg parts written and read; 4b re-reads k and dN
-   (+512 B) and 4a reads dO, N, dN once per key block (+768 B with NK = 2, the second read of
+   256 B written and read twice by 3b (the second read likely from L2), dk's part read and
+   rewritten by 3b (+1,024 B), 2 x 4 B of dg parts written and read; 3b re-reads k and dN
+   (+512 B) and 3a reads dO, N, dN once per key block (+768 B with NK = 2, the second read of
    adjacent programs likely from L2). About 2 KB a token-head of DRAM traffic beyond the single
-   kernel (1.1 GB at T = 16384, HV = 32); 4c replaces the torch head sum and cast.
+   kernel (1.1 GB at T = 16384, HV = 32); 3c replaces the torch head sum and cast.
 
 Saved by the forward: its inputs (q, k, v, g, beta, initial_state, cu_seqlens), Aqk ([T, HV, 64] in
 the input dtype) and T = (I + A)^-1 ([T, HV, 64] in the input dtype, 128 B a token and value head in
-16 bits: the forward's one inversion serves kernels 1 and 4b; fp32 until session 22, when 16 bits
-took 37 us less of kernel time at T 16384 on the H100, NOTES.md 55). Recomputed: G, U, W, the
-normalised keys, Kd and the chunk-start states h[c] and new values N (kernels 1 and 2; storing h[c]
-would hold N_chunks x HV x K x V values from the forward to the backward).
+16 bits: the forward's one inversion serves kernels 1 and 3b; fp32 until session 22, when 16 bits
+took 37 us less of kernel time at T 16384 on the H100, NOTES.md 55) and the chunk-start states h
+([chunks, HV, K, V] in the input dtype, 512 B a token and value head at K = V = 128: the buffer the
+forward's output kernel reads, kept so that the backward needs no sequential pass to remake it,
+NOTES.md 58). Recomputed (kernel 1): G, U, W, Kd and the new values N, all chunks at once.
 
 Measured (H200, triton 3.6, bf16, q/k [1, 16384, 16, 128], v [1, 16384, 32, 128], l2 norm, initial
 and final state): the single kernel this replaced took 9,807 us (8 warps: 255 registers, 772 B of
-local memory a thread, 216 KiB of shared memory) plus 388 us of torch head sums and casts; 4a
-984 us, 4b 1,195 us, 4c 200 us (two launches), the whole backward 12.49 -> 4.69 ms. At 4 warps
-(the default: 8 warps measured 4a 1,476 us, 4b 2,359 us) 4a has 255 registers and 8 B of local
-memory, 104 KiB shared; 4b 255 registers and 72 B, 72 KiB; 4c 72 registers. The products of
+local memory a thread, 216 KiB of shared memory) plus 388 us of torch head sums and casts; 3a
+984 us, 3b 1,195 us, 3c 200 us (two launches), the whole backward 12.49 -> 4.69 ms. At 4 warps
+(the default: 8 warps measured 3a 1,476 us, 3b 2,359 us) 3a has 255 registers and 8 B of local
+memory, 104 KiB shared; 3b 255 registers and 72 B, 72 KiB; 3c 72 registers. The products of
 M = dAqk * Aqk and dA * A with the strictly upper ones (sum_{j < t} M_ij), fp32 FMA dots of about
 100 registers a thread, are scans (``_pairs_across``). fp32 inputs (ieee dots, lowered to FMAs)
 still spill: a test path. flash-linear-attention's kernels for the same work, as profiled at
@@ -69,7 +70,7 @@ Numerics as the forward: products take operands in the input dtype (h, dh, N, dN
 matrices dP, dB rounded to it) with fp32 accumulation; dS, G, dA and all per-token reductions stay
 fp32 (T is used in fp32 as stored, in the input dtype); fp32 inputs use ieee fp32 dots. The l2 norm
 of q and k (``use_qk_l2norm_in_kernel``) is applied in the kernels (as in the forward) and
-differentiated in kernel 4c: for y = x rsqrt(|x|^2 + 1e-6), dx = rsqrt(|x|^2 + 1e-6) (dy - y <y,
+differentiated in kernel 3c: for y = x rsqrt(|x|^2 + 1e-6), dx = rsqrt(|x|^2 + 1e-6) (dy - y <y,
 dy>), applied once to the sum over the value heads sharing a key head (it is linear in dy).
 """
 
@@ -80,21 +81,21 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.gated_delta_rule.chunk import (
-    CHUNK, PREPARE_WARPS, RECURRENCE_STAGES, RECURRENCE_WARPS, SUB, _chunk_prepare_kernel,
-    _chunk_recurrence_kernel, _chunk_span, _load_inverse, _load_keys, _load_rows, _load_vec, _mm, _state_block,
-    _store_block, chunk_gated_delta_rule_kernels, chunk_table, recurrence_geometry, recurrence_keys,
+    CHUNK, PREPARE_WARPS, RECURRENCE_STAGES, RECURRENCE_WARPS, SUB, _chunk_prepare_kernel, _chunk_span,
+    _load_inverse, _load_keys, _load_rows, _load_vec, _mm, _state_block, _store_block,
+    chunk_gated_delta_rule_kernels, chunk_table, recurrence_geometry,
 )
 from fuselm.runtime import cdiv, max_shared_memory, next_power_of_2
 
-# Kernel 4a/4b geometry: key columns per program (4a) or per step of the loops over K (4b), value
+# Kernel 3a/3b geometry: key columns per program (3a) or per step of the loops over K (3b), value
 # columns per step of the loops over V; they bound the live tiles. Shared memory at K = V = 128,
-# 3 stages: 16-bit inputs 4a 104 KiB, 4b 72 KiB (H200 launch); fp32 with 32 value columns 4a
-# 80 KiB, 4b 112 KiB (sm_90 build by triton.compile without a GPU; under an A100's 164 KiB too).
-# Warps: 4 for both (H200, bf16: 4a 984 us vs 1,476 at 8, 4b 1,195 vs 2,359; module docstring).
+# 3 stages: 16-bit inputs 3a 104 KiB, 3b 72 KiB (H200 launch); fp32 with 32 value columns 3a
+# 80 KiB, 3b 112 KiB (sm_90 build by triton.compile without a GPU; under an A100's 164 KiB too).
+# Warps: 4 for both (H200, bf16: 3a 984 us vs 1,476 at 8, 3b 1,195 vs 2,359; module docstring).
 DQKW_BLOCK_K = 64
 DQKW_BLOCK_V = {torch.float16: 64, torch.bfloat16: 64, torch.float32: 32}
 DQKW_WARPS = 4
-# 4a's loop over V pipelined 3 deep (triton's default) wrote dW differently from run to run once it
+# 3a's loop over V pipelined 3 deep (triton's default) wrote dW differently from run to run once it
 # had two or more steps (V > 64; triton 3.6, H200: entries off by up to ~1 in bf16 and fp16 at
 # K = V = 128, dq and dk unaffected; FLA's test_chunk_state_v_first caught it comparing two calls).
 # 2 stages: identical runs, 924 us against 886 at T 16384, HV 32 (1 stage: 1,031).
@@ -192,7 +193,7 @@ def _chunk_bwd_dqkw_kernel(
     V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr, L2NORM: tl.constexpr,
     P: tl.constexpr, EQUAL: tl.constexpr,
 ):
-    """Kernel 4a, one program per (chunk, key block of BK columns) and value head: the products
+    """Kernel 3a, one program per (chunk, key block of BK columns) and value head: the products
     with the states, summed over the value dim in BV-column blocks, and what follows from them
     without T. Writes for its key columns dW (input dtype), dq (fp32, per value head, before the
     l2 norm's backward), dk's part dP^T Q + diag(e^{G_C - G}) dKd (fp32), and its part of dg
@@ -228,7 +229,7 @@ def _chunk_bwd_dqkw_kernel(
             dns += _mm(dn, tl.trans(h), P)
             daqk += _mm(do, tl.trans(nv), P)
             dS_S += tl.sum(dh.to(tl.float32) * h.to(tl.float32), axis=1)
-        # dW = -dN S0^T, rounded to the input dtype as kernel 4b's products take it
+        # dW = -dN S0^T, rounded to the input dtype as kernel 3b's products take it
         _store_block(dw_ptr, -dns, t0, n, HV * K, i_hv * K + k0, K - k0, BK, BT)
         # the chunk's forward terms (fp32): G, Gamma; through Aqk = lower(Q K^T * Gamma) scale
         G = tl.cumsum(_load_vec(g_ptr, t0, n, HV, i_hv, BT), axis=0)
@@ -245,7 +246,7 @@ def _chunk_bwd_dqkw_kernel(
         q = _load_rows(q_ptr, t0, n, H * K, i_h * K + k0, K - k0, BT, BK).to(tl.float32) * rq[:, None]
         k = _load_rows(k_ptr, t0, n, H * K, i_h * K + k0, K - k0, BT, BK).to(tl.float32) * rk[:, None]
         q_dt, k_dt = q.to(dt), k.to(dt)
-        # dg's terms of these columns (the rest in kernel 4b; the form of the module docstring):
+        # dg's terms of these columns (the rest in kernel 3b; the form of the module docstring):
         #   sum_{i >= t} x_i + e^{G_C} <dS1, S0> + sum_{i < t} r_i + sum_{i >= t > j} M_ij
         x = tl.sum(dqg * q, axis=1) * eG * scale  # Qg carries e^{G_i}
         dq = dqg * (eG * scale)[:, None] + _mm(dP, k_dt, P)
@@ -269,10 +270,10 @@ def _chunk_bwd_wy_kernel(
     V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NKP: tl.constexpr,
     L2NORM: tl.constexpr, P: tl.constexpr, EQUAL: tl.constexpr,
 ):
-    """Kernel 4b, one program per (chunk, value head): through U = T Vb, W = T Kb and
-    T = (I + A)^-1 (the WY part), from dN and kernel 4a's dW. Only [BT, BT] tiles live across
+    """Kernel 3b, one program per (chunk, value head): through U = T Vb, W = T Kb and
+    T = (I + A)^-1 (the WY part), from dN and kernel 3a's dW. Only [BT, BT] tiles live across
     its loops (over V, then twice over K, BK columns at a time). Writes dv and dbeta, adds its
-    part of dk (fp32, per value head) to kernel 4a's, and sums dg (4a's NKP parts and its own)."""
+    part of dk (fp32, per value head) to kernel 3a's, and sums dg (3a's NKP parts and its own)."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -328,7 +329,7 @@ def _chunk_bwd_wy_kernel(
             _store_block(dk_ptr, dk, t0, n, HV * K, i_hv * K + c0, K - c0, BK, BT)
             dbeta += eG * tl.sum(dkb * k, axis=1)
             x += tl.sum(dkb * (k * bg[:, None]), axis=1)
-        # dg: the terms through Kb (x: e^{G_i}, every i >= t), then kernel 4a's parts
+        # dg: the terms through Kb (x: e^{G_i}, every i >= t), then kernel 3a's parts
         at_or_after = rows[:, None] >= rows[None, :]  # [i, t]: i >= t
         dg += tl.sum(tl.where(at_or_after, x[:, None], 0.0), axis=0)
         for i_k in tl.static_range(0, NKP):
@@ -342,7 +343,7 @@ def _head_sum_l2_bwd_kernel(
     x_ptr, dy_ptr, dx_ptr, T_total, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, L2NORM: tl.constexpr,
 ):
-    """Kernel 4c, one program per (BT tokens, key head): dy summed over the value heads that read
+    """Kernel 3c, one program per (BT tokens, key head): dy summed over the value heads that read
     the key head (fp32), then, when L2NORM, the norm's backward dx = r (dy - y <y, dy>) for
     y = x r, r = rsqrt(|x|^2 + 1e-6) (it is linear in dy, so once after the sum); stored in dx's
     dtype. x: q or k [T, H, K]; dy [T, HV, K] fp32."""
@@ -393,27 +394,18 @@ def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, saved, scale, init
     else:
         start, length, first = chunk_table(cu_seqlens, T)
         slots, seq_len = start.numel(), 0
-    # 1-2: the forward's G, U, W, normalised keys and Kd from its T (Aqk kept), then h[c] and N
-    aqk, inverse = saved
+    # 1: G, W, Kd and the new values N = U - W h[c] from the forward's T and h (its Aqk kept)
+    aqk, inverse, h = saved
     G = torch.empty(T, HV, dtype=torch.float32, device=device)
-    u, new_v = (torch.empty(T, HV, V, dtype=dt, device=device) for _ in range(2))
+    new_v = torch.empty(T, HV, V, dtype=dt, device=device)
     w, kd = (torch.empty(T, HV, K, dtype=dt, device=device) for _ in range(2))
-    keys, stride_keys = recurrence_keys(k, l2)
-    h = torch.empty(slots, HV, K, V, dtype=dt, device=device)
     _chunk_prepare_kernel[(slots, HV)](
-        q, k, v, g, beta, G, u, w, keys, kd, aqk, inverse, start, length, seq_len, float(scale),
+        q, k, v, g, beta, G, new_v, w, G, kd, aqk, inverse, h, start, length, seq_len, float(scale),
         q.stride(1), k.stride(1), v.stride(1), H=H, HV=HV, K=K, V=V, BT=CHUNK, SUB=SUB, BK=BK, BV=BV_full, L2NORM=l2,
         P=precision, EQUAL=equal, STORE_T=False, LOAD_T=True, num_warps=PREPARE_WARPS,
     )
-    block_v, fwd_stages = recurrence_geometry(N * HV, V, device)
-    _chunk_recurrence_kernel[(cdiv(V, block_v), N * HV)](
-        u, w, keys, G, h, new_v, initial_state if initial_state is not None else G, G, cu_seqlens, first, seq_len, G, G,
-        stride_keys, H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=block_v, HAS_H0=initial_state is not None,
-        STORE_HT=False, P=precision, EQUAL=equal, INDEXED=False, HAS_H0_FLAGS=False, num_warps=RECURRENCE_WARPS,
-        num_stages=min(stages, fwd_stages),
-    )
     block_v, bwd_stages = recurrence_geometry(N * HV, V, device, backward=True)
-    # 3: dS backwards over the chunks
+    # 2: dS backwards over the chunks
     dh = torch.empty(slots, HV, K, V, dtype=dt, device=device)  # gradient of each chunk's end state
     dn = torch.empty(T, HV, V, dtype=dt, device=device)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if initial_state is not None else None
@@ -424,7 +416,7 @@ def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, saved, scale, init
         num_warps=RECURRENCE_WARPS,
         num_stages=bwd_recurrence_stages(min(stages, bwd_stages), BK, block_v, dt, max_shared_memory(device)),
     )
-    # 4: every chunk's gradients in parallel, (a) the products with the states and what needs no
+    # 3: every chunk's gradients in parallel, (a) the products with the states and what needs no
     # T, (b) the WY part; (c) dq, dk summed over the value heads sharing a key head (and the l2
     # norm's backward)
     BKA = min(DQKW_BLOCK_K, BK)
