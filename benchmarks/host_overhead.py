@@ -26,7 +26,7 @@ def main():
         "x + x (one eager torch op)": lambda: x + x,
         "triton JIT launch, preset args": lambda: _rms_norm_fwd_kernel[(1,)](
             x, x, w, y, y, 1, 4096, 4096, 4096, 4096, 4096, 1e-6, 0.0,
-            HAS_RESIDUAL=False, ZERO_CENTERED=False, BLOCK_M=1, BLOCK_N=4096, USE_PDL=False, num_warps=4),
+            HAS_RESIDUAL=False, ZERO_CENTERED=False, BLOCK_M=1, BLOCK_N=4096, num_warps=4),
         "fuselm launcher (geometry + launch)": lambda: rms_norm_forward_kernel(x, None, w, y, None, 1e-6, 0.0),
         "fuselm _forward (+ dispatch, allocation)": lambda: rms_op._forward(x, None, w, 1e-6, 0.0, torch.empty_like(x), None),
         "fuselm rms_norm (+ checks, autograd.Function)": lambda: rms_norm(x, w, 1e-6),

@@ -63,10 +63,10 @@ def sweep_rms_norm(shapes):
                 grid = (triton.cdiv(m, bm),)
                 plain = bench(lambda: _rms_norm_fwd_kernel[grid](
                     x, x, w, y, y, m, n, n, n, n, n, 1e-6, 0.0,
-                    HAS_RESIDUAL=False, ZERO_CENTERED=False, BLOCK_M=bm, BLOCK_N=n, USE_PDL=False, num_warps=warps))
+                    HAS_RESIDUAL=False, ZERO_CENTERED=False, BLOCK_M=bm, BLOCK_N=n, num_warps=warps))
                 fused = bench(lambda: _rms_norm_fwd_kernel[grid](
                     x, res, w, y, s, m, n, n, n, n, n, 1e-6, 0.0,
-                    HAS_RESIDUAL=True, ZERO_CENTERED=False, BLOCK_M=bm, BLOCK_N=n, USE_PDL=False, num_warps=warps))
+                    HAS_RESIDUAL=True, ZERO_CENTERED=False, BLOCK_M=bm, BLOCK_N=n, num_warps=warps))
                 elem = m * n * 2
                 rows.append({"kernel": "rms_norm", "shape": f"{m}x{n}", "block_m": bm, "warps": warps,
                              "plain_ms": plain, "fused_add_ms": fused,

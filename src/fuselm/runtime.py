@@ -78,20 +78,6 @@ def arch_major(device: torch.device) -> int:
     return _device_properties(device.index if device.index is not None else torch.cuda.current_device()).major
 
 
-# Programmatic dependent launch (Hopper and later): kernels launched with it may be scheduled onto
-# the GPU while the kernel before them still runs; each waits (griddepcontrol.wait) at its start
-# until that kernel has finished and its writes are visible (``fuselm.ops.common.launch``), so
-# what overlaps is launch and scheduling latency, never memory traffic. Set FUSELM_PDL=0 to launch
-# every kernel plainly (for A/B timing; results are the same bits).
-PDL = os.environ.get("FUSELM_PDL", "1") != "0"
-
-
-def use_pdl(device: torch.device) -> bool:
-    """Whether the decode step's kernels launch with programmatic dependent launch on ``device``:
-    CUDA compute capability 9 or later, unless ``PDL`` (FUSELM_PDL) is off."""
-    return PDL and arch_major(device) >= 9
-
-
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors on ``device``; a small fixed number off CUDA (interpreter)."""
     if device.type != "cuda":

@@ -37,9 +37,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fuselm.ops.common.launch import wait_previous_kernel
 from fuselm.ops.common.rows import row_block_geometry
-from fuselm.runtime import INTERPRET, cdiv, use_pdl
+from fuselm.runtime import INTERPRET, cdiv
 
 
 @triton.jit
@@ -101,9 +100,7 @@ def _qk_norm_rope_kv_write_kernel(
     n_heads, n_kv_heads, n_cols, rot, eps, cache_len,
     Q_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EMULATE_BF16_RNE: tl.constexpr, ADD_RN: tl.constexpr, HAS_WRITE_ROW: tl.constexpr, HAS_K_OUT: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     DTYPE: tl.constexpr = q_out_ptr.dtype.element_ty
@@ -155,7 +152,6 @@ def qk_norm_rope_kv_write_kernel(qkv, q_norm_weight, k_norm_weight, cos, sin, ke
     block_m, block_n, num_warps = row_block_geometry(head_dim)
     q_tiles = cdiv(num_heads, block_m)
     kv_tiles = cdiv(num_kv_heads, block_m)
-    pdl = use_pdl(qkv.device)
     _qk_norm_rope_kv_write_kernel[(B, q_tiles + kv_tiles)](
         qkv, q_norm_weight, k_norm_weight, cos, sin, key_cache, value_cache, write_column,
         write_column if write_row is None else write_row, q_out, q_out if k_out is None else k_out, qkv.stride(0),
@@ -165,6 +161,5 @@ def qk_norm_rope_kv_write_kernel(qkv, q_norm_weight, k_norm_weight, cos, sin, ke
         num_heads, num_kv_heads, head_dim, cos.shape[-1], eps, key_cache.shape[2],
         Q_TILES=q_tiles, BLOCK_M=block_m, BLOCK_N=block_n,
         EMULATE_BF16_RNE=INTERPRET and qkv.dtype == torch.bfloat16, ADD_RN=not INTERPRET,
-        HAS_WRITE_ROW=write_row is not None, HAS_K_OUT=k_out is not None, USE_PDL=pdl, num_warps=num_warps,
-        launch_pdl=pdl,
+        HAS_WRITE_ROW=write_row is not None, HAS_K_OUT=k_out is not None, num_warps=num_warps,
     )

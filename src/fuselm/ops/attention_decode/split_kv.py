@@ -27,8 +27,7 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.attention_decode.naive import decode_attention_ref
-from fuselm.ops.common.launch import wait_previous_kernel
-from fuselm.runtime import cdiv, check_same_device, check_tensor, next_power_of_2, num_sms, use_pdl, use_triton
+from fuselm.runtime import cdiv, check_same_device, check_tensor, next_power_of_2, num_sms, use_triton
 
 BLOCK_N = 64  # cache columns per inner step
 MIN_GROUP_ROWS = 16  # the tensor-core dot's smallest M
@@ -41,8 +40,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, part_o_ptr, part_lse_
                   num_kv_heads, split_size, scale,
                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, PAGED: tl.constexpr,
-                  PAGE: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_previous_kernel(USE_PDL)
+                  PAGE: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // num_kv_heads
@@ -91,8 +89,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, part_o_ptr, part_lse_
 
 @triton.jit
 def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_previous_kernel(USE_PDL)
+                    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # b * nH + h
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -124,19 +121,16 @@ def decode_attention_kernels(q, key_cache, value_cache, kv_lengths, scale, block
     part_o = torch.empty(B * num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B * num_heads, splits, dtype=torch.float32, device=q.device)
     block_d = max(MIN_DOT_K, next_power_of_2(head_dim))
-    pdl = use_pdl(q.device)
     _split_kernel[(B * num_kv_heads, splits)](
         q, key_cache, value_cache, kv_lengths, kv_lengths if block_table is None else block_table, part_o, part_lse,
         q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
         0 if block_table is None else block_table.stride(0), num_kv_heads, split_size, float(scale),
         GROUP=group, BLOCK_G=max(MIN_GROUP_ROWS, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=block_n, NUM_SPLITS=splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PAGED=block_table is not None, PAGE=page, USE_PDL=pdl, num_warps=4 if block_d <= 128 else 8, num_stages=2,
-        launch_pdl=pdl)
+        PAGED=block_table is not None, PAGE=page, num_warps=4 if block_d <= 128 else 8, num_stages=2)
     out = torch.empty(B, num_heads, head_dim, dtype=q.dtype, device=q.device)
     _combine_kernel[(B * num_heads,)](part_o, part_lse, out, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                                      NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), USE_PDL=pdl, num_warps=4,
-                                      launch_pdl=pdl)
+                                      NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), num_warps=4)
     return out
 
 

@@ -29,8 +29,7 @@ import triton.language as tl
 
 from fuselm.ops.gated_delta_rule.fused_recurrent import _gated_delta_step, decode_block_v, decode_num_warps, softplus
 from fuselm.ops.gated_delta_rule.naive import gated_delta_rule_decode_step_ref
-from fuselm.ops.common.launch import wait_previous_kernel
-from fuselm.runtime import cdiv, check_same_device, check_tensor, next_power_of_2, use_pdl, use_triton
+from fuselm.runtime import cdiv, check_same_device, check_tensor, next_power_of_2, use_triton
 
 
 @triton.jit
@@ -51,9 +50,8 @@ def _decode_step_kernel(
     proj_ptr, conv_ptr, conv_w_ptr, A_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, positions_ptr, o_ptr,
     stride_proj, stride_conv, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KW: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    wait_previous_kernel(USE_PDL)
     i_v = tl.program_id(0)
     i_n = tl.program_id(1) // HV
     i_hv = tl.program_id(1) % HV
@@ -166,11 +164,10 @@ def gated_delta_rule_decode_step(
     if N == 0:
         return out
     block_v = decode_block_v(N * HV, V, proj.device)  # the geometry of fused_recurrent's sweep
-    pdl = use_pdl(proj.device)
     _decode_step_kernel[(cdiv(V, block_v), N * HV)](
         proj, conv_state, conv_weight, A_log, dt_bias, state, state_slots, positions, out,
         proj.stride(0), conv_state.stride(0), scale,
-        H=H, HV=HV, K=K, V=V, KW=conv_weight.shape[2], BLOCK_K=next_power_of_2(K), BLOCK_V=block_v, USE_PDL=pdl,
-        num_warps=decode_num_warps(next_power_of_2(K), block_v), launch_pdl=pdl,
+        H=H, HV=HV, K=K, V=V, KW=conv_weight.shape[2], BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
+        num_warps=decode_num_warps(next_power_of_2(K), block_v),
     )
     return out

@@ -31,9 +31,8 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.common.activation import Activation, gate_factor, gate_factor_grad, up_factor, up_factor_grad
-from fuselm.ops.common.launch import wait_previous_kernel
 from fuselm.ops.common.matmul import decode_block_m, dot_acc, grouped_tile, load_k_step
-from fuselm.runtime import arch_major, cdiv, use_pdl
+from fuselm.runtime import arch_major, cdiv
 
 
 @triton.jit
@@ -100,9 +99,8 @@ def _decode_gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_om,
     limit, alpha,
     SWIGLU: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    wait_previous_kernel(USE_PDL)
     # SWIGLU: N output features read 2 * N interleaved weight rows.
     W_ROWS: tl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
     wrows = tl.program_id(0) * W_ROWS + tl.arange(0, W_ROWS)
@@ -212,12 +210,11 @@ def decode_gemv_kernel(x, w, out, act: Activation | None = None, config: GemvCon
     N = w.shape[0] // 2 if swiglu else w.shape[0]
     cfg = config or gemv_config(arch_major(x.device), x.dtype, swiglu)
     act = act or Activation()
-    pdl = use_pdl(x.device)
     _decode_gemv_kernel[(cdiv(N, cfg.block_n),)](
         x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
         act.kernel_limit, float(act.alpha),
         SWIGLU=swiglu, ACT=act.code, IEEE=x.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0,
-        BLOCK_M=decode_block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        BLOCK_M=decode_block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
