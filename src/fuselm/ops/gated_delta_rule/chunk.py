@@ -403,11 +403,11 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
     """The three kernels on packed inputs q [1, T, H, K] ...: N sequences given by ``cu_seqlens``,
     or T / seq_len sequences of ``seq_len`` tokens each. q, k, v may have any token stride (their
     heads dense: a wider projection's slices); g, beta contiguous. Returns (o, final or None,
-    saved): with ``for_backward``, saved = (Aqk [T, HV, 64], T = (I + A)^-1 [T, HV, 64], the chunk-start
-    states h [slots, HV, K, V], all in the input dtype) for ``chunk_gated_delta_rule_backward_kernels``,
-    else None. With
-    ``state_indices`` [N], ``initial_state`` is the pool (``chunk_gated_delta_rule``) and final is
-    it; ``out``: a contiguous [1, T, HV, V] buffer for o."""
+    saved): with ``for_backward``, saved = (Aqk [T, HV, 64], T = (I + A)^-1 [T, HV, 64], the
+    chunk-start states h [slots, HV, K, V], all in the input dtype) for
+    ``chunk_gated_delta_rule_backward_kernels``, else None. With ``state_indices`` [N],
+    ``initial_state`` is the pool (``chunk_gated_delta_rule``) and final is it; ``out``: a
+    contiguous [1, T, HV, V] buffer for o."""
     _, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if cu_seqlens is None and seq_len == 1:  # never launch with seq_len == 1 (see above)
