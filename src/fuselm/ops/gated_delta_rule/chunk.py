@@ -9,7 +9,7 @@ Per chunk of BT = 64 tokens, with G = cumsum(g) from the chunk start, Gamma_ij =
 
 1. ``_chunk_prepare_kernel``, one program per (chunk, value head), all chunks in parallel: writes
    G (fp32), U, W, Aqk = lower(Q K^T * Gamma) scale and, with the l2 norm, the normalised keys Kn
-   [T, H, K] (the recurrences read them, or the raw keys without it). T is inverted in
+   [T, H, K] (the recurrence reads them, or the raw keys without it). T is inverted in
    fp32 (tf32 dots for half inputs): the four 16 x 16 diagonal blocks by products of powers
    (``_invert_unit_lower``), the rest by a block Neumann product (``_inverse_from_diagonal``).
 2. ``_chunk_recurrence_kernel``, one program per (sequence, value head, BV value columns): the
@@ -389,7 +389,7 @@ OUTPUT_WARPS = 4
 
 
 def recurrence_keys(k: torch.Tensor, l2: bool) -> tuple[torch.Tensor, int]:
-    """(keys, token stride) the recurrences read for the packed keys k [1, T, H, K]: with the l2
+    """(keys, token stride) the forward recurrence reads for the packed keys k [1, T, H, K]: with the l2
     norm an empty [T, H, K] buffer that the prepare kernel fills with the normalised keys, else k."""
     if l2:
         _, T, H, K = k.shape

@@ -448,8 +448,8 @@ def chunk_gated_delta_rule_backward_kernels(q, k, v, g, beta, saved, scale, init
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     """(o, final_state) = chunk_gated_delta_rule(q, k, v, g, beta, initial_state, ...) with
     gradients for q, k, v, g, beta and initial_state; the forward is ``chunk_gated_delta_rule_kernels``
-    (the no-grad path's), the backward ``chunk_gated_delta_rule_backward_kernels``. Saves the inputs
-    only (see the module docstring)."""
+    (the no-grad path's), the backward ``chunk_gated_delta_rule_backward_kernels``. Saves the inputs,
+    Aqk, T = (I + A)^-1 and the chunk-start states h (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, l2, cu_seqlens):
