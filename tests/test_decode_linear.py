@@ -288,3 +288,67 @@ def test_cuda_graph_replay_without_allocation():
     out.fill_(float("nan"))
     graph.replay()
     assert_close(out, contract(x, weight, kwargs), TOL_VS_CONTRACT[torch.bfloat16], "replayed y")
+
+
+# ----------------------------------------------------------------------------- split-K
+@pytest.mark.parametrize("split_k", [2, 3, 5])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 17])
+def test_split_k_sums_the_slices_once_and_leaves_the_counters_at_zero(m, dtype, case, split_k):
+    """K in ``split_k`` slices (5: more slices than K steps of the launch allow, so the last is
+    empty): the last program of each tile adds the partials in slice order; the same bits on a
+    second call; the tile counters back at 0 for the next launch."""
+    from fuselm.ops.common.split_k import split_k_counters
+    from fuselm.ops.decode_linear.kernels import decode_linear_kernel, fused_prologue_ok
+
+    prologue, k, head_dim = case
+    x, weight, kwargs = make_inputs(m, k, dtype, prologue, head_dim)
+    config = decode_linear_config(0, dtype, prologue, head_dim)
+    assert fused_prologue_ok(prologue, head_dim, config)
+    outs = []
+    for _ in range(2):
+        out = poisoned_like(torch.empty(m, N, dtype=dtype, device=DEVICE))
+        decode_linear_kernel(x, weight, out, eps=1e-6, config=config, split_k=split_k, **kwargs)
+        assert not out.isnan().any(), "an element of out was not written"
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert_close(outs[0], exact(x, weight, kwargs), TOL[dtype], "y")
+    assert_close(outs[0], contract(x, weight, kwargs), TOL_VS_CONTRACT[dtype], "y vs contract")
+    assert not split_k_counters(x.device).any()
+
+
+def test_split_k_choice():
+    """Split only on CUDA, while the output tiles leave multiprocessors without ~3 programs, at
+    least two K steps a slice."""
+    from fuselm.ops.common.split_k import MAX_SPLIT_K, split_k_for
+
+    assert split_k_for(128, 16, torch.device("cpu")) == 1
+    if ON_GPU:
+        cuda = torch.device(DEVICE)
+        assert split_k_for(128, 16, cuda) > 1  # Qwen3.5-9B out_proj: 128 tiles of 32 features, K 4096
+        assert split_k_for(128, 2, cuda) == 1
+        assert split_k_for(10_000, 16, cuda) == 1
+        assert 1 < split_k_for(1, 1000, cuda) <= MAX_SPLIT_K
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prologue, head_dim", [(None, None), ("sigmoid_gate", None), ("gated_rms_norm", 128)])
+@pytest.mark.parametrize("m", [1, 8, 32])
+def test_split_k_in_a_cuda_graph_at_9b_shapes_on_gpu(m, prologue, head_dim):
+    """The default (split) launch at N = K = 4096, captured and replayed 3 times: the same bits
+    every replay (no race between a tile's programs) and the exact function's values."""
+    from fuselm.ops.decode_linear.kernels import decode_linear_kernel
+    from fuselm.runtime import capture_graph
+
+    x, weight, kwargs = make_inputs(m, 4096, torch.bfloat16, prologue, head_dim, n=4096)
+    config = decode_linear_config(9, torch.bfloat16, prologue, head_dim)
+    out = torch.empty(m, 4096, dtype=torch.bfloat16, device=DEVICE)
+    eager = decode_linear_kernel(x, weight, out, eps=1e-6, config=config, **kwargs).clone()
+    graph, _ = capture_graph(lambda: decode_linear_kernel(x, weight, out, eps=1e-6, config=config, **kwargs))
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+    assert_close(eager, exact(x, weight, kwargs), TOL[torch.bfloat16], "y")
