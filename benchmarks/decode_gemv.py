@@ -2,7 +2,6 @@
 
     python benchmarks/decode_gemv.py [--rows 1 2 4 8 16 24 32] [--out DIR]          # decode_gemv.md
     python benchmarks/decode_gemv.py --sweep [--rows 16 24 32] [--out DIR]          # decode_gemv_sweep.md
-    python benchmarks/decode_gemv.py --split [--rows 1 8 32] [--out DIR]            # decode_gemv_split.md
 
 Default: ``decode_linear``'s two ways with a prologue (fused into the GEMV; the prologue kernel,
 then the plain GEMV) and the op as it dispatches, beside the prologue kernel + cuBLAS, per row
@@ -68,24 +67,23 @@ def cases(m: int):
     h_out, y_out = torch.empty(m, FF, device="cuda", dtype=DT), torch.empty(m, D, device="cuda", dtype=DT)
     w13s, w2s, wos = copies_of((2 * FF, D)), copies_of((D, FF)), copies_of((D, D))
 
-    def gate_up(cfg, split_k=None):
+    def gate_up(cfg):
         if cfg is None:
             return [lambda w=w: F.linear(x, w) for w in w13s]
-        return [lambda w=w: decode_gemv_kernel(x, w, h_out, act, config=cfg, split_k=split_k) for w in w13s]
+        return [lambda w=w: decode_gemv_kernel(x, w, h_out, act, config=cfg) for w in w13s]
 
-    def down(cfg, split_k=None):
+    def down(cfg):
         if cfg is None:
             return [lambda w=w: F.linear(h, w) for w in w2s]
-        return [lambda w=w: decode_gemv_kernel(h, w, y_out, config=cfg, split_k=split_k) for w in w2s]
+        return [lambda w=w: decode_gemv_kernel(h, w, y_out, config=cfg) for w in w2s]
 
     def linear(prologue):
-        def fn(cfg, split_k=None):
+        def fn(cfg):
             if cfg is None:
                 return [lambda w=w: F.linear(x, w) for w in wos]
             gate = None if prologue is None else z
             return [lambda w=w: decode_linear_kernel(x, w, y_out, prologue, gate, norm, 1e-6,
-                                                     HEAD_DIM if prologue == "gated_rms_norm" else None, config=cfg,
-                                                     split_k=split_k)
+                                                     HEAD_DIM if prologue == "gated_rms_norm" else None, config=cfg)
                     for w in wos]
         return fn
 
@@ -141,40 +139,14 @@ def compare_paths(rows, copy_tbps):
     return lines, records
 
 
-def split_sweep(rows, copy_tbps):
-    """Each kernel at its default tile, K split in 1, 2, 3, 4, 6, 8 slices, and as launched by default."""
-    lines = [f"## decode GEMV kernels with split-K, {torch.cuda.get_device_name()}, bf16 (copy bandwidth "
-             f"{copy_tbps:.2f} TB/s)", "", "Per call, weight copies beyond the L2 in one graph; % of copy on the weight "
-             "bytes. `default` = the split the launcher picks (`ops.common.split_k`).", "",
-             "| rows | kernel | K slices | us | % of copy |", "|---|---|---|---|---|"]
-    records = []
-    for m in rows:
-        for kernel, default, _, nbytes, fn in cases(m):
-            for split_k in (None, 1, 2, 3, 4, 6, 8):
-                ms = per_call_ms(fn(default, split_k))
-                pct = 100 * nbytes / ms / 1e9 / copy_tbps
-                records.append({"rows": m, "kernel": kernel, "split_k": split_k, "us": 1e3 * ms, "pct_copy": pct})
-                lines.append(f"| {m} | {kernel} | {split_k or 'default'} | {1e3 * ms:.1f} | {pct:.0f}% |")
-                print(lines[-1], flush=True)
-    return lines, records
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=None)
     parser.add_argument("--sweep", action="store_true", help="the tile sweep (default: the prologue paths)")
-    parser.add_argument("--split", action="store_true",
-                        help="split-K: each kernel's default tile at 1-8 K slices and the default choice")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     copy_tbps = copy_bandwidth()
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.split:
-        lines, records = split_sweep(args.rows or [1, 8, 32], copy_tbps)
-        (args.out / "decode_gemv_split.md").write_text("\n".join(lines) + "\n")
-        (args.out / "decode_gemv_split.json").write_text(json.dumps({"copy_tbps": copy_tbps, "records": records},
-                                                                    indent=1))
-        return
     if not args.sweep:
         lines, records = compare_paths(args.rows or [1, 2, 4, 8, 16, 24, 32], copy_tbps)
         (args.out / "decode_gemv.md").write_text("\n".join(lines) + "\n")

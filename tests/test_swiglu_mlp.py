@@ -188,33 +188,6 @@ def test_llama8b_mlp_bf16(m):
     assert_close(y, exact_h(x, w13, Activation(), torch.bfloat16) @ w2.double().T, 1e-2, "y")
 
 
-@pytest.mark.parametrize("split_k", [2, 3])
-@pytest.mark.parametrize("swiglu", [False, True], ids=["down", "gate_up"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m", [1, 19])
-def test_decode_gemv_split_k(m, dtype, swiglu, split_k):
-    """The decode GEMV with K in slices (``ops.common.split_k``; the launcher splits only on CUDA,
-    here forced): the summed slices give the exact function, SwiGLU applied once to the sum, the
-    same bits on a second call, the tile counters back at 0."""
-    from fuselm.ops.common.split_k import split_k_counters
-    from fuselm.ops.swiglu_mlp.kernels import decode_gemv_kernel
-
-    d, f = 72, 150  # K not a multiple of the interpreter's BLOCK_K (64); 150 not of BLOCK_N (16)
-    w13, w2 = weights(dtype, d, f)
-    x = randn(m, d if swiglu else f, dtype=dtype)
-    w, n = (w13, f) if swiglu else (w2, d)
-    outs = []
-    for _ in range(2):
-        out = poisoned_like(torch.empty(m, n, dtype=dtype, device=DEVICE))
-        decode_gemv_kernel(x, w, out, Activation() if swiglu else None, split_k=split_k)
-        assert not out.isnan().any(), "an element of out was not written"
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
-    expected = exact_h(x, w13, Activation(), dtype) if swiglu else x.double() @ w2.double().T
-    assert_close(outs[0], expected, 1e-5 if dtype == torch.float32 else 5e-3, "out")
-    assert not split_k_counters(x.device).any()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [4, 32])
 def test_decode_mlp_is_two_launches_and_graph_capturable(m):

@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.common.matmul import decode_block_m, dot_acc  # the same token padding and dot as swiglu_mlp
-from fuselm.ops.common.split_k import k_slice, split_k_for, split_k_launch, split_k_sum
 from fuselm.runtime import arch_major, cdiv
 
 # Prologue codes, as the constexpr the kernel takes.
@@ -90,31 +89,28 @@ def _prologue_kernel(
 
 @triton.jit
 def _decode_linear_kernel(
-    x_ptr, g_ptr, nw_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr,
-    M, N, K, k_slice, stride_xm, stride_gm, stride_wn, stride_om, eps,
+    x_ptr, g_ptr, nw_ptr, w_ptr, out_ptr,
+    M, N, K, stride_xm, stride_gm, stride_wn, stride_om, eps,
     PROLOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # Program (tile, s) streams K columns [s k_slice, (s + 1) k_slice) (SPLIT_K > 1: the slices
-    # summed by ``split_k_sum``; k_slice is a multiple of BLOCK_K, so tiles stay on head bounds).
     wrows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)  # tokens, padded to BLOCK_M
-    k_start = tl.program_id(1) * k_slice
     k = tl.arange(0, BLOCK_K)
     # Out-of-range weight rows wrap to valid ones (never stored): no row mask on the weight.
-    w_ptrs = w_ptr + (wrows % N).to(tl.int64)[:, None] * stride_wn + (k_start + k)[None, :]  # [BLOCK_N, BLOCK_K]
+    w_ptrs = w_ptr + (wrows % N).to(tl.int64)[:, None] * stride_wn + k[None, :]  # [BLOCK_N, BLOCK_K]
     rows64 = rows.to(tl.int64)[:, None]
     # x and gate tiles [BLOCK_M, BLOCK_K] as stored (row-major: loads coalesced along K); the dot
     # takes their transpose.
-    x_ptrs = x_ptr + rows64 * stride_xm + (k_start + k)[None, :]
-    g_ptrs = g_ptr + rows64 * stride_gm + (k_start + k)[None, :]
+    x_ptrs = x_ptr + rows64 * stride_xm + k[None, :]
+    g_ptrs = g_ptr + rows64 * stride_gm + k[None, :]
     row_ok = (rows < M)[:, None]
     nw = 0.0
     if PROLOGUE == 2:
         # Each tile starts on a head boundary (BLOCK_K % HEAD_DIM == 0): one load of the norm weight.
         nw = tl.load(nw_ptr + k % HEAD_DIM).to(tl.float32)[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(k_start, tl.minimum(K, k_start + k_slice), BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             ok = row_ok
             w = tl.load(w_ptrs)
@@ -128,13 +124,7 @@ def _decode_linear_kernel(
         g_ptrs += BLOCK_K
 
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_stored = N
-    if SPLIT_K > 1:  # partials [SPLIT_K, M, N]; only the last program of the tile stores
-        mask = (cols < N)[:, None] & (rows < M)[None, :]
-        offsets = rows.to(tl.int64)[None, :] * N + cols[:, None]
-        acc, last = split_k_sum(acc, partial_ptr, counter_ptr, tl.program_id(0), offsets, mask, M * N, SPLIT_K)
-        n_stored = tl.where(last, N, 0)
-    mask = (cols < n_stored)[:, None] & (rows < M)[None, :]
+    mask = (cols < N)[:, None] & (rows < M)[None, :]
     tl.store(out_ptr + rows.to(tl.int64)[None, :] * stride_om + cols[:, None], acc.to(out_ptr.dtype.element_ty),
              mask=mask)
 
@@ -240,26 +230,18 @@ def prologue_kernel_ok(prologue: str | None, head_dim: int | None) -> bool:
 
 # ----------------------------------------------------------------------------- host launcher
 def decode_linear_kernel(x, weight, out, prologue: str | None = None, gate=None, norm_weight=None,
-                         eps: float = 1e-6, head_dim: int | None = None, *, config: DecodeLinearConfig,
-                         split_k: int | None = None):
+                         eps: float = 1e-6, head_dim: int | None = None, *, config: DecodeLinearConfig):
     """out [M, N] = prologue(x) @ weight.T for x (and gate) [M, K], M <= DECODE_MAX_M (32), weight
-    [N, K]; all with unit column stride. No checks (``op.py`` does them); no sync; a split launch
-    allocates its fp32 partials [split_k, M, N]. ``split_k``: K slices (``ops.common.split_k``;
-    default ``split_k_for``). The caller makes sure ``fused_prologue_ok(prologue, head_dim, config)``."""
+    [N, K]; all with unit column stride. No checks (``op.py`` does them); no allocation, no sync.
+    The caller makes sure ``fused_prologue_ok(prologue, head_dim, config)``."""
     M, K = x.shape
     N = weight.shape[0]
     code = PROLOGUE_CODES[prologue]
-    tiles = cdiv(N, config.block_n)
-    split_k = split_k_for(tiles, cdiv(K, config.block_k), x.device) if split_k is None else split_k
-    split_k, counters = split_k_launch(split_k, tiles, x.device)
-    partial = x if split_k == 1 else torch.empty(split_k, M, N, dtype=torch.float32, device=x.device)
-    _decode_linear_kernel[(tiles, split_k)](
-        x, gate if gate is not None else x, norm_weight if norm_weight is not None else x, weight, out, partial,
-        counters if counters is not None else x,
-        M, N, K, k_slice(K, split_k, config.block_k), x.stride(0), gate.stride(0) if gate is not None else 0,
-        weight.stride(0), out.stride(0), float(eps),
+    _decode_linear_kernel[(cdiv(N, config.block_n),)](
+        x, gate if gate is not None else x, norm_weight if norm_weight is not None else x, weight, out,
+        M, N, K, x.stride(0), gate.stride(0) if gate is not None else 0, weight.stride(0), out.stride(0), float(eps),
         PROLOGUE=code, HEAD_DIM=head_dim if code == PROLOGUE_GATED_RMS_NORM else 1,
-        IEEE=x.dtype == torch.float32, EVEN_K=K % config.block_k == 0, SPLIT_K=split_k,
+        IEEE=x.dtype == torch.float32, EVEN_K=K % config.block_k == 0,
         BLOCK_M=decode_block_m(M), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -32,7 +32,6 @@ import triton.language as tl
 
 from fuselm.ops.common.activation import Activation, gate_factor, gate_factor_grad, up_factor, up_factor_grad
 from fuselm.ops.common.matmul import decode_block_m, dot_acc, grouped_tile, load_k_step
-from fuselm.ops.common.split_k import k_slice, split_k_for, split_k_launch, split_k_sum
 from fuselm.runtime import arch_major, cdiv
 
 
@@ -96,25 +95,23 @@ def _gemm_swiglu_kernel(
 
 @triton.jit
 def _decode_gemv_kernel(
-    x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr,
-    M, N, K, k_slice, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, out_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om,
     limit, alpha,
-    SWIGLU: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    SWIGLU: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # SWIGLU: N output features read 2 * N interleaved weight rows. Program (tile, s) streams K
-    # columns [s k_slice, (s + 1) k_slice) (SPLIT_K > 1: the slices summed by ``split_k_sum``).
+    # SWIGLU: N output features read 2 * N interleaved weight rows.
     W_ROWS: tl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
     wrows = tl.program_id(0) * W_ROWS + tl.arange(0, W_ROWS)
     rows = tl.arange(0, BLOCK_M)  # tokens, padded to BLOCK_M
-    k_start = tl.program_id(1) * k_slice
     k = tl.arange(0, BLOCK_K)
     n_wrows = 2 * N if SWIGLU else N
-    w_ptrs = w_ptr + (wrows % n_wrows).to(tl.int64)[:, None] * stride_wn + (k_start + k)[None, :]  # [W_ROWS, BLOCK_K]
-    x_ptrs = x_ptr + rows[None, :] * stride_xm + (k_start + k)[:, None]  # [BLOCK_K, BLOCK_M] of x.T
+    w_ptrs = w_ptr + (wrows % n_wrows).to(tl.int64)[:, None] * stride_wn + k[None, :]  # [W_ROWS, BLOCK_K]
+    x_ptrs = x_ptr + rows[None, :] * stride_xm + k[:, None]  # [BLOCK_K, BLOCK_M] of x.T
     row_ok = (rows < M)[None, :]
     acc = tl.zeros([W_ROWS, BLOCK_M], dtype=tl.float32)
-    for k0 in range(k_start, tl.minimum(K, k_start + k_slice), BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
             xt = tl.load(x_ptrs, mask=row_ok, other=0.0)
@@ -126,12 +123,6 @@ def _decode_gemv_kernel(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
 
-    n_stored = N
-    if SPLIT_K > 1:  # partials [SPLIT_K, M, n_wrows]; only the last program of the tile stores
-        offsets = rows.to(tl.int64)[None, :] * n_wrows + wrows[:, None]
-        acc, last = split_k_sum(acc, partial_ptr, counter_ptr, tl.program_id(0), offsets,
-                                (wrows < n_wrows)[:, None] & row_ok, M * n_wrows, SPLIT_K)
-        n_stored = tl.where(last, N, 0)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if SWIGLU:
         g, u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_N, 2, BLOCK_M]), (0, 2, 1)))
@@ -139,7 +130,7 @@ def _decode_gemv_kernel(
         u = u.to(out_ptr.dtype.element_ty).to(tl.float32)
         a = gate_factor(g, ACT, limit, alpha).to(out_ptr.dtype.element_ty).to(tl.float32)
         acc = a * up_factor(u, ACT, limit)
-    mask = (cols < n_stored)[:, None] & row_ok
+    mask = (cols < N)[:, None] & row_ok
     tl.store(out_ptr + rows[None, :] * stride_om + cols[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -188,12 +179,6 @@ def gemv_config(arch: int, dtype: torch.dtype, swiglu: bool) -> GemvConfig:
     return cfg
 
 
-def gemv_split_k(tiles: int, k_steps: int, device: torch.device, swiglu: bool) -> int:
-    """K slices of a decode GEMV launch (``ops.common.split_k``): the plain GEMV (down) by
-    ``split_k_for``; gate/up + SwiGLU unsplit (its ~3 programs a multiprocessor already)."""
-    return 1 if swiglu else split_k_for(tiles, k_steps, device)
-
-
 # ----------------------------------------------------------------------------- host launchers
 def gemm_swiglu_kernel(x, w13, act: Activation, out, dh=None, h=None, config: GemmConfig | None = None,
                        rms_eps: float | None = None):
@@ -217,25 +202,18 @@ def gemm_swiglu_kernel(x, w13, act: Activation, out, dh=None, h=None, config: Ge
     return out
 
 
-def decode_gemv_kernel(x, w, out, act: Activation | None = None, config: GemvConfig | None = None,
-                       split_k: int | None = None):
+def decode_gemv_kernel(x, w, out, act: Activation | None = None, config: GemvConfig | None = None):
     """out [M, N] = x [M, K] @ w.T for w [N, K]; or, with ``act``, w = w13 [2N, K] (interleaved)
-    and out = SwiGLU(x @ w_gate.T, x @ w_up.T). M <= DECODE_MAX_M (32). ``split_k``: K slices
-    (``ops.common.split_k``; default ``gemv_split_k``)."""
+    and out = SwiGLU(x @ w_gate.T, x @ w_up.T). M <= DECODE_MAX_M (32)."""
     M, K = x.shape
     swiglu = act is not None
     N = w.shape[0] // 2 if swiglu else w.shape[0]
     cfg = config or gemv_config(arch_major(x.device), x.dtype, swiglu)
     act = act or Activation()
-    tiles = cdiv(N, cfg.block_n)
-    split_k = gemv_split_k(tiles, cdiv(K, cfg.block_k), x.device, swiglu) if split_k is None else split_k
-    split_k, counters = split_k_launch(split_k, tiles, x.device)
-    partial = x if split_k == 1 else torch.empty(split_k, M, w.shape[0], dtype=torch.float32, device=x.device)
-    _decode_gemv_kernel[(tiles, split_k)](
-        x, w, out, partial, counters if counters is not None else x,
-        M, N, K, k_slice(K, split_k, cfg.block_k), x.stride(0), w.stride(0), out.stride(0),
+    _decode_gemv_kernel[(cdiv(N, cfg.block_n),)](
+        x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
         act.kernel_limit, float(act.alpha),
-        SWIGLU=swiglu, ACT=act.code, IEEE=x.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0, SPLIT_K=split_k,
+        SWIGLU=swiglu, ACT=act.code, IEEE=x.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0,
         BLOCK_M=decode_block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
