@@ -80,6 +80,38 @@ def test_forward_in_row_slices_and_the_fused_kernel(monkeypatch, dtype, act):
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
+@pytest.mark.parametrize("m", [5, 37])
+def test_tma_kernel(m, act):
+    """The TMA gate/up GEMM (Hopper's prefill path; here the interpreter, 16-bit, 16 x 16 tiles on
+    4 persistent programs): x rows a strided view, M, F and D not multiples of the tiles (the
+    descriptors zero-fill and clip), every element of h written, the exact function's values."""
+    from fuselm.ops.swiglu_mlp.kernels import gemm_swiglu_tma_kernel, tma_ok
+
+    if not use_triton(torch.empty(0, device=DEVICE)):
+        pytest.skip("a Triton kernel: the interpreter or a GPU")
+    dtype, d, f = torch.float16 if DEVICE == "cpu" else torch.bfloat16, 72, 40
+    x = randn(m, d + 8, dtype=dtype)[:, :d]  # row stride 80 elements (16-byte aligned)
+    w13, _ = weights(dtype, d, f)
+    out = poisoned_like(torch.empty(m, f, dtype=dtype, device=DEVICE))
+    assert tma_ok(x, w13, out)
+    h = gemm_swiglu_tma_kernel(x, w13, act, out)
+    assert h is out and not h.isnan().any(), "an element of h was not written"
+    assert_close(h, exact_h(x, w13, act, dtype), TOL[dtype], "h")
+    assert_close(h, gemm_swiglu_ref(x, w13, act), CONTRACT_TOL[dtype], "h vs contract")
+
+
+def test_tma_ok_rejects_what_descriptors_cannot_address():
+    from fuselm.ops.swiglu_mlp.kernels import tma_ok
+
+    x = torch.zeros(4, 72, dtype=torch.float16, device=DEVICE)
+    assert tma_ok(x)
+    assert not tma_ok(x.float())  # the kernel's operands are 16-bit
+    assert not tma_ok(x[:, :36].t())  # unit last stride
+    assert not tma_ok(torch.zeros(4, 70, dtype=torch.float16, device=DEVICE))  # 140-byte rows
+    assert not tma_ok(x.view(-1)[4:].view(4, 71)[:, :70])  # base not 16-byte aligned
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [3, 40])
 def test_gradients_match_autograd_of_the_reference(m, dtype, act):
@@ -186,6 +218,38 @@ def test_llama8b_mlp_bf16(m):
     assert_close(h, exact_h(x, w13, Activation(), torch.bfloat16), 1e-2, "h")
     y = swiglu_mlp_forward(x, w13, w2, out=poisoned_like(x))
     assert_close(y, exact_h(x, w13, Activation(), torch.bfloat16) @ w2.double().T, 1e-2, "y")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1024, 3000])
+def test_prefill_forward_takes_the_tma_kernel_on_hopper(m):
+    """At M >= TMA_MIN_ROWS on sm_90 the forward is one TMA launch (no cuBLAS product), in a CUDA
+    graph too, within the contract of the cuBLAS + pairs path (9B-like width, 16-bit)."""
+    import fuselm.ops.swiglu_mlp.op as swiglu_op
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the TMA path is Hopper's")
+    d, f = 4096, 1536
+    w13, _ = weights(torch.bfloat16, d, f)
+    x = randn(m, d, dtype=torch.bfloat16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        h = gemm_swiglu_forward(x, w13, out=poisoned_like(torch.empty(m, f, dtype=torch.bfloat16, device=DEVICE)))
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert kernels == ["_gemm_swiglu_tma_kernel"], kernels
+    assert not h.isnan().any()
+    assert_close(h, exact_h(x, w13, Activation(), torch.bfloat16), 1e-2, "h")
+    cublas = torch.empty_like(h)
+    for s in range(0, m, swiglu_op.CUBLAS_SWIGLU_ROWS):
+        swiglu_op.swiglu_pairs_forward_kernel(torch.mm(x[s:s + 8192], w13.T), cublas[s:s + 8192], Activation())
+    assert_close(h, cublas, CONTRACT_TOL[torch.bfloat16], "TMA vs cuBLAS + pairs")
+    graph = torch.cuda.CUDAGraph()
+    out = torch.empty_like(h)
+    with torch.cuda.graph(graph):
+        gemm_swiglu_forward(x, w13, out=out)
+    x.copy_(randn(m, d, dtype=torch.bfloat16))
+    graph.replay()
+    torch.testing.assert_close(out, gemm_swiglu_forward(x, w13), rtol=0, atol=0)
 
 
 @pytest.mark.gpu

@@ -14,6 +14,11 @@ to the input dtype first as an unfused GEMM would write them. Backward epilogue
 (BACKWARD): loads dh and writes d_gate_up [M, 2F] in w13's interleaved column order, and h when
 STORE_H, recomputing G and U instead of saving them.
 
+``_gemm_swiglu_tma_kernel`` (Hopper, 16-bit forward): the same product and epilogue, operands
+loaded by TMA descriptors (zero-filled past the edges, so no masks), h stored through one, and
+persistent: min(tiles, SMs) programs walk the tiles, the tile loop flattened into the K loop so the
+next tile's loads overlap this tile's epilogue. Same roundings as ``_gemm_swiglu_kernel``.
+
 ``_decode_gemv_kernel``: for M <= DECODE_MAX_M = 32. A program owns BLOCK_N output features and
 streams their weight rows once, as the wide operand of the dot (out.T = W_tile @ x.T, M padded to
 BLOCK_M = 16 or 32: ``decode_block_m``), so the
@@ -29,10 +34,11 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fuselm.ops.common.activation import Activation, gate_factor, gate_factor_grad, up_factor, up_factor_grad
 from fuselm.ops.common.matmul import decode_block_m, dot_acc, grouped_tile, load_k_step
-from fuselm.runtime import arch_major, cdiv
+from fuselm.runtime import arch_major, cdiv, num_sms
 
 
 @triton.jit
@@ -91,6 +97,38 @@ def _gemm_swiglu_kernel(
             tl.store(h_ptr + rows64 * stride_hm + cols[None, :], (a * uf).to(h_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptr + rows64 * stride_om + cols[None, :], (a * uf).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemm_swiglu_tma_kernel(
+    x_desc, w_desc, h_desc, M, F, D, limit, alpha,
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PROGRAMS: tl.constexpr, SUBTILE: tl.constexpr,
+):
+    # Persistent: program p takes h tiles p, p + PROGRAMS, ... (grouped order); the tile loop is
+    # flattened into the K loop so the next tile's TMA loads start under this tile's epilogue.
+    # The descriptors zero-fill loads past M, 2F and D and clip stores past M and F: no masks.
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(F, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=True):
+        pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+        for k in range(0, D, BLOCK_K):
+            xt = x_desc.load([pid_m * BLOCK_M, k])
+            w = w_desc.load([pid_n * 2 * BLOCK_N, k])  # 2 BLOCK_N interleaved gate/up rows
+            acc = tl.dot(xt, w.T, acc)
+        g, u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+        dt = h_desc.dtype
+        g = g.to(dt).to(tl.float32)  # rounded as _gemm_swiglu_kernel rounds them
+        u = u.to(dt).to(tl.float32)
+        a = gate_factor(g, ACT, limit, alpha).to(dt).to(tl.float32)
+        h = (a * up_factor(u, ACT, limit)).to(dt)
+        if SUBTILE:  # two half-width stores: half the epilogue's shared-memory staging
+            h0, h1 = tl.split(tl.permute(tl.reshape(h, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1)))
+            h_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], h0)
+            h_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], h1)
+        else:
+            h_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], h)
 
 
 @triton.jit
@@ -163,6 +201,37 @@ def gemm_config(arch: int, dtype: torch.dtype) -> GemmConfig:
     return GemmConfig(128, 128, 64, 8, 8, 3)
 
 
+@dataclass(frozen=True)
+class TmaGemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    subtile: bool
+
+
+# Hopper, 16-bit: H100 sweep (benchmarks/gemm_swiglu_tma.py, NOTES.md 61) at D 4096, F 12288 and
+# 14336, M 1024-16384: 128 x 128 tiles of h (a 128 x 256 product), BLOCK_K 64, 4 stages, 8 warps,
+# the epilogue stored in two halves, groups of 16 row blocks.
+TMA_HOPPER = TmaGemmConfig(128, 128, 64, 16, 8, 4, True)
+TMA_INTERPRET = TmaGemmConfig(16, 16, 16, 4, 4, 1, True)
+
+
+def tma_gemm_config(arch: int) -> TmaGemmConfig:
+    """Tile config of the TMA gate/up GEMM (``gemm_swiglu_tma_kernel``): Hopper's, or the
+    interpreter's small tiles (arch 0)."""
+    return TMA_INTERPRET if arch == 0 else TMA_HOPPER
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether TMA descriptors can address these 2-D tensors: unit last stride, 16-byte aligned
+    base and row stride, 16-bit elements (the kernel's operand type)."""
+    return all(t.dim() == 2 and t.dtype in (torch.float16, torch.bfloat16) and t.stride(1) == 1
+               and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+
+
 @functools.lru_cache(maxsize=64)
 def gemv_config(arch: int, dtype: torch.dtype, swiglu: bool) -> GemvConfig:
     """Decode GEMV config: output features per program, the K step, warps, stages. Hopper,
@@ -198,6 +267,25 @@ def gemm_swiglu_kernel(x, w13, act: Activation, out, dh=None, h=None, config: Ge
         EVEN_K=D % cfg.block_k == 0, RMS=rms_eps is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def gemm_swiglu_tma_kernel(x, w13, act: Activation, out, config: TmaGemmConfig | None = None):
+    """out = h [M, F] from x [M, D] and the interleaved w13 [2F, D] through TMA descriptors, one
+    persistent launch of min(tiles, SMs) programs (SMs: 4 in the interpreter). The caller makes sure
+    ``tma_ok(x, w13, out)`` and that the device has TMA (sm_90) or the interpreter runs it."""
+    M, D = x.shape
+    F = w13.shape[0] // 2
+    cfg = config or tma_gemm_config(arch_major(x.device))
+    x_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
+    w_desc = TensorDescriptor.from_tensor(w13, [2 * cfg.block_n, cfg.block_k])
+    h_desc = TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n // 2 if cfg.subtile else cfg.block_n])
+    programs = min(cdiv(M, cfg.block_m) * cdiv(F, cfg.block_n), num_sms(x.device))
+    _gemm_swiglu_tma_kernel[(programs,)](
+        x_desc, w_desc, h_desc, M, F, D, act.kernel_limit, float(act.alpha),
+        ACT=act.code, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        PROGRAMS=programs, SUBTILE=cfg.subtile, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

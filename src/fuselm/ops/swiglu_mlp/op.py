@@ -4,7 +4,11 @@ checks, the compute paths, autograd (eager) and ``torch.library`` ops (compile),
 Paths by token count M (rows of x):
 - M <= 32 (decode, ``DECODE_MAX_M``): ``_decode_gemv_kernel`` streams the gate/up weight once with
   SwiGLU in its epilogue, then the down weight once: two launches for the whole MLP.
-- M > 32 (a server's mixed steps, prompt chunks, prefill, training): ``torch.mm`` (cuBLAS) for
+- M >= TMA_MIN_ROWS, 16-bit, Hopper (prefill, training's forward): ``_gemm_swiglu_tma_kernel``,
+  the gate/up GEMM with SwiGLU in its epilogue, operands through TMA descriptors, persistent over
+  the h tiles: no [M, 2F] temporary, 1.04-1.11x the cuBLAS path below at the 9B shape (H100,
+  M 1024-16384; benchmarks/NOTES.md 61).
+- Otherwise past 32 rows (a server's mixed steps, short prompt chunks, fp32): ``torch.mm`` (cuBLAS) for
   the [M, 2F] gate/up product with the interleaved weight (G, U rounded to the dtype: the
   contract's roundings), then SwiGLU over its (G, U) column pairs in one elementwise kernel
   (``swiglu_pairs_forward_kernel``), CUBLAS_SWIGLU_ROWS rows at a time (the [rows, 2F]
@@ -12,8 +16,8 @@ Paths by token count M (rows of x):
   against the fused ``_gemm_swiglu_kernel`` (tensor cores, SwiGLU epilogue, no temporary)
   0.637 vs 0.623 at M = 2048, 1.30 vs 1.42 at 4096, 2.48 vs 2.80 at 8192, 4.98 vs 6.50 at 16384
   in 8192-row slices (5.25 in one); prefill 32 x 512 408 -> 388 ms (benchmarks/NOTES.md 56);
-  at M = 256 0.099 against 0.112-0.125 for the fused kernel's tiles (mlp_small_m.md). The fused
-  kernel stays for the backward (below) and for the work on beating this path (issue 18).
+  at M = 256 0.099 against 0.112-0.125 for the fused kernel's tiles (mlp_small_m.md). The
+  pointer-based fused kernel stays for the backward (below).
   fp32 follows torch's matmul settings here (ieee unless TF32 is allowed).
 - Backward: the GEMM kernel recomputes G and U and writes dG, dU (and h for the down weight's
   gradient); only x and the weights are saved. dx and the weight gradients are cuBLAS GEMMs.
@@ -27,13 +31,17 @@ from torch import nn
 from fuselm.ops.common.activation import Activation
 from fuselm.ops.common.matmul import DECODE_MAX_M
 from fuselm.ops.silu_mul.kernels import swiglu_pairs_forward_kernel
-from fuselm.ops.swiglu_mlp.kernels import decode_gemv_kernel, gemm_swiglu_kernel
+from fuselm.ops.swiglu_mlp.kernels import decode_gemv_kernel, gemm_swiglu_kernel, gemm_swiglu_tma_kernel, tma_ok
 from fuselm.ops.swiglu_mlp.naive import gemm_swiglu_backward_ref, gemm_swiglu_ref
-from fuselm.runtime import as_rows, check_out, check_same_device, check_tensor, needs_autograd, use_triton
+from fuselm.runtime import (arch_major, as_rows, check_out, check_same_device, check_tensor, needs_autograd,
+                             use_triton)
 
 # Rows of x per cuBLAS gate/up product in the forward (bounds its [rows, 2F] temporary; the H100
 # took 4.98 ms at M = 16384 in 8192-row slices against 5.25 in one, 9B shape).
 CUBLAS_SWIGLU_ROWS = 8192
+# Rows of x from which the forward takes the TMA kernel (16-bit, Hopper): below, cuBLAS + the
+# pairs kernel (H100, 9B shape; NOTES.md 61).
+TMA_MIN_ROWS = 1024
 
 
 # ----------------------------------------------------------------------------- weight layout
@@ -109,6 +117,8 @@ def _gemm_swiglu(x: torch.Tensor, w13: torch.Tensor, act: Activation, out: torch
         return out
     if x.shape[0] <= DECODE_MAX_M:
         return decode_gemv_kernel(x, w13, out, act)
+    if x.shape[0] >= TMA_MIN_ROWS and arch_major(x.device) == 9 and tma_ok(x, w13, out):
+        return gemm_swiglu_tma_kernel(x, w13, act, out)
     for s in range(0, x.shape[0], CUBLAS_SWIGLU_ROWS):
         rows = slice(s, s + CUBLAS_SWIGLU_ROWS)
         swiglu_pairs_forward_kernel(torch.mm(x[rows], w13.T), out[rows], act)
