@@ -3,7 +3,8 @@ F=14336, bf16), against cuBLAS (+ Liger silu_mul) and Liger's fused MLP, in one 
 
     python benchmarks/mlp.py [--sweep] [--out DIR]
 
-GPU time is do_bench of the call replayed from a CUDA graph (see benchmarks/ops.py); the matrix
+GPU time is do_bench of the call replayed from a CUDA graph (see benchmarks/ops.py), the median of
+three rounds that each time every provider once (``timing.interleaved_graph_bench``); the matrix
 rate (8192^3 bf16 torch.mm) and the copy bandwidth are measured in the same run. Writes
 ``mlp.md``, ``mlp.json``, ``mlp.png``. ``--sweep`` also times the kernels' tile configs.
 """
@@ -24,7 +25,7 @@ from fuselm import gemm_swiglu, interleave_gate_up, silu_mul, swiglu_mlp
 from fuselm.ops.common.activation import Activation
 from fuselm.ops.swiglu_mlp.kernels import GemmConfig, GemvConfig, decode_gemv_kernel, gemm_swiglu_kernel
 from fuselm.runtime import copy_bandwidth, matrix_rate
-from timing import results_dir, bench, graph_bench
+from timing import bench, graph_bench, interleaved_graph_bench, results_dir
 
 try:
     from liger_kernel.ops.mlp import LigerMLPFunction
@@ -227,13 +228,13 @@ def main(argv=None) -> int:
     for m in (1, 16, 128, 1024, 4096, 8192):
         x = torch.randn(m, D, device="cuda", dtype=DT)
         providers = runnable(gemm_providers(x, w13, w_cat))
-        ms = {name: graph_bench(fn) for name, fn in providers.items()}
+        ms = interleaved_graph_bench(providers)
         peak = {name: peak_bytes(providers[name]) for name in ("fuselm gemm_swiglu", "cuBLAS + fuselm silu_mul")}
         result["gemm"].append({"m": m, "ms": ms, "peak_bytes": peak})
         print("gemm", m, {k: round(v, 4) for k, v in ms.items()}, flush=True)
     for m in (1, 4, 16, 128, 1024, 4096):
         x = torch.randn(m, D, device="cuda", dtype=DT)
-        ms = {name: graph_bench(fn) for name, fn in runnable(mlp_providers(x, wg, wu, w13, w2)).items()}
+        ms = interleaved_graph_bench(runnable(mlp_providers(x, wg, wu, w13, w2)))
         result["mlp"].append({"m": m, "ms": ms})
         print("mlp", m, {k: round(v, 4) for k, v in ms.items()}, flush=True)
     result["training_m4096"] = training_step(4096, w13, w2, w_cat)

@@ -45,6 +45,18 @@ def graph_bench(fn) -> float:
     return bench(capture(fn).replay)
 
 
+def interleaved_graph_bench(providers: dict, rounds: int = 3) -> dict:
+    """``graph_bench`` of every provider, in ``rounds`` rounds that each time every provider once
+    (so clock drift over the run, e.g. a GPU warming up under GEMMs, hits all alike): the median
+    per provider, in ms."""
+    graphs = {name: capture(fn) for name, fn in providers.items()}
+    times = defaultdict(list)
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            times[name].append(bench(graph.replay))
+    return {name: sorted(samples)[len(samples) // 2] for name, samples in times.items()}
+
+
 def graph_per_call_ms(fn, calls: int = 20) -> float:
     """GPU time per call of ``calls`` calls of ``fn`` captured in one CUDA graph (the graph launch
     amortised over them): do_bench of its replay / calls, in ms."""
