@@ -6,8 +6,8 @@ Paths by token count M (rows of x):
   SwiGLU in its epilogue, then the down weight once: two launches for the whole MLP.
 - M >= TMA_MIN_ROWS, 16-bit, Hopper (prefill, training's forward): ``_gemm_swiglu_tma_kernel``,
   the gate/up GEMM with SwiGLU in its epilogue, operands through TMA descriptors, persistent over
-  the h tiles: no [M, 2F] temporary, 1.04-1.11x the cuBLAS path below at the 9B shape (H100,
-  M 1024-16384; benchmarks/NOTES.md 61).
+  the h tiles: no [M, 2F] temporary, 1.05-1.09x the cuBLAS path below at the 9B shape (H100,
+  M 512-16384; benchmarks/NOTES.md 61).
 - Otherwise past 32 rows (a server's mixed steps, short prompt chunks, fp32): ``torch.mm`` (cuBLAS) for
   the [M, 2F] gate/up product with the interleaved weight (G, U rounded to the dtype: the
   contract's roundings), then SwiGLU over its (G, U) column pairs in one elementwise kernel
@@ -40,8 +40,9 @@ from fuselm.runtime import (arch_major, as_rows, check_out, check_same_device, c
 # took 4.98 ms at M = 16384 in 8192-row slices against 5.25 in one, 9B shape).
 CUBLAS_SWIGLU_ROWS = 8192
 # Rows of x from which the forward takes the TMA kernel (16-bit, Hopper): below, cuBLAS + the
-# pairs kernel (H100, 9B shape; NOTES.md 61).
-TMA_MIN_ROWS = 1024
+# pairs kernel (H100, 9B shape, gemm_swiglu_tma.py: 1.08x of it at 512 rows, 0.52x at 256, where
+# 192 tiles leave most of a second wave idle; NOTES.md 61).
+TMA_MIN_ROWS = 512
 
 
 # ----------------------------------------------------------------------------- weight layout
