@@ -22,8 +22,8 @@ from fuselm.ops.silu_mul.kernels import swiglu_pairs_forward_kernel
 from fuselm.ops.swiglu_mlp.kernels import TMA_HOPPER, TmaGemmConfig, gemm_swiglu_tma_kernel
 
 CONFIGS = [TMA_HOPPER, TmaGemmConfig(128, 128, 64, 8, 8, 3, False), TmaGemmConfig(128, 128, 64, 8, 8, 4, True),
-           TmaGemmConfig(64, 128, 64, 16, 4, 4, True), TmaGemmConfig(128, 64, 64, 16, 8, 4, True),
-           TmaGemmConfig(64, 128, 64, 16, 8, 4, True)]
+           TmaGemmConfig(128, 128, 128, 16, 8, 2, True), TmaGemmConfig(128, 128, 64, 32, 8, 4, True),
+           TmaGemmConfig(128, 128, 64, 16, 8, 3, True), TmaGemmConfig(64, 128, 64, 16, 4, 4, True)]
 
 
 def main():
