@@ -221,7 +221,7 @@ def test_llama8b_mlp_bf16(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [512, 3000])
+@pytest.mark.parametrize("m", [1024, 3000])
 def test_prefill_forward_takes_the_tma_kernel_on_hopper(m):
     """At M >= TMA_MIN_ROWS on sm_90 the forward is one TMA launch (no cuBLAS product), in a CUDA
     graph too, within the contract of the cuBLAS + pairs path (9B-like width, 16-bit)."""

@@ -212,10 +212,11 @@ class TmaGemmConfig:
     subtile: bool
 
 
-# Hopper, 16-bit: H100 sweep (benchmarks/gemm_swiglu_tma.py, 5 interleaved rounds; NOTES.md 61) at
-# D 4096, F 12288 and 14336, M 512-16384: 128 x 128 tiles of h (a 128 x 256 product), BLOCK_K 64,
-# 3 stages, 8 warps, the epilogue stored in two halves, groups of 16 row blocks: 1.04-1.11x cuBLAS
-# mm + the pairs kernel (4 stages 1.04-1.09x; BLOCK_K 128 at 2 stages 0.82-0.84x).
+# Hopper, 16-bit: H100 (benchmarks/gemm_swiglu_tma.py: CUDA graphs, 7 interleaved rounds; NOTES.md
+# 61) at D 4096, F 12288 and 14336: 128 x 128 tiles of h (a 128 x 256 product), BLOCK_K 64, 3 stages,
+# 8 warps, the epilogue stored in two halves, groups of 16 row blocks: 1.057-1.103x cuBLAS mm +
+# silu_mul at M 1024-8192 (4 stages 1.045-1.088x, groups of 8 or 32 down to 1.008x; BLOCK_K 128 at
+# 2 stages 0.82-0.84x in an earlier sweep).
 TMA_HOPPER = TmaGemmConfig(128, 128, 64, 16, 8, 3, True)
 TMA_INTERPRET = TmaGemmConfig(16, 16, 16, 4, 4, 1, True)
 

@@ -6,8 +6,8 @@ Paths by token count M (rows of x):
   SwiGLU in its epilogue, then the down weight once: two launches for the whole MLP.
 - M >= TMA_MIN_ROWS, 16-bit, Hopper (prefill, training's forward): ``_gemm_swiglu_tma_kernel``,
   the gate/up GEMM with SwiGLU in its epilogue, operands through TMA descriptors, persistent over
-  the h tiles: no [M, 2F] temporary, 1.05-1.09x the cuBLAS path below at the 9B shape (H100,
-  M 512-16384; benchmarks/NOTES.md 61).
+  the h tiles: no [M, 2F] temporary; 1.06-1.10x cuBLAS mm + silu_mul at D 4096, F 12288 / 14336,
+  M 1024-8192 (H100, benchmarks/results/.../gemm_swiglu_tma.md; NOTES.md 61).
 - Otherwise past 32 rows (a server's mixed steps, short prompt chunks, fp32): ``torch.mm`` (cuBLAS) for
   the [M, 2F] gate/up product with the interleaved weight (G, U rounded to the dtype: the
   contract's roundings), then SwiGLU over its (G, U) column pairs in one elementwise kernel
@@ -40,9 +40,10 @@ from fuselm.runtime import (arch_major, as_rows, check_out, check_same_device, c
 # took 4.98 ms at M = 16384 in 8192-row slices against 5.25 in one, 9B shape).
 CUBLAS_SWIGLU_ROWS = 8192
 # Rows of x from which the forward takes the TMA kernel (16-bit, Hopper): below, cuBLAS + the
-# pairs kernel (H100, 9B shape, gemm_swiglu_tma.py: 1.08x of it at 512 rows, 0.52x at 256, where
-# 192 tiles leave most of a second wave idle; NOTES.md 61).
-TMA_MIN_ROWS = 512
+# pairs kernel. H100 (gemm_swiglu_tma.md, D 4096): from 1024 rows 1.06-1.10x of cuBLAS + silu_mul at
+# F 12288 and 14336; at 512 rows 1.05x at F 12288 but 0.95x at 14336 (448 tiles: 3.4 waves of 132
+# programs), at 256 0.5x (NOTES.md 61).
+TMA_MIN_ROWS = 1024
 
 
 # ----------------------------------------------------------------------------- weight layout
