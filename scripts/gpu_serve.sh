@@ -5,8 +5,8 @@
 # transformers on the same directory, all in this run:
 #   1. static Engine, batch 1 (prefill time of one 512-token prompt, decode step), greedy and with
 #      the served requests' sampling (the checkpoint's generation_config): engine.md
-#   2. server with the CLI's prefill budget: 1 client; 32 concurrent clients (96 prompts, and 320
-#      for the steady state); Poisson arrivals at 80% of the 32-client request throughput. Stage
+#   2. server with the CLI's prefill budget: 1 client; 32 concurrent clients (96 prompts, 320 and
+#      1000 for the steady state); Poisson arrivals at 80% of the 32-client request throughput. Stage
 #      serveN: a server with --max-prefill-tokens N, 32 clients and the same Poisson rate (or $RATE)
 #   3. static Engine, batch 32, greedy and with the served sampling: engine.md
 #   4. HF transformers: static generate at batch 1 and 32, and generate_batch checked: hf_anchor.*
@@ -66,6 +66,8 @@ if want serve; then
   # Steady state: 96 prompts are three waves, and the first wave's 32 x 512-token prefill has no
   # decode to hide under (nor the last wave's drain): ~10% of the run (NOTES.md 34, 47)
   bench serve_c32_steady --num-prompts 320 --max-concurrency 32 --warmup-requests 4
+  # vLLM's bench serve default count: the ramp and drain ~1% of the run
+  bench serve_c32_1000 --num-prompts 1000 --max-concurrency 32 --warmup-requests 4
   rate=$(python3 -c "import json; print(0.8 * json.load(open('$work/serve_c32.json'))['request_throughput'])")
   echo "Poisson rate: $rate req/s (80% of the 32-client throughput)"
   bench serve_poisson --num-prompts 96 --request-rate "$rate" --burstiness 1 --max-concurrency 32 --goodput ttft:500
