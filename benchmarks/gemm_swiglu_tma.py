@@ -61,7 +61,8 @@ def main():
                 providers[name(cfg)] = lambda cfg=cfg: gemm_swiglu_tma_kernel(x, w13, act, out, cfg)
             ms = interleaved_graph_bench(providers, rounds=args.rounds)
             base = ms["cuBLAS + silu_mul"]
-            print(f"| {F} | {M} | " + " | ".join(f"{ms[p]:.4f} ({base / ms[p]:.3f}x)" for p in paths) + " |", flush=True)
+            cells = [f"{ms[path]:.4f} ({base / ms[path]:.3f}x)" for path in paths]
+            print(f"| {F} | {M} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":
