@@ -100,6 +100,16 @@ def test_tma_kernel(m, act):
     assert_close(h, gemm_swiglu_ref(x, w13, act), CONTRACT_TOL[dtype], "h vs contract")
 
 
+def test_tma_pays_from_1024_rows_or_full_waves():
+    """H100 (132 multiprocessors): 512 rows into F 12288 is 384 tiles (91% of a third wave: TMA),
+    into F 14336 448 (39% of a fourth: cuBLAS); 256 rows never, 1024 always."""
+    from fuselm.ops.swiglu_mlp.op import tma_pays
+
+    assert tma_pays(512, 12288, 132) and not tma_pays(512, 14336, 132)
+    assert not tma_pays(256, 12288, 132) and not tma_pays(511, 12288, 132)
+    assert tma_pays(1024, 14336, 132) and tma_pays(5000, 100, 132)
+
+
 def test_tma_ok_rejects_what_descriptors_cannot_address():
     from fuselm.ops.swiglu_mlp.kernels import tma_ok
 

@@ -4,7 +4,8 @@ checks, the compute paths, autograd (eager) and ``torch.library`` ops (compile),
 Paths by token count M (rows of x):
 - M <= 32 (decode, ``DECODE_MAX_M``): ``_decode_gemv_kernel`` streams the gate/up weight once with
   SwiGLU in its epilogue, then the down weight once: two launches for the whole MLP.
-- M >= TMA_MIN_ROWS, 16-bit, Hopper (prefill, training's forward): ``_gemm_swiglu_tma_kernel``,
+- M >= TMA_MIN_ROWS (or from 512 rows when the tiles fill the last wave: ``tma_pays``), 16-bit,
+  Hopper (prefill, training's forward): ``_gemm_swiglu_tma_kernel``,
   the gate/up GEMM with SwiGLU in its epilogue, operands through TMA descriptors, persistent over
   the h tiles: no [M, 2F] temporary; 1.06-1.10x cuBLAS mm + silu_mul at D 4096, F 12288 / 14336,
   M 1024-8192 (H100, benchmarks/results/.../gemm_swiglu_tma.md; NOTES.md 61).
@@ -31,19 +32,34 @@ from torch import nn
 from fuselm.ops.common.activation import Activation
 from fuselm.ops.common.matmul import DECODE_MAX_M
 from fuselm.ops.silu_mul.kernels import swiglu_pairs_forward_kernel
-from fuselm.ops.swiglu_mlp.kernels import decode_gemv_kernel, gemm_swiglu_kernel, gemm_swiglu_tma_kernel, tma_ok
+from fuselm.ops.swiglu_mlp.kernels import (TMA_HOPPER, decode_gemv_kernel, gemm_swiglu_kernel, gemm_swiglu_tma_kernel,
+                                           tma_ok)
 from fuselm.ops.swiglu_mlp.naive import gemm_swiglu_backward_ref, gemm_swiglu_ref
-from fuselm.runtime import (arch_major, as_rows, check_out, check_same_device, check_tensor, needs_autograd,
+from fuselm.runtime import (arch_major, as_rows, check_out, check_same_device, check_tensor, needs_autograd, num_sms,
                              use_triton)
 
 # Rows of x per cuBLAS gate/up product in the forward (bounds its [rows, 2F] temporary; the H100
 # took 4.98 ms at M = 16384 in 8192-row slices against 5.25 in one, 9B shape).
 CUBLAS_SWIGLU_ROWS = 8192
-# Rows of x from which the forward takes the TMA kernel (16-bit, Hopper): below, cuBLAS + the
-# pairs kernel. H100 (gemm_swiglu_tma.md, D 4096): from 1024 rows 1.06-1.10x of cuBLAS + silu_mul at
-# F 12288 and 14336; at 512 rows 1.05x at F 12288 but 0.95x at 14336 (448 tiles: 3.4 waves of 132
-# programs), at 256 0.5x (NOTES.md 61).
+# Rows of x from which the forward takes the TMA kernel (16-bit, Hopper), and from which it takes it
+# when its h tiles fill at least TMA_LAST_WAVE of their last wave of programs; otherwise cuBLAS +
+# the pairs kernel. H100 (gemm_swiglu_tma.md, D 4096): from 1024 rows 1.06-1.10x of cuBLAS +
+# silu_mul at F 12288 and 14336; at 512 rows 1.05x at F 12288 (384 tiles: the third wave 91% full)
+# but 0.95x at 14336 (448 tiles: the fourth 39% full); at 256 0.5x (NOTES.md 61, 64).
 TMA_MIN_ROWS = 1024
+TMA_FULL_WAVE_ROWS = 512
+TMA_LAST_WAVE = 0.9
+
+
+def tma_pays(m: int, f: int, programs: int) -> bool:
+    """Whether the forward of m rows into f features takes the TMA kernel on ``programs``
+    multiprocessors (given a device that has it and operands it can address)."""
+    if m >= TMA_MIN_ROWS:
+        return True
+    if m < TMA_FULL_WAVE_ROWS:
+        return False
+    tiles = -(-m // TMA_HOPPER.block_m) * -(-f // TMA_HOPPER.block_n)
+    return tiles / (-(-tiles // programs) * programs) >= TMA_LAST_WAVE
 
 
 # ----------------------------------------------------------------------------- weight layout
@@ -119,7 +135,7 @@ def _gemm_swiglu(x: torch.Tensor, w13: torch.Tensor, act: Activation, out: torch
         return out
     if x.shape[0] <= DECODE_MAX_M:
         return decode_gemv_kernel(x, w13, out, act)
-    if x.shape[0] >= TMA_MIN_ROWS and arch_major(x.device) == 9 and tma_ok(x, w13, out):
+    if arch_major(x.device) == 9 and tma_pays(x.shape[0], out.shape[1], num_sms(x.device)) and tma_ok(x, w13, out):
         return gemm_swiglu_tma_kernel(x, w13, act, out)
     for s in range(0, x.shape[0], CUBLAS_SWIGLU_ROWS):
         rows = slice(s, s + CUBLAS_SWIGLU_ROWS)
