@@ -35,17 +35,17 @@ from fuselm.ops.silu_mul.kernels import swiglu_pairs_forward_kernel
 from fuselm.ops.swiglu_mlp.kernels import (TMA_HOPPER, decode_gemv_kernel, gemm_swiglu_kernel, gemm_swiglu_tma_kernel,
                                            tma_ok)
 from fuselm.ops.swiglu_mlp.naive import gemm_swiglu_backward_ref, gemm_swiglu_ref
-from fuselm.runtime import (arch_major, as_rows, check_out, check_same_device, check_tensor, needs_autograd, num_sms,
-                             use_triton)
+from fuselm.runtime import (arch_major, as_rows, cdiv, check_out, check_same_device, check_tensor, needs_autograd,
+                             num_sms, use_triton)
 
 # Rows of x per cuBLAS gate/up product in the forward (bounds its [rows, 2F] temporary; the H100
 # took 4.98 ms at M = 16384 in 8192-row slices against 5.25 in one, 9B shape).
 CUBLAS_SWIGLU_ROWS = 8192
-# Rows of x from which the forward takes the TMA kernel (16-bit, Hopper), and from which it takes it
-# when its h tiles fill at least TMA_LAST_WAVE of their last wave of programs; otherwise cuBLAS +
-# the pairs kernel. H100 (gemm_swiglu_tma.md, D 4096): from 1024 rows 1.06-1.10x of cuBLAS +
-# silu_mul at F 12288 and 14336; at 512 rows 1.05x at F 12288 (384 tiles: the third wave 91% full)
-# but 0.95x at 14336 (448 tiles: the fourth 39% full); at 256 0.5x (NOTES.md 61, 64).
+# The forward's TMA kernel (16-bit, Hopper) from TMA_MIN_ROWS rows; from TMA_FULL_WAVE_ROWS rows when
+# its h tiles fill at least TMA_LAST_WAVE of their last wave of programs; otherwise cuBLAS + the
+# pairs kernel. H100 (gemm_swiglu_tma.md, D 4096): from 1024 rows 1.06-1.10x of cuBLAS + silu_mul
+# at F 12288 and 14336; at 512 rows 1.05x at F 12288 (384 tiles: the third wave 91% full) but 0.95x
+# at 14336 (448 tiles: the fourth 39% full); at 256 0.5x (NOTES.md 61, 64).
 TMA_MIN_ROWS = 1024
 TMA_FULL_WAVE_ROWS = 512
 TMA_LAST_WAVE = 0.9
@@ -58,8 +58,8 @@ def tma_pays(m: int, f: int, programs: int) -> bool:
         return True
     if m < TMA_FULL_WAVE_ROWS:
         return False
-    tiles = -(-m // TMA_HOPPER.block_m) * -(-f // TMA_HOPPER.block_n)
-    return tiles / (-(-tiles // programs) * programs) >= TMA_LAST_WAVE
+    tiles = cdiv(m, TMA_HOPPER.block_m) * cdiv(f, TMA_HOPPER.block_n)
+    return tiles / (cdiv(tiles, programs) * programs) >= TMA_LAST_WAVE
 
 
 # ----------------------------------------------------------------------------- weight layout
