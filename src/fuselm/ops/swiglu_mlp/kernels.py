@@ -202,13 +202,9 @@ def gemm_config(arch: int, dtype: torch.dtype) -> GemmConfig:
 
 
 @dataclass(frozen=True)
-class TmaGemmConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int
-    num_warps: int
-    num_stages: int
+class TmaGemmConfig(GemmConfig):
+    """The TMA kernel's tile: ``GemmConfig``'s fields, then whether the epilogue stores h in two
+    half-width tiles."""
     subtile: bool
 
 
