@@ -33,9 +33,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 PRESETS = ("tiny", "9b", "tiny-moe", "35b-a3b", "0.8b")  # fuselm.models.qwen35.presets.PRESETS (no import here: lazy)
 TEXT_MAX_TOKENS, TEXT_MAX_LEN = 256, 4096
 # Tokens per engine step when serving (decode rows + a prompt chunk): what bounds the stall of
-# running decodes. H100, 9B, 32 clients (results serve.md): 256 gives ITL p99 1.5x the median and
-# the best throughput measured; 2048 gave ITL p99 14x (whole prompts in one step).
-SERVE_MAX_PREFILL_TOKENS = 256
+# running decodes. H100, 9B, 32 clients, 512-token prompts (benchmarks/NOTES.md 65): 320 takes a
+# prompt in two mixed steps (289 + 223 tokens beside 31 decode rows: 6.9 ms over two decode steps,
+# against 8.1 ms for 256's three), 3,297 tok/s against 3,249 at 256 and 3,300 at 384 on the engine
+# alone; 2048 gave ITL p99 14x the median (whole prompts in one step).
+SERVE_MAX_PREFILL_TOKENS = 320
 BENCH_PROMPT_LEN, BENCH_MAX_NEW_TOKENS, BENCH_BATCH = 32, 16, 1
 
 
