@@ -11,9 +11,11 @@ decode rows), prefill+decode (a prefill step with a decode step behind it). Idle
 to run) and the gap after them are left out. Prints a markdown table per kind (count, share,
 median, p90, p99, max, mean prompt tokens; and the host's share of each step: median ms from
 the step's start to its last launch, "host launch", and from there to having read the step
-before's ids, "wait") and the kinds / sizes of the slowest 1% of gaps, for
-each run of steps without a pause of more than --split-gap seconds (a server's benchmarks, one
-after another, come out as separate runs).
+before's ids, "wait") and the kinds / sizes of the slowest 1% of gaps, each with the host's span
+from reading the step before to launching the next (longer than the step's GPU time: the GPU
+waited for the host) and the garbage collections within it (the log's "gc" entries, which
+``fuselm serve --step-log`` records), for each run of steps without a pause of more than
+--split-gap seconds (a server's benchmarks, one after another, come out as separate runs).
 """
 
 from __future__ import annotations
@@ -28,17 +30,39 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def timed_pairs(steps: list[dict]) -> list[tuple[float, dict, dict]]:
+    """(duration in ms, the step it times, the step after) for each pair of consecutive non-idle steps."""
+    return [(1e3 * (after["read"] - before["read"]), before, after) for before, after in zip(steps, steps[1:])
+            if before["kind"] != "idle" and after["kind"] != "idle"]
+
+
 def gaps(steps: list[dict]) -> list[tuple[float, dict]]:
     """(duration in ms, the step it times) for each pair of consecutive non-idle steps."""
-    timed = []
-    for before, after in zip(steps, steps[1:]):
-        if before["kind"] != "idle" and after["kind"] != "idle":
-            timed.append((1e3 * (after["read"] - before["read"]), before))
-    return timed
+    return [(gap, before) for gap, before, _ in timed_pairs(steps)]
 
 
-def summarise(steps: list[dict]) -> str:
-    timed = gaps(steps)
+def gc_ms(pauses: list[dict], start: float, end: float) -> float:
+    """Milliseconds of the garbage collections in ``pauses`` that fall within [start, end]."""
+    return 1e3 * sum(max(0.0, min(end, p["read"]) - max(start, p["began"])) for p in pauses)
+
+
+def why(before: dict, after: dict, pauses: list[dict]) -> str:
+    """What a gap's host did: the span from reading the step before to launching the next one
+    (when it is longer than the GPU's step, the GPU waited), and the collections within the gap."""
+    parts = []
+    if "launched" in after:
+        parts.append(f"host {1e3 * (after['launched'] - before['read']):.1f} ms")
+    if pauses:
+        parts.append(f"gc {gc_ms(pauses, before['read'], after['read']):.1f} ms")
+    return f"; {', '.join(parts)}" if parts else ""
+
+
+def summarise(steps: list[dict], pauses: list[dict] = ()) -> str:
+    """The tables of the module docstring for one run of ``steps``; ``pauses``: the run's garbage
+    collections (``{"kind": "gc", "began", "read"}`` entries of the log)."""
+    pauses = list(pauses)
+    pairs = timed_pairs(steps)
+    timed = [(gap, before) for gap, before, _ in pairs]
     if not timed:
         return "no timed steps"
     lines = ["| step kind | steps | share | median ms | p90 ms | p99 ms | max ms | mean prompt tokens | host launch ms | wait ms |",
@@ -59,10 +83,15 @@ def summarise(steps: list[dict]) -> str:
     every = [gap for gap, _ in timed]
     lines.append(f"| all | {len(timed)} | 100% | {percentile(every, 0.5):.2f} | {percentile(every, 0.9):.2f} | "
                  f"{percentile(every, 0.99):.2f} | {max(every):.2f} | | | |")
-    slowest = sorted(timed, key=lambda item: -item[0])[:max(1, len(timed) // 100)]
+    slowest = sorted(pairs, key=lambda item: -item[0])[:max(1, len(pairs) // 100)]
     lines += ["", f"slowest 1% ({len(slowest)} steps): " + ", ".join(
         f"{gap:.1f} ms {step['kind']} (rows {step['decode_rows']}, chunks {step['chunks']}, "
-        f"prompt tokens {step['prompt_tokens']})" for gap, step in slowest[:20])]
+        f"prompt tokens {step['prompt_tokens']}{why(step, after, pauses)})" for gap, step, after in slowest[:20])]
+    if pauses:
+        total = gc_ms(pauses, steps[0]["began"], steps[-1]["read"])
+        longest = max((1e3 * (p["read"] - p["began"]) for p in pauses if steps[0]["began"] <= p["began"] <=
+                       steps[-1]["read"]), default=0.0)
+        lines += ["", f"garbage collection in the run: {total:.1f} ms in all, the longest {longest:.1f} ms"]
     return "\n".join(lines)
 
 
@@ -83,10 +112,12 @@ def main():
     parser.add_argument("--split-gap", type=float, default=1.0, help="a pause (s) that starts a new run")
     args = parser.parse_args()
     with open(args.path) as handle:
-        steps = [json.loads(line) for line in handle if line.strip()]
+        entries = [json.loads(line) for line in handle if line.strip()]
+    steps = [entry for entry in entries if entry["kind"] != "gc"]
+    pauses = [entry for entry in entries if entry["kind"] == "gc"]
     for i, run in enumerate(runs(steps[args.skip_first:], args.split_gap)):
         print(f"### run {i + 1}: {len(run)} steps over {run[-1]['read'] - run[0]['began']:.1f} s\n")
-        print(summarise(run) + "\n")
+        print(summarise(run, pauses) + "\n")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@
 # Writes to $OUT (default ./gpu_out):
 #   serve.md (every bench-serve table), serve.json (their JSON), serve_poisson.png, engine.md,
 #   server_*.log (each server's log tail: graph captures), steps_*.md (benchmarks/step_log.py: step
-#   durations by kind, per benchmark run),
+#   durations by kind, per benchmark run; the slowest steps' host spans and garbage collections),
+#   steps_N.jsonl (stage serveN: the raw step log),
 #   hf_anchor.md, hf_anchor.json, serve_tests.log, sanitizer.log; sampling.md (the sampler's cut-off
 #   ways: sort, histogram, top-k candidates; benchmarks/sampling.py) when that stage is named
 # Usage: bash scripts/gpu_serve.sh [STAGE ...]   stages: engine serve serveN hf tests sanitizer sampling
@@ -88,6 +89,7 @@ for stage in $stages; do  # serveN: 32 clients, then Poisson at 80% of their thr
   stop
   cp "$work/serve_poisson_budget$budget.png" "$OUT/" 2>/dev/null
   python3 benchmarks/step_log.py "$work/steps_$budget.jsonl" > "$OUT/steps_$budget.md" 2>&1
+  cp "$work/steps_$budget.jsonl" "$OUT/"
   grep -c "graph (" "$work/server_$budget.log" | sed "s/^/graph captures at budget $budget: /"
   tail -c 20000 "$work/server_$budget.log" > "$OUT/server_$budget.log"
 done

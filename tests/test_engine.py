@@ -208,6 +208,14 @@ def test_the_step_log_records_each_step(model):
     spec.loader.exec_module(step_log)
     table = step_log.summarise(engine.step_log)
     assert "| mixed |" in table and "| all |" in table
+    # A collection inside the slowest gap is named there, with the host's span across it.
+    steps = engine.step_log
+    gap, before, after = max(step_log.timed_pairs(steps), key=lambda item: item[0])
+    pause = {"kind": "gc", "generation": 2, "began": before["read"], "read": before["read"] + gap / 2e3}
+    table = step_log.summarise(steps, [pause])
+    slowest = table.split("slowest 1%")[1]
+    assert f"gc {gap / 2:.1f} ms" in slowest and "host " in slowest
+    assert f"garbage collection in the run: {gap / 2:.1f} ms in all" in table
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_any_batch(model, engine):

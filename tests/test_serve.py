@@ -343,7 +343,7 @@ def _free_port() -> int:
 
 
 def test_fuselm_serve_config_tiny_takes_token_ids_and_exits_0_on_sigterm(tmp_path):
-    """... and writes its step log (--step-log) on the way out."""
+    """... and writes its step log (--step-log) on the way out, garbage collections included."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     step_log = tmp_path / "steps.jsonl"
@@ -379,5 +379,8 @@ def test_fuselm_serve_config_tiny_takes_token_ids_and_exits_0_on_sigterm(tmp_pat
     assert len(ids_answer["choices"][0]["token_ids"]) == ids_answer["usage"]["completion_tokens"] >= 1
     assert text_status == 400 and "no tokenizer" in text_answer["error"]["message"]
     assert process.returncode == 0, output
-    steps = [json.loads(line) for line in step_log.read_text().splitlines()]
+    entries = [json.loads(line) for line in step_log.read_text().splitlines()]
+    steps = [entry for entry in entries if entry["kind"] != "gc"]
     assert steps and steps[0]["kind"] == "prefill+decode" and steps[0]["prompt_tokens"] == 3
+    pauses = [entry for entry in entries if entry["kind"] == "gc"]  # the start-up's gc.collect() at least
+    assert pauses and all(p["read"] >= p["began"] and p["generation"] in (0, 1, 2) for p in pauses)

@@ -25,8 +25,10 @@ exit status 1.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
+import time
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -156,16 +158,33 @@ def _serve(args) -> int:
         model = ServedModel.random(args.config, dtype=dtype, device=device, max_batch=args.max_batch,
                                    max_len=args.max_len, seed=args.seed, name=args.served_model_name,
                                    max_prefill_tokens=args.max_prefill_tokens, kv_cache_tokens=args.kv_cache_tokens)
+    pauses: list[dict] = []
     if args.step_log is not None:
         model.engine.step_log = []
+        gc.callbacks.append(_gc_recorder(pauses))
     try:
         run_server(model, args.host, args.port, args.max_queue)
     except OSError as error:  # the address cannot be listened on
         raise ValueError(f"--host/--port: {error}") from None
     if args.step_log is not None:
         with open(args.step_log, "w") as handle:
-            handle.writelines(json.dumps(step) + "\n" for step in model.engine.step_log)
+            handle.writelines(json.dumps(entry) + "\n" for entry in model.engine.step_log + pauses)
     return 0
+
+
+def _gc_recorder(pauses: list[dict]):
+    """A ``gc.callbacks`` hook appending each garbage collection to ``pauses`` as a step-log entry
+    {"kind": "gc", "generation", "began", "read"} (the step log's clock), so that
+    benchmarks/step_log.py can tell a collection that stalled the engine from other host work."""
+    began = []
+
+    def record(phase: str, info: dict) -> None:
+        if phase == "start":
+            began.append(time.perf_counter())
+        elif began:
+            pauses.append({"kind": "gc", "generation": info["generation"], "began": began.pop(),
+                           "read": time.perf_counter()})
+    return record
 
 
 # ============================================================================ random weights
