@@ -96,9 +96,17 @@ done
 python3 - "$work" "$OUT/serve.json" <<'EOF2'
 import json, sys
 from pathlib import Path
+def rounded(value):  # times to the microsecond: the per-request ITL lists of 1000 prompts stay ~3 MB
+    if isinstance(value, float):
+        return round(value, 6)
+    if isinstance(value, list):
+        return [rounded(v) for v in value]
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    return value
 work = Path(sys.argv[1])
-json.dump({path.stem: json.loads(path.read_text()) for path in sorted(work.glob("serve_*.json"))},
-          open(sys.argv[2], "w"), indent=1)
+json.dump({path.stem: rounded(json.loads(path.read_text())) for path in sorted(work.glob("serve_*.json"))},
+          open(sys.argv[2], "w"), separators=(",", ":"))
 EOF2
 want engine && { engine 32; engine 32 $SERVED_SAMPLING; }
 grep -E "^(##|Successful|Failed|Request throughput|Output token|Mean TTFT|Median TTFT|P99 TTFT|Mean TPOT|Median TPOT|Median ITL|P99 ITL|Request goodput|\| decode|\| prefill)" \
