@@ -408,7 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests that may wait for a slot; more get a 503 (default: no limit)")
     serve.add_argument("--step-log", default=None, metavar="PATH",
                        help="write one JSON line per engine step to PATH at shutdown (kind, decode rows, prompt "
-                            "tokens, host times; benchmarks/step_log.py summarises it)")
+                            "tokens, host times), then one per garbage collection (kind gc); "
+                            "benchmarks/step_log.py summarises it")
     _add_model_arguments(serve, "seeds the sampling seeds of requests without one (and --config's weights)")
     serve.set_defaults(run=_serve, command_parser=serve)
 
