@@ -7,21 +7,24 @@
     python benchmarks/moe.py --sweep-decode [--out DIR]                -> moe_decode_sweep.md / .json
 
 H 2048, E 256, k 8, F 512, F_s 512, bf16, random weights. Per token count: GPU time of one call
-replayed from a CUDA graph (fuselm; do_bench median), HF's block as called (eager: its experts
-path syncs on the host, so no graph), our unfused path (the same routing and pair list, then a
-grouped gate/up GEMM without the activation, ``silu_mul``, the down GEMM: the epilogue's worth),
-and the floor: max(weight bytes touched / copy bandwidth, FLOPs / matrix rate), both measured in
-this run (a device copy; a bf16 mm of 8192^3). Weight bytes touched: the router, the experts the
-routing hits (counted from it; for uniform routing about E (1 - (1 - k/E)^N)), the shared
-expert. ``--skewed``: routing biased so half the tokens' picks fall on 16 experts (bytes counted
-from the actual routing). Writes moe.md and moe.json under --out. ``--sweep``: each
-kernel alone (graph replays) per token count: the routing, and the gate/up and down grouped GEMMs
-at every tile config of SWEEP (features per program, K step, warps, stages) on the routing the
-block uses at that count. ``--sweep-route``: the decode routing (one program) at 1, 8 and 16
-tokens by its sort's variant, step width and warps. ``--sweep-decode``: at 1, 2, 4, 8, 16 tokens
-the decode path's kernels (``decode.pair_gate_up``, ``decode.down_combine``) at every tile of
-DECODE_SWEEP beside the grouped path's (16-row gate/up, down, combine) and the routing with and
-without its sort: where the decode path pays, and its tiles.
+replayed from a CUDA graph (fuselm; do_bench median; the graph's own launch included), the same
+per block with ``--layers`` blocks of distinct weights in one graph (as a model's decode graph
+runs them: the graph's launch spread over them, no block's weights left in L2 by another), both
+again with programmatic dependent launch off up to 16 tokens (the decode path), HF's block as
+called (eager: its experts path syncs on the host, so no graph), our unfused path (the same
+routing and pair list, then a grouped gate/up GEMM without the activation, ``silu_mul``, the down
+GEMM: the epilogue's worth), and the floor: max(weight bytes touched / copy bandwidth, FLOPs /
+matrix rate), both measured in this run (a device copy; a bf16 mm of 8192^3). Weight bytes
+touched: the router, the experts the routing hits (counted from it; for uniform routing about
+E (1 - (1 - k/E)^N)), the shared expert. ``--skewed``: routing biased so half the tokens' picks
+fall on 16 experts (bytes counted from the actual routing). Writes moe.md and moe.json under
+--out. ``--sweep``: each kernel alone (graph replays) per token count: the routing, and the
+gate/up and down grouped GEMMs at every tile config of SWEEP (features per program, K step,
+warps, stages) on the routing the block uses at that count. ``--sweep-route``: the routing kernel
+and its sort at 1, 8 and 16 tokens by the sort's variant, step width and warps, and past 16
+tokens by tokens a program. ``--sweep-decode``: at 1, 2, 4, 8, 16 tokens the decode path's three
+kernels (``decode.router_logits``, ``pair_gate_up``, ``down_combine``) alone at every tile of
+DECODE_SWEEP, the router beside cuBLAS's F.linear.
 """
 
 from __future__ import annotations
@@ -33,13 +36,15 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
+from fuselm import runtime
 from fuselm.ops.moe import SwiGLUMoE, routing
-from fuselm.ops.moe.decode import PairGemvConfig, down_combine, pair_gate_up, pair_gemv_config
+from fuselm.ops.moe.decode import PairGemvConfig, down_combine, pair_gate_up, router_logits
 from fuselm.ops.moe.grouped_gemm import GroupedGemmConfig, combine, expert_down, expert_gate_up, grouped_gemm_config
+from fuselm.ops.moe.op import PAIR_PATH_TOKENS
 from fuselm.ops.moe.routing import route
 from fuselm.ops.silu_mul import silu_mul
-from fuselm.runtime import copy_bandwidth, matrix_rate
 from timing import bench, graph_bench, kernel_breakdown
 
 H, E, K, F_, F_S = 2048, 256, 8, 512, 512
@@ -136,79 +141,80 @@ def sweep_route(moe: SwiGLUMoE, out: Path) -> None:
     print("\n".join(lines))
 
 
-# The decode kernels' tiles: features a program, K step, warps, stages.
+# The decode kernels' tiles (``PairGemvConfig``): rows / features a program, K step, warps.
 # (Stages are left at 1: Triton does not pipeline these plain loads, 1 and 3 timed the same.)
-DECODE_SWEEP = {"block": (4, 8, 16, 32), "block_k": (128, 256, 512), "num_warps": (2, 4, 8), "num_stages": (1,)}
-
-
-def decode_configs(kind: str):
-    """DECODE_SWEEP's tiles for ``kind`` whose fp32 accumulator (2 block x block_k for gate/up)
-    stays within 64 registers a thread."""
-    for block, block_k, warps, stages in itertools.product(*DECODE_SWEEP.values()):
-        if (2 * block if kind == "gate_up" else block) * block_k <= 64 * 32 * warps:
-            yield PairGemvConfig(block, block_k, warps, stages)
+DECODE_SWEEP = {
+    "router": [PairGemvConfig(rows, block_k, warps, 1) for rows in (1, 2, 4, 8) for block_k in (256, 512, 1024)
+               for warps in (2, 4, 8) if rows * block_k <= 64 * 32 * warps],
+    "gate_up": [PairGemvConfig(block, block_k, warps, 1) for block in (4, 8, 16) for block_k in (128, 256, 512)
+                for warps in (2, 4, 8) if 2 * block * block_k <= 64 * 32 * warps],
+    "down": [PairGemvConfig(block, 0, warps, 1) for block in (1, 2, 4, 8) for warps in (2, 4, 8)
+             if K * F_ * block <= 64 * 32 * warps],
+}
 
 
 def sweep_decode(moe: SwiGLUMoE, out: Path) -> None:
-    """The decode path's two kernels at every tile, beside the grouped path's three kernels and
-    the routing with / without its sort, at 1 to 16 tokens (graph replays, us)."""
-    slots = moe.top_k + moe.num_shared
+    """The decode path's three kernels alone at every DECODE_SWEEP tile, the router beside cuBLAS's
+    F.linear, at 1 to 16 tokens (graph replays of one kernel, us)."""
+    E_ = moe.num_experts
+    us = lambda fn: 1e3 * graph_bench(fn)  # noqa: E731
     results = []
     lines = [f"## MoE decode kernels alone, 35B-A3B layer, bf16, {torch.cuda.get_device_name()} "
-             f"(us, graph replays)", "",
-             "| tokens | route + sort | route, no sort | grouped gate/up | grouped down | combine | grouped sum | "
-             "pair_gate_up (default / best) | down_combine (default / best) | decode sum (best) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    bests = []
+             f"(us, graph replays of one kernel)", "",
+             "| tokens | router: cuBLAS | router (default / best) | pair_gate_up (default / best) | "
+             "down_combine (default / best) |", "|---|---|---|---|---|"]
     for tokens in (1, 2, 4, 8, 16):
         x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
-        routed = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 16, num_experts=moe.num_experts)
-        pairs = routed.sorted_pairs, routed.block_experts
-        h = expert_gate_up(x, moe.w13, *pairs, slots, moe.activation, 16)
-        y = expert_down(h, moe.w2, *pairs, 16)
-        us = lambda fn: 1e3 * graph_bench(fn)  # noqa: E731
-        row = {"tokens": tokens,
-               "route_sort": us(lambda: route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 16,
-                                              num_experts=moe.num_experts)),
-               "route_no_sort": us(lambda: route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 16,
-                                                 num_experts=moe.num_experts, sort=False)),
-               "grouped_gate_up": us(lambda: expert_gate_up(x, moe.w13, *pairs, slots, moe.activation, 16, out=h)),
-               "grouped_down": us(lambda: expert_down(h, moe.w2, *pairs, 16, out=y)),
-               "combine": us(lambda: combine(y, routed.weights, x.dtype)),
-               "gate_up": {}, "down": {}}
-        for kind in ("gate_up", "down"):
-            row[f"{kind}_default"] = str(pair_gemv_config(kind, x.dtype, x.device, tokens))
-            for cfg in decode_configs(kind):
-                fn = ((lambda: pair_gate_up(x, moe.w13, routed.experts, moe.activation, out=h, config=cfg))
-                      if kind == "gate_up" else
-                      (lambda: down_combine(h, moe.w2, routed.experts, routed.weights, x.dtype, config=cfg)))
-                name = "f{} k{} w{} s{}".format(*dataclasses.astuple(cfg))
+        logits = router_logits(x, moe.router_with_gate)
+        h = pair_gate_up(x, moe.w13, logits, moe.top_k, moe.activation, num_experts=E_)
+        calls = {
+            "router": lambda cfg: router_logits(x, moe.router_with_gate, out=logits, config=cfg),
+            "gate_up": lambda cfg: pair_gate_up(x, moe.w13, logits, moe.top_k, moe.activation, num_experts=E_,
+                                                out=h, config=cfg),
+            "down": lambda cfg: down_combine(h, moe.w2, logits, moe.top_k, x.dtype, num_experts=E_, config=cfg),
+        }
+        row = {"tokens": tokens, "router_cublas": us(lambda: F.linear(x, moe.router_with_gate))}
+        for kind, call in calls.items():
+            row[f"{kind}_default"] = us(lambda: call(None))
+            row[kind] = {}
+            for cfg in DECODE_SWEEP[kind]:
+                name = "b{} k{} w{}".format(cfg.block, cfg.block_k, cfg.num_warps)
                 try:
-                    row[kind][name] = us(fn)
-                except Exception as exc:  # shared memory or registers exceeded at some tiles
+                    row[kind][name] = us(lambda: call(cfg))
+                except Exception as exc:  # registers or shared memory exceeded at some tiles
                     row[kind][name] = type(exc).__name__
-            row[f"{kind}_default_us"] = us(
-                (lambda: pair_gate_up(x, moe.w13, routed.experts, moe.activation, out=h)) if kind == "gate_up" else
-                (lambda: down_combine(h, moe.w2, routed.experts, routed.weights, x.dtype)))
-        best = {kind: min((v, k) for k, v in row[kind].items() if isinstance(v, float)) for kind in ("gate_up", "down")}
-        grouped = row["grouped_gate_up"] + row["grouped_down"] + row["combine"]
-        lines.append(f"| {tokens} | {row['route_sort']:.1f} | {row['route_no_sort']:.1f} | {row['grouped_gate_up']:.1f} | "
-                     f"{row['grouped_down']:.1f} | {row['combine']:.1f} | {grouped:.1f} | "
-                     f"{row['gate_up_default_us']:.1f} / {best['gate_up'][0]:.1f} | "
-                     f"{row['down_default_us']:.1f} / {best['down'][0]:.1f} | "
-                     f"{best['gate_up'][0] + best['down'][0]:.1f} |")
-        bests.append((tokens, row))
+        best = {kind: min(v for v in row[kind].values() if isinstance(v, float)) for kind in calls}
+        lines.append(f"| {tokens} | {row['router_cublas']:.1f} | " + " | ".join(
+            f"{row[f'{kind}_default']:.1f} / {best[kind]:.1f}" for kind in calls) + " |")
         results.append(row)
         print(lines[-1], flush=True)
-    for tokens, row in bests:
-        for kind in ("gate_up", "down"):
+    for row in results:
+        for kind in ("router", "gate_up", "down"):
             timed = sorted((v, k) for k, v in row[kind].items() if isinstance(v, float))
-            lines += ["", f"{tokens} tokens, {kind}, default {row[f'{kind}_default']}; the 6 fastest of "
-                      f"{len(row[kind])}:", "", "| tile | us |", "|---|---|"] + [f"| {k} | {v:.1f} |" for v, k in timed[:6]]
+            lines += ["", f"{row['tokens']} tokens, {kind}: the 6 fastest of {len(row[kind])}:", "",
+                      "| tile | us |", "|---|---|"] + [f"| {k} | {v:.1f} |" for v, k in timed[:6]]
     out.mkdir(parents=True, exist_ok=True)
     (out / "moe_decode_sweep.md").write_text("\n".join(lines) + "\n")
     (out / "moe_decode_sweep.json").write_text(json.dumps(results, indent=1))
     print("\n".join(lines))
+
+
+def random_block(seed: int) -> SwiGLUMoE:
+    """A SwiGLUMoE of the 35B-A3B layer shape with random weights N(0, fan_in^-1/2), built on the GPU."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def draw(*shape):
+        return torch.empty(*shape, device="cuda", dtype=torch.bfloat16).normal_(0.0, shape[-1] ** -0.5, generator=gen)
+
+    return SwiGLUMoE(draw(E, H), K, draw(E, 2 * F_, H), draw(E, H, F_), draw(F_S, H), draw(F_S, H), draw(H, F_S),
+                     draw(1, H))
+
+
+def layers_per_block_ms(blocks: list[SwiGLUMoE], x: torch.Tensor) -> float:
+    """GPU time per block of ``blocks`` (distinct weights, as a model's layers) called in a row on x,
+    captured in one CUDA graph: the block as a model's decode graph runs it (the graph's own
+    launch, ~4-6 us, spread over the layers; no layer's weights left in L2 by another)."""
+    return graph_bench(lambda: [moe(x) for moe in blocks]) / len(blocks)
 
 
 def sweep(moe: SwiGLUMoE, token_counts, out: Path) -> None:
@@ -257,6 +263,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 4096, 16384])
     parser.add_argument("--skewed", action="store_true")
+    parser.add_argument("--layers", type=int, default=8,
+                        help="blocks of distinct weights timed in one graph for the per-block column (default 8)")
     parser.add_argument("--out", default=".")
     parser.add_argument("--profile", action="store_true",
                         help="also each kernel's GPU time per call (torch.profiler, eager calls): moe_kernels.md")
@@ -276,36 +284,57 @@ def main():
         return sweep_route(moe, Path(args.out))
     if args.sweep:
         return sweep(moe, args.tokens, Path(args.out))
-    bandwidth, rate = copy_bandwidth() * 1e12, matrix_rate() * 1e12  # bytes/s, FLOP/s
+    bandwidth, rate = runtime.copy_bandwidth() * 1e12, runtime.matrix_rate() * 1e12  # bytes/s, FLOP/s
+    blocks = [moe] + [random_block(seed) for seed in range(1, args.layers)]
     rows, profiles = [], []
     for tokens in args.tokens:
         x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
         if args.skewed:  # half the tokens lean towards experts 0..15
             lean = moe.router_with_gate[:16].float().mean(0)
             x[: tokens // 2] += (4 * lean / lean.norm()).to(x.dtype)
-        routed = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 64, num_experts=moe.num_experts)
-        hit = int(routed.experts[:, : moe.top_k].unique().numel())
-        ours = graph_bench(lambda: moe(x))
+
+        def hit(block):  # routed experts the tokens pick in ``block``
+            routed = route(x, block.router_with_gate, K, block.num_shared, 64, num_experts=E)
+            return int(routed.experts[:, :K].unique().numel())
+
+        experts_hit = hit(moe)
+        floor = floor_ms(moe, experts_hit, tokens, bandwidth, rate)
+        layers_floor = sum(floor_ms(b, hit(b), tokens, bandwidth, rate) for b in blocks) / len(blocks)
+        timed = {}
+        for pdl in ((True, False) if tokens <= PAIR_PATH_TOKENS else (True,)):  # PDL: the decode path only
+            runtime.PDL = pdl
+            timed[pdl] = graph_bench(lambda: moe(x)), layers_per_block_ms(blocks, x)
+        runtime.PDL = True
+        ours, in_layers = timed[True]
         with torch.no_grad():
             hf = bench(lambda: block(x[None]))
         x_per_pair = x.repeat_interleave(moe.top_k + moe.num_shared, 0)
         plain = graph_bench(lambda: unfused(moe, x, x_per_pair))
-        floor = floor_ms(moe, hit, tokens, bandwidth, rate)
         if args.profile:
             kernels = kernel_breakdown(lambda: moe(x))
             profiles.append(f"### {tokens} tokens: GPU us per call\n\n| kernel | us |\n|---|---|\n" + "\n".join(
                 f"| {name} | {us} |" for name, us in sorted(kernels.items(), key=lambda item: -item[1])))
-        rows.append({"tokens": tokens, "experts_hit": hit, "fuselm_ms": ours, "hf_ms": hf, "unfused_ms": plain,
+        rows.append({"tokens": tokens, "experts_hit": experts_hit, "fuselm_ms": ours, "hf_ms": hf, "unfused_ms": plain,
                      "floor_ms": floor, "pct_of_floor": 100 * floor / ours, "vs_hf": hf / ours,
+                     "layers_ms_per_block": in_layers, "layers_floor_ms": layers_floor,
+                     "layers_pct_of_floor": 100 * layers_floor / in_layers,
+                     "no_pdl_ms": timed[False][0] if False in timed else None,
+                     "no_pdl_layers_ms_per_block": timed[False][1] if False in timed else None,
                      "vs_unfused": plain / ours, "tflops": 2 * tokens * (K + moe.num_shared) * 3 * F_ * H / ours / 1e9})
     name = torch.cuda.get_device_name()
     lines = [f"## SwiGLUMoE vs HF Qwen3_5MoeSparseMoeBlock, 35B-A3B layer (H {H}, E {E}, k {K}, F {F_}, F_s {F_S}), "
              f"bf16, {name}{', skewed routing' if args.skewed else ''}",
-             f"copy {bandwidth / 1e12:.2f} TB/s, bf16 mm {rate / 1e12:.0f} TFLOP/s (this run)", "",
-             "| tokens | experts hit | fuselm (graph) ms | % of floor | HF ms | vs HF | unfused ms | vs unfused | TFLOP/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"copy {bandwidth / 1e12:.2f} TB/s, bf16 mm {rate / 1e12:.0f} TFLOP/s (this run). fuselm (graph): one "
+             f"block a CUDA graph, the graph's launch included; in {len(blocks)} layers: {len(blocks)} blocks of "
+             f"distinct weights on x in one graph, per block (as in a model's decode graph); PDL off: the same two "
+             f"with programmatic dependent launch off (the decode path, <= {PAIR_PATH_TOKENS} tokens).", "",
+             "| tokens | experts hit | fuselm (graph) ms | % of floor | in layers, ms a block | % of floor | "
+             "PDL off: graph / in layers ms | HF ms | vs HF | unfused ms | vs unfused | TFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        no_pdl = "-" if r["no_pdl_ms"] is None else f"{r['no_pdl_ms']:.4f} / {r['no_pdl_layers_ms_per_block']:.4f}"
         lines.append(f"| {r['tokens']} | {r['experts_hit']} | {r['fuselm_ms']:.4f} | {r['pct_of_floor']:.0f}% | "
+                     f"{r['layers_ms_per_block']:.4f} | {r['layers_pct_of_floor']:.0f}% | {no_pdl} | "
                      f"{r['hf_ms']:.4f} | {r['vs_hf']:.2f}x | {r['unfused_ms']:.4f} | {r['vs_unfused']:.2f}x | "
                      f"{r['tflops']:.0f} |")
     text = "\n".join(lines)

@@ -78,6 +78,19 @@ def arch_major(device: torch.device) -> int:
     return _device_properties(device.index if device.index is not None else torch.cuda.current_device()).major
 
 
+# Programmatic dependent launch (Hopper and later; ``fuselm.ops.common.pdl``): kernels launched with
+# it may start while the kernel before them in the stream still runs, doing what needs none of its
+# output (e.g. loading weights) before they wait for it. FUSELM_PDL=0 launches every kernel plainly
+# (for A/B timing; the results are the same bits).
+PDL = os.environ.get("FUSELM_PDL", "1") != "0"
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether kernels that support it launch with programmatic dependent launch on ``device``:
+    CUDA compute capability 9 or later, unless ``PDL`` (FUSELM_PDL) is off."""
+    return PDL and arch_major(device) >= 9
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors on ``device``; a small fixed number off CUDA (interpreter)."""
     if device.type != "cuda":

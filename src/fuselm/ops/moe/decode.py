@@ -1,51 +1,63 @@
-"""The decode path of the Qwen3.5-MoE sparse block (issue 19): a few tokens, each pair's expert
-weights streamed by matrix-vector kernels, no pair sort, and the down GEMM, the routing weight and
-the top-k sum in one launch.
+"""The decode path of the Qwen3.5-MoE sparse block (issue 19): up to a few tokens, three launches
+with the routing inside them, each pair's expert weights streamed by matrix-vector programs.
 
-At decode few tokens share an expert, so the grouped GEMMs' 16-row tiles held one real row,
-their grids had few programs (9 blocks x 8 feature tiles at one token), and the combine was a
-launch of its own. Here a program owns one pair's (or one token's) few output features and
-streams their weight rows once; the expert ids are read from ``Routing.experts`` directly, so the
-routing skips its sort (``route(..., sort=False)``). Per block: router GEMM, routing,
-``pair_gate_up``, ``down_combine``: four launches.
+    logits = router_logits(x, router_with_gate)                          # launch 1
+    h = pair_gate_up(x, w13, logits, top_k, activation, num_experts=E)    # launch 2
+    out = down_combine(h, w2, logits, top_k, x.dtype, num_experts=E)      # launch 3
 
-Shapes: x [N, H]; w13 [E_total, 2F, H] with each expert's gate and up rows interleaved (row 2f =
-gate f, row 2f + 1 = up f); w2 [E_total, H, F]; experts [N, S] int32, ids in [0, E_total) (the
-routing's, trusted as the grouped GEMMs trust the pair list); weights [N, S] fp32;
-h [N * S, F] in x's dtype, row p = n * S + j token n's slot j; out [N, H].
+No routing launch and no pair list: each program of launches 2 and 3 picks its experts itself from
+its token's logits (a few rounds of a max over E values, ~1 us), so the routed weights start
+streaming as soon as the logits are in memory. On Hopper and later, launches 2 and 3 use
+programmatic dependent launch (``fuselm.runtime.use_pdl``): launch 2's shared-expert programs,
+which need no routing, stream their weights while the router kernel runs; launch 3's programs
+route and load all their down weights into registers while launch 2 still runs, then wait for h.
+The three kernels' weight streams so overlap instead of each paying its own start and tail.
 
+Shapes: x [N, H]; router_with_gate [R, H] (R >= E + 1: the router's E rows, the shared gate's,
+padding); logits [N, R] in x's dtype; w13 [E_total, 2F, H] with each expert's gate and up rows
+interleaved (row 2f = gate f, row 2f + 1 = up f); w2 [E_total, H, F]; E_total = E + num_shared
+(ids E .. E_total - 1 the shared expert's chunks, always selected); S = top_k + num_shared slots a
+token; h [N * S, F] in x's dtype, row p = n * S + j token n's slot j; out [N, H].
+
+- ``router_logits``: a program per ROWS router rows and token; the whole row of H in one unrolled
+  load, products summed in fp32, rounded to x's dtype (``F.linear``'s contract; past the decode
+  path cuBLAS computes them, ``routing.route``).
+- routing (in launches 2 and 3, ``_top_slots``): softmax in fp32 over the E experts, the top k in
+  descending order, ties to the lower expert id, renormalised (slot order) and rounded to x's
+  dtype; the shared scale sigmoid(logit E). The order is taken on exp(l - max) before the division
+  by the sum, so that launches 2 and 3 pick the same experts whatever their reductions' order
+  (the probabilities' order, up to a tie the division's rounding could make).
 - ``pair_gate_up``: a program owns pair p and BLOCK_F features of h: the 2 BLOCK_F interleaved
-  rows of w13[experts[p]] times x[p // S], K-step by K-step, products accumulated in fp32 (a
-  [2 BLOCK_F, BLOCK_K] tile summed once at the end; a tensor-core dot on x padded to 16 columns
-  was never faster in the H200 sweep), then the dense kernel's epilogue: G and U rounded to x's
-  dtype, the gate factor rounded, the product rounded once.
-- ``down_combine``: a program owns token n and BLOCK_H output features: for each slot j in order,
-  y = round(h[n S + j] @ w2[e]^T) (fp32 sum, rounded to h's dtype as HF's down_proj output), then
-  acc = fma(weights[n, j], y, acc) in fp32; out[n] = acc rounded once. The grouped path's
-  ``expert_down`` + ``combine`` with no y in memory.
+  rows of w13[e] times x[p // S], K step by K step, products accumulated in fp32, then the dense
+  kernel's epilogue: G and U rounded to x's dtype, the gate factor rounded, the product rounded once.
+- ``down_combine``: a program owns token n and BLOCK_H output features: y_j = round(h[n S + j] @
+  w2[e_j]^T) for every slot (fp32 sums, rounded to h's dtype as HF's down_proj output), then
+  acc = fma(weight_j, y_j, acc) in fp32 in slot order (routed slots, then the shared ones); the
+  output rounded once.
 
-Numerics: ``grouped_gemm``'s contract (``naive.swiglu_moe_ref``: products rounded to the model
-dtype, the weighted slots summed in fp32 in slot order, one rounding); only the fp32 summation
-order inside each dot differs.
-
-Bytes: a pair reads its expert's 3 F H weights once; tokens that share an expert (the shared
-expert always) read it once each, at about the same time (the grid runs pairs fastest): L2 hits.
+Numerics: ``naive.swiglu_moe_ref``'s contract through ``grouped_gemm``'s references (products
+rounded to the model dtype, the weighted slots summed in fp32 in slot order, one rounding); only the
+fp32 summation order inside each dot differs, and the router logits' (as between cuBLAS kernels).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from fuselm.ops.common.activation import Activation, gate_factor, up_factor
+from fuselm.ops.common.pdl import allow_next_kernel, wait_for_previous_kernel
 from fuselm.ops.moe.grouped_gemm import (_check_out, _check_tensor, combine_ref, expert_down_ref,  # the same checks
                                          expert_gate_up_ref)
-from fuselm.ops.moe.routing import sort_pairs_ref
-from fuselm.runtime import cdiv, parse_dtype, use_triton
+from fuselm.ops.moe.routing import MAX_EXPERTS, sort_pairs_ref
+from fuselm.runtime import cdiv, next_power_of_2, parse_dtype, use_pdl, use_triton
+
+# A routing key's low 32 bits: _MAX_ID - expert id, so that the lower id wins a tie.
+_MAX_ID: tl.constexpr = tl.constexpr(2**31 - 1)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -65,14 +77,67 @@ def _gemv_k_step(w_ptrs, v_ptrs, k, k_left, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _router_logits_kernel(
+    x_ptr, w_ptr, logits_ptr, R, stride_xm, stride_wr, stride_lm,
+    H: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    allow_next_kernel(USE_PDL)  # the gate/up kernel's shared-expert programs need no logits
+    n = tl.program_id(1).to(tl.int64)
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + (r % R).to(tl.int64)[:, None] * stride_wr + k[None, :]  # rows past R wrap, never stored
+    x_ptrs = x_ptr + n * stride_xm + k
+    acc = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
+    # H is constexpr: the loop unrolls and every load is in flight at once (a row is a few KB).
+    for k0 in tl.static_range(0, H, BLOCK_K):
+        acc += _gemv_k_step(w_ptrs, x_ptrs, k, H - k0, H % BLOCK_K == 0)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    tl.store(logits_ptr + n * stride_lm + r, tl.sum(acc, axis=1).to(logits_ptr.dtype.element_ty), mask=r < R)
+
+
+@triton.jit
+def _expert_keys(row_ptr, E: tl.constexpr, E_PAD: tl.constexpr):
+    """(keys [E_PAD] int64, ex [E_PAD] fp32) of one token's logits row: ex = exp(l - max l) over
+    the E experts (0 past them), key = ex's bits << 32 | (_MAX_ID - id) (ex >= 0, so its bits order
+    as its value; the lower id wins a tie), -1 past E. Read past L1 (.cg): the router kernel wrote
+    the row while this kernel may already have been running (programmatic dependent launch)."""
+    cols = tl.arange(0, E_PAD)
+    real = cols < E
+    logits = tl.load(row_ptr + cols, mask=real, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+    ex = tl.where(real, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
+    bits = ex.to(tl.int32, bitcast=True).to(tl.int64)
+    keys = tl.where(real, (bits << 32) | (-cols.to(tl.int64) + _MAX_ID), -1)
+    return keys, ex
+
+
+@triton.jit
+def _key_expert(key):
+    """The expert id a key encodes."""
+    return (-(key & 0x7FFFFFFF) + _MAX_ID).to(tl.int32)  # the low word is < 2^31
+
+
+@triton.jit
 def _pair_gate_up_kernel(
-    x_ptr, w_ptr, experts_ptr, h_ptr,
-    SLOTS, F, H, stride_xm, stride_we, stride_wn, stride_hm,
+    x_ptr, w_ptr, logits_ptr, h_ptr,
+    F, H, stride_xm, stride_we, stride_wn, stride_lm, stride_hm,
     limit, alpha,
-    ACT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+    E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+    ACT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     p = tl.program_id(0).to(tl.int64)  # the pair: token p // S, slot p % S
-    e = tl.load(experts_ptr + p).to(tl.int64)
+    j = p % SLOTS
+    if j < TOP_K:  # a routed slot: the (j + 1)-th largest key of the token's logits
+        wait_for_previous_kernel(USE_PDL)
+        keys, _ = _expert_keys(logits_ptr + (p // SLOTS) * stride_lm, E, E_PAD)
+        for _ in range(j):
+            keys = tl.where(keys == tl.max(keys, axis=0), -1, keys)
+        e = _key_expert(tl.max(keys, axis=0)).to(tl.int64)
+    else:  # a shared chunk: no routing, so no wait (x was written before the router kernel began)
+        e = (E + j - TOP_K).to(tl.int64)
+    # After the wait (routed programs): the down kernel may launch once every program is here, and
+    # then reads the logits before its own wait.
+    allow_next_kernel(USE_PDL)
     wrows = tl.program_id(1) * 2 * BLOCK_F + tl.arange(0, 2 * BLOCK_F)  # interleaved gate/up rows
     k = tl.arange(0, BLOCK_K)
     # Rows past 2F wrap to valid ones (never stored).
@@ -95,40 +160,79 @@ def _pair_gate_up_kernel(
 
 
 @triton.jit
+def _slot_rows(w_ptr, e, stride_we, stride_wn, rows, f, ok, F: tl.constexpr):
+    """[len(e), BLOCK_H, F_PAD] weights: w2[e[s], rows[i], f] (zeros where not ``ok`` or f >= F)."""
+    ptrs = w_ptr + e.to(tl.int64)[:, None, None] * stride_we + rows.to(tl.int64)[None, :, None] * stride_wn \
+        + f[None, None, :]
+    return tl.load(ptrs, mask=ok[:, None, None] & (f < F)[None, None, :], other=0.0)
+
+
+@triton.jit
+def _slot_products(w, h_ptr, pairs, stride_hm, f, ok, F: tl.constexpr):
+    """[len(pairs), BLOCK_H] fp32: y[s] = h[pairs[s]] @ w[s]^T rounded to h's dtype (HF's down_proj)."""
+    hv = tl.load(h_ptr + pairs[:, None] * stride_hm + f[None, :], mask=ok[:, None] & (f < F)[None, :], other=0.0)
+    y = tl.sum(w.to(tl.float32) * hv.to(tl.float32)[:, None, :], axis=2)
+    return y.to(h_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def _down_combine_kernel(
-    h_ptr, w_ptr, experts_ptr, weights_ptr, out_ptr,
-    H, stride_hm, stride_we, stride_wn, stride_om,
-    SLOTS: tl.constexpr, F: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    h_ptr, w_ptr, logits_ptr, out_ptr,
+    H, stride_hm, stride_we, stride_wn, stride_lm, stride_om,
+    E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+    NUM_SHARED: tl.constexpr, SHARED_PAD: tl.constexpr, F: tl.constexpr, F_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # output features: rows of w2[e]
-    k = tl.arange(0, BLOCK_K)
-    w_offs = (rows % H).to(tl.int64)[:, None] * stride_wn + k[None, :]  # rows past H wrap, never stored
+    f = tl.arange(0, F_PAD)
+    SLOTS: tl.constexpr = TOP_K + NUM_SHARED
+    # The routing (the gate/up kernel's, weights too): k rounds of a max over the keys.
+    row_ptr = logits_ptr + n * stride_lm
+    keys, ex = _expert_keys(row_ptr, E, E_PAD)
+    total_ex = tl.sum(ex, axis=0)
+    cols = tl.arange(0, E_PAD)
+    slot = tl.arange(0, K_PAD)
+    experts = tl.zeros([K_PAD], dtype=tl.int32)
+    probs = tl.zeros([K_PAD], dtype=tl.float32)
+    total = 0.0
+    for j in tl.static_range(TOP_K):
+        best = tl.max(keys, axis=0)
+        e = _key_expert(best)
+        prob = tl.sum(tl.where(cols == e, ex, 0.0), axis=0) / total_ex  # softmax: exp(l - max) / sum
+        total += prob  # slot order
+        experts = tl.where(slot == j, e, experts)
+        probs = tl.where(slot == j, prob, probs)
+        keys = tl.where(keys == best, -1, keys)
+    weights = (probs / total).to(logits_ptr.dtype.element_ty).to(tl.float32)
+    # Every slot's down weights into registers before the wait: they stream while h is computed.
+    routed = slot < TOP_K
+    w_routed = _slot_rows(w_ptr, experts, stride_we, stride_wn, rows % H, f, routed, F)
+    if NUM_SHARED > 0:
+        chunk = tl.arange(0, SHARED_PAD)
+        shared = chunk < NUM_SHARED
+        w_shared = _slot_rows(w_ptr, E + chunk, stride_we, stride_wn, rows % H, f, shared, F)
+        gate = tl.load(row_ptr + E, cache_modifier=".cg").to(tl.float32)
+        scale = 1.0 / (1.0 + tl.exp(-gate))
+    wait_for_previous_kernel(USE_PDL)  # h is the gate/up kernel's
+    y = _slot_products(w_routed, h_ptr, n * SLOTS + slot, stride_hm, f, routed, F)  # [K_PAD, BLOCK_H]
     out = tl.zeros([BLOCK_H], dtype=tl.float32)
-    # Both loops unrolled (SLOTS and F are constexpr): no load waits on an earlier slot's sum, so
-    # every slot's weight tiles can be in flight at once (a rolled loop kept one 16 KB tile in
-    # flight a program: 12.5 us for 18.9 MB at one token on the H200).
-    for j in tl.static_range(SLOTS):  # slot order: deterministic
-        p = n * SLOTS + j
-        e = tl.load(experts_ptr + p).to(tl.int64)
-        w_ptrs = w_ptr + e * stride_we + w_offs
-        h_ptrs = h_ptr + p * stride_hm + k
-        acc = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
-        for k0 in tl.static_range(0, F, BLOCK_K):
-            acc += _gemv_k_step(w_ptrs, h_ptrs, k, F - k0, EVEN_K)
-            w_ptrs += BLOCK_K
-            h_ptrs += BLOCK_K
-        # The product rounded to h's dtype (HF's down_proj output), then weighted: one fma.
-        y = tl.sum(acc, axis=1).to(h_ptr.dtype.element_ty).to(tl.float32)
-        out = tl.fma(tl.load(weights_ptr + p), y, out)
+    for j in tl.static_range(TOP_K):  # slot order: deterministic
+        y_j = tl.sum(tl.where((slot == j)[:, None], y, 0.0), axis=0)
+        out = tl.fma(tl.sum(tl.where(slot == j, weights, 0.0), axis=0), y_j, out)
+    if NUM_SHARED > 0:
+        y = _slot_products(w_shared, h_ptr, n * SLOTS + TOP_K + chunk, stride_hm, f, shared, F)
+        for j in tl.static_range(NUM_SHARED):
+            out = tl.fma(scale, tl.sum(tl.where((chunk == j)[:, None], y, 0.0), axis=0), out)
     tl.store(out_ptr + n * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=rows < H)
 
 
 # ----------------------------------------------------------------------------- tile configs
 @dataclass(frozen=True)
 class PairGemvConfig:
-    """Output features per program (``block``: h features for gate/up, so 2 * block rows of w13;
-    hidden features for down), the K step, warps and stages (Triton's launch options)."""
+    """Output features per program (``block``: router rows for the router, h features for gate/up,
+    so 2 * block rows of w13; hidden features for down), the K step (the router's and gate/up's;
+    down holds a slot's whole F), warps and stages (Triton's launch options)."""
 
     block: int
     block_k: int
@@ -136,31 +240,33 @@ class PairGemvConfig:
     num_stages: int
 
 
-# H200 sweeps (moe.py --sweep-decode, session 19, moe_decode_sweep.md; graph replays: the kernel +
-# ~6 us of replay). gate/up: 8 features, K step 256, 4 warps first or within 1% at 1, 4, 8, 16
-# tokens (18.5 / 43.3 / 71.7 / 115.7 us); a tensor-core dot variant (x padded to 16 columns) never
-# among the first six, so it went; stages change nothing (Triton does not pipeline these plain
-# loads). down_combine, loops unrolled: 4 features, K step 256 at <= 2 tokens (14.6 us at one token against 15.4 at 8
-# features; 2 tokens 19.4 / 19.5), 8 features past that (4 tokens 26.8 against 30.0, 8 tokens
-# 44.2 against 47.7, 16 tokens 70.9 against 72.2).
+# H200 sweeps (moe.py --sweep-decode, session 19, moe_decode_sweep.md; graph replays): gate/up 8
+# features, K step 256, 4 warps first or within 1% at 1, 4, 8, 16 tokens; a tensor-core dot variant
+# never among the first six; stages change nothing (Triton does not pipeline these plain loads).
 PAIR_GATE_UP_TILE = PairGemvConfig(8, 256, 4, 1)
-DOWN_COMBINE_TILE = PairGemvConfig(8, 256, 4, 1)
-DOWN_COMBINE_FEW_TILE, DOWN_COMBINE_FEW_TOKENS = PairGemvConfig(4, 256, 4, 1), 2
+ROUTER_TILE = PairGemvConfig(2, 512, 4, 1)
+DOWN_COMBINE_ELEMENTS = 16384  # weights a down program holds (K_PAD x BLOCK_H x F_PAD): 64 registers at 4 warps
 # The interpreter (CPU tests): small tiles, so odd shapes have several programs and a K tail.
 INTERPRET_TILE = PairGemvConfig(8, 16, 4, 1)
+INTERPRET_ROUTER_TILE = PairGemvConfig(4, 16, 4, 1)
 
 
-def pair_gemv_config(kind: str, dtype: torch.dtype, device: torch.device, num_tokens: int) -> PairGemvConfig:
-    """The tile of ``kind`` in {"gate_up", "down"} for ``dtype`` operands and ``num_tokens`` tokens
-    (fp32: half the K step)."""
+def pair_gemv_config(kind: str, dtype: torch.dtype, device: torch.device, *, top_k: int = 1,
+                     num_features: int = 1) -> PairGemvConfig:
+    """The tile of ``kind`` in {"router", "gate_up", "down"} for ``dtype`` operands (fp32: half the
+    K step); down's ``block`` from ``top_k`` and its F (``num_features``): the most output features
+    (a power of two, 1 to 16) whose weights fit DOWN_COMBINE_ELEMENTS, 8 warps past that."""
+    if kind == "down":
+        held = next_power_of_2(top_k) * next_power_of_2(num_features)
+        block = max(1, min(16, DOWN_COMBINE_ELEMENTS // held))
+        block = 1 << (block.bit_length() - 1)
+        return PairGemvConfig(block, 0, 4 if held * block <= DOWN_COMBINE_ELEMENTS else 8, 1)
     if device.type != "cuda":
-        return INTERPRET_TILE
-    if kind == "gate_up":
-        tile = PAIR_GATE_UP_TILE
+        tile = INTERPRET_ROUTER_TILE if kind == "router" else INTERPRET_TILE
     else:
-        tile = DOWN_COMBINE_FEW_TILE if num_tokens <= DOWN_COMBINE_FEW_TOKENS else DOWN_COMBINE_TILE
+        tile = ROUTER_TILE if kind == "router" else PAIR_GATE_UP_TILE
     if dtype == torch.float32:
-        return dataclasses.replace(tile, block_k=tile.block_k // 2)
+        return PairGemvConfig(tile.block, max(16, tile.block_k // 2), tile.num_warps, tile.num_stages)
     return tile
 
 
@@ -175,91 +281,150 @@ def _check_weights(name, w, x_name, x, k_dim: int) -> None:
         raise ValueError(f"{name}: expected its last dimension = {k_dim} ({x_name}'s features), got {tuple(w.shape)}")
 
 
-def _check_experts(experts, num_tokens: int, device) -> int:
-    _check_tensor("experts", experts, 2, (torch.int32,))
-    if experts.shape[0] != num_tokens or experts.shape[1] < 1 or not experts.is_contiguous():
-        raise ValueError(f"experts: expected a contiguous [N = {num_tokens}, S >= 1] tensor, "
-                         f"got {tuple(experts.shape)}")
-    if experts.device != device:
-        raise ValueError(f"experts: on {experts.device}, expected {device}")
-    return experts.shape[1]
+def _check_routing(logits, num_tokens: int, like: torch.Tensor, top_k, num_experts, num_experts_total: int) -> int:
+    """The slots a token (top_k + the shared chunks) after checking logits, top_k and num_experts."""
+    _check_tensor("logits", logits, 2)
+    if logits.dtype != like.dtype or logits.device != like.device:
+        raise ValueError(f"logits: expected {like.dtype} on {like.device}, got {logits.dtype} on {logits.device}")
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or \
+            not 1 <= num_experts <= min(MAX_EXPERTS, num_experts_total):
+        raise ValueError(f"num_experts: expected an int in [1, {min(MAX_EXPERTS, num_experts_total)}] (the routed "
+                         f"experts, at most the weights' {num_experts_total}), got {num_experts!r}")
+    if logits.shape[0] != num_tokens or logits.shape[1] < num_experts + (num_experts_total > num_experts):
+        raise ValueError(f"logits: expected [N = {num_tokens}, >= {num_experts + (num_experts_total > num_experts)}] "
+                         f"(the router's and the shared gate's logits), got {tuple(logits.shape)}")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k: expected an int in [1, {num_experts}] (num_experts), got {top_k!r}")
+    return top_k + num_experts_total - num_experts
 
 
 # ----------------------------------------------------------------------------- host functions
-def pair_gate_up(x: torch.Tensor, w13: torch.Tensor, experts: torch.Tensor, activation: Activation, *,
-                 out: torch.Tensor | None = None, config: PairGemvConfig | None = None) -> torch.Tensor:
-    """h [N * S, F] in x's dtype: row n * S + j = the activation of x[n] through expert
-    w13[experts[n, j]] (gate/up rows interleaved), as ``expert_gate_up`` computes it. One launch."""
+def router_logits(x: torch.Tensor, router_with_gate: torch.Tensor, *, out: torch.Tensor | None = None,
+                  config: PairGemvConfig | None = None) -> torch.Tensor:
+    """logits [N, R] in x's dtype = x @ router_with_gate^T (fp32 sums, rounded once). One launch."""
+    _check_tensor("x", x, 2)
+    _check_tensor("router_with_gate", router_with_gate, 2)
+    if router_with_gate.dtype != x.dtype or router_with_gate.device != x.device \
+            or router_with_gate.shape[1] != x.shape[1]:
+        raise ValueError(f"router_with_gate: expected [R, H = {x.shape[1]}] {x.dtype} on {x.device}, got "
+                         f"{tuple(router_with_gate.shape)} {router_with_gate.dtype} on {router_with_gate.device}")
+    (N, H), R = x.shape, router_with_gate.shape[0]
+    logits = _check_out("out", out, (N, R), x.dtype, x.device)
+    if not use_triton(x):
+        return logits.copy_(F.linear(x, router_with_gate))
+    if N == 0 or R == 0:
+        return logits
+    cfg = config or pair_gemv_config("router", x.dtype, x.device)
+    pdl = use_pdl(x.device)
+    _router_logits_kernel[(cdiv(R, cfg.block), N)](
+        x, router_with_gate, logits, R, x.stride(0), router_with_gate.stride(0), logits.stride(0),
+        H=H, ROWS=cfg.block, BLOCK_K=min(cfg.block_k, next_power_of_2(H)), USE_PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return logits
+
+
+def pair_gate_up(x: torch.Tensor, w13: torch.Tensor, logits: torch.Tensor, top_k: int, activation: Activation, *,
+                 num_experts: int, out: torch.Tensor | None = None,
+                 config: PairGemvConfig | None = None) -> torch.Tensor:
+    """h [N * S, F] in x's dtype: row n * S + j = the activation of x[n] through its slot j's expert
+    (the routing of ``logits``, module docstring; gate/up rows interleaved), as ``expert_gate_up``
+    computes it. One launch."""
     _check_tensor("x", x, 2)
     _check_weights("w13", w13, "x", x, x.shape[1])
     if w13.shape[1] % 2:
         raise ValueError(f"w13: expected [E_total, 2F, H] (gate/up rows interleaved), got {tuple(w13.shape)}")
     if not isinstance(activation, Activation):
         raise ValueError(f"activation: expected an Activation, got {activation!r}")
-    (N, H), F = x.shape, w13.shape[1] // 2
-    S = _check_experts(experts, N, x.device)
-    h = _check_out("out", out, (N * S, F), x.dtype, x.device)
+    (N, H), F_ = x.shape, w13.shape[1] // 2
+    S = _check_routing(logits, N, x, top_k, num_experts, w13.shape[0])
+    h = _check_out("out", out, (N * S, F_), x.dtype, x.device)
     if not use_triton(x):
-        return h.copy_(pair_gate_up_ref(x, w13, experts, activation))
-    if N == 0 or F == 0:
+        return h.copy_(pair_gate_up_ref(x, w13, logits, top_k, activation, num_experts=num_experts))
+    if N == 0 or F_ == 0:
         return h
-    cfg = config or pair_gemv_config("gate_up", x.dtype, x.device, N)
-    _pair_gate_up_kernel[(N * S, cdiv(F, cfg.block))](
-        x, w13, experts, h,
-        S, F, H, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+    cfg = config or pair_gemv_config("gate_up", x.dtype, x.device)
+    pdl = use_pdl(x.device)
+    _pair_gate_up_kernel[(N * S, cdiv(F_, cfg.block))](
+        x, w13, logits, h,
+        F_, H, x.stride(0), w13.stride(0), w13.stride(1), logits.stride(0), h.stride(0),
         activation.kernel_limit, float(activation.alpha),
-        ACT=activation.code, EVEN_K=H % cfg.block_k == 0, BLOCK_F=cfg.block, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        E=num_experts, E_PAD=max(2, next_power_of_2(num_experts)), TOP_K=top_k, SLOTS=S,
+        ACT=activation.code, EVEN_K=H % cfg.block_k == 0, BLOCK_F=cfg.block, BLOCK_K=cfg.block_k, USE_PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return h
 
 
-def down_combine(h: torch.Tensor, w2: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                 out_dtype: torch.dtype | str, *, out: torch.Tensor | None = None,
+def down_combine(h: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor, top_k: int, out_dtype: torch.dtype | str,
+                 *, num_experts: int, out: torch.Tensor | None = None,
                  config: PairGemvConfig | None = None) -> torch.Tensor:
-    """[N, H] in ``out_dtype``: out[n] = sum_j weights[n, j] * round(h[n S + j] @ w2[experts[n, j]]^T),
-    in slot order as fp32 fused multiply-adds, rounded once: ``expert_down`` then ``combine`` in
-    one launch. h [N * S, F], w2 [E_total, H, F] in h's dtype, experts [N, S] int32, weights [N, S]
-    fp32."""
+    """[N, H] in ``out_dtype``: out[n] = sum_j weight[n, j] * round(h[n S + j] @ w2[expert[n, j]]^T)
+    over the slots of ``logits``' routing (module docstring), in slot order as fp32 fused
+    multiply-adds, rounded once: ``expert_down`` then ``combine`` in one launch. h [N * S, F],
+    w2 [E_total, H, F] in h's dtype, logits [N, >= E + 1] in h's dtype."""
     _check_tensor("h", h, 2)
     _check_weights("w2", w2, "h", h, h.shape[1])
-    _check_tensor("weights", weights, 2, (torch.float32,))
-    N = weights.shape[0]
-    S = _check_experts(experts, N, h.device)
-    if tuple(weights.shape) != tuple(experts.shape) or not weights.is_contiguous() or weights.device != h.device:
-        raise ValueError(f"weights: expected a contiguous {tuple(experts.shape)} tensor on {h.device} "
-                         f"(experts' shape), got {tuple(weights.shape)} on {weights.device}")
+    N = logits.shape[0] if isinstance(logits, torch.Tensor) and logits.dim() == 2 else -1
+    S = _check_routing(logits, N, h, top_k, num_experts, w2.shape[0])
     if h.shape[0] != N * S:
         raise ValueError(f"h: expected N * S = {N * S} rows, got shape {tuple(h.shape)}")
     out_dtype = parse_dtype(out_dtype, "out_dtype")
-    H, F = w2.shape[1], h.shape[1]
+    H, F_ = w2.shape[1], h.shape[1]
     o = _check_out("out", out, (N, H), out_dtype, h.device)
     if not use_triton(h):
-        return o.copy_(down_combine_ref(h, w2, experts, weights, out_dtype))
+        return o.copy_(down_combine_ref(h, w2, logits, top_k, out_dtype, num_experts=num_experts))
     if N == 0 or H == 0:
         return o
-    cfg = config or pair_gemv_config("down", h.dtype, h.device, N)
+    num_shared = S - top_k
+    cfg = config or pair_gemv_config("down", h.dtype, h.device, top_k=top_k, num_features=F_)
+    pdl = use_pdl(h.device)
     _down_combine_kernel[(N, cdiv(H, cfg.block))](
-        h, w2, experts, weights, o,
-        H, h.stride(0), w2.stride(0), w2.stride(1), o.stride(0),
-        SLOTS=S, F=F, EVEN_K=F % cfg.block_k == 0, BLOCK_H=cfg.block, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        h, w2, logits, o,
+        H, h.stride(0), w2.stride(0), w2.stride(1), logits.stride(0), o.stride(0),
+        E=num_experts, E_PAD=max(2, next_power_of_2(num_experts)), TOP_K=top_k,
+        K_PAD=max(2, next_power_of_2(top_k)), NUM_SHARED=num_shared,
+        SHARED_PAD=max(2, next_power_of_2(num_shared)), F=F_, F_PAD=max(16, next_power_of_2(F_)),
+        BLOCK_H=cfg.block, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return o
 
 
 # ----------------------------------------------------------------------------- references
+def routing_ref(logits: torch.Tensor, top_k: int, num_experts: int,
+                num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(experts [N, S] int32, weights [N, S] fp32) of ``logits`` [N, >= E + 1] in plain PyTorch (the
+    module docstring's routing; the shared chunks E .. E + num_shared - 1 last, with the scale)."""
+    E = num_experts
+    logits32 = logits[:, :E].float()
+    ex = torch.exp(logits32 - logits32.max(dim=-1, keepdim=True).values)
+    top_ex, experts = torch.sort(ex, dim=-1, descending=True, stable=True)  # ties: the lower id first
+    probs = top_ex[:, :top_k] / ex.sum(dim=-1, keepdim=True)
+    total = probs[:, 0]
+    for j in range(1, top_k):  # slot order
+        total = total + probs[:, j]
+    weights = [(probs / total[:, None]).to(logits.dtype).float()]
+    ids = [experts[:, :top_k].to(torch.int32)]
+    if num_shared:
+        N = logits.shape[0]
+        weights.append(torch.sigmoid(logits[:, E:E + 1].float()).expand(N, num_shared))
+        ids.append(torch.arange(E, E + num_shared, dtype=torch.int32, device=logits.device).expand(N, num_shared))
+    return torch.cat(ids, dim=1).contiguous(), torch.cat(weights, dim=1).contiguous()
+
+
 def _pair_list(experts: torch.Tensor, num_experts_total: int):
     """The grouped path's pair list of [N, S] expert ids (16-row blocks): the references reuse its
     references, so both paths share one contract."""
     return (*sort_pairs_ref(experts, num_experts_total, 16), 16)
 
 
-def pair_gate_up_ref(x, w13, experts, activation: Activation) -> torch.Tensor:
+def pair_gate_up_ref(x, w13, logits, top_k: int, activation: Activation, *, num_experts: int) -> torch.Tensor:
     """``pair_gate_up`` in plain PyTorch (``expert_gate_up_ref``: the dense contract per expert)."""
+    experts, _ = routing_ref(logits, top_k, num_experts, w13.shape[0] - num_experts)
     return expert_gate_up_ref(x, w13, *_pair_list(experts, w13.shape[0])[:2], experts.shape[1], activation, 16)
 
 
-def down_combine_ref(h, w2, experts, weights, out_dtype: torch.dtype) -> torch.Tensor:
+def down_combine_ref(h, w2, logits, top_k: int, out_dtype: torch.dtype, *, num_experts: int) -> torch.Tensor:
     """``down_combine`` in plain PyTorch: ``expert_down_ref`` then ``combine_ref``."""
+    experts, weights = routing_ref(logits, top_k, num_experts, w2.shape[0] - num_experts)
     return combine_ref(expert_down_ref(h, w2, *_pair_list(experts, w2.shape[0])), weights, out_dtype)

@@ -4,8 +4,9 @@ expert) on fuselm's kernels, built from HF's block. Inference only.
     moe = SwiGLUMoE.from_hf(hf_block)        # or SwiGLUMoE(router, top_k, gate_up, down, ...)
     y = moe(x)                                # x [..., H]
 
-Four launches per call up to PAIR_PATH_TOKENS tokens (decode: the router + shared-gate GEMM, the
-routing without a pair sort, ``decode.pair_gate_up``, ``decode.down_combine``), eight past that
+Three launches per call up to PAIR_PATH_TOKENS tokens (decode: ``decode.router_logits``, then
+``decode.pair_gate_up`` and ``decode.down_combine``, which route from the logits themselves), eight
+past that
 (``routing.route``: the GEMM, softmax / top-k, the pair sort in three launches; ``grouped_gemm``:
 gate/up with the activation, down, the per-token combine with the routing weights), fixed grids
 and no host sync whatever the routing (CUDA-graph capturable). On a CPU without TRITON_INTERPRET
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fuselm.ops.common.activation import Activation
-from fuselm.ops.moe.decode import down_combine, pair_gate_up
+from fuselm.ops.moe.decode import down_combine, pair_gate_up, router_logits
 from fuselm.ops.moe.grouped_gemm import combine, expert_down, expert_gate_up
 from fuselm.ops.moe.routing import pad_router_rows, route
 from fuselm.runtime import cdiv
@@ -41,9 +42,9 @@ from fuselm.runtime import cdiv
 # and short prefill; the H200 sweep of session 17 at 64 tokens, ~2 pairs an expert: 64-row tiles
 # were mostly padding), 64 past that.
 SMALL_BLOCK_M, BLOCK_M, SMALL_PAIRS_PER_EXPERT = 16, 64, 16
-# Up to this many tokens the decode path (decode.py: routing without the pair sort, a
-# matrix-vector program per pair for gate/up, the down GEMM and the combine in one launch); the
-# grouped GEMMs past it.
+# Up to this many tokens the decode path (decode.py: the router logits, then a matrix-vector
+# program per pair for gate/up and the down GEMM with the combine, each routing from the logits);
+# the grouped GEMMs past it.
 PAIR_PATH_TOKENS = 16
 
 
@@ -139,10 +140,9 @@ class SwiGLUMoE(nn.Module):
         rows = x.reshape(-1, self.hidden_size).contiguous()
         slots = self.top_k + self.num_shared
         if rows.shape[0] <= PAIR_PATH_TOKENS:
-            routing = route(rows, w, self.top_k, self.num_shared, SMALL_BLOCK_M, num_experts=self.num_experts,
-                            sort=False)
-            h = pair_gate_up(rows, self.w13, routing.experts, self.activation)
-            return down_combine(h, self.w2, routing.experts, routing.weights, x.dtype).view(x.shape)
+            logits = router_logits(rows, w)
+            h = pair_gate_up(rows, self.w13, logits, self.top_k, self.activation, num_experts=self.num_experts)
+            return down_combine(h, self.w2, logits, self.top_k, x.dtype, num_experts=self.num_experts).view(x.shape)
         block_m = routing_block_m(rows.shape[0] * slots, self.num_experts + self.num_shared)
         routing = route(rows, w, self.top_k, self.num_shared, block_m, num_experts=self.num_experts)
         pairs = routing.sorted_pairs, routing.block_experts

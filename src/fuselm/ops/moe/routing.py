@@ -47,8 +47,8 @@ program sorting all pairs took 2.3 ms at 4096 tokens on the H200. Up to 16 token
 routing kernel is one program and sorts too: two launches in all. It sorts up to FEW_PAIRS pairs
 by pairwise comparisons (``_sort_few_pairs``: 10.7 -> 3.8 us at one token and 29.6 -> 13.2 at 8
 on the H200 against one-hot counts over the 512 padded expert ids), more by those one-hot counts
-(``_sort_in_one_program``: many slots a token). ``route(..., sort=False)``: weights and experts
-only, the GEMM and ``_route_kernel`` (the block's decode path, ``decode.py``, needs no pair list).
+(``_sort_in_one_program``: many slots a token). The block's decode path (``decode.py``) routes
+inside its own kernels and uses none of this.
 """
 
 from __future__ import annotations
@@ -74,9 +74,8 @@ class Routing:
 
     weights: torch.Tensor  # [N, S] fp32: k renormalised top-k weights, then the shared scale per shared slot
     experts: torch.Tensor  # [N, S] int32: k expert ids (descending probability), then E .. E + num_shared - 1
-    sorted_pairs: torch.Tensor | None  # [P_max] int32: pair ids p = n S + j grouped by expert, padded with N S
-    block_experts: torch.Tensor | None  # [P_max // block_m] int32: each block's expert, -1 past the used blocks
-    # (both None when routed with sort=False: the decode path reads ``experts`` directly)
+    sorted_pairs: torch.Tensor  # [P_max] int32: pair ids p = n S + j grouped by expert, padded with N S
+    block_experts: torch.Tensor  # [P_max // block_m] int32: each block's expert, -1 past the used blocks
     top_k: int
     num_shared: int
     block_m: int
@@ -412,16 +411,14 @@ def _sort_geometry(num_experts_total: int) -> tuple[int, int, int]:
 
 
 def route_kernel(logits, num_experts: int, top_k: int, num_shared: int, weights, experts,
-                 sorted_pairs=None, block_experts=None, block_m: int = 16) -> None:
+                 sorted_pairs, block_experts, block_m: int) -> None:
     """Launch 1: weights, experts [N, S] from the [N, >= E + 1] logits (N >= 1; columns 0..E-1 the
-    router's, E the gate's, any further ones unread); with ``sorted_pairs``
-    / ``block_experts`` given and one program holding every token (N <= DECODE_TOKENS, decode),
-    the pair sort too (``sort_kernel``'s work, no more launches). Without the sort, ROUTE_BLOCK_T
-    tokens a program whatever N (the decode path's routing, H200: one program of 8 warps took 3.7 /
-    8.7 / 17.7 us at 1 / 8 / 16 tokens, 2-token programs of one warp 3.1 at each)."""
+    router's, E the gate's, any further ones unread); when one program holds every token (N <=
+    DECODE_TOKENS), the pair sort too (``sort_kernel``'s work, no more launches), else
+    ROUTE_BLOCK_T tokens a program."""
     N, E = logits.shape[0], num_experts
     e_pad, num_warps = _route_geometry(E)
-    sort = sorted_pairs is not None and routes_and_sorts_in_one_launch(N)
+    sort = routes_and_sorts_in_one_launch(N)
     e_total_pad, sort_block, sort_warps = _sort_geometry(E + num_shared)
     pairs_pad = next_power_of_2(N * (top_k + num_shared))
     few_pairs = sort and pairs_pad <= FEW_PAIRS
@@ -434,7 +431,7 @@ def route_kernel(logits, num_experts: int, top_k: int, num_shared: int, weights,
             num_warps = FEW_PAIRS_WARPS or (4 if pairs_pad <= 128 else 8)
         else:
             num_warps = max(num_warps, sort_warps)
-    else:  # no sort in this launch (past DECODE_TOKENS, or sort=False): ROUTE_BLOCK_T tokens a program
+    else:  # no sort in this launch (past DECODE_TOKENS): ROUTE_BLOCK_T tokens a program
         block_t, num_warps = ROUTE_BLOCK_T, ROUTE_WARPS
     _route_kernel[(cdiv(N, block_t),)](
         logits, weights, experts, sorted_pairs if sort else experts, block_experts if sort else experts,
@@ -483,7 +480,7 @@ def _check_buffer(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.
 
 
 def route(x: torch.Tensor, router_with_gate: torch.Tensor, top_k: int, num_shared: int, block_m: int,
-          *, num_experts: int | None = None, out: Routing | None = None, sort: bool = True) -> Routing:
+          *, num_experts: int | None = None, out: Routing | None = None) -> Routing:
     """The routing of x [N, H] (module docstring: layout, numerics, launches).
 
     Args:
@@ -498,8 +495,6 @@ def route(x: torch.Tensor, router_with_gate: torch.Tensor, top_k: int, num_share
         num_shared: the shared expert's slots per token (>= 0), ids E .. E + num_shared - 1.
         block_m: the grouped GEMMs' row tile: a power of two >= 16.
         out: optional buffers to fill (e.g. a CUDA graph's static outputs), shaped as the result.
-        sort: False: weights and experts only (one launch after the GEMM; ``sorted_pairs`` and
-            ``block_experts`` None, block_m unused): the decode path (``decode.py``) needs no pair list.
     Returns:
         ``Routing``; CUDA tensors (or CPU ones under TRITON_INTERPRET=1) take the module
         docstring's launches, other CPU tensors the PyTorch reference.
@@ -534,36 +529,29 @@ def route(x: torch.Tensor, router_with_gate: torch.Tensor, top_k: int, num_share
     p_max = max_pairs(N, S, E_total, block_m)
     if p_max + block_m > _INT32_MAX:
         raise ValueError(f"x: {N} tokens x {S} slots overflow the int32 pair ids")
-    if not isinstance(sort, bool):
-        raise ValueError(f"sort: expected a bool, got {sort!r}")
     device = x.device
     if out is None:
         out = Routing(torch.empty(N, S, dtype=torch.float32, device=device),
                       torch.empty(N, S, dtype=torch.int32, device=device),
-                      torch.empty(p_max, dtype=torch.int32, device=device) if sort else None,
-                      torch.empty(p_max // block_m, dtype=torch.int32, device=device) if sort else None,
+                      torch.empty(p_max, dtype=torch.int32, device=device),
+                      torch.empty(p_max // block_m, dtype=torch.int32, device=device),
                       top_k, num_shared, block_m)
     else:
         if not isinstance(out, Routing):
             raise TypeError(f"out: expected a Routing, got {type(out).__name__}")
         _check_buffer("weights", out.weights, (N, S), torch.float32, device)
         _check_buffer("experts", out.experts, (N, S), torch.int32, device)
-        if sort:
-            _check_buffer("sorted_pairs", out.sorted_pairs, (p_max,), torch.int32, device)
-            _check_buffer("block_experts", out.block_experts, (p_max // block_m,), torch.int32, device)
+        _check_buffer("sorted_pairs", out.sorted_pairs, (p_max,), torch.int32, device)
+        _check_buffer("block_experts", out.block_experts, (p_max // block_m,), torch.int32, device)
         out.top_k, out.num_shared, out.block_m = top_k, num_shared, block_m
     if N == 0:
         return out
-    names = ("weights", "experts", "sorted_pairs", "block_experts") if sort else ("weights", "experts")
     if not use_triton(x):
         ref = route_pairs_ref(x, router_with_gate, top_k, num_shared, block_m, E)
-        for name in names:
+        for name in ("weights", "experts", "sorted_pairs", "block_experts"):
             getattr(out, name).copy_(getattr(ref, name))
         return out
     logits = F.linear(x, router_with_gate)  # [N, R] in x's dtype: cuBLAS's fp32 accumulation, rounded
-    if not sort:
-        route_kernel(logits, E, top_k, num_shared, out.weights, out.experts)
-        return out
     route_kernel(logits, E, top_k, num_shared, out.weights, out.experts, out.sorted_pairs, out.block_experts, block_m)
     if not routes_and_sorts_in_one_launch(N):
         sort_kernel(out.experts, E_total, block_m, out.sorted_pairs, out.block_experts)
