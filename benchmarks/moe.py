@@ -22,7 +22,7 @@ fall on 16 experts (bytes counted from the actual routing). Writes moe.md and mo
 gate/up and down grouped GEMMs at every tile config of SWEEP (features per program, K step,
 warps, stages) on the routing the block uses at that count. ``--sweep-route``: the routing kernel
 and its sort at 1, 8 and 16 tokens by the sort's variant, step width and warps, and past 16
-tokens by tokens a program. ``--sweep-decode``: at 1, 2, 4, 8, 16 tokens the decode path's three
+tokens by tokens a program. ``--sweep-decode``: at 1, 2, 8, 16 tokens the decode path's three
 kernels (``decode.router_logits``, ``pair_gate_up``, ``down_combine``) alone at every tile of
 DECODE_SWEEP, the router beside cuBLAS's F.linear.
 """
@@ -144,34 +144,43 @@ def sweep_route(moe: SwiGLUMoE, out: Path) -> None:
 # The decode kernels' tiles (``PairGemvConfig``): rows / features a program, K step, warps.
 # (Stages are left at 1: Triton does not pipeline these plain loads, 1 and 3 timed the same.)
 DECODE_SWEEP = {
-    "router": [PairGemvConfig(rows, block_k, warps, 1) for rows in (1, 2, 4, 8) for block_k in (256, 512, 1024)
-               for warps in (2, 4, 8) if rows * block_k <= 64 * 32 * warps],
-    "gate_up": [PairGemvConfig(block, block_k, warps, 1) for block in (4, 8, 16) for block_k in (128, 256, 512)
-                for warps in (2, 4, 8) if 2 * block * block_k <= 64 * 32 * warps],
-    "down": [PairGemvConfig(block, 0, warps, 1) for block in (1, 2, 4, 8) for warps in (2, 4, 8)
-             if K * F_ * block <= 64 * 32 * warps],
+    "router": [PairGemvConfig(rows, block_k, warps, 1) for rows in (1, 2, 4) for block_k in (512, 2048)
+               for warps in (2, 4)],
+    "gate_up": [PairGemvConfig(block, block_k, warps, 1) for block in (4, 8, 16) for block_k in (256, 512)
+                for warps in (4, 8)],
+    "down": [PairGemvConfig(block, block_k, warps, 1) for block in (4, 8, 16) for block_k in (256, 512)
+             for warps in (4, 8)],
+    "down_routing": [PairGemvConfig(block, 0, warps, 1) for block in (1, 2, 4, 8) for warps in (2, 4, 8)
+                     if K * F_ * block <= 64 * 32 * warps],
 }
 
 
 def sweep_decode(moe: SwiGLUMoE, out: Path) -> None:
-    """The decode path's three kernels alone at every DECODE_SWEEP tile, the router beside cuBLAS's
-    F.linear, at 1 to 16 tokens (graph replays of one kernel, us)."""
-    E_ = moe.num_experts
+    """The decode path's kernels alone at every DECODE_SWEEP tile, the router beside cuBLAS's
+    F.linear, gate/up writing the routing, down reading it and down routing itself, at 1 to 16
+    tokens (graph replays of one kernel, us)."""
+    E_, slots = moe.num_experts, moe.top_k + moe.num_shared
     us = lambda fn: 1e3 * graph_bench(fn)  # noqa: E731
     results = []
     lines = [f"## MoE decode kernels alone, 35B-A3B layer, bf16, {torch.cuda.get_device_name()} "
              f"(us, graph replays of one kernel)", "",
              "| tokens | router: cuBLAS | router (default / best) | pair_gate_up (default / best) | "
-             "down_combine (default / best) |", "|---|---|---|---|---|"]
-    for tokens in (1, 2, 4, 8, 16):
+             "down_combine (default / best) | down_combine routing itself (default / best) |",
+             "|---|---|---|---|---|---|"]
+    for tokens in (1, 2, 8, 16):
         x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
         logits = router_logits(x, moe.router_with_gate)
-        h = pair_gate_up(x, moe.w13, logits, moe.top_k, moe.activation, num_experts=E_)
+        routing = (torch.empty(tokens, slots, dtype=torch.int32, device="cuda"),
+                   torch.empty(tokens, slots, device="cuda"))
+        h = pair_gate_up(x, moe.w13, logits, moe.top_k, moe.activation, num_experts=E_, routing_out=routing)
         calls = {
             "router": lambda cfg: router_logits(x, moe.router_with_gate, out=logits, config=cfg),
             "gate_up": lambda cfg: pair_gate_up(x, moe.w13, logits, moe.top_k, moe.activation, num_experts=E_,
-                                                out=h, config=cfg),
-            "down": lambda cfg: down_combine(h, moe.w2, logits, moe.top_k, x.dtype, num_experts=E_, config=cfg),
+                                                routing_out=routing, out=h, config=cfg),
+            "down": lambda cfg: down_combine(h, moe.w2, logits, moe.top_k, x.dtype, num_experts=E_, routing=routing,
+                                             config=cfg),
+            "down_routing": lambda cfg: down_combine(h, moe.w2, logits, moe.top_k, x.dtype, num_experts=E_,
+                                                     config=cfg),
         }
         row = {"tokens": tokens, "router_cublas": us(lambda: F.linear(x, moe.router_with_gate))}
         for kind, call in calls.items():
@@ -189,7 +198,7 @@ def sweep_decode(moe: SwiGLUMoE, out: Path) -> None:
         results.append(row)
         print(lines[-1], flush=True)
     for row in results:
-        for kind in ("router", "gate_up", "down"):
+        for kind in DECODE_SWEEP:
             timed = sorted((v, k) for k, v in row[kind].items() if isinstance(v, float))
             lines += ["", f"{row['tokens']} tokens, {kind}: the 6 fastest of {len(row[kind])}:", "",
                       "| tile | us |", "|---|---|"] + [f"| {k} | {v:.1f} |" for v, k in timed[:6]]

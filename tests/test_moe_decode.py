@@ -84,6 +84,25 @@ def test_down_combine_matches_reference(dtype, config, out_dtype):
     assert_close(out, ref, {torch.float32: 1e-5, torch.float16: 1e-3}.get(dtype, 8e-3))
 
 
+@pytest.mark.parametrize("config", [None, PairGemvConfig(16, 8, 4, 1)], ids=["default", "16x8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gate_up_writes_the_routing_down_reads(dtype, config):
+    """routing_out: gate/up's last routed program of each token writes routing_ref's routing; down
+    on it (the loop kernel) equals down routing itself."""
+    x, h = randn(N, H, dtype=dtype), randn(N * S, F_, dtype=dtype)
+    w13, w2 = expert_weights(dtype)
+    logits = random_logits(dtype)
+    routing = (torch.full((N, S), -7, dtype=torch.int32, device=DEVICE),
+               poisoned_like(torch.empty(N, S, device=DEVICE)))
+    pair_gate_up(x, w13, logits, TOP_K, Activation(), num_experts=E, routing_out=routing)
+    experts, weights = routing_ref(logits, TOP_K, E, SHARED)
+    assert torch.equal(routing[0], experts)
+    assert_close(routing[1], weights, 1e-6)
+    out = down_combine(h, w2, logits, TOP_K, dtype, num_experts=E, routing=routing, config=config)
+    assert_close(out, down_combine(h, w2, logits, TOP_K, dtype, num_experts=E),
+                 {torch.float32: 1e-5, torch.float16: 1e-3}.get(dtype, 8e-3))
+
+
 def test_ties_go_to_the_lower_expert_and_weights_renormalise():
     """Equal logits: the lowest ids, equal weights; the shared slot gets sigmoid(gate logit)."""
     logits = torch.zeros(2, R, device=DEVICE)
@@ -123,7 +142,7 @@ def test_down_combine_rounds_each_product_then_sums_in_fp32():
     assert torch.equal(twice, one)
 
 
-@pytest.mark.parametrize("n", [1, 5, 16])
+@pytest.mark.parametrize("n", [1, 2, 3, 16])
 def test_block_on_the_decode_path_equals_the_grouped_path(n, monkeypatch):
     """``SwiGLUMoE`` up to PAIR_PATH_TOKENS tokens takes the decode path; forced onto the grouped
     path (PAIR_PATH_TOKENS = 0) it gives the same result (fp32: summation order only)."""
@@ -137,7 +156,7 @@ def test_block_on_the_decode_path_equals_the_grouped_path(n, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [1, 8, 16])
+@pytest.mark.parametrize("n", [1, 2, 8, 16])
 def test_dependent_launches_equal_plain_launches_in_a_graph(n, monkeypatch):
     """Programmatic dependent launch (the router's, gate/up's and down's programs overlapping) in a
     CUDA graph of four blocks in a row, each layer's output the next one's input, replayed on new
@@ -188,6 +207,10 @@ def _inputs():
     (lambda a: down_combine(a["h"], a["w2"], a["lg"][:, :E], TOP_K, torch.float32, num_experts=E), "logits: expected"),
     (lambda a: down_combine(a["h"], a["w2"], a["lg"], TOP_K, torch.int8, num_experts=E), "out_dtype"),
     (lambda a: down_combine(a["h"], a["w2"], a["lg"], TOP_K, torch.float32, num_experts=E,
+                            routing=(torch.zeros(N, S, dtype=torch.int64), torch.zeros(N, S))), "routing: expected"),
+    (lambda a: pair_gate_up(a["x"], a["w13"], a["lg"], TOP_K, Activation(), num_experts=E,
+                            routing_out=torch.zeros(N, S)), "routing_out: expected"),
+    (lambda a: down_combine(a["h"], a["w2"], a["lg"], TOP_K, torch.float32, num_experts=E,
                             out=torch.empty(N, H, dtype=torch.float16, device=DEVICE)), "out: expected"),
 ])
 def test_bad_input_names_the_argument(call, match):
@@ -206,3 +229,7 @@ def test_cpu_without_interpreter_uses_reference(monkeypatch):
     assert torch.equal(h, pair_gate_up_ref(a["x"], a["w13"], a["lg"], TOP_K, act, num_experts=E))
     out = down_combine(h, a["w2"], a["lg"], TOP_K, torch.float16, num_experts=E)
     assert torch.equal(out, down_combine_ref(h, a["w2"], a["lg"], TOP_K, torch.float16, num_experts=E))
+    routing = (torch.empty(N, S, dtype=torch.int32), torch.empty(N, S))
+    pair_gate_up(a["x"], a["w13"], a["lg"], TOP_K, act, num_experts=E, routing_out=routing)
+    assert all(torch.equal(got, ref) for got, ref in zip(routing, routing_ref(a["lg"], TOP_K, E, SHARED)))
+    assert torch.equal(down_combine(h, a["w2"], a["lg"], TOP_K, torch.float16, num_experts=E, routing=routing), out)

@@ -1,17 +1,21 @@
 """The decode path of the Qwen3.5-MoE sparse block (issue 19): up to a few tokens, three launches
 with the routing inside them, each pair's expert weights streamed by matrix-vector programs.
 
-    logits = router_logits(x, router_with_gate)                          # launch 1
-    h = pair_gate_up(x, w13, logits, top_k, activation, num_experts=E)    # launch 2
-    out = down_combine(h, w2, logits, top_k, x.dtype, num_experts=E)      # launch 3
+    out = swiglu_moe_decode(x, router_with_gate, w13, w2, top_k, activation, num_experts=E), i.e.
+    logits = router_logits(x, router_with_gate)                                     # launch 1
+    h = pair_gate_up(x, w13, logits, top_k, activation, num_experts=E, routing_out=r)  # launch 2
+    out = down_combine(h, w2, logits, top_k, x.dtype, num_experts=E, routing=r)       # launch 3
 
-No routing launch and no pair list: each program of launches 2 and 3 picks its experts itself from
+No routing launch and no pair list: each routed program of launch 2 picks its expert itself from
 its token's logits (a few rounds of a max over E values, ~1 us), so the routed weights start
-streaming as soon as the logits are in memory. On Hopper and later, launches 2 and 3 use
-programmatic dependent launch (``fuselm.runtime.use_pdl``): launch 2's shared-expert programs,
-which need no routing, stream their weights while the router kernel runs; launch 3's programs
-route and load all their down weights into registers while launch 2 still runs, then wait for h.
-The three kernels' weight streams so overlap instead of each paying its own start and tail.
+streaming as soon as the logits are in memory. Launch 3 either routes itself the same way (up to
+ROUTE_IN_DOWN_TOKENS tokens, ``r`` None) or reads the token's routing that launch 2's last routed
+program of each token wrote into ``r`` (past it: there its many programs would each repeat the
+routing). On Hopper and later, launches 2 and 3 use programmatic dependent launch
+(``fuselm.runtime.use_pdl``): launch 2's shared-expert programs, which need no routing, stream
+their weights while the router kernel runs; launch 3's self-routing programs load all their down
+weights into registers while launch 2 still runs, then wait for h. The weight streams so overlap
+instead of each paying its own start and tail.
 
 Shapes: x [N, H]; router_with_gate [R, H] (R >= E + 1: the router's E rows, the shared gate's,
 padding); logits [N, R] in x's dtype; w13 [E_total, 2F, H] with each expert's gate and up rows
@@ -22,7 +26,7 @@ token; h [N * S, F] in x's dtype, row p = n * S + j token n's slot j; out [N, H]
 - ``router_logits``: a program per ROWS router rows and token; the whole row of H in one unrolled
   load, products summed in fp32, rounded to x's dtype (``F.linear``'s contract; past the decode
   path cuBLAS computes them, ``routing.route``).
-- routing (in launches 2 and 3, ``_top_slots``): softmax in fp32 over the E experts, the top k in
+- routing (in launches 2 and 3, ``_expert_keys`` and ``_top_k``): softmax in fp32 over the E experts, the top k in
   descending order, ties to the lower expert id, renormalised (slot order) and rounded to x's
   dtype; the shared scale sigmoid(logit E). The order is taken on exp(l - max) before the division
   by the sum, so that launches 2 and 3 pick the same experts whatever their reductions' order
@@ -33,7 +37,7 @@ token; h [N * S, F] in x's dtype, row p = n * S + j token n's slot j; out [N, H]
 - ``down_combine``: a program owns token n and BLOCK_H output features: y_j = round(h[n S + j] @
   w2[e_j]^T) for every slot (fp32 sums, rounded to h's dtype as HF's down_proj output), then
   acc = fma(weight_j, y_j, acc) in fp32 in slot order (routed slots, then the shared ones); the
-  output rounded once.
+  output rounded once. Self-routing, all routed slots' weights are one [K, BLOCK_H, F] tile.
 
 Numerics: ``naive.swiglu_moe_ref``'s contract through ``grouped_gemm``'s references (products
 rounded to the model dtype, the weighted slots summed in fp32 in slot order, one rounding); only the
@@ -118,18 +122,59 @@ def _key_expert(key):
 
 
 @triton.jit
+def _top_k(keys, ex, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, dtype: tl.constexpr):
+    """(experts [K_PAD] int32, weights [K_PAD] fp32) from a token's keys and ex (``_expert_keys``):
+    k rounds of a max, each expert's probability ex / sum(ex), renormalised over the k (summed in
+    slot order), rounded to ``dtype``; zeros past k."""
+    total_ex = tl.sum(ex, axis=0)
+    cols = tl.arange(0, E_PAD)
+    slot = tl.arange(0, K_PAD)
+    experts = tl.zeros([K_PAD], dtype=tl.int32)
+    probs = tl.zeros([K_PAD], dtype=tl.float32)
+    total = 0.0
+    for j in tl.static_range(TOP_K):
+        best = tl.max(keys, axis=0)
+        e = _key_expert(best)
+        prob = tl.sum(tl.where(cols == e, ex, 0.0), axis=0) / total_ex  # softmax: exp(l - max) / sum
+        total += prob  # slot order
+        experts = tl.where(slot == j, e, experts)
+        probs = tl.where(slot == j, prob, probs)
+        keys = tl.where(keys == best, -1, keys)
+    return experts, (probs / total).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _shared_scale(row_ptr, E: tl.constexpr):
+    """sigmoid of a token's shared-gate logit (column E), in fp32."""
+    return 1.0 / (1.0 + tl.exp(-tl.load(row_ptr + E, cache_modifier=".cg").to(tl.float32)))
+
+
+@triton.jit
 def _pair_gate_up_kernel(
-    x_ptr, w_ptr, logits_ptr, h_ptr,
+    x_ptr, w_ptr, logits_ptr, h_ptr, experts_ptr, weights_ptr,
     F, H, stride_xm, stride_we, stride_wn, stride_lm, stride_hm,
     limit, alpha,
-    E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
-    ACT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, SLOTS: tl.constexpr,
+    WRITE_ROUTING: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_F: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     p = tl.program_id(0).to(tl.int64)  # the pair: token p // S, slot p % S
+    n = p // SLOTS
     j = p % SLOTS
     if j < TOP_K:  # a routed slot: the (j + 1)-th largest key of the token's logits
         wait_for_previous_kernel(USE_PDL)
-        keys, _ = _expert_keys(logits_ptr + (p // SLOTS) * stride_lm, E, E_PAD)
+        row_ptr = logits_ptr + n * stride_lm
+        keys, ex = _expert_keys(row_ptr, E, E_PAD)
+        if WRITE_ROUTING:  # the token's last routed slot, first program: its whole routing, for down
+            if (j == TOP_K - 1) & (tl.program_id(1) == 0):
+                experts, weights = _top_k(keys, ex, E_PAD, TOP_K, K_PAD, logits_ptr.dtype.element_ty)
+                slot = tl.arange(0, K_PAD)
+                tl.store(experts_ptr + n * SLOTS + slot, experts, mask=slot < TOP_K)
+                tl.store(weights_ptr + n * SLOTS + slot, weights, mask=slot < TOP_K)
+                scale = _shared_scale(row_ptr, E)
+                for c in tl.static_range(SLOTS - TOP_K):
+                    tl.store(experts_ptr + n * SLOTS + TOP_K + c, E + c)
+                    tl.store(weights_ptr + n * SLOTS + TOP_K + c, scale)
         for _ in range(j):
             keys = tl.where(keys == tl.max(keys, axis=0), -1, keys)
         e = _key_expert(tl.max(keys, axis=0)).to(tl.int64)
@@ -142,7 +187,7 @@ def _pair_gate_up_kernel(
     k = tl.arange(0, BLOCK_K)
     # Rows past 2F wrap to valid ones (never stored).
     w_ptrs = w_ptr + e * stride_we + (wrows % (2 * F)).to(tl.int64)[:, None] * stride_wn + k[None, :]
-    x_ptrs = x_ptr + (p // SLOTS) * stride_xm + k
+    x_ptrs = x_ptr + n * stride_xm + k
     acc = tl.zeros([2 * BLOCK_F, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         acc += _gemv_k_step(w_ptrs, x_ptrs, k, H - k0, EVEN_K)
@@ -157,6 +202,39 @@ def _pair_gate_up_kernel(
     hv = a * up_factor(u, ACT, limit)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     tl.store(h_ptr + p * stride_hm + cols, hv.to(h_ptr.dtype.element_ty), mask=cols < F)
+
+
+@triton.jit
+def _down_combine_kernel(
+    h_ptr, w_ptr, experts_ptr, weights_ptr, out_ptr,
+    H, stride_hm, stride_we, stride_wn, stride_om,
+    SLOTS: tl.constexpr, F: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """down_combine on the routing gate/up wrote (experts, weights [N, S]), read after the wait."""
+    wait_for_previous_kernel(USE_PDL)
+    n = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # output features: rows of w2[e]
+    k = tl.arange(0, BLOCK_K)
+    w_offs = (rows % H).to(tl.int64)[:, None] * stride_wn + k[None, :]  # rows past H wrap, never stored
+    out = tl.zeros([BLOCK_H], dtype=tl.float32)
+    # Both loops unrolled (SLOTS and F are constexpr): no load waits on an earlier slot's sum, so
+    # every slot's weight tiles can be in flight at once (a rolled loop kept one 16 KB tile in
+    # flight a program: 12.5 us for 18.9 MB at one token on the H200).
+    for j in tl.static_range(SLOTS):  # slot order: deterministic
+        p = n * SLOTS + j
+        e = tl.load(experts_ptr + p).to(tl.int64)
+        w_ptrs = w_ptr + e * stride_we + w_offs
+        h_ptrs = h_ptr + p * stride_hm + k
+        acc = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
+        for k0 in tl.static_range(0, F, BLOCK_K):
+            acc += _gemv_k_step(w_ptrs, h_ptrs, k, F - k0, EVEN_K)
+            w_ptrs += BLOCK_K
+            h_ptrs += BLOCK_K
+        # The product rounded to h's dtype (HF's down_proj output), then weighted: one fma.
+        y = tl.sum(acc, axis=1).to(h_ptr.dtype.element_ty).to(tl.float32)
+        out = tl.fma(tl.load(weights_ptr + p), y, out)
+    tl.store(out_ptr + n * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=rows < H)
 
 
 @triton.jit
@@ -176,44 +254,30 @@ def _slot_products(w, h_ptr, pairs, stride_hm, f, ok, F: tl.constexpr):
 
 
 @triton.jit
-def _down_combine_kernel(
+def _down_combine_routing_kernel(
     h_ptr, w_ptr, logits_ptr, out_ptr,
     H, stride_hm, stride_we, stride_wn, stride_lm, stride_om,
     E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
     NUM_SHARED: tl.constexpr, SHARED_PAD: tl.constexpr, F: tl.constexpr, F_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    """down_combine routing from the logits itself, every slot's weights loaded before the wait."""
     n = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # output features: rows of w2[e]
     f = tl.arange(0, F_PAD)
     SLOTS: tl.constexpr = TOP_K + NUM_SHARED
-    # The routing (the gate/up kernel's, weights too): k rounds of a max over the keys.
     row_ptr = logits_ptr + n * stride_lm
     keys, ex = _expert_keys(row_ptr, E, E_PAD)
-    total_ex = tl.sum(ex, axis=0)
-    cols = tl.arange(0, E_PAD)
-    slot = tl.arange(0, K_PAD)
-    experts = tl.zeros([K_PAD], dtype=tl.int32)
-    probs = tl.zeros([K_PAD], dtype=tl.float32)
-    total = 0.0
-    for j in tl.static_range(TOP_K):
-        best = tl.max(keys, axis=0)
-        e = _key_expert(best)
-        prob = tl.sum(tl.where(cols == e, ex, 0.0), axis=0) / total_ex  # softmax: exp(l - max) / sum
-        total += prob  # slot order
-        experts = tl.where(slot == j, e, experts)
-        probs = tl.where(slot == j, prob, probs)
-        keys = tl.where(keys == best, -1, keys)
-    weights = (probs / total).to(logits_ptr.dtype.element_ty).to(tl.float32)
+    experts, weights = _top_k(keys, ex, E_PAD, TOP_K, K_PAD, logits_ptr.dtype.element_ty)
     # Every slot's down weights into registers before the wait: they stream while h is computed.
+    slot = tl.arange(0, K_PAD)
     routed = slot < TOP_K
     w_routed = _slot_rows(w_ptr, experts, stride_we, stride_wn, rows % H, f, routed, F)
     if NUM_SHARED > 0:
         chunk = tl.arange(0, SHARED_PAD)
         shared = chunk < NUM_SHARED
         w_shared = _slot_rows(w_ptr, E + chunk, stride_we, stride_wn, rows % H, f, shared, F)
-        gate = tl.load(row_ptr + E, cache_modifier=".cg").to(tl.float32)
-        scale = 1.0 / (1.0 + tl.exp(-gate))
+        scale = _shared_scale(row_ptr, E)
     wait_for_previous_kernel(USE_PDL)  # h is the gate/up kernel's
     y = _slot_products(w_routed, h_ptr, n * SLOTS + slot, stride_hm, f, routed, F)  # [K_PAD, BLOCK_H]
     out = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -244,27 +308,38 @@ class PairGemvConfig:
 # features, K step 256, 4 warps first or within 1% at 1, 4, 8, 16 tokens; a tensor-core dot variant
 # never among the first six; stages change nothing (Triton does not pipeline these plain loads).
 PAIR_GATE_UP_TILE = PairGemvConfig(8, 256, 4, 1)
+# down_combine reading gate/up's routing: 8 features, K step 256 (H200, session 19: 44.2 us at 8
+# tokens against 47.7 at 4 features, 70.9 against 72.2 at 16).
+DOWN_COMBINE_TILE = PairGemvConfig(8, 256, 4, 1)
 ROUTER_TILE = PairGemvConfig(2, 512, 4, 1)
-DOWN_COMBINE_ELEMENTS = 16384  # weights a down program holds (K_PAD x BLOCK_H x F_PAD): 64 registers at 4 warps
+# down_combine routing itself holds every slot's [BLOCK_H, F] weights: this many elements
+# (K_PAD x BLOCK_H x F_PAD), 64 registers a thread at 4 warps.
+DOWN_ROUTING_ELEMENTS = 16384
 # The interpreter (CPU tests): small tiles, so odd shapes have several programs and a K tail.
 INTERPRET_TILE = PairGemvConfig(8, 16, 4, 1)
 INTERPRET_ROUTER_TILE = PairGemvConfig(4, 16, 4, 1)
+# Up to this many tokens down_combine routes itself (its N x H / BLOCK_H programs each take ~25
+# reductions over E: one wave at 1-2 tokens, under gate/up's stream by programmatic dependent
+# launch); past it gate/up's last routed program of each token writes the token's routing and
+# down_combine reads it (at 8 tokens the self-routing down took 172 us a block against 151).
+ROUTE_IN_DOWN_TOKENS = 2
 
 
 def pair_gemv_config(kind: str, dtype: torch.dtype, device: torch.device, *, top_k: int = 1,
                      num_features: int = 1) -> PairGemvConfig:
-    """The tile of ``kind`` in {"router", "gate_up", "down"} for ``dtype`` operands (fp32: half the
-    K step); down's ``block`` from ``top_k`` and its F (``num_features``): the most output features
-    (a power of two, 1 to 16) whose weights fit DOWN_COMBINE_ELEMENTS, 8 warps past that."""
-    if kind == "down":
+    """The tile of ``kind`` in {"router", "gate_up", "down", "down_routing"} for ``dtype`` operands
+    (fp32: half the K step); "down_routing" (down_combine routing itself) from ``top_k`` and F
+    (``num_features``): the most output features (a power of two, 1 to 16) whose weights fit
+    DOWN_ROUTING_ELEMENTS, 8 warps past that."""
+    if kind == "down_routing":
         held = next_power_of_2(top_k) * next_power_of_2(num_features)
-        block = max(1, min(16, DOWN_COMBINE_ELEMENTS // held))
+        block = max(1, min(16, DOWN_ROUTING_ELEMENTS // held))
         block = 1 << (block.bit_length() - 1)
-        return PairGemvConfig(block, 0, 4 if held * block <= DOWN_COMBINE_ELEMENTS else 8, 1)
+        return PairGemvConfig(block, 0, 4 if held * block <= DOWN_ROUTING_ELEMENTS else 8, 1)
     if device.type != "cuda":
         tile = INTERPRET_ROUTER_TILE if kind == "router" else INTERPRET_TILE
     else:
-        tile = ROUTER_TILE if kind == "router" else PAIR_GATE_UP_TILE
+        tile = {"router": ROUTER_TILE, "gate_up": PAIR_GATE_UP_TILE, "down": DOWN_COMBINE_TILE}[kind]
     if dtype == torch.float32:
         return PairGemvConfig(tile.block, max(16, tile.block_k // 2), tile.num_warps, tile.num_stages)
     return tile
@@ -298,6 +373,18 @@ def _check_routing(logits, num_tokens: int, like: torch.Tensor, top_k, num_exper
     return top_k + num_experts_total - num_experts
 
 
+def _check_routing_buffers(name: str, routing, num_tokens: int, slots: int, device) -> tuple:
+    if not isinstance(routing, (tuple, list)) or len(routing) != 2:
+        raise ValueError(f"{name}: expected (experts, weights), got {type(routing).__name__}")
+    for t, dtype in zip(routing, (torch.int32, torch.float32)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (num_tokens, slots) or t.dtype != dtype \
+                or t.device != device or not t.is_contiguous():
+            got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected contiguous [{num_tokens}, {slots}] int32 experts and fp32 weights on "
+                             f"{device}, got {got}")
+    return tuple(routing)
+
+
 # ----------------------------------------------------------------------------- host functions
 def router_logits(x: torch.Tensor, router_with_gate: torch.Tensor, *, out: torch.Tensor | None = None,
                   config: PairGemvConfig | None = None) -> torch.Tensor:
@@ -325,11 +412,12 @@ def router_logits(x: torch.Tensor, router_with_gate: torch.Tensor, *, out: torch
 
 
 def pair_gate_up(x: torch.Tensor, w13: torch.Tensor, logits: torch.Tensor, top_k: int, activation: Activation, *,
-                 num_experts: int, out: torch.Tensor | None = None,
+                 num_experts: int, routing_out: tuple | None = None, out: torch.Tensor | None = None,
                  config: PairGemvConfig | None = None) -> torch.Tensor:
     """h [N * S, F] in x's dtype: row n * S + j = the activation of x[n] through its slot j's expert
     (the routing of ``logits``, module docstring; gate/up rows interleaved), as ``expert_gate_up``
-    computes it. One launch."""
+    computes it. One launch. ``routing_out``: (experts [N, S] int32, weights [N, S] fp32) to fill
+    with that routing (``routing_ref``'s), for ``down_combine(..., routing=routing_out)``."""
     _check_tensor("x", x, 2)
     _check_weights("w13", w13, "x", x, x.shape[1])
     if w13.shape[1] % 2:
@@ -338,18 +426,25 @@ def pair_gate_up(x: torch.Tensor, w13: torch.Tensor, logits: torch.Tensor, top_k
         raise ValueError(f"activation: expected an Activation, got {activation!r}")
     (N, H), F_ = x.shape, w13.shape[1] // 2
     S = _check_routing(logits, N, x, top_k, num_experts, w13.shape[0])
+    if routing_out is not None:
+        routing_out = _check_routing_buffers("routing_out", routing_out, N, S, x.device)
     h = _check_out("out", out, (N * S, F_), x.dtype, x.device)
     if not use_triton(x):
+        if routing_out is not None:
+            for buffer, ref in zip(routing_out, routing_ref(logits, top_k, num_experts, S - top_k)):
+                buffer.copy_(ref)
         return h.copy_(pair_gate_up_ref(x, w13, logits, top_k, activation, num_experts=num_experts))
     if N == 0 or F_ == 0:
         return h
     cfg = config or pair_gemv_config("gate_up", x.dtype, x.device)
     pdl = use_pdl(x.device)
+    experts, weights = routing_out if routing_out is not None else (h, h)  # unused without WRITE_ROUTING
     _pair_gate_up_kernel[(N * S, cdiv(F_, cfg.block))](
-        x, w13, logits, h,
+        x, w13, logits, h, experts, weights,
         F_, H, x.stride(0), w13.stride(0), w13.stride(1), logits.stride(0), h.stride(0),
         activation.kernel_limit, float(activation.alpha),
-        E=num_experts, E_PAD=max(2, next_power_of_2(num_experts)), TOP_K=top_k, SLOTS=S,
+        E=num_experts, E_PAD=max(2, next_power_of_2(num_experts)), TOP_K=top_k,
+        K_PAD=max(2, next_power_of_2(top_k)), SLOTS=S, WRITE_ROUTING=routing_out is not None,
         ACT=activation.code, EVEN_K=H % cfg.block_k == 0, BLOCK_F=cfg.block, BLOCK_K=cfg.block_k, USE_PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
@@ -357,29 +452,45 @@ def pair_gate_up(x: torch.Tensor, w13: torch.Tensor, logits: torch.Tensor, top_k
 
 
 def down_combine(h: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor, top_k: int, out_dtype: torch.dtype | str,
-                 *, num_experts: int, out: torch.Tensor | None = None,
+                 *, num_experts: int, routing: tuple | None = None, out: torch.Tensor | None = None,
                  config: PairGemvConfig | None = None) -> torch.Tensor:
     """[N, H] in ``out_dtype``: out[n] = sum_j weight[n, j] * round(h[n S + j] @ w2[expert[n, j]]^T)
     over the slots of ``logits``' routing (module docstring), in slot order as fp32 fused
     multiply-adds, rounded once: ``expert_down`` then ``combine`` in one launch. h [N * S, F],
-    w2 [E_total, H, F] in h's dtype, logits [N, >= E + 1] in h's dtype."""
+    w2 [E_total, H, F] in h's dtype, logits [N, >= E + 1] in h's dtype. ``routing``: the
+    (experts, weights) ``pair_gate_up(..., routing_out=...)`` wrote for these logits, read instead
+    of routing here."""
     _check_tensor("h", h, 2)
     _check_weights("w2", w2, "h", h, h.shape[1])
     N = logits.shape[0] if isinstance(logits, torch.Tensor) and logits.dim() == 2 else -1
     S = _check_routing(logits, N, h, top_k, num_experts, w2.shape[0])
     if h.shape[0] != N * S:
         raise ValueError(f"h: expected N * S = {N * S} rows, got shape {tuple(h.shape)}")
+    if routing is not None:
+        routing = _check_routing_buffers("routing", routing, N, S, h.device)
     out_dtype = parse_dtype(out_dtype, "out_dtype")
     H, F_ = w2.shape[1], h.shape[1]
     o = _check_out("out", out, (N, H), out_dtype, h.device)
     if not use_triton(h):
+        if routing is not None:
+            return o.copy_(combine_ref(expert_down_ref(h, w2, *_pair_list(routing[0], w2.shape[0])), routing[1],
+                                       out_dtype))
         return o.copy_(down_combine_ref(h, w2, logits, top_k, out_dtype, num_experts=num_experts))
     if N == 0 or H == 0:
         return o
-    num_shared = S - top_k
-    cfg = config or pair_gemv_config("down", h.dtype, h.device, top_k=top_k, num_features=F_)
     pdl = use_pdl(h.device)
-    _down_combine_kernel[(N, cdiv(H, cfg.block))](
+    if routing is not None:
+        cfg = config or pair_gemv_config("down", h.dtype, h.device)
+        _down_combine_kernel[(N, cdiv(H, cfg.block))](
+            h, w2, *routing, o,
+            H, h.stride(0), w2.stride(0), w2.stride(1), o.stride(0),
+            SLOTS=S, F=F_, EVEN_K=F_ % cfg.block_k == 0, BLOCK_H=cfg.block, BLOCK_K=cfg.block_k, USE_PDL=pdl,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        )
+        return o
+    num_shared = S - top_k
+    cfg = config or pair_gemv_config("down_routing", h.dtype, h.device, top_k=top_k, num_features=F_)
+    _down_combine_routing_kernel[(N, cdiv(H, cfg.block))](
         h, w2, logits, o,
         H, h.stride(0), w2.stride(0), w2.stride(1), logits.stride(0), o.stride(0),
         E=num_experts, E_PAD=max(2, next_power_of_2(num_experts)), TOP_K=top_k,
@@ -388,6 +499,21 @@ def down_combine(h: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor, top_k:
         BLOCK_H=cfg.block, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return o
+
+
+def swiglu_moe_decode(x: torch.Tensor, router_with_gate: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      top_k: int, activation: Activation, *, num_experts: int) -> torch.Tensor:
+    """The block on a few tokens x [N, H] -> [N, H] in x's dtype: ``router_logits``, ``pair_gate_up``,
+    ``down_combine`` (which routes itself up to ROUTE_IN_DOWN_TOKENS tokens, else reads the routing
+    gate/up wrote). Three launches."""
+    logits = router_logits(x, router_with_gate)
+    routing = None
+    if x.shape[0] > ROUTE_IN_DOWN_TOKENS:
+        slots = top_k + w13.shape[0] - num_experts
+        routing = (torch.empty(x.shape[0], slots, dtype=torch.int32, device=x.device),
+                   torch.empty(x.shape[0], slots, dtype=torch.float32, device=x.device))
+    h = pair_gate_up(x, w13, logits, top_k, activation, num_experts=num_experts, routing_out=routing)
+    return down_combine(h, w2, logits, top_k, x.dtype, num_experts=num_experts, routing=routing)
 
 
 # ----------------------------------------------------------------------------- references

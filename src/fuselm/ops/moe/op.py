@@ -4,9 +4,8 @@ expert) on fuselm's kernels, built from HF's block. Inference only.
     moe = SwiGLUMoE.from_hf(hf_block)        # or SwiGLUMoE(router, top_k, gate_up, down, ...)
     y = moe(x)                                # x [..., H]
 
-Three launches per call up to PAIR_PATH_TOKENS tokens (decode: ``decode.router_logits``, then
-``decode.pair_gate_up`` and ``decode.down_combine``, which route from the logits themselves), eight
-past that
+Three launches per call up to PAIR_PATH_TOKENS tokens (decode, ``decode.swiglu_moe_decode``: the
+router logits, then gate/up and down, which route from the logits themselves), eight past that
 (``routing.route``: the GEMM, softmax / top-k, the pair sort in three launches; ``grouped_gemm``:
 gate/up with the activation, down, the per-token combine with the routing weights), fixed grids
 and no host sync whatever the routing (CUDA-graph capturable). On a CPU without TRITON_INTERPRET
@@ -33,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fuselm.ops.common.activation import Activation
-from fuselm.ops.moe.decode import down_combine, pair_gate_up, router_logits
+from fuselm.ops.moe.decode import swiglu_moe_decode
 from fuselm.ops.moe.grouped_gemm import combine, expert_down, expert_gate_up
 from fuselm.ops.moe.routing import pad_router_rows, route
 from fuselm.runtime import cdiv
@@ -140,9 +139,8 @@ class SwiGLUMoE(nn.Module):
         rows = x.reshape(-1, self.hidden_size).contiguous()
         slots = self.top_k + self.num_shared
         if rows.shape[0] <= PAIR_PATH_TOKENS:
-            logits = router_logits(rows, w)
-            h = pair_gate_up(rows, self.w13, logits, self.top_k, self.activation, num_experts=self.num_experts)
-            return down_combine(h, self.w2, logits, self.top_k, x.dtype, num_experts=self.num_experts).view(x.shape)
+            return swiglu_moe_decode(rows, w, self.w13, self.w2, self.top_k, self.activation,
+                                     num_experts=self.num_experts).view(x.shape)
         block_m = routing_block_m(rows.shape[0] * slots, self.num_experts + self.num_shared)
         routing = route(rows, w, self.top_k, self.num_shared, block_m, num_experts=self.num_experts)
         pairs = routing.sorted_pairs, routing.block_experts
