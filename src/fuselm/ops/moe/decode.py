@@ -311,9 +311,14 @@ PAIR_GATE_UP_TILE = PairGemvConfig(8, 256, 4, 1)
 # down_combine reading gate/up's routing: 8 features, K step 256 (H200, session 19: 44.2 us at 8
 # tokens against 47.7 at 4 features, 70.9 against 72.2 at 16).
 DOWN_COMBINE_TILE = PairGemvConfig(8, 256, 4, 1)
-ROUTER_TILE = PairGemvConfig(2, 512, 4, 1)
-# down_combine routing itself holds every slot's [BLOCK_H, F] weights: this many elements
-# (K_PAD x BLOCK_H x F_PAD), 64 registers a thread at 4 warps.
+# H100 sweep (moe.py --sweep-decode, session 26, graph replays of one kernel at one token): the
+# router 1 row a program, K step 512, 4 warps 6.6 us (2 rows 7.0; cuBLAS's F.linear 9.4).
+ROUTER_TILE = PairGemvConfig(1, 512, 4, 1)
+# down routing itself: the most output features a program (a power of two <= 16) whose weights
+# (K_PAD x BLOCK_H x F_PAD) stay within this many elements, 64 registers a thread at 4 warps. At
+# one token on the H100 (35B-A3B, moe.md): 4 features on 4 warps 28.6 us a block in a graph of 8
+# layers, 1 feature on 2 warps 30.6 (alone, outside the block, the single feature was faster:
+# 19.1 against 20.1 us, its 2048 programs then not competing with gate/up's).
 DOWN_ROUTING_ELEMENTS = 16384
 # The interpreter (CPU tests): small tiles, so odd shapes have several programs and a K tail.
 INTERPRET_TILE = PairGemvConfig(8, 16, 4, 1)
@@ -329,12 +334,11 @@ def pair_gemv_config(kind: str, dtype: torch.dtype, device: torch.device, *, top
                      num_features: int = 1) -> PairGemvConfig:
     """The tile of ``kind`` in {"router", "gate_up", "down", "down_routing"} for ``dtype`` operands
     (fp32: half the K step); "down_routing" (down_combine routing itself) from ``top_k`` and F
-    (``num_features``): the most output features (a power of two, 1 to 16) whose weights fit
-    DOWN_ROUTING_ELEMENTS, 8 warps past that."""
+    (``num_features``): the most output features whose weights fit DOWN_ROUTING_ELEMENTS, 8 warps
+    past that."""
     if kind == "down_routing":
         held = next_power_of_2(top_k) * next_power_of_2(num_features)
-        block = max(1, min(16, DOWN_ROUTING_ELEMENTS // held))
-        block = 1 << (block.bit_length() - 1)
+        block = 1 << (max(1, min(16, DOWN_ROUTING_ELEMENTS // held)).bit_length() - 1)
         return PairGemvConfig(block, 0, 4 if held * block <= DOWN_ROUTING_ELEMENTS else 8, 1)
     if device.type != "cuda":
         tile = INTERPRET_ROUTER_TILE if kind == "router" else INTERPRET_TILE
