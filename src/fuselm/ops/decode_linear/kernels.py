@@ -147,9 +147,6 @@ class DecodeLinearConfig:
 # 4 stages), sigmoid_gate 57% / 55% / 55%. The previous 32 x 512 x 3 fell to 26-27% at M = 8 with
 # a prologue.
 HOPPER_BLOCK_N = 32
-# Half that when 32-feature programs would leave more than half the multiprocessors idle (the
-# Qwen3.5-MoE out projections, N = 2048: 64 programs on an H100's 132).
-SMALL_N_BLOCK_N = 16
 HOPPER_BLOCK_K = 256
 HOPPER_NUM_WARPS = 4
 HOPPER_NUM_STAGES = 4
@@ -182,19 +179,15 @@ MAX_FUSED_HEAD_DIM = 1024
 
 @functools.lru_cache(maxsize=128)
 def decode_linear_config(arch: int, dtype: torch.dtype, prologue: str | None = None,
-                         head_dim: int | None = None, num_features: int | None = None,
-                         num_sms: int | None = None) -> DecodeLinearConfig:
+                         head_dim: int | None = None) -> DecodeLinearConfig:
     """The launch config for compute capability major ``arch`` (0 = interpreter) and ``dtype``
     (the same for 16- and 32-row token tiles: the 24/32-row sweep's best plain tile is 16 rows'
-    32 x 256 x 4 stages; SMALL_N_BLOCK_N features a program when ``num_features`` (N) in 32-feature
-    programs would fill at most half of ``num_sms``). For ``gated_rms_norm`` BLOCK_K is a multiple of
-    ``head_dim`` whenever the fused path can take it (power-of-two head_dim <= MAX_FUSED_HEAD_DIM)."""
+    32 x 256 x 4 stages). For ``gated_rms_norm`` BLOCK_K is a multiple of ``head_dim`` whenever the fused path can
+    take it (power-of-two head_dim <= MAX_FUSED_HEAD_DIM)."""
     if arch == 0:
         cfg = DecodeLinearConfig(INTERPRET_BLOCK_N, INTERPRET_BLOCK_K, 4, 1)
     else:
-        few = num_features is not None and num_sms is not None and 2 * cdiv(num_features, HOPPER_BLOCK_N) <= num_sms
-        cfg = DecodeLinearConfig(SMALL_N_BLOCK_N if few else HOPPER_BLOCK_N, HOPPER_BLOCK_K, HOPPER_NUM_WARPS,
-                                 HOPPER_NUM_STAGES)
+        cfg = DecodeLinearConfig(HOPPER_BLOCK_N, HOPPER_BLOCK_K, HOPPER_NUM_WARPS, HOPPER_NUM_STAGES)
         if dtype == torch.float32:
             cfg = DecodeLinearConfig(cfg.block_n, cfg.block_k // FP32_BLOCK_K_DIVISOR, cfg.num_warps, FP32_NUM_STAGES)
     if prologue == "gated_rms_norm" and head_dim is not None and _pow2(head_dim) and head_dim <= MAX_FUSED_HEAD_DIM:

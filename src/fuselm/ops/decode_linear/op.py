@@ -35,7 +35,7 @@ from fuselm.ops.decode_linear.naive import decode_linear_ref, prologue_ref
 from fuselm.runtime import (
     KERNEL_DTYPES, arch_major, as_rows, check_finite_float, check_match, check_positive_int, check_same_device,
     check_tensor,
-    needs_autograd, num_sms, use_triton,
+    needs_autograd, use_triton,
 )
 
 
@@ -158,8 +158,7 @@ def decode_linear(
     x2 = as_rows("x", x)
     gate2 = as_rows("gate", gate) if gate is not None else None
     arch = arch_major(x.device)
-    sms = num_sms(x.device)
-    cfg = config or decode_linear_config(arch, x.dtype, prologue, head_dim, N, sms)
+    cfg = config or decode_linear_config(arch, x.dtype, prologue, head_dim)
     if prologue is not None and not (M <= FUSED_PROLOGUE_MAX_M[prologue] and fused_prologue_ok(prologue, head_dim, cfg)):
         # The prologue on its own first (one launch; PyTorch for heads the kernel cannot tile),
         # then the plain product: a fused GEMV's every program would recompute it over all rows.
@@ -168,7 +167,7 @@ def decode_linear(
         else:
             x2 = prologue_ref(x2, prologue, gate2, norm_weight, eps, head_dim)
         prologue, gate2, norm_weight, head_dim = None, None, None, None
-        cfg = config or decode_linear_config(arch, x.dtype, num_features=N, num_sms=sms)
+        cfg = config or decode_linear_config(arch, x.dtype)
     if M > DECODE_MAX_M:
         return torch.mm(x2, weight.T, out=out2).view(out_shape)
     decode_linear_kernel(x2, weight, out2, prologue, gate2, norm_weight, eps, head_dim, config=cfg)
