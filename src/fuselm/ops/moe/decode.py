@@ -314,12 +314,15 @@ DOWN_COMBINE_TILE = PairGemvConfig(8, 256, 4, 1)
 # H100 sweep (moe.py --sweep-decode, session 26, graph replays of one kernel at one token): the
 # router 1 row a program, K step 512, 4 warps 6.6 us (2 rows 7.0; cuBLAS's F.linear 9.4).
 ROUTER_TILE = PairGemvConfig(1, 512, 4, 1)
+# Up to ROUTE_IN_DOWN_TOKENS tokens (gate/up and down overlapping under programmatic dependent
+# launch), from the 35B-A3B block in a graph of 8 layers on the H100 (50 tile triples, session 26,
+# NOTES 68): gate/up 4 features a program, down routing itself 2 features on 2 warps, the router 1
+# row: 26.9 us a block at one token against 27.9 for 8 / 4 on 4 warps, 48.1 against 50.7 at two.
+FEW_TOKENS_GATE_UP_TILE = PairGemvConfig(4, 256, 4, 1)
 # down routing itself: the most output features a program (a power of two <= 16) whose weights
-# (K_PAD x BLOCK_H x F_PAD) stay within this many elements, 64 registers a thread at 4 warps. At
-# one token on the H100 (35B-A3B, moe.md): 4 features on 4 warps 28.6 us a block in a graph of 8
-# layers, 1 feature on 2 warps 30.6 (alone, outside the block, the single feature was faster:
-# 19.1 against 20.1 us, its 2048 programs then not competing with gate/up's).
-DOWN_ROUTING_ELEMENTS = 16384
+# (K_PAD x BLOCK_H x F_PAD) stay within this many elements, 64 registers a thread at 2 warps; a
+# single feature on more warps past that.
+DOWN_ROUTING_ELEMENTS = 8192
 # The interpreter (CPU tests): small tiles, so odd shapes have several programs and a K tail.
 INTERPRET_TILE = PairGemvConfig(8, 16, 4, 1)
 INTERPRET_ROUTER_TILE = PairGemvConfig(4, 16, 4, 1)
@@ -330,20 +333,22 @@ INTERPRET_ROUTER_TILE = PairGemvConfig(4, 16, 4, 1)
 ROUTE_IN_DOWN_TOKENS = 2
 
 
-def pair_gemv_config(kind: str, dtype: torch.dtype, device: torch.device, *, top_k: int = 1,
+def pair_gemv_config(kind: str, dtype: torch.dtype, device: torch.device, *, num_tokens: int = 1, top_k: int = 1,
                      num_features: int = 1) -> PairGemvConfig:
     """The tile of ``kind`` in {"router", "gate_up", "down", "down_routing"} for ``dtype`` operands
-    (fp32: half the K step); "down_routing" (down_combine routing itself) from ``top_k`` and F
-    (``num_features``): the most output features whose weights fit DOWN_ROUTING_ELEMENTS, 8 warps
-    past that."""
+    and ``num_tokens`` tokens (fp32: half the K step); "down_routing" (down_combine routing itself)
+    from ``top_k`` and F (``num_features``): the most output features whose weights fit
+    DOWN_ROUTING_ELEMENTS on 2 warps, more warps past that."""
     if kind == "down_routing":
         held = next_power_of_2(top_k) * next_power_of_2(num_features)
         block = 1 << (max(1, min(16, DOWN_ROUTING_ELEMENTS // held)).bit_length() - 1)
-        return PairGemvConfig(block, 0, 4 if held * block <= DOWN_ROUTING_ELEMENTS else 8, 1)
+        return PairGemvConfig(block, 0, min(8, max(2, 2 * held * block // DOWN_ROUTING_ELEMENTS)), 1)
     if device.type != "cuda":
         tile = INTERPRET_ROUTER_TILE if kind == "router" else INTERPRET_TILE
+    elif kind == "gate_up":
+        tile = FEW_TOKENS_GATE_UP_TILE if num_tokens <= ROUTE_IN_DOWN_TOKENS else PAIR_GATE_UP_TILE
     else:
-        tile = {"router": ROUTER_TILE, "gate_up": PAIR_GATE_UP_TILE, "down": DOWN_COMBINE_TILE}[kind]
+        tile = {"router": ROUTER_TILE, "down": DOWN_COMBINE_TILE}[kind]
     if dtype == torch.float32:
         return PairGemvConfig(tile.block, max(16, tile.block_k // 2), tile.num_warps, tile.num_stages)
     return tile
@@ -440,7 +445,7 @@ def pair_gate_up(x: torch.Tensor, w13: torch.Tensor, logits: torch.Tensor, top_k
         return h.copy_(pair_gate_up_ref(x, w13, logits, top_k, activation, num_experts=num_experts))
     if N == 0 or F_ == 0:
         return h
-    cfg = config or pair_gemv_config("gate_up", x.dtype, x.device)
+    cfg = config or pair_gemv_config("gate_up", x.dtype, x.device, num_tokens=N)
     pdl = use_pdl(x.device)
     experts, weights = routing_out if routing_out is not None else (h, h)  # unused without WRITE_ROUTING
     _pair_gate_up_kernel[(N * S, cdiv(F_, cfg.block))](
