@@ -34,7 +34,8 @@ from fuselm.models.qwen35.layers import MoE
 # Triton's approximate exp/rsqrt and other reduction orders on both sides.
 FP32_MAX_ABS_CPU, FP32_MAX_ABS_GPU = 1e-3, 1e-2
 # Kernels per MoE layer per decode step (seed 003's gate: routing, gate/up with the activation and the
-# shared expert, down with the combine; the router GEMM one more).
+# shared expert, down with the combine; the router GEMM one more). Today 3: the router logits, then
+# gate/up and down, each routing from them (ops/moe/decode.py).
 MOE_MAX_KERNELS = 4
 # Rows of the kernel-time tables (launch_audit's decode step, prefill_profile).
 KERNEL_TABLE_ROWS = 12
