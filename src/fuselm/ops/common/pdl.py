@@ -24,26 +24,7 @@ def wait_for_previous_kernel(USE_PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_rows_l2(row_ptrs, row_len, LINES: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr):
-    """With USE_PDL: ask L2 for the first LINES lines of LINE elements (128 bytes) of each row at
-    ``row_ptrs`` ([ROWS] pointers, ``row_len`` elements a row: no line past it), without waiting
-    for them (``prefetch.global.L2``). A weight-streaming kernel launched with PDL calls it before
-    its wait: its first weight tiles are then in L2, and their pages in the TLB, when the kernel
-    before it ends."""
-    if USE_PDL:
-        offsets = tl.minimum(tl.arange(0, LINES) * LINE, row_len - 1)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                                  [row_ptrs[:, None] + offsets[None, :]], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def allow_next_kernel(USE_PDL: tl.constexpr):
     """Let the next kernel (if launched with PDL) be scheduled once every program got here."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-
-
-def prefetch_lines(block_k: int, element_size: int, tiles: int = 2) -> int:
-    """128-byte lines of each weight row a decode GEMV asks L2 for before its wait: its first
-    ``tiles`` K steps of ``block_k`` elements (a power of two, for tl.arange)."""
-    return max(1, tiles * block_k * element_size // 128)

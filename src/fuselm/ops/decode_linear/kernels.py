@@ -33,8 +33,7 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.common.matmul import decode_block_m, dot_acc  # the same token padding and dot as swiglu_mlp
-from fuselm.ops.common.pdl import allow_next_kernel, prefetch_lines, prefetch_rows_l2, wait_for_previous_kernel
-from fuselm.runtime import arch_major, cdiv, use_pdl
+from fuselm.runtime import arch_major, cdiv
 
 # Prologue codes, as the constexpr the kernel takes.
 PROLOGUE_NONE = 0
@@ -75,10 +74,8 @@ def _prologue_tile(xt, g_ptrs, ok, nw, eps, PROLOGUE: tl.constexpr, HEAD_DIM: tl
 def _prologue_kernel(
     x_ptr, g_ptr, nw_ptr, a_ptr, M, K, stride_xm, stride_gm, stride_am, eps,
     PROLOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
     """a [M, K] = the prologue of x (and gate), written once: a program per [BLOCK_M, BLOCK_K] tile."""
-    allow_next_kernel(USE_PDL)  # the GEMV after it may start prefetching its weights
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     ok = (rows < M) & (k < K)[None, :]
@@ -96,17 +93,12 @@ def _decode_linear_kernel(
     M, N, K, stride_xm, stride_gm, stride_wn, stride_om, eps,
     PROLOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wrows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)  # tokens, padded to BLOCK_M
     k = tl.arange(0, BLOCK_K)
     # Out-of-range weight rows wrap to valid ones (never stored): no row mask on the weight.
-    w_rows = w_ptr + (wrows % N).to(tl.int64) * stride_wn
-    prefetch_rows_l2(w_rows, K, PREFETCH_LINES, LINE, USE_PDL)  # while the kernel before runs
-    wait_for_previous_kernel(USE_PDL)
-    allow_next_kernel(USE_PDL)
-    w_ptrs = w_rows[:, None] + k[None, :]  # [BLOCK_N, BLOCK_K]
+    w_ptrs = w_ptr + (wrows % N).to(tl.int64)[:, None] * stride_wn + k[None, :]  # [BLOCK_N, BLOCK_K]
     rows64 = rows.to(tl.int64)[:, None]
     # x and gate tiles [BLOCK_M, BLOCK_K] as stored (row-major: loads coalesced along K); the dot
     # takes their transpose.
@@ -245,15 +237,13 @@ def decode_linear_kernel(x, weight, out, prologue: str | None = None, gate=None,
     M, K = x.shape
     N = weight.shape[0]
     code = PROLOGUE_CODES[prologue]
-    pdl = use_pdl(x.device)
     _decode_linear_kernel[(cdiv(N, config.block_n),)](
         x, gate if gate is not None else x, norm_weight if norm_weight is not None else x, weight, out,
         M, N, K, x.stride(0), gate.stride(0) if gate is not None else 0, weight.stride(0), out.stride(0), float(eps),
         PROLOGUE=code, HEAD_DIM=head_dim if code == PROLOGUE_GATED_RMS_NORM else 1,
         IEEE=x.dtype == torch.float32, EVEN_K=K % config.block_k == 0,
         BLOCK_M=decode_block_m(M), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        PREFETCH_LINES=prefetch_lines(config.block_k, x.element_size()), LINE=128 // x.element_size(), USE_PDL=pdl,
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
@@ -270,6 +260,5 @@ def prologue_kernel(x, prologue: str, gate, norm_weight=None, eps: float = 1e-6,
     _prologue_kernel[(cdiv(M, PROLOGUE_BLOCK_M), cdiv(K, block_k))](
         x, gate, norm_weight if norm_weight is not None else x, a, M, K, x.stride(0), gate.stride(0), a.stride(0),
         float(eps), PROLOGUE=code, HEAD_DIM=head, BLOCK_M=PROLOGUE_BLOCK_M, BLOCK_K=block_k,
-        USE_PDL=use_pdl(x.device),
     )
     return a

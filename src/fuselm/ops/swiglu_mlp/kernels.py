@@ -38,8 +38,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fuselm.ops.common.activation import Activation, gate_factor, gate_factor_grad, up_factor, up_factor_grad
 from fuselm.ops.common.matmul import decode_block_m, dot_acc, grouped_tile, load_k_step
-from fuselm.ops.common.pdl import allow_next_kernel, prefetch_lines, prefetch_rows_l2, wait_for_previous_kernel
-from fuselm.runtime import arch_major, cdiv, num_sms, use_pdl
+from fuselm.runtime import arch_major, cdiv, num_sms
 
 
 @triton.jit
@@ -139,7 +138,6 @@ def _decode_gemv_kernel(
     limit, alpha,
     SWIGLU: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # SWIGLU: N output features read 2 * N interleaved weight rows.
     W_ROWS: tl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
@@ -147,13 +145,7 @@ def _decode_gemv_kernel(
     rows = tl.arange(0, BLOCK_M)  # tokens, padded to BLOCK_M
     k = tl.arange(0, BLOCK_K)
     n_wrows = 2 * N if SWIGLU else N
-    w_rows = w_ptr + (wrows % n_wrows).to(tl.int64) * stride_wn
-    # Programmatic dependent launch: the first K steps of the weight rows into L2 while the kernel
-    # before (the RMSNorm, or gate/up ahead of down) runs; x only after the wait.
-    prefetch_rows_l2(w_rows, K, PREFETCH_LINES, LINE, USE_PDL)
-    wait_for_previous_kernel(USE_PDL)
-    allow_next_kernel(USE_PDL)
-    w_ptrs = w_rows[:, None] + k[None, :]  # [W_ROWS, BLOCK_K]
+    w_ptrs = w_ptr + (wrows % n_wrows).to(tl.int64)[:, None] * stride_wn + k[None, :]  # [W_ROWS, BLOCK_K]
     x_ptrs = x_ptr + rows[None, :] * stride_xm + k[:, None]  # [BLOCK_K, BLOCK_M] of x.T
     row_ok = (rows < M)[None, :]
     acc = tl.zeros([W_ROWS, BLOCK_M], dtype=tl.float32)
@@ -304,13 +296,11 @@ def decode_gemv_kernel(x, w, out, act: Activation | None = None, config: GemvCon
     N = w.shape[0] // 2 if swiglu else w.shape[0]
     cfg = config or gemv_config(arch_major(x.device), x.dtype, swiglu)
     act = act or Activation()
-    pdl = use_pdl(x.device)
     _decode_gemv_kernel[(cdiv(N, cfg.block_n),)](
         x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
         act.kernel_limit, float(act.alpha),
         SWIGLU=swiglu, ACT=act.code, IEEE=x.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0,
         BLOCK_M=decode_block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PREFETCH_LINES=prefetch_lines(cfg.block_k, x.element_size()), LINE=128 // x.element_size(), USE_PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
