@@ -1,13 +1,14 @@
 """Programmatic dependent launch (PDL, Hopper and later) inside a kernel.
 
 A kernel launched with ``launch_pdl=True`` (``fuselm.runtime.use_pdl``) may begin while the kernel
-ahead of it in the stream still runs, once every program of that kernel has called
-``allow_next_kernel`` (or exited). Before ``wait_for_previous_kernel`` it may read only what was
-in memory before that previous kernel began, and write nothing; after the wait, the previous
-kernel has finished and its writes are visible. Every program that reads the previous kernel's
-output waits (a program that waits on nothing still ends after the kernel before it, as long as one
-program of its kernel waits, so the next plain launch still follows both). Both calls are nothing
-without USE_PDL (and off CUDA: the interpreter never traces them).
+ahead of it in the stream still runs: once every program of that kernel has called
+``allow_next_kernel`` (or exited). Until it calls ``wait_for_previous_kernel`` it writes nothing and
+reads only what was complete when it could begin: what was written before the kernel ahead began,
+or by a kernel that every program of the kernel ahead waited for before allowing it (the MoE decode
+path's down kernel reads the router's logits so). After the wait the kernel ahead has finished and
+its writes are visible. A kernel whose programs do not all wait still ends after the kernel ahead
+as long as one of them waits, so a plain launch after it follows both. Both calls are nothing
+without USE_PDL (off CUDA the interpreter never traces them).
 """
 
 from __future__ import annotations

@@ -295,8 +295,8 @@ def _down_combine_routing_kernel(
 @dataclass(frozen=True)
 class PairGemvConfig:
     """Output features per program (``block``: router rows for the router, h features for gate/up,
-    so 2 * block rows of w13; hidden features for down), the K step (the router's and gate/up's;
-    down holds a slot's whole F), warps and stages (Triton's launch options)."""
+    so 2 * block rows of w13; hidden features for down), the K step (down routing itself holds each
+    slot's whole F: 0), warps and stages (Triton's launch options)."""
 
     block: int
     block_k: int
