@@ -4,13 +4,14 @@
 #              whole block, Qwen35Moe vs HF): moe_tests.log
 #   sanitizer  compute-sanitizer memcheck of the routing, grouped-GEMM and combine kernels (skewed and
 #              empty-expert cases included; graph-capture tests apart): moe_sanitizer.log
-#   bench      benchmarks/moe.py: the 35B-A3B block at 1 .. 16384 tokens vs HF's block, the unfused
-#              path and the floor, uniform and skewed routing: moe.md / moe.json, moe_skewed.*;
+#   bench      benchmarks/moe.py: the 35B-A3B block at 1 .. 16384 tokens (one block a graph, and per
+#              block in a graph of 8 layers) vs HF's block, the unfused path and the floor, uniform and
+#              skewed routing: moe.md / moe.json, moe_skewed.*;
 #              each kernel's GPU time per token count: moe_kernels.md
 #   sweep      benchmarks/moe.py --sweep: the routing and each grouped GEMM alone at every tile config
 #              (1, 8, 64, 4096 tokens; 16 and 64 rows at 64, 64 and 128 at 4096): moe_sweep.md / moe_sweep.json
-#   decode     benchmarks/moe.py --sweep-decode: the decode path's kernels by tile at 1-16 tokens beside
-#              the grouped path's: moe_decode_sweep.md / .json
+#   decode     benchmarks/moe.py --sweep-decode: the decode path's kernels alone by tile at 1-16 tokens
+#              (the router beside cuBLAS's): moe_decode_sweep.md / .json
 #   model      the 35B-A3B model whole beside HF transformers (benchmarks/qwen35.py --config 35b-a3b:
 #              random bf16 weights drawn on the device, ~69 GB each, one after the other: use the
 #              nvidia-h200 kind), decode batch 1, 8, 32: qwen35_moe.md / .json
