@@ -306,9 +306,10 @@ def main():
             routed = route(x, block.router_with_gate, K, block.num_shared, 64, num_experts=E)
             return int(routed.experts[:, :K].unique().numel())
 
-        experts_hit = hit(moe)
-        floor = floor_ms(moe, experts_hit, tokens, bandwidth, rate)
-        layers_floor = sum(floor_ms(b, hit(b), tokens, bandwidth, rate) for b in blocks) / len(blocks)
+        hits = [hit(b) for b in blocks]  # blocks[0] is moe
+        experts_hit = hits[0]
+        floors = [floor_ms(b, h, tokens, bandwidth, rate) for b, h in zip(blocks, hits)]
+        floor, layers_floor = floors[0], sum(floors) / len(floors)
         timed = {}
         for pdl in ((True, False) if tokens <= PAIR_PATH_TOKENS else (True,)):  # PDL: the decode path only
             runtime.PDL = pdl
