@@ -2,12 +2,16 @@
 
     python benchmarks/decode_gemv.py [--rows 1 2 4 8 16 24 32] [--out DIR]          # decode_gemv.md
     python benchmarks/decode_gemv.py --sweep [--rows 16 24 32] [--out DIR]          # decode_gemv_sweep.md
+    python benchmarks/decode_gemv.py --vector [--out DIR]                            # decode_vector_sweep.md
 
 Default: ``decode_linear``'s two ways with a prologue (fused into the GEMV; the prologue kernel,
 then the plain GEMV) and the op as it dispatches, beside the prologue kernel + cuBLAS, per row
 count: the data behind ``FUSED_PROLOGUE_MAX_M``. ``--sweep``: the tile sweep behind
 ``swiglu_mlp.kernels.gemv_config`` and ``decode_linear.kernels.decode_linear_config``, beside
-cuBLAS (``F.linear``, the GEMM alone: no SwiGLU, no prologue) at the same shapes.
+cuBLAS (``F.linear``, the GEMM alone: no SwiGLU, no prologue) at the same shapes. ``--vector``:
+``decode_linear`` at one row, the CUDA-core vector kernel's configs against the tensor-core tile
+(as it ran at one row before: gated_rms_norm fused, sigmoid_gate its prologue kernel first) and
+cuBLAS, at the out projections of Qwen3.5-9B (N 4096) and 35B-A3B (N 2048), K 4096.
 
 Each timing is one CUDA graph holding one call on each of several weight copies (more bytes than
 the L2 cache holds, as in a model step where every layer brings new weights), replayed by
@@ -28,7 +32,8 @@ import torch.nn.functional as F
 from fuselm.ops.common.activation import Activation
 from fuselm.ops.decode_linear import decode_linear
 from fuselm.ops.decode_linear.kernels import (
-    DecodeLinearConfig, decode_linear_config, decode_linear_kernel, prologue_kernel,
+    DecodeLinearConfig, DecodeVectorConfig, decode_linear_config, decode_linear_kernel, decode_vector_config,
+    prologue_kernel,
 )
 from fuselm.ops.swiglu_mlp.kernels import GemvConfig, decode_gemv_kernel, gemv_config
 from fuselm.runtime import copy_bandwidth
@@ -139,14 +144,70 @@ def compare_paths(rows, copy_tbps):
     return lines, records
 
 
+VECTOR = [DecodeVectorConfig(rows, block_k, warps) for rows in (1, 2, 4, 8) for block_k in (512, 1024, 2048, 4096)
+          for warps in (4, 8)]
+
+
+def vector_sweep(copy_tbps):
+    """decode_linear at one row: (lines, records)."""
+    lines = [f"## decode_linear at one row, {torch.cuda.get_device_name()}, bf16, K = {D} (copy bandwidth "
+             f"{copy_tbps:.2f} TB/s)", "",
+             "Per call, weight copies beyond the L2 in one graph; % = weight bytes / time / copy bandwidth. tile = the "
+             "tensor-core kernel with its default config (sigmoid_gate: its prologue kernel first, as the op ran it "
+             "at one row); vector = the CUDA-core kernel (rows a program, K step, warps), prologue fused.", "",
+             "| N | prologue | way | us | % of copy | default | best |", "|---|---|---|---|---|---|---|"]
+    records = []
+    x, z = torch.randn(1, D, device="cuda", dtype=DT), torch.randn(1, D, device="cuda", dtype=DT)
+    norm = torch.rand(HEAD_DIM, device="cuda", dtype=DT) + 0.5
+    for n in (2048, 4096):
+        y_out = torch.empty(1, n, device="cuda", dtype=DT)
+        ws = copies_of((n, D))
+        for prologue in (None, "sigmoid_gate", "gated_rms_norm"):
+            head = HEAD_DIM if prologue == "gated_rms_norm" else None
+            kw = dict(prologue=prologue, gate=None if prologue is None else z, norm_weight=norm if head else None,
+                      head_dim=head)
+            tile = decode_linear_config(9, DT, prologue, head)
+            default = decode_vector_config(9, DT, prologue, head)
+            ways = {"cuBLAS (no prologue)": [lambda w=w: F.linear(x, w) for w in ws],
+                    "tile": [lambda w=w: decode_linear(x, w, out=y_out, config=tile, **kw) for w in ws]}
+            for cfg in [default] + [c for c in VECTOR if c != default and (head is None or c.block_k % head == 0)]:
+                ways[f"vector {cfg.rows} x {cfg.block_k}, {cfg.num_warps} warps"] = (
+                    [lambda w=w, cfg=cfg: decode_linear(x, w, out=y_out, config=cfg, **kw) for w in ws], cfg == default)
+            timed = []
+            for way, calls in ways.items():
+                calls, is_default = calls if isinstance(calls, tuple) else (calls, False)
+                try:
+                    us = 1e3 * per_call_ms(calls)
+                except Exception as error:  # registers or shared memory: recorded, not fatal
+                    records.append({"n": n, "prologue": prologue, "way": way, "error": str(error)[:120]})
+                    continue
+                timed.append((way, us, is_default))
+            best = min((t for t in timed if t[0].startswith("vector")), key=lambda t: t[1])[0]
+            for way, us, is_default in timed:
+                pct = 100 * n * D * 2 / (us * 1e-6) / 1e12 / copy_tbps
+                records.append({"n": n, "prologue": prologue, "way": way, "us": us, "pct_copy": pct,
+                                "default": is_default})
+                lines.append(f"| {n} | {prologue or 'plain'} | {way} | {us:.1f} | {pct:.0f}% | "
+                             f"{'yes' if is_default else ''} | {'yes' if way == best else ''} |")
+            print("\n".join(lines[-len(timed):]), flush=True)
+    return lines, records
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=None)
     parser.add_argument("--sweep", action="store_true", help="the tile sweep (default: the prologue paths)")
+    parser.add_argument("--vector", action="store_true", help="one row: the vector kernel's configs against the tile")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     copy_tbps = copy_bandwidth()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.vector:
+        lines, records = vector_sweep(copy_tbps)
+        (args.out / "decode_vector_sweep.md").write_text("\n".join(lines) + "\n")
+        (args.out / "decode_vector_sweep.json").write_text(json.dumps({"copy_tbps": copy_tbps, "records": records},
+                                                                      indent=1))
+        return
     if not args.sweep:
         lines, records = compare_paths(args.rows or [1, 2, 4, 8, 16, 24, 32], copy_tbps)
         (args.out / "decode_gemv.md").write_text("\n".join(lines) + "\n")

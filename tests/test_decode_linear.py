@@ -10,7 +10,8 @@ from helpers import TOL_VS_CONTRACT, randn
 from fuselm.models.qwen35.layers import GatedAttention, GatedDeltaNet
 from fuselm.models.qwen35.presets import tiny_config
 from fuselm.ops.decode_linear import (
-    DecodeLinearConfig, decode_linear, decode_linear_config, decode_linear_ref, gated_rms_norm_ref, sigmoid_gate_ref,
+    DecodeLinearConfig, DecodeVectorConfig, decode_linear, decode_linear_config, decode_linear_ref,
+    decode_vector_config, gated_rms_norm_ref, sigmoid_gate_ref,
 )
 from fuselm.ops.rms_norm import rms_norm, rms_norm_ref
 from fuselm.testing import assert_close, poisoned_like
@@ -104,6 +105,58 @@ def test_gated_rms_norm_head_dims_and_config_override(dtype, head_dim, config):
     assert not y.isnan().any()
     assert_close(y, exact(x, weight, kwargs), TOL[dtype], "y")
     assert_close(y, contract(x, weight, kwargs), TOL_VS_CONTRACT[dtype], "y vs contract")
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("config", [
+    None,                               # the one-token kernel's default
+    DecodeVectorConfig(1, 32, 2),       # a row a program; K = 96 in 3 steps, 200 in 7 (tail)
+    DecodeVectorConfig(4, 16, 1),       # K steps of 16: 13 for K = 200 (rolled loop); gated heads unfused
+    DecodeVectorConfig(128, 256, 4),    # one program, one K step
+    DecodeLinearConfig(16, 64, 4, 1),   # the tensor-core tile at one row
+], ids=["default", "rows1-bk32", "rows4-bk16-rolled", "rows128-bk256", "tile"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_one_token_paths(dtype, config, case):
+    """One row: the CUDA-core vector kernel (no tl.dot, so bf16 runs in the interpreter too) under
+    its default and overriding configs, and the tile kernel when a DecodeLinearConfig asks."""
+    if dtype == torch.bfloat16 and isinstance(config, DecodeLinearConfig) and not ON_GPU:
+        pytest.skip("the interpreter's bf16 tl.dot is wrong (triton 11584)")
+    prologue, k, head_dim = case
+    x, weight, kwargs = make_inputs(1, k, dtype, prologue, head_dim)
+    y = decode_linear(x, weight, config=config, out=poisoned_like(torch.empty(1, N, dtype=dtype, device=DEVICE)),
+                      **kwargs)
+    assert not y.isnan().any(), "an element of out was not written"
+    assert_close(y, exact(x, weight, kwargs), TOL[dtype], "y")
+    assert_close(y, contract(x, weight, kwargs), TOL_VS_CONTRACT[dtype], "y vs contract")
+
+
+@pytest.mark.parametrize("m", [1, 3, 33])  # the vector kernel reads the heads in place; the others copy them
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gate_in_strided_heads(dtype, m):
+    """A gate given as [..., heads, head] with strided heads (Qwen3.5 attention's gate, interleaved
+    with the query in one projection) gives what its contiguous copy gives."""
+    heads, head = 5, 16
+    proj = randn(m, heads, 2, head, dtype=dtype)
+    x = randn(m, heads * head, dtype=dtype)
+    weight = randn(N, heads * head, dtype=dtype, scale=(heads * head) ** -0.5)
+    gate = proj[:, :, 1, :]
+    assert gate.stride(1) == 2 * head
+    y = decode_linear(x, weight, prologue="sigmoid_gate", gate=gate,
+                      out=poisoned_like(torch.empty(m, N, dtype=dtype, device=DEVICE)))
+    flat = dict(prologue="sigmoid_gate", gate=gate.reshape(m, -1))
+    assert not y.isnan().any()
+    assert_close(y, exact(x, weight, flat), TOL[dtype], "y")
+    assert_close(y, contract(x, weight, flat), TOL_VS_CONTRACT[dtype], "y vs contract")
+    with pytest.raises(ValueError, match="gate"):
+        decode_linear(x, weight, prologue="sigmoid_gate", gate=proj[:, :4, 1, :])  # 4 x 16 != K
+
+
+def test_default_vector_config_tiles_whole_heads():
+    for arch in (0, 9):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            for head_dim in (16, 64, 128, 256, 512):
+                cfg = decode_vector_config(arch, dtype, "gated_rms_norm", head_dim)
+                assert cfg.block_k % head_dim == 0, (arch, dtype, head_dim, cfg)
 
 
 def test_default_config_tiles_whole_heads():
@@ -230,6 +283,8 @@ def _bad_cases():
         ("out", ValueError, dict(x=x, weight=w, out=torch.empty(N, 2, device=DEVICE).t())),
         ("config", TypeError, dict(x=x, weight=w, config=(16, 64, 4, 1))),
         ("config", ValueError, dict(x=x, weight=w, config=DecodeLinearConfig(24, 64, 4, 1))),
+        ("config", ValueError, dict(x=x, weight=w, config=DecodeVectorConfig(3, 64, 4))),
+        ("config", ValueError, dict(x=x, weight=w, config=DecodeVectorConfig(2, 64, 4))),  # x has 2 rows
         ("x", ValueError, dict(x=x.clone().requires_grad_(True), weight=w)),
     ] + ([("tensors must be on one device", ValueError, dict(x=x, weight=w.cpu()))] if ON_GPU else [])
 

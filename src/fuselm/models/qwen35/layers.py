@@ -29,8 +29,18 @@ from fuselm.ops.decode_linear import decode_linear
 from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, gated_delta_gates, gated_delta_rule_decode_step
 from fuselm.ops.moe import SwiGLUMoE
 from fuselm.ops.swiglu_mlp import SwiGLUMLP, interleave_gate_up
+from fuselm.runtime import needs_autograd
 
 TakeTensor = Callable[[str], torch.Tensor]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for the token mixers' input projections and the LM head, but
+    one token (a decode step at batch 1) goes through ``decode_linear``'s vector kernel, whose
+    weight rows load while the norm ahead of it still runs. Both an fp32 accumulator rounded once."""
+    if bias is None and x.numel() == x.shape[-1] and not needs_autograd(x, weight):
+        return decode_linear(x, weight)
+    return F.linear(x, weight, bias)
 
 
 def _param(*shape) -> nn.Parameter:
@@ -157,7 +167,7 @@ class GatedDeltaNet(nn.Module):
         """The input projection x [..., D] -> [..., conv_dim + value_dim + 2 HV] (one GEMM);
         ``prefill`` and ``decode`` take it ready-made as ``projected`` (a mixed step computes it
         for its decode rows and prompt tokens in one GEMM)."""
-        return F.linear(x, self.in_proj)
+        return linear(x, self.in_proj)
 
     def _split_projection(self, proj):
         """proj [B, T, P] -> (qkv [B, T, conv_dim], b, a [B, T, HV]), model dtype (z: ``output``)."""
@@ -290,7 +300,7 @@ class GatedAttention(nn.Module):
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """The q/gate, k, v projection x [..., D] -> [..., 2 nH hd + 2 nKV hd] (one GEMM; see
         ``GatedDeltaNet.project``)."""
-        return F.linear(x, self.qkv_proj, self.qkv_bias)
+        return linear(x, self.qkv_proj, self.qkv_bias)
 
     def output(self, heads: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
         """Attention's output ``heads`` [..., nH hd] -> o_proj(heads * sigmoid(gate)) [..., D] with
@@ -298,9 +308,8 @@ class GatedAttention(nn.Module):
         rounded: ``decode_linear``'s sigmoid_gate prologue), any number of rows. The bias (when
         ``attention_bias``) is added to the rounded product: a second rounding where HF's linear
         has one."""
-        lead = projected.shape[:-1]
         gate = projected[..., :self.q_size].unflatten(-1, (self.num_heads, 2, self.head_dim))[..., 1, :]
-        y = decode_linear(heads, self.o_proj, prologue="sigmoid_gate", gate=gate.reshape(*lead, -1))
+        y = decode_linear(heads, self.o_proj, prologue="sigmoid_gate", gate=gate)  # [..., nH, hd], strided heads
         return y if self.o_bias is None else y + self.o_bias
 
     def prefill(self, x: torch.Tensor, cache: AttentionCache, step: PrefillStep,
@@ -348,8 +357,9 @@ class GatedAttention(nn.Module):
         q/k norm + RoPE + the K/V write into each row's page and slot in one launch
         (``qk_norm_rope_kv_write``, as ``prefill_heads``); attention over each
         row's positions 0 .. position only, through its block-table row (``decode_attention``:
-        split over the sequence, fp32 softmax); the sigmoid gate, then o_proj (``output``: the
-        gate as its own small kernel, faster than fused at every row count measured)."""
+        split over the sequence, fp32 softmax); the sigmoid gate, then o_proj (``output``: fused
+        into the vector kernel at one row, reading the gate in place; past it the gate as its own
+        small kernel, faster than fused at every row count measured)."""
         projected = self.project(x) if projected is None else projected
         return self.output(self.decode_heads(projected, cache, step), projected)
 

@@ -45,7 +45,7 @@ from torch import nn
 
 from fuselm.models.qwen35.cache import PAGE_SIZE, Qwen35Cache
 from fuselm.models.qwen35.config import Qwen35Config
-from fuselm.models.qwen35.layers import (DecodeStep, DecoderLayer, PrefillStep, TakeTensor, _assign, _param,
+from fuselm.models.qwen35.layers import (DecodeStep, DecoderLayer, PrefillStep, TakeTensor, _assign, _param, linear,
                                          prefixed, rotary_cos_sin, rotary_inv_freq)
 from fuselm.ops.rms_norm import add_rms_norm, rms_norm
 
@@ -296,7 +296,7 @@ class Qwen35(nn.Module):
         x, step = self._decode_inputs(token_ids, cache)
         hidden = self._layers(x, lambda mixer, x, i: mixer.decode(x, cache.layers[i], step))
         cache.lengths.add_(cache.active.to(torch.int64))
-        return F.linear(hidden[:, 0], self.lm_head_weight)
+        return linear(hidden[:, 0], self.lm_head_weight)  # batch 1: the vector kernel, after the norm's start
 
     @torch.no_grad()
     def mixed_step(self, token_ids: torch.Tensor, cache: Qwen35Cache, input_ids: torch.Tensor, slots: torch.Tensor,

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.attention_decode.naive import decode_attention_ref
-from fuselm.runtime import cdiv, check_same_device, check_tensor, next_power_of_2, num_sms, use_triton
+from fuselm.ops.common.pdl import allow_next_kernel
+from fuselm.runtime import cdiv, check_same_device, check_tensor, next_power_of_2, num_sms, use_pdl, use_triton
 
 BLOCK_N = 64  # cache columns per inner step
 MIN_GROUP_ROWS = 16  # the tensor-core dot's smallest M
@@ -89,7 +90,10 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, part_o_ptr, part_lse_
 
 @triton.jit
 def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+                    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
+    # The kernel after it (the output projection, launched as a programmatic dependent) may begin
+    # now: it loads its weights, then waits for the output.
+    allow_next_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)  # b * nH + h
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -130,7 +134,8 @@ def decode_attention_kernels(q, key_cache, value_cache, kv_lengths, scale, block
         PAGED=block_table is not None, PAGE=page, num_warps=4 if block_d <= 128 else 8, num_stages=2)
     out = torch.empty(B, num_heads, head_dim, dtype=q.dtype, device=q.device)
     _combine_kernel[(B * num_heads,)](part_o, part_lse, out, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                                      NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), num_warps=4)
+                                      NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), USE_PDL=use_pdl(q.device),
+                                      num_warps=4)
     return out
 
 

@@ -19,8 +19,13 @@ HEAD_DIM (a power of two), the tile is viewed as [BLOCK_M, BLOCK_K / HEAD_DIM, H
 over the last axis. The host launcher only takes this path when the config allows it
 (``fused_prologue_ok``); otherwise the op computes the prologue in PyTorch and runs the plain kernel.
 
+One token (M = 1) takes ``_decode_linear_vector_kernel`` instead: CUDA-core products of ROWS
+weight rows and the prologue's vector, fp32 sums, no token padding (a 16-row tensor-core tile
+computes 15 rows of zeros and holds a [BLOCK_N, 16] accumulator for one useful column).
+
 Numerics: the prologue in fp32 with the roundings of ``naive.py``; the dot accumulates in fp32
-(ieee for fp32 inputs) and the result is rounded once to the output dtype.
+(ieee for fp32 inputs; the vector kernel's products are fp32 multiplies) and the result is
+rounded once to the output dtype.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.common.matmul import decode_block_m, dot_acc  # the same token padding and dot as swiglu_mlp
-from fuselm.runtime import arch_major, cdiv
+from fuselm.ops.common.pdl import wait_for_previous_kernel
+from fuselm.runtime import arch_major, cdiv, next_power_of_2, use_pdl
 
 # Prologue codes, as the constexpr the kernel takes.
 PROLOGUE_NONE = 0
@@ -129,6 +135,73 @@ def _decode_linear_kernel(
              mask=mask)
 
 
+@triton.jit
+def _decode_linear_vector_kernel(
+    x_ptr, g_ptr, nw_ptr, w_ptr, out_ptr, N, stride_wn, stride_gh, eps,
+    K: tl.constexpr, PROLOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, GATE_HEAD: tl.constexpr,
+    UNROLL: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """One token (M = 1) on CUDA cores: a program owns ROWS weight rows; at each K step the fp32
+    products of the [ROWS, BLOCK_K] weight tile and the prologue's ``a`` [1, BLOCK_K] are added to
+    a [ROWS, BLOCK_K] fp32 sum, reduced over K once at the end. A tensor-core tile would pad the
+    token to 16 rows; here every loaded weight element is one FMA. UNROLL (K a few steps): the loop
+    is unrolled, so every weight load of the program is in flight at once. USE_PDL (launched as a
+    programmatic dependent): the first K step's weights are loaded before the wait for the kernel
+    ahead (x and gate are its output), so with BLOCK_K >= K the whole weight stream can run while
+    a short kernel ahead (the Gated DeltaNet step, attention's combine) still computes. GATE_HEAD:
+    the gate's columns come in heads of GATE_HEAD, stride_gh apart (0: one contiguous row), as
+    Qwen3.5 attention's gate interleaved with the query in its projection."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    k = tl.arange(0, BLOCK_K)[None, :]
+    # Weight rows past N wrap to valid ones (never stored): no row mask on the weight.
+    w_ptrs = w_ptr + (r % N).to(tl.int64)[:, None] * stride_wn + k  # [ROWS, BLOCK_K]
+    EVEN_K: tl.constexpr = K % BLOCK_K == 0
+    w_first = _vector_weight_tile(w_ptrs, k, K, EVEN_K)
+    nw = 0.0
+    if PROLOGUE == 2:
+        nw = tl.load(nw_ptr + k % HEAD_DIM).to(tl.float32)  # each K tile starts on a head boundary
+    wait_for_previous_kernel(USE_PDL)
+    acc = _vector_products(w_first, x_ptr, g_ptr, stride_gh, 0, k, K, nw, eps, PROLOGUE, HEAD_DIM, GATE_HEAD, EVEN_K,
+                           BLOCK_K)
+    if UNROLL:
+        for k0 in tl.static_range(BLOCK_K, K, BLOCK_K):
+            w = _vector_weight_tile(w_ptrs + k0, k, K - k0, EVEN_K)
+            acc += _vector_products(w, x_ptr, g_ptr, stride_gh, k0, k, K, nw, eps, PROLOGUE, HEAD_DIM, GATE_HEAD,
+                                    EVEN_K, BLOCK_K)
+    else:
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            w = _vector_weight_tile(w_ptrs + k0, k, K - k0, EVEN_K)
+            acc += _vector_products(w, x_ptr, g_ptr, stride_gh, k0, k, K, nw, eps, PROLOGUE, HEAD_DIM, GATE_HEAD,
+                                    EVEN_K, BLOCK_K)
+    tl.store(out_ptr + r, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=r < N)
+
+
+@triton.jit
+def _vector_weight_tile(w_ptrs, k, k_left, EVEN_K: tl.constexpr):
+    """A K step's weight tile [ROWS, BLOCK_K] at ``w_ptrs``; without EVEN_K the columns at
+    k >= ``k_left`` load as zeros."""
+    if EVEN_K:
+        return tl.load(w_ptrs)
+    return tl.load(w_ptrs, mask=k < k_left, other=0.0)
+
+
+@triton.jit
+def _vector_products(w, x_ptr, g_ptr, stride_gh, k0, k, K, nw, eps, PROLOGUE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     GATE_HEAD: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 products [ROWS, BLOCK_K] of the weight tile ``w`` of the K step at ``k0`` and
+    ``a`` = the prologue of x (and gate) at columns ``k0 + k`` (``k`` [1, BLOCK_K]; without EVEN_K
+    the columns at or past K are zeros)."""
+    col = k0 + k
+    ok = k < (BLOCK_K if EVEN_K else K - k0)
+    xt = tl.load(x_ptr + col, mask=ok, other=0.0)
+    if GATE_HEAD == 0:
+        g_ptrs = g_ptr + col
+    else:
+        g_ptrs = g_ptr + (col // GATE_HEAD) * stride_gh + col % GATE_HEAD
+    a = _prologue_tile(xt, g_ptrs, ok, nw, eps, PROLOGUE, HEAD_DIM, 1, BLOCK_K)
+    return w.to(tl.float32) * a.to(tl.float32)
+
+
 # ----------------------------------------------------------------------------- tuning config
 @dataclass(frozen=True)
 class DecodeLinearConfig:
@@ -177,6 +250,56 @@ INTERPRET_BLOCK_K = 64
 MAX_FUSED_HEAD_DIM = 1024
 
 
+@dataclass(frozen=True)
+class DecodeVectorConfig:
+    """The one-token kernel's launch: rows (weight rows per program) and block_k (the K step),
+    powers of two; num_warps as Triton's launch option."""
+    rows: int
+    block_k: int
+    num_warps: int
+
+
+# One token, Hopper, 16-bit (NOTES.md 71; H100, N 2048 and 4096, K 4096, 24 distinct weights a
+# graph, each config alone): 2 rows a program, K steps of 2048 on 8 warps (8.2 / 14.3 us plain at
+# N 2048 / 4096, against the tensor-core tile's 10.2 / 15.4); with gated_rms_norm, whose prologue
+# every program recomputes, 4 rows, steps of 1024 on 4 warps (8.6 / 15.3 us). In the 35B-A3B decode
+# step, where the first step's weights load before the dependent-launch wait, these beat one step
+# of the whole K (3.079 against 3.109 ms a step).
+VECTOR_ROWS = 2
+VECTOR_BLOCK_K = 2048
+VECTOR_NUM_WARPS = 8
+GATED_VECTOR_ROWS = 4
+GATED_VECTOR_BLOCK_K = 1024
+GATED_VECTOR_NUM_WARPS = 4
+# fp32: half the K step (the same bytes a step).
+FP32_VECTOR_BLOCK_K = 1024
+# The interpreter: several programs and a K tail at the tests' odd shapes.
+INTERPRET_VECTOR_ROWS = 8
+INTERPRET_VECTOR_BLOCK_K = 64
+# The K loop is unrolled up to this many steps (every load in flight); longer K runs it rolled.
+VECTOR_MAX_UNROLL_STEPS = 8
+
+
+@functools.lru_cache(maxsize=128)
+def decode_vector_config(arch: int, dtype: torch.dtype, prologue: str | None = None,
+                         head_dim: int | None = None) -> DecodeVectorConfig:
+    """The one-token kernel's config for compute capability major ``arch`` (0 = interpreter; other
+    GPUs take Hopper's, untuned); for ``gated_rms_norm`` block_k is raised to ``head_dim`` when it
+    is larger (whole heads per K step)."""
+    if arch == 0:
+        cfg = DecodeVectorConfig(INTERPRET_VECTOR_ROWS, INTERPRET_VECTOR_BLOCK_K, 4)
+    else:
+        if prologue == "gated_rms_norm":
+            cfg = DecodeVectorConfig(GATED_VECTOR_ROWS, GATED_VECTOR_BLOCK_K, GATED_VECTOR_NUM_WARPS)
+        else:
+            cfg = DecodeVectorConfig(VECTOR_ROWS, VECTOR_BLOCK_K, VECTOR_NUM_WARPS)
+        if dtype == torch.float32:
+            cfg = DecodeVectorConfig(cfg.rows, min(cfg.block_k, FP32_VECTOR_BLOCK_K), cfg.num_warps)
+    if prologue == "gated_rms_norm" and head_dim is not None and _pow2(head_dim) and head_dim <= MAX_FUSED_HEAD_DIM:
+        cfg = DecodeVectorConfig(cfg.rows, max(cfg.block_k, head_dim), cfg.num_warps)
+    return cfg
+
+
 @functools.lru_cache(maxsize=128)
 def decode_linear_config(arch: int, dtype: torch.dtype, prologue: str | None = None,
                          head_dim: int | None = None) -> DecodeLinearConfig:
@@ -199,22 +322,28 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def check_config(cfg) -> DecodeLinearConfig:
-    """ValueError naming ``config`` unless it is a usable DecodeLinearConfig."""
-    if not isinstance(cfg, DecodeLinearConfig):
-        raise TypeError(f"config: expected a DecodeLinearConfig, got {type(cfg).__name__}")
-    for name in ("block_n", "block_k"):
-        value = getattr(cfg, name)
-        if not (isinstance(value, int) and _pow2(value) and value >= 16):
-            raise ValueError(f"config: {name} must be a power of two >= 16, got {value!r}")
+def check_config(cfg) -> DecodeLinearConfig | DecodeVectorConfig:
+    """ValueError naming ``config`` unless it is a usable DecodeLinearConfig or DecodeVectorConfig."""
+    if isinstance(cfg, DecodeVectorConfig):
+        for name in ("rows", "block_k"):
+            value = getattr(cfg, name)
+            if not (isinstance(value, int) and _pow2(value)):
+                raise ValueError(f"config: {name} must be a power of two, got {value!r}")
+    elif isinstance(cfg, DecodeLinearConfig):
+        for name in ("block_n", "block_k"):
+            value = getattr(cfg, name)
+            if not (isinstance(value, int) and _pow2(value) and value >= 16):
+                raise ValueError(f"config: {name} must be a power of two >= 16, got {value!r}")
+        if not (isinstance(cfg.num_stages, int) and cfg.num_stages >= 1):
+            raise ValueError(f"config: num_stages must be an int >= 1, got {cfg.num_stages!r}")
+    else:
+        raise TypeError(f"config: expected a DecodeLinearConfig or DecodeVectorConfig, got {type(cfg).__name__}")
     if not (isinstance(cfg.num_warps, int) and _pow2(cfg.num_warps) and cfg.num_warps <= 32):
         raise ValueError(f"config: num_warps must be a power of two <= 32, got {cfg.num_warps!r}")
-    if not (isinstance(cfg.num_stages, int) and cfg.num_stages >= 1):
-        raise ValueError(f"config: num_stages must be an int >= 1, got {cfg.num_stages!r}")
     return cfg
 
 
-def fused_prologue_ok(prologue: str | None, head_dim: int | None, cfg: DecodeLinearConfig) -> bool:
+def fused_prologue_ok(prologue: str | None, head_dim: int | None, cfg: DecodeLinearConfig | DecodeVectorConfig) -> bool:
     """Whether the kernel can apply ``prologue`` itself under ``cfg``: always, except
     gated_rms_norm, which needs whole heads per K tile (power-of-two head_dim dividing BLOCK_K)."""
     if prologue != "gated_rms_norm":
@@ -244,6 +373,30 @@ def decode_linear_kernel(x, weight, out, prologue: str | None = None, gate=None,
         IEEE=x.dtype == torch.float32, EVEN_K=K % config.block_k == 0,
         BLOCK_M=decode_block_m(M), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def decode_linear_vector_kernel(x, weight, out, prologue: str | None = None, gate=None, norm_weight=None,
+                                eps: float = 1e-6, head_dim: int | None = None, *, config: DecodeVectorConfig):
+    """out [1, N] = prologue(x) @ weight.T for one token x [1, K], weight [N, K], all with unit
+    column stride, and gate [1, K] or in strided heads [1, heads, head] (heads x head = K, unit
+    column stride); out contiguous. No checks (``op.py`` does them); no allocation, no sync. The
+    caller makes sure ``fused_prologue_ok(prologue, head_dim, config)``."""
+    K = x.shape[1]
+    strided_gate = gate is not None and gate.dim() == 3
+    N = weight.shape[0]
+    code = PROLOGUE_CODES[prologue]
+    pdl = use_pdl(x.device)
+    # No wider step than K needs (a power of two, so whole heads still tile it).
+    block_k = min(config.block_k, max(next_power_of_2(K), head_dim if code == PROLOGUE_GATED_RMS_NORM else 1))
+    _decode_linear_vector_kernel[(cdiv(N, config.rows),)](
+        x, gate if gate is not None else x, norm_weight if norm_weight is not None else x, weight, out,
+        N, weight.stride(0), gate.stride(1) if strided_gate else 0, float(eps),
+        K=K, PROLOGUE=code, HEAD_DIM=head_dim if code == PROLOGUE_GATED_RMS_NORM else 1,
+        GATE_HEAD=gate.shape[2] if strided_gate else 0,
+        UNROLL=cdiv(K, block_k) <= VECTOR_MAX_UNROLL_STEPS, ROWS=config.rows, BLOCK_K=block_k,
+        USE_PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
     )
     return out
 

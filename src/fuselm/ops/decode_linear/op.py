@@ -2,10 +2,12 @@
 
     y = prologue(x) @ weight.T        x, gate [..., K]; weight [N, K]; y [..., N] in x's dtype
 
-Paths (M = prod(x.shape[:-1]) rows):
-- M <= FUSED_PROLOGUE_MAX_M[prologue] (or no prologue), M <= 32 (``DECODE_MAX_M``), on a Triton
-  device: one launch of ``_decode_linear_kernel``, which streams the weight once and applies the
-  prologue to the input tile in registers.
+Paths (M = prod(x.shape[:-1]) rows), on a Triton device:
+- M = 1: one launch of ``_decode_linear_vector_kernel`` (CUDA cores, no token padding), the
+  prologue applied to x in registers.
+- 2 <= M <= 32 (``DECODE_MAX_M``), M <= FUSED_PROLOGUE_MAX_M[prologue] or no prologue: one launch
+  of ``_decode_linear_kernel``, which streams the weight once through a tensor-core tile and
+  applies the prologue to the input tile in registers.
 - More rows with a prologue: the prologue on its own first (``_prologue_kernel``, one launch and
   one temporary [M, K]; PyTorch's ``naive.py`` for a head_dim the kernel cannot tile: not a power
   of two, or not dividing an overriding ``config``'s BLOCK_K), then the plain kernel.
@@ -28,8 +30,9 @@ import torch
 
 from fuselm.ops.common.matmul import DECODE_MAX_M
 from fuselm.ops.decode_linear.kernels import (
-    FUSED_PROLOGUE_MAX_M, PROLOGUE_CODES, DecodeLinearConfig, check_config, decode_linear_config, decode_linear_kernel,
-    fused_prologue_ok, prologue_kernel, prologue_kernel_ok,
+    FUSED_PROLOGUE_MAX_M, PROLOGUE_CODES, DecodeLinearConfig, DecodeVectorConfig, check_config, decode_linear_config,
+    decode_linear_kernel, decode_linear_vector_kernel, decode_vector_config, fused_prologue_ok, prologue_kernel,
+    prologue_kernel_ok,
 )
 from fuselm.ops.decode_linear.naive import decode_linear_ref, prologue_ref
 from fuselm.runtime import (
@@ -65,7 +68,12 @@ def _check(x, weight, prologue, gate, norm_weight, eps, head_dim, out, config):
         if gate is None:
             raise ValueError(f"gate: required with prologue={prologue!r}")
         check_tensor("gate", gate)
-        check_match("gate", gate, "x", x)
+        if gate.dim() == x.dim() + 1 and gate.shape[:-2] == x.shape[:-1]:  # heads of columns, strided
+            if gate.shape[-2] * gate.shape[-1] != x.shape[-1] or gate.dtype != x.dtype or gate.device != x.device:
+                raise ValueError(f"gate: as [..., heads, head] it must hold x's K = {x.shape[-1]} columns in x's "
+                                 f"dtype and device, got {tuple(gate.shape)} {gate.dtype} on {gate.device}")
+        else:
+            check_match("gate", gate, "x", x)
         if gate.stride(-1) != 1 and gate.shape[-1] > 1:
             raise ValueError(f"gate: the last dim must be contiguous (stride 1), got strides {tuple(gate.stride())}")
 
@@ -108,6 +116,9 @@ def _check(x, weight, prologue, gate, norm_weight, eps, head_dim, out, config):
                              "call it under torch.no_grad()")
     if config is not None:
         check_config(config)
+        rows = math.prod(out_shape[:-1])
+        if isinstance(config, DecodeVectorConfig) and rows != 1:
+            raise ValueError(f"config: a DecodeVectorConfig is for one token, got {rows} rows of x")
     return eps, out_shape
 
 
@@ -134,13 +145,18 @@ def decode_linear(
             gated attention before o_proj); ``"gated_rms_norm"``: HF ``Qwen3_5RMSNormGated`` per
             head of ``head_dim`` columns with z = gate (Gated DeltaNet before out_proj). The
             roundings are PyTorch eager's: see ``fuselm/ops/decode_linear/naive.py``.
-        gate: [..., K] like x (its own row stride), required iff a prologue is set.
+        gate: [..., K] like x (its own row stride), required iff a prologue is set; or
+            [..., heads, head] with heads x head = K, the heads strided (e.g. Qwen3.5 attention's
+            gate, interleaved with the query in the projection: read in place at one row, copied
+            into rows for the other paths).
         norm_weight: [head_dim], x's dtype or fp32 (gated_rms_norm only).
         eps: the RMSNorm epsilon (gated_rms_norm only).
         head_dim: columns per head, dividing K (gated_rms_norm only; fused for powers of two).
         out: optional contiguous [..., N] buffer in x's dtype, fully overwritten (must not
             overlap the inputs); with it the kernel path allocates nothing.
-        config: a :class:`DecodeLinearConfig` overriding ``decode_linear_config`` (tuning).
+        config: a :class:`DecodeLinearConfig` overriding ``decode_linear_config`` (the tile
+            kernel, also at one row), or for one row a :class:`DecodeVectorConfig` overriding
+            ``decode_vector_config`` (tuning).
     Returns:
         y: [..., N] in x's dtype (``out`` when given).
     """
@@ -154,21 +170,39 @@ def decode_linear(
     out2 = out.view(M, N)
 
     if not use_triton(x):
+        if gate is not None and gate.dim() == x.dim() + 1:
+            gate = gate.flatten(-2)
         return out.copy_(decode_linear_ref(x, weight, prologue, gate, norm_weight, eps, head_dim))
     x2 = as_rows("x", x)
-    gate2 = as_rows("gate", gate) if gate is not None else None
     arch = arch_major(x.device)
-    cfg = config or decode_linear_config(arch, x.dtype, prologue, head_dim)
-    if prologue is not None and not (M <= FUSED_PROLOGUE_MAX_M[prologue] and fused_prologue_ok(prologue, head_dim, cfg)):
+    vector = M == 1 and not isinstance(config, DecodeLinearConfig)
+    gate2 = None
+    if gate is not None and gate.dim() == x.dim() + 1:  # heads of columns: in place at one row
+        gate2 = gate.reshape(1, *gate.shape[-2:]) if vector else as_rows("gate", gate.flatten(-2))
+    elif gate is not None:
+        gate2 = as_rows("gate", gate)
+    if vector:
+        cfg = config or decode_vector_config(arch, x.dtype, prologue, head_dim)
+        fuse = fused_prologue_ok(prologue, head_dim, cfg)
+    else:
+        cfg = config or decode_linear_config(arch, x.dtype, prologue, head_dim)
+        fuse = prologue is None or (M <= FUSED_PROLOGUE_MAX_M[prologue] and fused_prologue_ok(prologue, head_dim, cfg))
+    if not fuse:
         # The prologue on its own first (one launch; PyTorch for heads the kernel cannot tile),
         # then the plain product: a fused GEMV's every program would recompute it over all rows.
+        if gate2.dim() == 3:
+            gate2 = as_rows("gate", gate2.flatten(-2))
         if prologue_kernel_ok(prologue, head_dim):
             x2 = prologue_kernel(x2, prologue, gate2, norm_weight, eps, head_dim)
         else:
             x2 = prologue_ref(x2, prologue, gate2, norm_weight, eps, head_dim)
         prologue, gate2, norm_weight, head_dim = None, None, None, None
-        cfg = config or decode_linear_config(arch, x.dtype)
-    if M > DECODE_MAX_M:
-        return torch.mm(x2, weight.T, out=out2).view(out_shape)
-    decode_linear_kernel(x2, weight, out2, prologue, gate2, norm_weight, eps, head_dim, config=cfg)
+        if config is None and not vector:
+            cfg = decode_linear_config(arch, x.dtype)
+    if vector:
+        decode_linear_vector_kernel(x2, weight, out2, prologue, gate2, norm_weight, eps, head_dim, config=cfg)
+    elif M > DECODE_MAX_M:
+        torch.mm(x2, weight.T, out=out2)
+    else:
+        decode_linear_kernel(x2, weight, out2, prologue, gate2, norm_weight, eps, head_dim, config=cfg)
     return out

@@ -29,7 +29,8 @@ import triton.language as tl
 
 from fuselm.ops.gated_delta_rule.fused_recurrent import _gated_delta_step, decode_block_v, decode_num_warps, softplus
 from fuselm.ops.gated_delta_rule.naive import gated_delta_rule_decode_step_ref
-from fuselm.runtime import cdiv, check_same_device, check_tensor, next_power_of_2, use_triton
+from fuselm.ops.common.pdl import allow_next_kernel
+from fuselm.runtime import cdiv, check_same_device, check_tensor, next_power_of_2, use_pdl, use_triton
 
 
 @triton.jit
@@ -50,8 +51,11 @@ def _decode_step_kernel(
     proj_ptr, conv_ptr, conv_w_ptr, A_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, positions_ptr, o_ptr,
     stride_proj, stride_conv, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KW: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    # The kernel after it (the out projection, launched as a programmatic dependent) may begin now:
+    # it loads its weights, then waits for o.
+    allow_next_kernel(USE_PDL)
     i_v = tl.program_id(0)
     i_n = tl.program_id(1) // HV
     i_hv = tl.program_id(1) % HV
@@ -168,6 +172,6 @@ def gated_delta_rule_decode_step(
         proj, conv_state, conv_weight, A_log, dt_bias, state, state_slots, positions, out,
         proj.stride(0), conv_state.stride(0), scale,
         H=H, HV=HV, K=K, V=V, KW=conv_weight.shape[2], BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
-        num_warps=decode_num_warps(next_power_of_2(K), block_v),
+        USE_PDL=use_pdl(proj.device), num_warps=decode_num_warps(next_power_of_2(K), block_v),
     )
     return out

@@ -12,7 +12,8 @@ streaming as soon as the logits are in memory. Launch 3 either routes itself the
 ROUTE_IN_DOWN_TOKENS tokens, ``r`` None) or reads the token's routing that launch 2's last routed
 program of each token wrote into ``r`` (past it: there its many programs would each repeat the
 routing). On Hopper and later, launches 2 and 3 use programmatic dependent launch
-(``fuselm.runtime.use_pdl``): launch 2's shared-expert programs, which need no routing, stream
+(``fuselm.runtime.use_pdl``), and so does launch 1, its router rows loading while the kernel ahead
+(the norm that writes x) runs: launch 2's shared-expert programs, which need no routing, stream
 their weights while the router kernel runs; launch 3's self-routing programs load all their down
 weights into registers while launch 2 still runs, then wait for h. The weight streams so overlap
 instead of each paying its own start and tail.
@@ -85,18 +86,22 @@ def _router_logits_kernel(
     x_ptr, w_ptr, logits_ptr, R, stride_xm, stride_wr, stride_lm,
     H: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    allow_next_kernel(USE_PDL)  # the gate/up kernel's shared-expert programs need no logits
     n = tl.program_id(1).to(tl.int64)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + (r % R).to(tl.int64)[:, None] * stride_wr + k[None, :]  # rows past R wrap, never stored
     x_ptrs = x_ptr + n * stride_xm + k
-    acc = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
+    # Launched as a programmatic dependent: the first K step's router rows load while the kernel
+    # ahead (the norm that writes x) still runs.
+    w_first = tl.load(w_ptrs, mask=(k < H)[None, :], other=0.0)
+    wait_for_previous_kernel(USE_PDL)
+    # After the wait: the gate/up kernel's shared-expert programs, which read x before their own
+    # wait, may launch now (they need no logits).
+    allow_next_kernel(USE_PDL)
+    acc = w_first.to(tl.float32) * tl.load(x_ptrs, mask=k < H, other=0.0).to(tl.float32)[None, :]
     # H is constexpr: the loop unrolls and every load is in flight at once (a row is a few KB).
-    for k0 in tl.static_range(0, H, BLOCK_K):
-        acc += _gemv_k_step(w_ptrs, x_ptrs, k, H - k0, H % BLOCK_K == 0)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+    for k0 in tl.static_range(BLOCK_K, H, BLOCK_K):
+        acc += _gemv_k_step(w_ptrs + k0, x_ptrs + k0, k, H - k0, H % BLOCK_K == 0)
     tl.store(logits_ptr + n * stride_lm + r, tl.sum(acc, axis=1).to(logits_ptr.dtype.element_ty), mask=r < R)
 
 
@@ -178,7 +183,7 @@ def _pair_gate_up_kernel(
         for _ in range(j):
             keys = tl.where(keys == tl.max(keys, axis=0), -1, keys)
         e = _key_expert(tl.max(keys, axis=0)).to(tl.int64)
-    else:  # a shared chunk: no routing, so no wait (x was written before the router kernel began)
+    else:  # a shared chunk: no routing, so no wait (x was complete when the router kernel let this one begin)
         e = (E + j - TOP_K).to(tl.int64)
     # After the wait (routed programs): the down kernel may launch once every program is here, and
     # then reads the logits before its own wait.
@@ -415,7 +420,7 @@ def router_logits(x: torch.Tensor, router_with_gate: torch.Tensor, *, out: torch
     _router_logits_kernel[(cdiv(R, cfg.block), N)](
         x, router_with_gate, logits, R, x.stride(0), router_with_gate.stride(0), logits.stride(0),
         H=H, ROWS=cfg.block, BLOCK_K=min(cfg.block_k, next_power_of_2(H)), USE_PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return logits
 

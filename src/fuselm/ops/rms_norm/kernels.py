@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.common.rows import row_block_geometry, row_tile
-from fuselm.runtime import cdiv, next_power_of_2, num_sms
+from fuselm.ops.common.pdl import allow_next_kernel
+from fuselm.runtime import cdiv, next_power_of_2, num_sms, use_pdl
 
 
 @triton.jit
@@ -29,7 +30,11 @@ def _rms_norm_fwd_kernel(
     n_rows, n_cols, stride_x, stride_res, stride_y, stride_res_out,
     eps, offset,
     HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    # A kernel after it launched as a programmatic dependent (the MoE router, a one-token
+    # projection: decode_linear's vector kernel) may begin now: it loads weights, then waits for y.
+    allow_next_kernel(USE_PDL)
     rows, cols, col_mask, mask = row_tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
     x = tl.load(x_ptr + rows * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
@@ -99,7 +104,8 @@ def rms_norm_forward_kernel(x, residual, weight, y, residual_out, eps: float, of
     _rms_norm_fwd_kernel[(cdiv(n_rows, block_m),)](
         x, res, weight, y, res_out, n_rows, n_cols,
         x.stride(0), res.stride(0), y.stride(0), res_out.stride(0), eps, offset,
-        HAS_RESIDUAL=has_res, ZERO_CENTERED=offset != 0.0, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        HAS_RESIDUAL=has_res, ZERO_CENTERED=offset != 0.0, BLOCK_M=block_m, BLOCK_N=block_n,
+        USE_PDL=use_pdl(x.device), num_warps=num_warps,
     )
 
 
