@@ -327,6 +327,34 @@ def test_qwen35_9b_shapes_on_gpu(m, prologue, head_dim):
 
 
 @pytest.mark.gpu
+def test_dependent_launches_equal_plain_launches_in_a_graph(monkeypatch):
+    """One token through RMSNorm -> decode_linear (sigmoid gate) -> RMSNorm -> decode_linear
+    (gated_rms_norm) x 3 in a CUDA graph: the norm lets each vector kernel begin and load its
+    weights before the norm's output exists (programmatic dependent launch); replayed on a new
+    token, bit for bit the plain launches' result, eager."""
+    from fuselm import runtime
+    D, hd = 512, 128
+    ws = [randn(D, D, dtype=torch.bfloat16, scale=D ** -0.5) for _ in range(6)]
+    norm_w, head_norm = randn(D, dtype=torch.bfloat16), randn(hd, dtype=torch.bfloat16) * 0.3 + 1.0
+    gate = randn(1, D, dtype=torch.bfloat16)
+
+    def layers(h):
+        for i in range(0, 6, 2):
+            h = decode_linear(rms_norm(h, norm_w, 1e-6), ws[i], prologue="sigmoid_gate", gate=gate)
+            h = decode_linear(rms_norm(h, norm_w, 1e-6), ws[i + 1], prologue="gated_rms_norm", gate=gate,
+                              norm_weight=head_norm, head_dim=hd)
+        return h
+
+    static = randn(1, D, dtype=torch.bfloat16)
+    assert runtime.use_pdl(static.device) == (torch.cuda.get_device_capability()[0] >= 9)
+    graph, out = runtime.capture_graph(lambda: layers(static))
+    static.copy_(randn(1, D, dtype=torch.bfloat16))
+    graph.replay()
+    monkeypatch.setattr(runtime, "PDL", False)
+    assert torch.equal(out, layers(static))
+
+
+@pytest.mark.gpu
 def test_cuda_graph_replay_without_allocation():
     x, weight, kwargs = make_inputs(4, 256, torch.bfloat16, "gated_rms_norm", 128, n=512)
     out = torch.empty(4, 512, dtype=torch.bfloat16, device=DEVICE)
