@@ -36,9 +36,10 @@ TakeTensor = Callable[[str], torch.Tensor]
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for the token mixers' input projections and the LM head, but
-    one token (a decode step at batch 1) goes through ``decode_linear``'s vector kernel, whose
-    weight rows load while the norm ahead of it still runs. Both an fp32 accumulator rounded once."""
-    if bias is None and x.numel() == x.shape[-1] and not needs_autograd(x, weight):
+    on a GPU one token (a decode step at batch 1) goes through ``decode_linear``'s vector kernel,
+    whose weight rows load while the norm ahead of it still runs. Both an fp32 accumulator rounded
+    once. (On a CPU F.linear: the Triton interpreter would walk a 248k-row LM head in Python.)"""
+    if x.is_cuda and bias is None and x.numel() == x.shape[-1] and not needs_autograd(x, weight):
         return decode_linear(x, weight)
     return F.linear(x, weight, bias)
 

@@ -259,10 +259,11 @@ class DecodeVectorConfig:
     num_warps: int
 
 
-# One token, Hopper, 16-bit (NOTES.md 71; H100, N 2048 and 4096, K 4096, 24 distinct weights a
-# graph, each config alone): 2 rows a program, K steps of 2048 on 8 warps (8.2 / 14.3 us plain at
-# N 2048 / 4096, against the tensor-core tile's 10.2 / 15.4); with gated_rms_norm, whose prologue
-# every program recomputes, 4 rows, steps of 1024 on 4 warps (8.6 / 15.3 us). In the 35B-A3B decode
+# One token, Hopper, 16-bit (NOTES.md 71; H100, N 2048 and 4096, K 4096, weight copies beyond the
+# L2 in one graph, each config alone: decode_vector_sweep.md): 2 rows a program, K steps of 2048 on
+# 8 warps (7.7 / 13.7 us plain at N 2048 / 4096, against the tensor-core tile's 10.2 / 15.3); with
+# gated_rms_norm, whose prologue every program recomputes, 4 rows, steps of 1024 on 4 warps (8.6 /
+# 15.6 us, against 14.3 / 16.5). Alone, other tiles come within ~0.5 us; in the 35B-A3B decode
 # step, where the first step's weights load before the dependent-launch wait, these beat one step
 # of the whole K (3.079 against 3.109 ms a step).
 VECTOR_ROWS = 2

@@ -14,6 +14,11 @@ Paths (M = prod(x.shape[:-1]) rows), on a Triton device:
 - M > 32: this is a decode-only op; the prologue as above, then ``torch.mm`` (cuBLAS).
 - CPU without the Triton interpreter: the reference ``decode_linear_ref``.
 
+On Hopper the one-row kernel is a programmatic dependent launch (``fuselm.runtime.use_pdl``): it
+reads ``weight`` (and ``norm_weight``) before it waits for the kernel ahead of it, so a weight must
+not be written by the kernel right before the call (inference weights are not; FUSELM_PDL=0 turns it
+off). x and gate are read after the wait.
+
 Numerics (all paths): the prologue's roundings of ``naive.py``, an fp32 accumulator, one
 rounding of y to x's dtype (the cuBLAS path follows torch's matmul settings, e.g. TF32).
 
