@@ -168,14 +168,13 @@ def vector_sweep(copy_tbps):
                       head_dim=head)
             tile = decode_linear_config(9, DT, prologue, head)
             default = decode_vector_config(9, DT, prologue, head)
-            ways = {"cuBLAS (no prologue)": [lambda w=w: F.linear(x, w) for w in ws],
-                    "tile": [lambda w=w: decode_linear(x, w, out=y_out, config=tile, **kw) for w in ws]}
+            ways = {"cuBLAS (no prologue)": ([lambda w=w: F.linear(x, w) for w in ws], False),
+                    "tile": ([lambda w=w: decode_linear(x, w, out=y_out, config=tile, **kw) for w in ws], False)}
             for cfg in [default] + [c for c in VECTOR if c != default and (head is None or c.block_k % head == 0)]:
                 ways[f"vector {cfg.rows} x {cfg.block_k}, {cfg.num_warps} warps"] = (
                     [lambda w=w, cfg=cfg: decode_linear(x, w, out=y_out, config=cfg, **kw) for w in ws], cfg == default)
             timed = []
-            for way, calls in ways.items():
-                calls, is_default = calls if isinstance(calls, tuple) else (calls, False)
+            for way, (calls, is_default) in ways.items():
                 try:
                     us = 1e3 * per_call_ms(calls)
                 except Exception as error:  # registers or shared memory: recorded, not fatal

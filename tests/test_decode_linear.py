@@ -151,19 +151,12 @@ def test_gate_in_strided_heads(dtype, m):
         decode_linear(x, weight, prologue="sigmoid_gate", gate=proj[:, :4, 1, :])  # 4 x 16 != K
 
 
-def test_default_vector_config_tiles_whole_heads():
+@pytest.mark.parametrize("config_of", [decode_linear_config, decode_vector_config], ids=["tile", "vector"])
+def test_default_config_tiles_whole_heads(config_of):
     for arch in (0, 9):
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             for head_dim in (16, 64, 128, 256, 512):
-                cfg = decode_vector_config(arch, dtype, "gated_rms_norm", head_dim)
-                assert cfg.block_k % head_dim == 0, (arch, dtype, head_dim, cfg)
-
-
-def test_default_config_tiles_whole_heads():
-    for arch in (0, 9):
-        for dtype in (torch.float16, torch.bfloat16, torch.float32):
-            for head_dim in (16, 64, 128, 256, 512):
-                cfg = decode_linear_config(arch, dtype, "gated_rms_norm", head_dim)
+                cfg = config_of(arch, dtype, "gated_rms_norm", head_dim)
                 assert cfg.block_k % head_dim == 0, (arch, dtype, head_dim, cfg)
 
 

@@ -487,8 +487,7 @@ def down_combine(h: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor, top_k:
     o = _check_out("out", out, (N, H), out_dtype, h.device)
     if not use_triton(h):
         if routing is not None:
-            return o.copy_(combine_ref(expert_down_ref(h, w2, *_pair_list(routing[0], w2.shape[0])), routing[1],
-                                       out_dtype))
+            return o.copy_(_down_combine_routed_ref(h, w2, *routing, out_dtype))
         return o.copy_(down_combine_ref(h, w2, logits, top_k, out_dtype, num_experts=num_experts))
     if N == 0 or H == 0:
         return o
@@ -566,5 +565,10 @@ def pair_gate_up_ref(x, w13, logits, top_k: int, activation: Activation, *, num_
 
 def down_combine_ref(h, w2, logits, top_k: int, out_dtype: torch.dtype, *, num_experts: int) -> torch.Tensor:
     """``down_combine`` in plain PyTorch: ``expert_down_ref`` then ``combine_ref``."""
-    experts, weights = routing_ref(logits, top_k, num_experts, w2.shape[0] - num_experts)
+    return _down_combine_routed_ref(h, w2, *routing_ref(logits, top_k, num_experts, w2.shape[0] - num_experts),
+                                    out_dtype)
+
+
+def _down_combine_routed_ref(h, w2, experts, weights, out_dtype: torch.dtype) -> torch.Tensor:
+    """``down_combine`` on given (experts, weights) [N, S]: ``expert_down_ref`` then ``combine_ref``."""
     return combine_ref(expert_down_ref(h, w2, *_pair_list(experts, w2.shape[0])), weights, out_dtype)
