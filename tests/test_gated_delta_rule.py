@@ -415,6 +415,68 @@ def test_decode_step_matches_reference_over_steps(H, HV, K, V, dtype):
     assert torch.equal(conv_state[1], untouched_conv) and torch.equal(state[[1, 2, 4]], untouched_pool)
 
 
+@pytest.mark.gpu
+def test_decode_step_dependent_launches_equal_plain_launches_in_a_graph(monkeypatch):
+    """Three tokens through two layers of add_rms_norm -> in_proj (decode_linear, one row) -> the
+    decode step -> out_proj (gated RMSNorm prologue), the model's chain, in one CUDA graph: on Hopper
+    the step loads its state slice and conv history while the projection ahead still runs, and the
+    norms and projections load their weights early (programmatic dependent launch). The output, the
+    state pools and the conv states are bit for bit the plain launches' (eager)."""
+    from fuselm import runtime
+    from fuselm.ops.decode_linear import decode_linear
+    from fuselm.ops.gated_delta_rule import gated_delta_rule_decode_step
+    from fuselm.ops.rms_norm import add_rms_norm
+    H, HV, K, V, KW, D = 2, 4, 128, 128, 4, 256
+    conv_dim = 2 * H * K + HV * V
+    heads = dict(num_k_heads=H, head_k_dim=K, num_v_heads=HV, head_v_dim=V)
+    layers = []
+    for seed in range(2):
+        proj, conv, conv_w, A_log, dt_bias, state = decode_step_inputs(1, H, HV, K, V, KW, 3, torch.bfloat16, seed)
+        layers.append(dict(conv=conv, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias, state=state,
+                           in_proj=(torch.randn(proj.shape[1], D, device=DEVICE) * D ** -0.5).bfloat16(),
+                           out_proj=(torch.randn(D, HV * V, device=DEVICE) * (HV * V) ** -0.5).bfloat16(),
+                           norm=(torch.randn(D, device=DEVICE) * 0.1).bfloat16(),
+                           head_norm=(torch.randn(V, device=DEVICE) * 0.3 + 1).bfloat16()))
+    slots = torch.tensor([2], device=DEVICE, dtype=torch.int32)
+    positions = torch.tensor([5], device=DEVICE)
+    x0, r0 = torch.randn(2, 1, D, device=DEVICE).bfloat16()
+
+    def tokens():
+        x, residual = x0, r0
+        for _ in range(3):
+            for layer in layers:
+                normed, residual = add_rms_norm(x, residual, layer["norm"], 1e-6, 1.0)
+                proj = decode_linear(normed, layer["in_proj"])
+                o = gated_delta_rule_decode_step(proj, layer["conv"], layer["conv_w"], layer["A_log"],
+                                                 layer["dt_bias"], layer["state"], slots, positions, **heads)
+                x = decode_linear(o.flatten(1), layer["out_proj"], prologue="gated_rms_norm",
+                                  gate=proj[:, conv_dim:conv_dim + HV * V], norm_weight=layer["head_norm"], head_dim=V)
+            positions.add_(1)
+        return x, residual
+
+    states = [(layer["state"], layer["conv"]) for layer in layers] + [(positions,)]
+    start = [[t.clone() for t in group] for group in states]
+
+    def restore():
+        for group, saved in zip(states, start):
+            for t, s in zip(group, saved):
+                t.copy_(s)
+
+    assert runtime.use_pdl(x0.device) == (torch.cuda.get_device_capability()[0] >= 9)
+    tokens()  # compile
+    restore()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tokens()
+    graph.replay()
+    replayed = [t.clone() for t in out] + [t.clone() for group in states for t in group]
+    restore()
+    monkeypatch.setattr(runtime, "PDL", False)
+    plain = list(tokens()) + [t for group in states for t in group]
+    assert all(torch.equal(a, b) for a, b in zip(replayed, plain))
+    assert not torch.equal(plain[2], start[0][0])  # the steps did write the state
+
+
 @pytest.mark.parametrize("change, error, match", [
     (lambda a: a.update(proj=a["proj"][:, :-1]), ValueError, "proj"),
     (lambda a: a.update(conv_state=a["conv_state"][..., :3]), ValueError, "conv_state"),

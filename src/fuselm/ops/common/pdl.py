@@ -9,6 +9,12 @@ path's down kernel reads the router's logits so). After the wait the kernel ahea
 its writes are visible. A kernel whose programs do not all wait still ends after the kernel ahead
 as long as one of them waits, so a plain launch after it follows both. Both calls are nothing
 without USE_PDL (off CUDA the interpreter never traces them).
+
+Where a kernel allows: a programmatic dependent allows after its own wait, so that the kernel it
+lets begin finds everything before it complete (weights and state written by kernels further back
+included); only a kernel launched plainly may allow at its start. What a dependent may read before
+its wait is then what was written before the kernel right ahead of it: weights, and state (the
+Gated DeltaNet decode step's recurrent and conv state) that kernel does not write.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.common.matmul import decode_block_m, dot_acc  # the same token padding and dot as swiglu_mlp
-from fuselm.ops.common.pdl import wait_for_previous_kernel
+from fuselm.ops.common.pdl import allow_next_kernel, wait_for_previous_kernel
 from fuselm.runtime import arch_major, cdiv, next_power_of_2, use_pdl
 
 # Prologue codes, as the constexpr the kernel takes.
@@ -161,6 +161,10 @@ def _decode_linear_vector_kernel(
     if PROLOGUE == 2:
         nw = tl.load(nw_ptr + k % HEAD_DIM).to(tl.float32)  # each K tile starts on a head boundary
     wait_for_previous_kernel(USE_PDL)
+    # The kernel after it, if a programmatic dependent too (the Gated DeltaNet step after an input
+    # projection, the norm after an output projection), may begin now: it loads what the kernels
+    # before this one wrote, then waits for out.
+    allow_next_kernel(USE_PDL)
     acc = _vector_products(w_first, x_ptr, g_ptr, stride_gh, 0, k, K, nw, eps, PROLOGUE, HEAD_DIM, GATE_HEAD, EVEN_K,
                            BLOCK_K)
     if UNROLL:

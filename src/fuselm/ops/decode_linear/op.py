@@ -17,7 +17,8 @@ Paths (M = prod(x.shape[:-1]) rows), on a Triton device:
 On Hopper the one-row kernel is a programmatic dependent launch (``fuselm.runtime.use_pdl``): it
 reads ``weight`` (and ``norm_weight``) before it waits for the kernel ahead of it, so a weight must
 not be written by the kernel right before the call (inference weights are not; FUSELM_PDL=0 turns it
-off). x and gate are read after the wait.
+off). x and gate are read after the wait, and after it the kernel lets the next one begin (the Gated
+DeltaNet step, the norm: programmatic dependents that load their weights and state early).
 
 Numerics (all paths): the prologue's roundings of ``naive.py``, an fp32 accumulator, one
 rounding of y to x's dtype (the cuBLAS path follows torch's matmul settings, e.g. TF32).

@@ -19,6 +19,13 @@ rounded to the model dtype (HF's ``b.sigmoid()``); the recurrence in fp32; o rou
 
 Grid: (V / BLOCK_V, N * HV); the programs of one value head recompute the q/k conv of their key
 head (2 K channels x KW taps: a few hundred bytes); the first of them writes its conv state.
+
+On Hopper the kernel is a programmatic dependent launch (``fuselm/ops/common/pdl.py``): while the
+input projection ahead of it still runs, each program loads its slice of the recurrent state, the
+conv history (and sums the KW - 1 earlier taps) and the gates' parameters; after the wait only the
+projection. So ``state``, ``conv_state`` and the weights must not be written by the kernel right
+before the call (FUSELM_PDL=0 turns it off). The conv's fp32 sum is the earlier taps in order, then
+this token's (F.conv1d leaves its order unspecified).
 """
 
 from __future__ import annotations
@@ -29,20 +36,30 @@ import triton.language as tl
 
 from fuselm.ops.gated_delta_rule.fused_recurrent import _gated_delta_step, decode_block_v, decode_num_warps, softplus
 from fuselm.ops.gated_delta_rule.naive import gated_delta_rule_decode_step_ref
-from fuselm.ops.common.pdl import allow_next_kernel
+from fuselm.ops.common.pdl import allow_next_kernel, wait_for_previous_kernel
 from fuselm.runtime import cdiv, check_same_device, check_tensor, next_power_of_2, use_pdl, use_triton
 
 
 @triton.jit
-def _causal_conv_silu(proj, conv, conv_w_ptr, ch, mask, position, KW: tl.constexpr):
-    """(silu(conv) in fp32 after the model-dtype roundings, the current input x) for channels ch."""
-    x = tl.load(proj + ch, mask=mask, other=0.0)
-    acc = x.to(tl.float32) * tl.load(conv_w_ptr + ch * KW + (KW - 1), mask=mask, other=0.0).to(tl.float32)
+def _conv_history(conv, conv_w_ptr, ch, mask, position, KW: tl.constexpr):
+    """The conv of channels ``ch`` without this token's input, from the conv state (read before the
+    dependent-launch wait): (sum over the KW - 1 earlier inputs of input * weight in fp32, in tap
+    order, and this token's tap weight w[KW - 1] in fp32)."""
+    acc = tl.zeros(ch.shape, dtype=tl.float32)
     for i in tl.static_range(KW - 1):  # tap i reads the input at position - (KW - 1) + i
         column = (position + 1 + i) % KW
         history = tl.load(conv + ch * KW + column, mask=mask, other=0.0).to(tl.float32)
         acc += history * tl.load(conv_w_ptr + ch * KW + i, mask=mask, other=0.0).to(tl.float32)
-    c = acc.to(x.dtype).to(tl.float32)
+    return acc, tl.load(conv_w_ptr + ch * KW + (KW - 1), mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _causal_conv_silu(proj, ch, mask, history):
+    """(silu(conv) in fp32 after the model-dtype roundings, the current input x) for channels ch:
+    the ``_conv_history`` sum plus x w[KW - 1] (fp32), rounded to the model dtype."""
+    x = tl.load(proj + ch, mask=mask, other=0.0)
+    earlier, w_last = history
+    c = (earlier + x.to(tl.float32) * w_last).to(x.dtype).to(tl.float32)
     return (c * tl.sigmoid(c)).to(x.dtype).to(tl.float32), x
 
 
@@ -53,9 +70,6 @@ def _decode_step_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KW: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # The kernel after it (the out projection, launched as a programmatic dependent) may begin now:
-    # it loads its weights, then waits for o.
-    allow_next_kernel(USE_PDL)
     i_v = tl.program_id(0)
     i_n = tl.program_id(1) // HV
     i_hv = tl.program_id(1) % HV
@@ -66,26 +80,35 @@ def _decode_step_kernel(
     vv = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     k_ok = kk < K
     v_ok = vv < V
+    # Before the dependent-launch wait, everything but the projection (the kernel ahead's output):
+    # the state (the long load), the conv history and weights, the gates' parameters.
     slot = tl.load(slots_ptr + i_n).to(tl.int64)
     active = slot >= 0
-    # the state first: its load is the long one, and nothing below it depends on it until the step
     state_offs = i_hv * K * V + kk[:, None] * V + vv[None, :]
     state_mask = (kk < tl.where(active, K, 0))[:, None] & v_ok[None, :]
     S = tl.load(state_ptr + slot * HV * K * V + state_offs, mask=state_mask, other=0.0)
     position = tl.load(positions_ptr + i_n)
     proj = proj_ptr + i_n.to(tl.int64) * stride_proj
     conv = conv_ptr + i_n.to(tl.int64) * stride_conv
-
     q_ch = i_h * K + kk
     k_ch = KEY_DIM + i_h * K + kk
     v_ch = 2 * KEY_DIM + i_hv * V + vv
-    q, x_q = _causal_conv_silu(proj, conv, conv_w_ptr, q_ch, k_ok, position, KW)
-    k, x_k = _causal_conv_silu(proj, conv, conv_w_ptr, k_ch, k_ok, position, KW)
-    v, x_v = _causal_conv_silu(proj, conv, conv_w_ptr, v_ch, v_ok, position, KW)
+    q_history = _conv_history(conv, conv_w_ptr, q_ch, k_ok, position, KW)
+    k_history = _conv_history(conv, conv_w_ptr, k_ch, k_ok, position, KW)
+    v_history = _conv_history(conv, conv_w_ptr, v_ch, v_ok, position, KW)
+    neg_A = -tl.exp(tl.load(A_log_ptr + i_hv).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + i_hv).to(tl.float32)
+    wait_for_previous_kernel(USE_PDL)
+    # The out projection after it (a programmatic dependent) may begin now: it loads its weights,
+    # then waits for o.
+    allow_next_kernel(USE_PDL)
+
+    q, x_q = _causal_conv_silu(proj, q_ch, k_ok, q_history)
+    k, x_k = _causal_conv_silu(proj, k_ch, k_ok, k_history)
+    v, x_v = _causal_conv_silu(proj, v_ch, v_ok, v_history)
 
     b = tl.load(proj + CONV_DIM + HV * V + i_hv)
-    a = tl.load(proj + CONV_DIM + HV * V + HV + i_hv).to(tl.float32) + tl.load(dt_bias_ptr + i_hv).to(tl.float32)
-    g = -tl.exp(tl.load(A_log_ptr + i_hv).to(tl.float32)) * softplus(a)
+    g = neg_A * softplus(tl.load(proj + CONV_DIM + HV * V + HV + i_hv).to(tl.float32) + dt_bias)
     beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
 
     S, o = _gated_delta_step(S, q, k, v, g, beta, scale, True)  # q/k l2-norm in the step
@@ -99,6 +122,11 @@ def _decode_step_kernel(
     writes_qk = active & (i_hv % (HV // H) == 0) & (i_v == 0)  # the first program of the key head
     tl.store(conv + q_ch * KW + column, x_q, mask=kk < tl.where(writes_qk, K, 0))
     tl.store(conv + k_ch * KW + column, x_k, mask=kk < tl.where(writes_qk, K, 0))
+
+
+# At least 2 warps a program (fused_recurrent's 1 is its best alone): in the 35B-A3B decode step at
+# batch 1 (16 value columns a program), 2.849 -> 2.830 ms a step, before the dependent launch (NOTES 73).
+MIN_NUM_WARPS = 2
 
 
 def _check(proj, conv_state, conv_weight, A_log, dt_bias, state, state_slots, positions, H, K, HV, V):
@@ -168,10 +196,12 @@ def gated_delta_rule_decode_step(
     if N == 0:
         return out
     block_v = decode_block_v(N * HV, V, proj.device)  # the geometry of fused_recurrent's sweep
+    pdl = use_pdl(proj.device)
+    KW = conv_weight.shape[2]
     _decode_step_kernel[(cdiv(V, block_v), N * HV)](
         proj, conv_state, conv_weight, A_log, dt_bias, state, state_slots, positions, out,
         proj.stride(0), conv_state.stride(0), scale,
-        H=H, HV=HV, K=K, V=V, KW=conv_weight.shape[2], BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
-        USE_PDL=use_pdl(proj.device), num_warps=decode_num_warps(next_power_of_2(K), block_v),
+        H=H, HV=HV, K=K, V=V, KW=KW, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
+        USE_PDL=pdl, num_warps=max(MIN_NUM_WARPS, decode_num_warps(next_power_of_2(K), block_v)), launch_pdl=pdl,
     )
     return out
