@@ -37,7 +37,7 @@ demo: $(VENV)/.installed
 	$(RUN_ENV) $(PY) -m fuselm audit
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/ops.py

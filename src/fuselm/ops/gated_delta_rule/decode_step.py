@@ -25,7 +25,8 @@ input projection ahead of it still runs, each program loads its slice of the rec
 conv history (and sums the KW - 1 earlier taps) and the gates' parameters; after the wait only the
 projection. So ``state``, ``conv_state`` and the weights must not be written by the kernel right
 before the call (FUSELM_PDL=0 turns it off). The conv's fp32 sum is the earlier taps in order, then
-this token's (F.conv1d leaves its order unspecified).
+this token's (F.conv1d leaves its order unspecified). The 35B-A3B decode step at batch 1: 2.853 ms
+with this kernel launched plainly, 2.814 as a dependent (NOTES 73).
 """
 
 from __future__ import annotations
