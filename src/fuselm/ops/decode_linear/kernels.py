@@ -137,11 +137,13 @@ def _decode_linear_kernel(
 
 @triton.jit
 def _decode_linear_vector_kernel(
-    x_ptr, g_ptr, nw_ptr, w_ptr, out_ptr, N, stride_wn, stride_gh, eps,
+    x_ptr, g_ptr, nw_ptr, w_ptr, out_ptr, N, stride_xm, stride_gm, stride_wn, stride_om, stride_gh, eps,
     K: tl.constexpr, PROLOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, GATE_HEAD: tl.constexpr,
     UNROLL: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """One token (M = 1) on CUDA cores: a program owns ROWS weight rows; at each K step the fp32
+    """Token by token on CUDA cores (program axis 1: the token, x, gate and out rows stride_xm,
+    stride_gm, stride_om apart; ``decode_linear`` at one token, the MoE router at a few): a
+    program owns ROWS weight rows of one token; at each K step the fp32
     products of the [ROWS, BLOCK_K] weight tile and the prologue's ``a`` [1, BLOCK_K] are added to
     a [ROWS, BLOCK_K] fp32 sum, reduced over K once at the end. A tensor-core tile would pad the
     token to 16 rows; here every loaded weight element is one FMA. UNROLL (K a few steps): the loop
@@ -152,6 +154,10 @@ def _decode_linear_vector_kernel(
     the gate's columns come in heads of GATE_HEAD, stride_gh apart (0: one contiguous row), as
     Qwen3.5 attention's gate interleaved with the query in its projection."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    n = tl.program_id(1).to(tl.int64)
+    x_ptr += n * stride_xm
+    g_ptr += n * stride_gm
+    out_ptr += n * stride_om
     k = tl.arange(0, BLOCK_K)[None, :]
     # Weight rows past N wrap to valid ones (never stored): no row mask on the weight.
     w_ptrs = w_ptr + (r % N).to(tl.int64)[:, None] * stride_wn + k  # [ROWS, BLOCK_K]
@@ -384,20 +390,22 @@ def decode_linear_kernel(x, weight, out, prologue: str | None = None, gate=None,
 
 def decode_linear_vector_kernel(x, weight, out, prologue: str | None = None, gate=None, norm_weight=None,
                                 eps: float = 1e-6, head_dim: int | None = None, *, config: DecodeVectorConfig):
-    """out [1, N] = prologue(x) @ weight.T for one token x [1, K], weight [N, K], all with unit
-    column stride, and gate [1, K] or in strided heads [1, heads, head] (heads x head = K, unit
-    column stride); out contiguous. No checks (``op.py`` does them); no allocation, no sync. The
-    caller makes sure ``fused_prologue_ok(prologue, head_dim, config)``."""
-    K = x.shape[1]
+    """out [M, N] = prologue(x) @ weight.T for x [M, K] (each token its own programs), weight
+    [N, K], all with unit column stride, and gate [M, K] or in strided heads [M, heads, head]
+    (heads x head = K, unit column stride); out with unit column stride. No checks (``op.py`` and
+    ``fuselm.ops.moe.decode.router_logits`` do them); no allocation, no sync. The caller makes sure
+    ``fused_prologue_ok(prologue, head_dim, config)``."""
+    M, K = x.shape
     strided_gate = gate is not None and gate.dim() == 3
     N = weight.shape[0]
     code = PROLOGUE_CODES[prologue]
     pdl = use_pdl(x.device)
     # No wider step than K needs (a power of two, so whole heads still tile it).
     block_k = min(config.block_k, max(next_power_of_2(K), head_dim if code == PROLOGUE_GATED_RMS_NORM else 1))
-    _decode_linear_vector_kernel[(cdiv(N, config.rows),)](
+    _decode_linear_vector_kernel[(cdiv(N, config.rows), M)](
         x, gate if gate is not None else x, norm_weight if norm_weight is not None else x, weight, out,
-        N, weight.stride(0), gate.stride(1) if strided_gate else 0, float(eps),
+        N, x.stride(0), gate.stride(0) if gate is not None else 0, weight.stride(0), out.stride(0),
+        gate.stride(1) if strided_gate else 0, float(eps),
         K=K, PROLOGUE=code, HEAD_DIM=head_dim if code == PROLOGUE_GATED_RMS_NORM else 1,
         GATE_HEAD=gate.shape[2] if strided_gate else 0,
         UNROLL=cdiv(K, block_k) <= VECTOR_MAX_UNROLL_STEPS, ROWS=config.rows, BLOCK_K=block_k,

@@ -24,9 +24,11 @@ interleaved (row 2f = gate f, row 2f + 1 = up f); w2 [E_total, H, F]; E_total = 
 (ids E .. E_total - 1 the shared expert's chunks, always selected); S = top_k + num_shared slots a
 token; h [N * S, F] in x's dtype, row p = n * S + j token n's slot j; out [N, H].
 
-- ``router_logits``: a program per ROWS router rows and token; the whole row of H in one unrolled
-  load, products summed in fp32, rounded to x's dtype (``F.linear``'s contract; past the decode
-  path cuBLAS computes them, ``routing.route``).
+- ``router_logits``: ``decode_linear``'s vector kernel (``fuselm/ops/decode_linear/kernels.py``), a
+  program per ROWS router rows and token, the row of H in a few unrolled loads, products summed in
+  fp32, rounded to x's dtype (``F.linear``'s contract; past the decode path cuBLAS computes them,
+  ``routing.route``). It lets gate/up begin after its wait: gate/up's shared-expert programs read x
+  before their own.
 - routing (in launches 2 and 3, ``_expert_keys`` and ``_top_k``): softmax in fp32 over the E experts, the top k in
   descending order, ties to the lower expert id, renormalised (slot order) and rounded to x's
   dtype; the shared scale sigmoid(logit E). The order is taken on exp(l - max) before the division
@@ -56,6 +58,7 @@ import triton.language as tl
 
 from fuselm.ops.common.activation import Activation, gate_factor, up_factor
 from fuselm.ops.common.pdl import allow_next_kernel, wait_for_previous_kernel
+from fuselm.ops.decode_linear.kernels import DecodeVectorConfig, decode_linear_vector_kernel
 from fuselm.ops.moe.grouped_gemm import (_check_out, _check_tensor, combine_ref, expert_down_ref,  # the same checks
                                          expert_gate_up_ref)
 from fuselm.ops.moe.routing import MAX_EXPERTS, sort_pairs_ref
@@ -79,30 +82,6 @@ def _gemv_k_step(w_ptrs, v_ptrs, k, k_left, EVEN_K: tl.constexpr):
         w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
         v = tl.load(v_ptrs, mask=k_ok, other=0.0)
     return w.to(tl.float32) * v.to(tl.float32)[None, :]
-
-
-@triton.jit
-def _router_logits_kernel(
-    x_ptr, w_ptr, logits_ptr, R, stride_xm, stride_wr, stride_lm,
-    H: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    n = tl.program_id(1).to(tl.int64)
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + (r % R).to(tl.int64)[:, None] * stride_wr + k[None, :]  # rows past R wrap, never stored
-    x_ptrs = x_ptr + n * stride_xm + k
-    # Launched as a programmatic dependent: the first K step's router rows load while the kernel
-    # ahead (the norm that writes x) still runs.
-    w_first = tl.load(w_ptrs, mask=(k < H)[None, :], other=0.0)
-    wait_for_previous_kernel(USE_PDL)
-    # After the wait: the gate/up kernel's shared-expert programs, which read x before their own
-    # wait, may launch now (they need no logits).
-    allow_next_kernel(USE_PDL)
-    acc = w_first.to(tl.float32) * tl.load(x_ptrs, mask=k < H, other=0.0).to(tl.float32)[None, :]
-    # H is constexpr: the loop unrolls and every load is in flight at once (a row is a few KB).
-    for k0 in tl.static_range(BLOCK_K, H, BLOCK_K):
-        acc += _gemv_k_step(w_ptrs + k0, x_ptrs + k0, k, H - k0, H % BLOCK_K == 0)
-    tl.store(logits_ptr + n * stride_lm + r, tl.sum(acc, axis=1).to(logits_ptr.dtype.element_ty), mask=r < R)
 
 
 @triton.jit
@@ -409,20 +388,15 @@ def router_logits(x: torch.Tensor, router_with_gate: torch.Tensor, *, out: torch
             or router_with_gate.shape[1] != x.shape[1]:
         raise ValueError(f"router_with_gate: expected [R, H = {x.shape[1]}] {x.dtype} on {x.device}, got "
                          f"{tuple(router_with_gate.shape)} {router_with_gate.dtype} on {router_with_gate.device}")
-    (N, H), R = x.shape, router_with_gate.shape[0]
+    N, R = x.shape[0], router_with_gate.shape[0]
     logits = _check_out("out", out, (N, R), x.dtype, x.device)
     if not use_triton(x):
         return logits.copy_(F.linear(x, router_with_gate))
     if N == 0 or R == 0:
         return logits
     cfg = config or pair_gemv_config("router", x.dtype, x.device)
-    pdl = use_pdl(x.device)
-    _router_logits_kernel[(cdiv(R, cfg.block), N)](
-        x, router_with_gate, logits, R, x.stride(0), router_with_gate.stride(0), logits.stride(0),
-        H=H, ROWS=cfg.block, BLOCK_K=min(cfg.block_k, next_power_of_2(H)), USE_PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
-    )
-    return logits
+    return decode_linear_vector_kernel(x, router_with_gate, logits,
+                                       config=DecodeVectorConfig(cfg.block, cfg.block_k, cfg.num_warps))
 
 
 def pair_gate_up(x: torch.Tensor, w13: torch.Tensor, logits: torch.Tensor, top_k: int, activation: Activation, *,
