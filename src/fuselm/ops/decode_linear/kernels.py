@@ -142,10 +142,10 @@ def _decode_linear_vector_kernel(
     UNROLL: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Token by token on CUDA cores (program axis 1: the token, x, gate and out rows stride_xm,
-    stride_gm, stride_om apart; ``decode_linear`` at one token, the MoE router at a few): a
-    program owns ROWS weight rows of one token; at each K step the fp32
-    products of the [ROWS, BLOCK_K] weight tile and the prologue's ``a`` [1, BLOCK_K] are added to
-    a [ROWS, BLOCK_K] fp32 sum, reduced over K once at the end. A tensor-core tile would pad the
+    stride_gm, stride_om apart; ``decode_linear`` at one token, the MoE router at a few): a program
+    owns ROWS weight rows of one token; at each K step the fp32 products of the [ROWS, BLOCK_K]
+    weight tile and the prologue's ``a`` [1, BLOCK_K] are added to a [ROWS, BLOCK_K] fp32 sum,
+    reduced over K once at the end. A tensor-core tile would pad the
     token to 16 rows; here every loaded weight element is one FMA. UNROLL (K a few steps): the loop
     is unrolled, so every weight load of the program is in flight at once. USE_PDL (launched as a
     programmatic dependent): the first K step's weights are loaded before the wait for the kernel
