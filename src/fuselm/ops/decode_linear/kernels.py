@@ -145,14 +145,14 @@ def _decode_linear_vector_kernel(
     stride_gm, stride_om apart; ``decode_linear`` at one token, the MoE router at a few): a program
     owns ROWS weight rows of one token; at each K step the fp32 products of the [ROWS, BLOCK_K]
     weight tile and the prologue's ``a`` [1, BLOCK_K] are added to a [ROWS, BLOCK_K] fp32 sum,
-    reduced over K once at the end. A tensor-core tile would pad the
-    token to 16 rows; here every loaded weight element is one FMA. UNROLL (K a few steps): the loop
-    is unrolled, so every weight load of the program is in flight at once. USE_PDL (launched as a
-    programmatic dependent): the first K step's weights are loaded before the wait for the kernel
-    ahead (x and gate are its output), so with BLOCK_K >= K the whole weight stream can run while
-    a short kernel ahead (the Gated DeltaNet step, attention's combine) still computes. GATE_HEAD:
-    the gate's columns come in heads of GATE_HEAD, stride_gh apart (0: one contiguous row), as
-    Qwen3.5 attention's gate interleaved with the query in its projection."""
+    reduced over K once at the end. A tensor-core tile would pad the token to 16 rows; here every
+    loaded weight element is one FMA. UNROLL (K a few steps): the loop is unrolled, so every weight
+    load of the program is in flight at once. USE_PDL (launched as a programmatic dependent): the
+    first K step's weights are loaded before the wait for the kernel ahead (x and gate are its
+    output), so with BLOCK_K >= K the whole weight stream can run while a short kernel ahead (the
+    Gated DeltaNet step, attention's combine) still computes. GATE_HEAD: the gate's columns come in
+    heads of GATE_HEAD, stride_gh apart (0: one contiguous row), as Qwen3.5 attention's gate
+    interleaved with the query in its projection."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     n = tl.program_id(1).to(tl.int64)
     x_ptr += n * stride_xm
