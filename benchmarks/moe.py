@@ -20,7 +20,8 @@ E (1 - (1 - k/E)^N)), the shared expert. ``--skewed``: routing biased so half th
 fall on 16 experts (bytes counted from the actual routing). Writes moe.md and moe.json under
 --out. ``--sweep``: each kernel alone (graph replays) per token count: the routing, and the
 gate/up and down grouped GEMMs at every tile config of SWEEP (features per program, K step,
-warps, stages) on the routing the block uses at that count. ``--sweep-route``: the routing kernel
+warps, stages) on the routing the block uses at that count; from 64-row blocks the pointer kernels'
+default tile and the persistent TMA kernels at every tile of TMA_SWEEP. ``--sweep-route``: the routing kernel
 and its sort at 1, 8 and 16 tokens by the sort's variant, step width and warps, and past 16
 tokens by tokens a program. ``--sweep-decode``: at 1, 2, 8, 16 tokens the decode path's three
 kernels (``decode.router_logits``, ``pair_gate_up``, ``down_combine``) alone at every tile of
@@ -41,7 +42,8 @@ import torch.nn.functional as F
 from fuselm import runtime
 from fuselm.ops.moe import SwiGLUMoE, routing
 from fuselm.ops.moe.decode import PairGemvConfig, down_combine, pair_gate_up, router_logits
-from fuselm.ops.moe.grouped_gemm import GroupedGemmConfig, combine, expert_down, expert_gate_up, grouped_gemm_config
+from fuselm.ops.moe.grouped_gemm import (TMA_MIN_BLOCK_M, GroupedGemmConfig, combine, expert_down, expert_gate_up,
+                                         grouped_gemm_config)
 from fuselm.ops.moe.op import PAIR_PATH_TOKENS
 from fuselm.ops.moe.routing import route
 from fuselm.ops.silu_mul import silu_mul
@@ -88,6 +90,14 @@ def unfused(moe: SwiGLUMoE, x: torch.Tensor, x_per_pair: torch.Tensor):
 
 
 SWEEP = {"block_n": (32, 64, 128, 256), "block_k": (64, 128), "num_warps": (4, 8), "num_stages": (3, 4)}
+
+
+# The persistent TMA kernels' tiles (from 64-row blocks): features, K step, warps, stages, blocks
+# walking the features together (gate/up: at most 128 features, 256 weight rows a TMA box).
+TMA_SWEEP = {
+    "gate_up": [GroupedGemmConfig(128, 64, 8, stages, group) for stages in (3, 4) for group in (1, 2, 4, 8, 16)],
+    "down": [GroupedGemmConfig(256, 64, 8, stages, group) for stages in (3, 4) for group in (1, 2, 4, 8, 16)],
+}
 
 
 def sweep_configs(block_m: int):
@@ -242,16 +252,22 @@ def sweep(moe: SwiGLUMoE, token_counts, out: Path) -> None:
             lambda: route(x, moe.router_with_gate, moe.top_k, moe.num_shared, block_m, num_experts=moe.num_experts))
         row = {"tokens": tokens, "block_m": block_m, "route_ms": route_ms, "gate_up": {}, "down": {}}
         for kind in ("gate_up", "down"):
-            row[f"{kind}_default"] = str(grouped_gemm_config(kind, x.dtype, block_m))
-            for cfg in sweep_configs(block_m):
-                values = dataclasses.astuple(cfg)
-                fn = ((lambda: expert_gate_up(x, moe.w13, *pairs, slots, moe.activation, block_m, out=h, config=cfg))
+            tma_default = block_m >= TMA_MIN_BLOCK_M[kind]
+            row[f"{kind}_default"] = ("tma " if tma_default else "") + str(
+                grouped_gemm_config(kind, x.dtype, block_m, tma=tma_default))
+            # From 64-row blocks: the pointer kernel's default tile, then the TMA kernel's sweep.
+            tiles = ([(cfg, False) for cfg in sweep_configs(block_m)] if block_m < min(TMA_MIN_BLOCK_M.values()) else
+                     [(grouped_gemm_config(kind, x.dtype, block_m), False)] + [(cfg, True) for cfg in TMA_SWEEP[kind]])
+            for cfg, tma in tiles:
+                fn = ((lambda: expert_gate_up(x, moe.w13, *pairs, slots, moe.activation, block_m, out=h, config=cfg,
+                                              tma=tma))
                       if kind == "gate_up" else
-                      (lambda: expert_down(h, moe.w2, *pairs, block_m, config=cfg)))
+                      (lambda: expert_down(h, moe.w2, *pairs, block_m, config=cfg, tma=tma)))
+                name = ("tma " if tma else "") + "n{} k{} w{} s{} g{}".format(*dataclasses.astuple(cfg))
                 try:
-                    row[kind]["n{} k{} w{} s{}".format(*values)] = graph_bench(fn)
+                    row[kind][name] = graph_bench(fn)
                 except Exception as exc:  # shared memory or registers exceeded at some tiles
-                    row[kind]["n{} k{} w{} s{}".format(*values)] = type(exc).__name__
+                    row[kind][name] = type(exc).__name__
         results.append(row)
         print(tokens, "route", row["route_ms"], flush=True)
     lines = [f"## SwiGLUMoE kernels alone, 35B-A3B layer, bf16, {torch.cuda.get_device_name()} (ms, graph replays)", ""]

@@ -47,6 +47,26 @@ def test_matches_hf_in_fp32(n):
     assert torch.equal(experts, hf_experts)
 
 
+def test_row_tile_grows_with_pairs_an_expert():
+    """16-row blocks up to 16 pairs an expert on average, 64 up to 384, 128 past (long prefills)."""
+    assert op.routing_block_m(16 * 9, 9) == 16 and op.routing_block_m(16 * 9 + 1, 9) == 64
+    assert op.routing_block_m(384 * 9, 9) == 64 and op.routing_block_m(384 * 9 + 1, 9) == 128
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["bm64", "bm128"])
+def test_grouped_path_row_tiles_match_hf(large, monkeypatch):
+    """The grouped GEMMs on 64- and 128-row blocks (thresholds lowered so that 40 tokens take them)."""
+    monkeypatch.setattr(op, "PAIR_PATH_TOKENS", 0)
+    monkeypatch.setattr(op, "SMALL_PAIRS_PER_EXPERT", 0)
+    monkeypatch.setattr(op, "LARGE_PAIRS_PER_EXPERT", 0 if large else 10**6)
+    block = hf_block(seed=3)
+    x = tokens(40)
+    with torch.no_grad():
+        expected = block(x[None])[0]
+    out = SwiGLUMoE.from_hf(block)(x)
+    assert (out - expected).abs().max() <= 1e-5 * expected.abs().max().clamp(min=1)
+
+
 # The block's two paths: the decode path up to op.PAIR_PATH_TOKENS tokens (these tests' token
 # counts), the grouped GEMMs past it (forced here by PAIR_PATH_TOKENS = 0).
 @pytest.fixture(params=["decode", "grouped"])

@@ -174,6 +174,68 @@ def test_down_matches_reference(block_m, config, dtype):
     assert_matches(y, ref, dtype, "y")
 
 
+# ----------------------------------------------------------------------------- the persistent TMA kernels
+TMA_DTYPES = [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]  # 16-bit operands only
+
+
+@pytest.mark.parametrize("case", ["random", "idle_and_unlisted", "one_expert"])
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
+@pytest.mark.parametrize("dtype", TMA_DTYPES)
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_tma_kernels_match_reference(block_m, dtype, act, case):
+    """Hopper's prefill path (``tma=True``; here the interpreter's 16 x 16 tiles on 4 persistent
+    programs, so each program walks several tiles): H and F not multiples of the tiles (the
+    descriptor zero-fills the weight past H; x's K tail masked), weight tiles running past an
+    expert's rows into the next expert's (never stored), unused blocks at the end skipped, unlisted
+    rows untouched, poisoned outputs."""
+    x = randn(N, H, dtype=dtype) * 3
+    w13, w2 = expert_weights(dtype)
+    listed = None
+    if case == "idle_and_unlisted":  # routed experts from {0, 2, 3}: expert 1 idle (no blocks)
+        routed = torch.stack([torch.tensor([0, 2, 3])[torch.randperm(3)[:TOP_K]] for _ in range(N)])
+        experts = torch.cat([routed, torch.full((N, SHARED), E_TOTAL - 1)], dim=1).to(torch.int32).to(DEVICE)
+        listed = torch.rand(experts.shape) < 0.7
+        listed[0, 0] = False  # row 0, which sentinel rows read, is not listed
+    elif case == "one_expert":
+        experts = torch.full((N, 1), 3, dtype=torch.int32, device=DEVICE)
+    else:
+        experts = random_experts()
+    s = experts.shape[1]
+    sorted_pairs, block_experts = pair_list(experts, E_TOTAL, block_m, listed)
+    h = expert_gate_up(x, w13, sorted_pairs, block_experts, s, act, block_m, tma=True,
+                       out=poisoned_like(torch.empty(N * s, F_, dtype=dtype, device=DEVICE)))
+    y = expert_down(h, w2, sorted_pairs, block_experts, block_m, tma=True,
+                    out=poisoned_like(torch.empty(N * s, H, dtype=dtype, device=DEVICE)))
+    rows = torch.ones(N * s, dtype=torch.bool) if listed is None else listed.reshape(-1)
+    rows = rows.to(DEVICE)
+    assert h[~rows].isnan().all() and y[~rows].isnan().all()
+    assert_matches(h[rows], expert_gate_up_ref(x, w13, sorted_pairs, block_experts, s, act, block_m)[rows], dtype, "h")
+    assert_matches(y[rows], expert_down_ref(h, w2, sorted_pairs, block_experts, block_m)[rows], dtype, "y")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_tma_kernels_match_pointer_kernels_at_prefill_size(block_m):
+    """bf16 on the GPU, Hopper's own tiles, 600 tokens over 12 experts (~100 pairs an expert, so
+    full and partly padded blocks): the TMA kernels against the reference and the pointer kernels."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the TMA kernels' own tiles: Hopper")
+    dtype, n, h_dim, f = torch.bfloat16, 600, 512, 256
+    x = randn(n, h_dim, dtype=dtype)
+    w13, w2 = expert_weights(dtype, e=12, h=h_dim, f=f)
+    experts = random_experts(n=n, top_k=2, routed=11, shared=1)
+    s = experts.shape[1]
+    sorted_pairs, block_experts = pair_list(experts, 12, block_m)
+    pairs = (sorted_pairs, block_experts)
+    h_tma = expert_gate_up(x, w13, *pairs, s, Activation(), block_m, tma=True)
+    h_ptr = expert_gate_up(x, w13, *pairs, s, Activation(), block_m, tma=False)
+    assert_matches(h_tma, expert_gate_up_ref(x, w13, *pairs, s, Activation(), block_m), dtype, "h")
+    assert_close(h_tma, h_ptr, TOL[dtype], "h: TMA vs pointer kernel")
+    y_tma = expert_down(h_tma, w2, *pairs, block_m, tma=True)
+    assert_matches(y_tma, expert_down_ref(h_tma, w2, *pairs, block_m), dtype, "y")
+    assert_close(y_tma, expert_down(h_tma, w2, *pairs, block_m, tma=False), TOL[dtype], "y: TMA vs pointer kernel")
+
+
 # ----------------------------------------------------------------------------- combine
 @pytest.mark.parametrize("out_dtype", DTYPES)
 @pytest.mark.parametrize("y_dtype", DTYPES)
@@ -285,6 +347,9 @@ S = TOP_K + SHARED
     (lambda a: expert_down(a["h"], a["w2"].half(), a["sp"], a["be"], 16), "w2: dtype"),
     (lambda a: expert_down(a["h"], a["w2"], a["sp"], a["be"], 16, out=torch.empty(N * S, H, dtype=torch.float16,
                                                                                   device=DEVICE)), "out: expected"),
+    (lambda a: expert_gate_up(a["x"], a["w13"], a["sp"], a["be"], S, Activation(), 16, tma=True), "tma: "),
+    (lambda a: expert_down(a["h"].half()[:, :-1], a["w2"].half()[:, :, :-1].contiguous(), a["sp"], a["be"], 16,
+                           tma=True), "tma: "),
     (lambda a: combine(a["h"], a["weights"][:-1], torch.float32), "y: expected"),
     (lambda a: combine(a["h"], a["weights"].half(), torch.float32), "weights: dtype"),
     (lambda a: combine(a["h"], a["weights"].t(), torch.float32), "weights: rows must be contiguous"),

@@ -85,7 +85,8 @@ def test_tma_kernel(m, act):
     """The TMA gate/up GEMM (Hopper's prefill path; here the interpreter, 16-bit, 16 x 16 tiles on
     4 persistent programs): x rows a strided view, M, F and D not multiples of the tiles (the
     descriptors zero-fill and clip), every element of h written, the exact function's values."""
-    from fuselm.ops.swiglu_mlp.kernels import gemm_swiglu_tma_kernel, tma_ok
+    from fuselm.ops.common.matmul import tma_ok
+    from fuselm.ops.swiglu_mlp.kernels import gemm_swiglu_tma_kernel
 
     if not use_triton(torch.empty(0, device=DEVICE)):
         pytest.skip("a Triton kernel: the interpreter or a GPU")
@@ -111,7 +112,7 @@ def test_tma_pays_from_1024_rows_or_full_waves():
 
 
 def test_tma_ok_rejects_what_descriptors_cannot_address():
-    from fuselm.ops.swiglu_mlp.kernels import tma_ok
+    from fuselm.ops.common.matmul import tma_ok
 
     x = torch.zeros(4, 72, dtype=torch.float16, device=DEVICE)
     assert tma_ok(x)

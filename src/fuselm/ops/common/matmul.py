@@ -1,9 +1,10 @@
 """Matmul pieces shared by the GEMM and GEMV kernels (swiglu_mlp, decode_linear, swap_ffn, moe): the
-accumulating dot, one K step's operand loads, the grouped tile order of a GEMM grid and the decode
-path's token padding."""
+accumulating dot, one K step's operand loads, the grouped tile order of a GEMM grid, the decode
+path's token padding and what a TMA descriptor can address."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -57,3 +58,10 @@ def grouped_tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
     group_rows = tl.minimum(num_m - first_m, GROUP_M)
     in_group = tile % (GROUP_M * num_n)
     return first_m + in_group % group_rows, in_group // group_rows
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether TMA descriptors can address these 2-D tensors: unit last stride, 16-byte aligned
+    base and row stride, 16-bit elements (the TMA kernels' operand type)."""
+    return all(t.dim() == 2 and t.dtype in (torch.float16, torch.bfloat16) and t.stride(1) == 1
+               and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)

@@ -52,12 +52,13 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fuselm.ops.common.activation import Activation, gate_factor, up_factor
-from fuselm.ops.common.matmul import dot_acc, load_k_step
+from fuselm.ops.common.matmul import dot_acc, grouped_tile, load_k_step, tma_ok
 from fuselm.ops.common.precision import work_dtype
 from fuselm.ops.swiglu_mlp.naive import gemm_swiglu_ref
-from fuselm.runtime import KERNEL_DTYPES, cdiv, next_power_of_2, parse_dtype, use_triton
+from fuselm.runtime import KERNEL_DTYPES, arch_major, cdiv, next_power_of_2, num_sms, parse_dtype, use_triton
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -136,13 +137,107 @@ def _expert_down_kernel(
 
 
 @triton.jit
-def _combine_kernel(y_ptr, weights_ptr, out_ptr, H, SLOTS, stride_ym, stride_om, BLOCK_H: tl.constexpr):
+def _used_blocks(experts_ptr, NUM_BLOCKS, CHUNK: tl.constexpr):
+    """How many blocks of the pair list are in use: ``block_experts`` is -1 past them (a prefix)."""
+    used = 0
+    for b0 in range(0, NUM_BLOCKS, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        used += tl.sum((tl.load(experts_ptr + b, mask=b < NUM_BLOCKS, other=-1) >= 0).to(tl.int32))
+    return used
+
+
+@triton.jit
+def _tile_rows(tile, num_blocks, num_n, pairs_ptr, experts_ptr, NUM_PAIRS, BLOCK_M: tl.constexpr,
+               GROUP: tl.constexpr):
+    """(expert, feature tile, pair ids, valid) of a persistent kernel's tile in the grouped order:
+    GROUP consecutive blocks of the pair list walk the feature tiles together (an expert's blocks
+    are consecutive, so the programs at work share its weight tiles in L2; GROUP 1: a block's
+    feature tiles one after the other)."""
+    b, pid_n = grouped_tile(tile, num_blocks, num_n, GROUP)
+    e = tl.load(experts_ptr + b)
+    pairs = tl.load(pairs_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = (pairs >= 0) & (pairs < NUM_PAIRS)
+    return e, pid_n, tl.where(valid, pairs, 0), valid
+
+
+@triton.jit
+def _expert_gate_up_tma_kernel(
+    x_ptr, w_desc, pairs_ptr, experts_ptr, h_ptr,
+    NUM_BLOCKS, NUM_PAIRS, SLOTS, F, H, stride_xm, stride_hm, limit, alpha,
+    ACT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP: tl.constexpr, PROGRAMS: tl.constexpr,
+):
+    # Persistent (Hopper): program p takes tiles p, p + PROGRAMS, ... of the used blocks; the tile
+    # loop is flattened into the K loop, so the next tile's loads start under this tile's epilogue.
+    # The weight tile comes through a TMA descriptor over w13 as [E_total 2F, H] (zero-filled past
+    # H; rows past expert e's 2F belong to e + 1 or are zeros, never stored); x's rows are gathered
+    # by pointer (a TMA box cannot gather rows on Hopper).
+    num_n = tl.cdiv(F, BLOCK_N)
+    used = _used_blocks(experts_ptr, NUM_BLOCKS, 1024)
+    k = tl.arange(0, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), used * num_n, PROGRAMS, flatten=True):
+        e, pid_n, pairs, valid = _tile_rows(tile, used, num_n, pairs_ptr, experts_ptr, NUM_PAIRS, BLOCK_M, GROUP)
+        x_ptrs = x_ptr + (pairs // SLOTS).to(tl.int64)[:, None] * stride_xm + k[None, :]
+        w_row = e * (2 * F) + pid_n * (2 * BLOCK_N)
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            if EVEN_K:
+                xt = tl.load(x_ptrs + k0)
+            else:
+                xt = tl.load(x_ptrs + k0, mask=(k < H - k0)[None, :], other=0.0)
+            w = w_desc.load([w_row, k0])  # 2 BLOCK_N interleaved gate/up rows
+            acc = tl.dot(xt, w.T, acc)
+        g, u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+        # _expert_gate_up_kernel's roundings.
+        g = g.to(x_ptr.dtype.element_ty).to(tl.float32)
+        u = u.to(x_ptr.dtype.element_ty).to(tl.float32)
+        a = gate_factor(g, ACT, limit, alpha).to(x_ptr.dtype.element_ty).to(tl.float32)
+        hv = a * up_factor(u, ACT, limit)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(h_ptr + pairs.to(tl.int64)[:, None] * stride_hm + cols[None, :], hv.to(h_ptr.dtype.element_ty),
+                 mask=valid[:, None] & (cols < F)[None, :])
+
+
+@triton.jit
+def _expert_down_tma_kernel(
+    h_ptr, w_desc, pairs_ptr, experts_ptr, y_ptr,
+    NUM_BLOCKS, NUM_PAIRS, H, F, stride_hm, stride_ym,
+    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr, PROGRAMS: tl.constexpr,
+):
+    # Persistent as _expert_gate_up_tma_kernel; the weight tile through a descriptor over w2 as
+    # [E_total H, F], h's rows gathered by pair id.
+    num_n = tl.cdiv(H, BLOCK_N)
+    used = _used_blocks(experts_ptr, NUM_BLOCKS, 1024)
+    k = tl.arange(0, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), used * num_n, PROGRAMS, flatten=True):
+        e, pid_n, pairs, valid = _tile_rows(tile, used, num_n, pairs_ptr, experts_ptr, NUM_PAIRS, BLOCK_M, GROUP)
+        h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * stride_hm + k[None, :]
+        w_row = e * H + pid_n * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, F, BLOCK_K):
+            if EVEN_K:
+                ht = tl.load(h_ptrs + k0)
+            else:
+                ht = tl.load(h_ptrs + k0, mask=(k < F - k0)[None, :], other=0.0)
+            w = w_desc.load([w_row, k0])  # [BLOCK_N, BLOCK_K] rows of w2[e]
+            acc = tl.dot(ht, w.T, acc)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(y_ptr + pairs.to(tl.int64)[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=valid[:, None] & (cols < H)[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, weights_ptr, out_ptr, H, stride_ym, stride_om, SLOTS: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < H
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     row_ptr = y_ptr + n * SLOTS * stride_ym + cols
-    for j in range(0, SLOTS):  # slot order: deterministic; acc = fma(w, y, acc) in fp32, one rounding a slot
+    # Unrolled: every slot's row load in flight at once. Slot order: deterministic; acc = fma(w, y,
+    # acc) in fp32, one rounding a slot.
+    for j in tl.static_range(SLOTS):
         acc = tl.fma(tl.load(weights_ptr + n * SLOTS + j), tl.load(row_ptr, mask=ok, other=0.0).to(tl.float32), acc)
         row_ptr += stride_ym
     tl.store(out_ptr + n * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -152,12 +247,15 @@ def _combine_kernel(y_ptr, weights_ptr, out_ptr, H, SLOTS, stride_ym, stride_om,
 @dataclass(frozen=True)
 class GroupedGemmConfig:
     """Features per program (``block_n``; gate/up: h features, so 2 * block_n rows of w13), the K
-    step, warps and pipeline stages. The token rows per program are the routing's ``block_m``."""
+    step, warps and pipeline stages. The token rows per program are the routing's ``block_m``.
+    ``group`` (the persistent TMA kernels only): blocks of the pair list walking the feature tiles
+    together."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    group: int = 1
 
 
 # Tuned on the H200 (benchmarks/moe.py --sweep, 35B-A3B layer, bf16): at block_m 16 (1 and 8
@@ -165,21 +263,66 @@ class GroupedGemmConfig:
 # at K step 64, 8 warps) and down 128 features (14.1 / 45.1 us); 4 stages (2 stages: +5-70%). The
 # 64-row tiles serve past ~16 pairs an expert (``op.routing_block_m``: from ~450 tokens); at 4096
 # tokens (session 18) 256 features: gate/up 0.488 ms against 0.523 at 128, down 0.355 against
-# 0.462 (128-row tiles: 0.496 and 0.377). fp32 halves the K step and takes at most 128 features
-# (shared memory).
-GATE_UP_TILES = {16: GroupedGemmConfig(64, 128, 4, 4), 64: GroupedGemmConfig(256, 64, 8, 3)}  # by block_m
-DOWN_TILES = {16: GroupedGemmConfig(128, 64, 8, 4), 64: GroupedGemmConfig(256, 64, 8, 4)}
+# 0.462 (128-row tiles: 0.496 and 0.377). The 128-row tiles (past ~256 pairs an expert): gate/up at
+# 128 features (256 would need 245 KB of stages), down as at 64 rows. fp32 halves the K step and
+# takes at most 128 features (shared memory).
+GATE_UP_TILES = {16: GroupedGemmConfig(64, 128, 4, 4), 64: GroupedGemmConfig(256, 64, 8, 3),
+                 128: GroupedGemmConfig(128, 64, 8, 3)}  # by block_m
+DOWN_TILES = {16: GroupedGemmConfig(128, 64, 8, 4), 64: GroupedGemmConfig(256, 64, 8, 4),
+              128: GroupedGemmConfig(256, 64, 8, 4)}
+
+# The persistent TMA kernels (Hopper, 16-bit), from the H100 sweeps of session 29 (moe_sweep.md:
+# 4096, 8192 and 16384 tokens on 64- and 128-row blocks, the pointer kernels' default tile beside
+# them; NOTES.md 74). Gate/up: 128 features (a TMA box holds at most 256 weight rows), K step 64,
+# 8 warps; on 64-row blocks 4 stages in groups of 16 blocks (0.538 / 0.773 / 1.365 ms, against the
+# pointer kernel's 0.549 / 0.803 / 1.435), on 128-row blocks 3 stages in groups of 2 (1.267 ms at
+# 16384). Down: 256 features, K step 64, 8 warps; on 64-row blocks 3 stages in groups of 16 (0.327
+# / 0.485 / 0.867 ms against 0.407 / - / 1.151), on 128-row blocks 4 stages, one block at a time
+# (0.768 ms at 16384, the pointer kernel 0.958).
+TMA_GATE_UP_TILES = {64: GroupedGemmConfig(128, 64, 8, 4, 16), 128: GroupedGemmConfig(128, 64, 8, 3, 2)}
+TMA_DOWN_TILES = {64: GroupedGemmConfig(256, 64, 8, 3, 16), 128: GroupedGemmConfig(256, 64, 8, 4, 1)}
+TMA_MIN_BLOCK_M = {"gate_up": 64, "down": 64}  # the TMA kernels by default from these row tiles
+TMA_INTERPRET_TILE = GroupedGemmConfig(16, 16, 4, 1, 2)  # the interpreter (tests): several tiles, a K tail, groups
 
 COMBINE_BLOCK_H = 1024  # combine: hidden features per program (4 warps)
 
 
-def grouped_gemm_config(kind: str, dtype: torch.dtype, block_m: int) -> GroupedGemmConfig:
+def _row_tile(tiles: dict, block_m: int) -> GroupedGemmConfig:
+    """The entry of ``tiles`` (keyed by row tile) for the smallest key >= block_m, else the largest."""
+    return tiles[min((m for m in tiles if m >= block_m), default=max(tiles))]
+
+
+def grouped_gemm_config(kind: str, dtype: torch.dtype, block_m: int, tma: bool = False) -> GroupedGemmConfig:
     """The tile config of ``kind`` in {"gate_up", "down"} for ``dtype`` operands at ``block_m``
-    rows (the 16-row tiles up to 16, the 64-row ones past that)."""
-    tile = (GATE_UP_TILES if kind == "gate_up" else DOWN_TILES)[16 if block_m <= 16 else 64]
+    rows (the 16-, 64- or 128-row tiles); ``tma``: the persistent TMA kernels'."""
+    if tma:
+        return _row_tile(TMA_GATE_UP_TILES if kind == "gate_up" else TMA_DOWN_TILES, block_m)
+    tile = _row_tile(GATE_UP_TILES if kind == "gate_up" else DOWN_TILES, block_m)
     if dtype == torch.float32:
         return dataclasses.replace(tile, block_k=tile.block_k // 2, block_n=min(tile.block_n, 128))
     return tile
+
+
+def grouped_tma_ok(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the TMA kernels can take operand ``a`` (x or h: 16-bit rows) and weights ``w``
+    [E_total, R, K]: contiguous, so that [E_total R, K] is a TMA-addressable view."""
+    return a.dtype in (torch.float16, torch.bfloat16) and w.is_contiguous() and tma_ok(w.view(-1, w.shape[-1]))
+
+
+def _check_tma(tma, a: torch.Tensor, w: torch.Tensor) -> None:
+    if tma not in (None, True, False):
+        raise ValueError(f"tma: expected None, True or False, got {tma!r}")
+    if tma and not grouped_tma_ok(a, w):
+        raise ValueError("tma: the TMA kernels need 16-bit operands and contiguous weights whose rows are "
+                         "16-byte multiples")
+
+
+def _use_tma(kind: str, a: torch.Tensor, w: torch.Tensor, block_m: int, tma: bool | None) -> bool:
+    """``tma`` None: the TMA kernel of ``kind`` on Hopper from TMA_MIN_BLOCK_M[kind] rows when it
+    can address the operands; True: it (checked by ``_check_tma``); False: the pointer kernel."""
+    if tma is None:
+        return arch_major(a.device) == 9 and block_m >= TMA_MIN_BLOCK_M[kind] and grouped_tma_ok(a, w)
+    return tma
 
 
 # ----------------------------------------------------------------------------- checks
@@ -272,17 +415,34 @@ def _check_combine(y, weights, out_dtype) -> torch.dtype:
 # ----------------------------------------------------------------------------- host functions
 def expert_gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_pairs: torch.Tensor, block_experts: torch.Tensor,
                    slots: int, activation: Activation, block_m: int, *, out: torch.Tensor | None = None,
-                   config: GroupedGemmConfig | None = None) -> torch.Tensor:
+                   config: GroupedGemmConfig | None = None, tma: bool | None = None) -> torch.Tensor:
     """h [N * S, F] in x's dtype, row p = SwiGLU of token p // S through expert w13[e] for each
     listed pair p (module docstring); rows of unlisted pairs keep ``out``'s values (or are
-    uninitialised). x [N, H], w13 [E_total, 2F, H] interleaved, S = ``slots``."""
+    uninitialised). x [N, H], w13 [E_total, 2F, H] interleaved, S = ``slots``. ``tma``: which
+    kernel (None: the persistent TMA kernel on Hopper from 64-row blocks, else the pointer one;
+    True / False force it, True in the interpreter too)."""
     _check_gate_up(x, w13, sorted_pairs, block_experts, slots, activation, block_m)
+    _check_tma(tma, x, w13)
     N, H = x.shape
     F = w13.shape[1] // 2
     h = _check_out("out", out, (N * slots, F), x.dtype, x.device)
     if not use_triton(x):
         return expert_gate_up_ref(x, w13, sorted_pairs, block_experts, slots, activation, block_m, out=h)
     if N == 0 or F == 0 or sorted_pairs.numel() == 0:
+        return h
+    if _use_tma("gate_up", x, w13, block_m, tma):
+        cfg = config or (TMA_INTERPRET_TILE if arch_major(x.device) == 0 else grouped_gemm_config("gate_up", x.dtype,
+                                                                                                 block_m, tma=True))
+        w_desc = TensorDescriptor.from_tensor(w13.view(-1, H), [2 * cfg.block_n, cfg.block_k])
+        programs = min(block_experts.numel() * cdiv(F, cfg.block_n), num_sms(x.device))
+        _expert_gate_up_tma_kernel[(programs,)](
+            x, w_desc, sorted_pairs, block_experts, h,
+            block_experts.numel(), N * slots, slots, F, H, x.stride(0), h.stride(0),
+            activation.kernel_limit, float(activation.alpha),
+            ACT=activation.code, EVEN_K=H % cfg.block_k == 0, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, GROUP=cfg.group, PROGRAMS=programs, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
         return h
     cfg = config or grouped_gemm_config("gate_up", x.dtype, block_m)
     grid = (block_experts.numel(), cdiv(F, cfg.block_n))
@@ -299,16 +459,30 @@ def expert_gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_pairs: torch.Tenso
 
 def expert_down(h: torch.Tensor, w2: torch.Tensor, sorted_pairs: torch.Tensor, block_experts: torch.Tensor,
                 block_m: int, *, out: torch.Tensor | None = None,
-                config: GroupedGemmConfig | None = None) -> torch.Tensor:
+                config: GroupedGemmConfig | None = None, tma: bool | None = None) -> torch.Tensor:
     """y [N * S, H] in h's dtype, row p = round(h[p] @ w2[e]^T) (fp32 product, one rounding) for
-    each listed pair p; rows of unlisted pairs keep ``out``'s values (or are uninitialised)."""
+    each listed pair p; rows of unlisted pairs keep ``out``'s values (or are uninitialised).
+    ``tma`` as ``expert_gate_up``'s (the TMA kernel by default from 64-row blocks)."""
     _check_down(h, w2, sorted_pairs, block_experts, block_m)
+    _check_tma(tma, h, w2)
     P, F = h.shape
     H = w2.shape[1]
     y = _check_out("out", out, (P, H), h.dtype, h.device)
     if not use_triton(h):
         return expert_down_ref(h, w2, sorted_pairs, block_experts, block_m, out=y)
     if P == 0 or H == 0 or sorted_pairs.numel() == 0:
+        return y
+    if _use_tma("down", h, w2, block_m, tma):
+        cfg = config or (TMA_INTERPRET_TILE if arch_major(h.device) == 0 else grouped_gemm_config("down", h.dtype,
+                                                                                                 block_m, tma=True))
+        w_desc = TensorDescriptor.from_tensor(w2.view(-1, F), [cfg.block_n, cfg.block_k])
+        programs = min(block_experts.numel() * cdiv(H, cfg.block_n), num_sms(h.device))
+        _expert_down_tma_kernel[(programs,)](
+            h, w_desc, sorted_pairs, block_experts, y,
+            block_experts.numel(), P, H, F, h.stride(0), y.stride(0),
+            EVEN_K=F % cfg.block_k == 0, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            GROUP=cfg.group, PROGRAMS=programs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
         return y
     cfg = config or grouped_gemm_config("down", h.dtype, block_m)
     grid = (block_experts.numel(), cdiv(H, cfg.block_n))
@@ -335,8 +509,8 @@ def combine(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype | str
     if num_tokens == 0 or H == 0:
         return o
     block_h = min(COMBINE_BLOCK_H, next_power_of_2(H))
-    _combine_kernel[(num_tokens, cdiv(H, block_h))](y, weights, o, H, slots, y.stride(0), o.stride(0), BLOCK_H=block_h,
-                                                    num_warps=4)
+    _combine_kernel[(num_tokens, cdiv(H, block_h))](y, weights, o, H, y.stride(0), o.stride(0), SLOTS=slots,
+                                                    BLOCK_H=block_h, num_warps=4)
     return o
 
 

@@ -39,8 +39,11 @@ from fuselm.runtime import cdiv
 
 # The grouped GEMMs' row tile: 16 rows while an expert gets at most 16 pairs on average (decode
 # and short prefill; the H200 sweep of session 17 at 64 tokens, ~2 pairs an expert: 64-row tiles
-# were mostly padding), 64 past that.
-SMALL_BLOCK_M, BLOCK_M, SMALL_PAIRS_PER_EXPERT = 16, 64, 16
+# were mostly padding), 64 past that, 128 past 384 (H100 sweep of session 29, the two GEMMs: 128-row
+# tiles faster at 16384 tokens, ~570 pairs an expert, 2.035 against 2.224 ms, slower at 8192, ~290,
+# 1.332 against 1.253; NOTES.md 74).
+SMALL_BLOCK_M, BLOCK_M, LARGE_BLOCK_M = 16, 64, 128
+SMALL_PAIRS_PER_EXPERT, LARGE_PAIRS_PER_EXPERT = 16, 384
 # Up to this many tokens the decode path (decode.py: the router logits, then a matrix-vector
 # program per pair for gate/up and the down GEMM with the combine, each routing from the logits);
 # the grouped GEMMs past it.
@@ -49,7 +52,9 @@ PAIR_PATH_TOKENS = 16
 
 def routing_block_m(num_pairs: int, num_experts_total: int) -> int:
     """The grouped GEMMs' row tile for num_pairs (token, slot) pairs over the experts."""
-    return SMALL_BLOCK_M if num_pairs <= SMALL_PAIRS_PER_EXPERT * num_experts_total else BLOCK_M
+    if num_pairs <= SMALL_PAIRS_PER_EXPERT * num_experts_total:
+        return SMALL_BLOCK_M
+    return BLOCK_M if num_pairs <= LARGE_PAIRS_PER_EXPERT * num_experts_total else LARGE_BLOCK_M
 
 
 class SwiGLUMoE(nn.Module):

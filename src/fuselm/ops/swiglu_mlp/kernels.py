@@ -223,13 +223,6 @@ def tma_gemm_config(arch: int) -> TmaGemmConfig:
     return TMA_INTERPRET if arch == 0 else TMA_HOPPER
 
 
-def tma_ok(*tensors: torch.Tensor) -> bool:
-    """Whether TMA descriptors can address these 2-D tensors: unit last stride, 16-byte aligned
-    base and row stride, 16-bit elements (the kernel's operand type)."""
-    return all(t.dim() == 2 and t.dtype in (torch.float16, torch.bfloat16) and t.stride(1) == 1
-               and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
-
-
 @functools.lru_cache(maxsize=64)
 def gemv_config(arch: int, dtype: torch.dtype, swiglu: bool) -> GemvConfig:
     """Decode GEMV config: output features per program, the K step, warps, stages. Hopper,

@@ -30,10 +30,9 @@ import torch
 from torch import nn
 
 from fuselm.ops.common.activation import Activation
-from fuselm.ops.common.matmul import DECODE_MAX_M
+from fuselm.ops.common.matmul import DECODE_MAX_M, tma_ok
 from fuselm.ops.silu_mul.kernels import swiglu_pairs_forward_kernel
-from fuselm.ops.swiglu_mlp.kernels import (TMA_HOPPER, decode_gemv_kernel, gemm_swiglu_kernel, gemm_swiglu_tma_kernel,
-                                           tma_ok)
+from fuselm.ops.swiglu_mlp.kernels import TMA_HOPPER, decode_gemv_kernel, gemm_swiglu_kernel, gemm_swiglu_tma_kernel
 from fuselm.ops.swiglu_mlp.naive import gemm_swiglu_backward_ref, gemm_swiglu_ref
 from fuselm.runtime import (arch_major, as_rows, cdiv, check_out, check_same_device, check_tensor, needs_autograd,
                              num_sms, use_triton)
