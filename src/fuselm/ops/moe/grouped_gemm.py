@@ -228,16 +228,13 @@ def _expert_down_tma_kernel(
 
 
 @triton.jit
-def _combine_kernel(y_ptr, weights_ptr, out_ptr, H, stride_ym, stride_om, SLOTS: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
+def _combine_kernel(y_ptr, weights_ptr, out_ptr, H, SLOTS, stride_ym, stride_om, BLOCK_H: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < H
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     row_ptr = y_ptr + n * SLOTS * stride_ym + cols
-    # Unrolled: every slot's row load in flight at once. Slot order: deterministic; acc = fma(w, y,
-    # acc) in fp32, one rounding a slot.
-    for j in tl.static_range(SLOTS):
+    for j in range(0, SLOTS):  # slot order: deterministic; acc = fma(w, y, acc) in fp32, one rounding a slot
         acc = tl.fma(tl.load(weights_ptr + n * SLOTS + j), tl.load(row_ptr, mask=ok, other=0.0).to(tl.float32), acc)
         row_ptr += stride_ym
     tl.store(out_ptr + n * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -509,8 +506,8 @@ def combine(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype | str
     if num_tokens == 0 or H == 0:
         return o
     block_h = min(COMBINE_BLOCK_H, next_power_of_2(H))
-    _combine_kernel[(num_tokens, cdiv(H, block_h))](y, weights, o, H, y.stride(0), o.stride(0), SLOTS=slots,
-                                                    BLOCK_H=block_h, num_warps=4)
+    _combine_kernel[(num_tokens, cdiv(H, block_h))](y, weights, o, H, slots, y.stride(0), o.stride(0), BLOCK_H=block_h,
+                                                    num_warps=4)
     return o
 
 
