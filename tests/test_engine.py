@@ -3,11 +3,13 @@
 On the CPU the engine runs its step eagerly (Triton interpreter); it must reproduce the eager
 reference loop (``Qwen35.generate``, which tests/test_qwen35.py holds against HF) token for token,
 and every request must get exactly what it gets alone, whatever joins or leaves beside it. On a
-GPU the graph replays must reproduce the eager step. The model is the built-in tiny config with
-seeded random weights, fp32.
+GPU the graph replays must reproduce the eager step. The model is the built-in tiny config cut to
+two layers (one Gated DeltaNet, one attention: every kind of state a slot owns, at half the
+interpreter's time a step) with seeded random weights, fp32.
 """
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,9 +21,13 @@ from fuselm.models.qwen35.presets import random_qwen35, tiny_config
 VOCAB = 256
 
 
+def two_layer_config():
+    return replace(tiny_config(vocab_size=VOCAB), num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))
+
+
 @pytest.fixture(scope="module")
 def model():
-    return random_qwen35(tiny_config(vocab_size=VOCAB), dtype=torch.float32, device=DEVICE, seed=3)
+    return random_qwen35(two_layer_config(), dtype=torch.float32, device=DEVICE, seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -262,10 +268,9 @@ def test_stop_ids_end_a_request_and_leave_the_others(model, engine):
 
 
 def test_model_eos_stops_unless_ignore_eos(model):
-    config = tiny_config(vocab_size=VOCAB)
     p = prompt(9, 13)
     free = token_ids(Engine(model, max_batch=2, max_len=32).generate([p], greedy(8)))[0]
-    eos_model = random_qwen35(type(config)(**{**config.__dict__, "eos_token_id": free[3]}), device=DEVICE, seed=3)
+    eos_model = random_qwen35(replace(two_layer_config(), eos_token_id=free[3]), device=DEVICE, seed=3)
     engine = Engine(eos_model, max_batch=2, max_len=32)
     stopped = engine.generate([p], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
     assert stopped.token_ids == free[: free.index(free[3]) + 1] and stopped.finish_reason == "stop"

@@ -284,8 +284,9 @@ GATED_VECTOR_BLOCK_K = 1024
 GATED_VECTOR_NUM_WARPS = 4
 # fp32: half the K step (the same bytes a step).
 FP32_VECTOR_BLOCK_K = 1024
-# The interpreter: several programs and a K tail at the tests' odd shapes.
-INTERPRET_VECTOR_ROWS = 8
+# The interpreter: several programs and a K tail at the tests' odd shapes, few enough programs that a tiny
+# model's decode steps stay short (the interpreter's cost is per program and per op, not per element).
+INTERPRET_VECTOR_ROWS = 16
 INTERPRET_VECTOR_BLOCK_K = 64
 # The K loop is unrolled up to this many steps (every load in flight); longer K runs it rolled.
 VECTOR_MAX_UNROLL_STEPS = 8

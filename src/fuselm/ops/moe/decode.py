@@ -307,9 +307,11 @@ FEW_TOKENS_GATE_UP_TILE = PairGemvConfig(4, 256, 4, 1)
 # (K_PAD x BLOCK_H x F_PAD) stay within this many elements, 64 registers a thread at 2 warps; a
 # single feature on more warps past that.
 DOWN_ROUTING_ELEMENTS = 8192
-# The interpreter (CPU tests): small tiles, so odd shapes have several programs and a K tail.
-INTERPRET_TILE = PairGemvConfig(8, 16, 4, 1)
-INTERPRET_ROUTER_TILE = PairGemvConfig(4, 16, 4, 1)
+# The interpreter (CPU tests): tiles small enough that the kernel tests' odd shapes (H 40, F 24) have
+# several programs and a K tail, large enough that a tiny model's decode steps stay short (each
+# program routes itself: in the interpreter its cost is per program, not per element).
+INTERPRET_TILE = PairGemvConfig(16, 32, 4, 1)
+INTERPRET_ROUTER_TILE = PairGemvConfig(4, 32, 4, 1)
 # Up to this many tokens down_combine routes itself (its N x H / BLOCK_H programs each take ~25
 # reductions over E: one wave at 1-2 tokens, under gate/up's stream by programmatic dependent
 # launch); past it gate/up's last routed program of each token writes the token's routing and
