@@ -209,6 +209,15 @@ def test_sort_kernel_against_a_brute_force_build(N, S, E_total, block_m, hot):
     assert ref_pairs.tolist() == pairs and ref_blocks.tolist() == blocks
 
 
+def test_sort_chunks_grow_past_the_most_programs(monkeypatch):
+    """Past SORT_MAX_CHUNKS chunks of SORT_CHUNK pairs the chunks double (here: at most 2 chunks,
+    so 300 x 9 pairs take 2048-pair chunks), and the list is the same."""
+    assert routing.sort_chunk(256 * 256) == 256 and routing.sort_chunk(256 * 256 + 1) == 512
+    monkeypatch.setattr(routing, "SORT_MAX_CHUNKS", 2)
+    assert routing.sort_chunk(300 * 9) == 2048
+    test_sort_kernel_against_a_brute_force_build(300, 9, 257, 64, None)
+
+
 @pytest.mark.parametrize("N", [5, 40])  # one program sorting; the three sort launches
 def test_rows_past_the_gate_are_ignored(N):
     """router_with_gate with extra rows (``pad_router_rows``'s alignment, here garbage) and

@@ -38,7 +38,7 @@ Launches: the router and gate logits by one GEMM, ``F.linear(x, router_with_gate
 Triton program per 16 tokens reading the whole router was 115 us at one token on the H200, one
 program's share of the GPU's bandwidth); ``_route_kernel`` (a program per ROUTE_BLOCK_T
 tokens: softmax, k rounds of argmax, the gate's sigmoid) writes weights and experts; the counting
-sort, deterministic, no atomics: ``_count_kernel`` (a program per SORT_CHUNK pairs: its pairs
+sort, deterministic, no atomics: ``_count_kernel`` (a program per ``sort_chunk`` pairs: its pairs
 per expert), ``_offsets_kernel`` (one program: each expert's first entry, the exclusive prefix
 sum of the padded counts, and each chunk's first entry per expert), ``_scatter_kernel`` (a program
 per chunk: each pair id to its chunk's entry for its expert + the chunk's earlier pairs of that
@@ -394,7 +394,16 @@ ROUTE_WARPS = 1
 FEW_PAIRS = 256  # up to this many pairs (padded to a power of two) that program sorts by pairwise comparisons
 FEW_PAIRS_STEP = 32  # ... against this many pairs a step
 FEW_PAIRS_WARPS = None  # the routing program's warps then (None: 4 up to 128 pairs, 8 past; a sweep sets it)
-SORT_CHUNK = 256  # pairs per program of the count and scatter launches
+SORT_CHUNK = 256  # pairs per program of the count and scatter launches, at least ...
+# ... and doubled until at most SORT_MAX_CHUNKS programs: the offsets launch (one program) walks
+# [chunks, E_PAD] counts twice (H100, 16384 tokens of the 35B-A3B layer: 576 chunks of 256 pairs,
+# 62 us; NOTES.md 74).
+SORT_MAX_CHUNKS = 256
+
+
+def sort_chunk(num_pairs: int) -> int:
+    """Pairs per program of the count and scatter launches for ``num_pairs`` pairs."""
+    return max(SORT_CHUNK, next_power_of_2(cdiv(num_pairs, SORT_MAX_CHUNKS)))
 
 
 def _route_geometry(E: int) -> tuple[int, int]:
@@ -450,18 +459,19 @@ def routes_and_sorts_in_one_launch(num_tokens: int) -> bool:
 
 def sort_kernel(experts, num_experts_total: int, block_m: int, sorted_pairs, block_experts) -> None:
     """sorted_pairs and block_experts of the [N, S] int32 expert ids in three launches (count per
-    chunk of SORT_CHUNK pairs, offsets in one program, scatter per chunk), deterministic, no atomics."""
+    chunk of ``sort_chunk`` pairs, offsets in one program, scatter per chunk), deterministic, no atomics."""
     e_pad, block, num_warps = _sort_geometry(num_experts_total)
     num_pairs, num_blocks = experts.numel(), block_experts.numel()
-    chunks = max(1, cdiv(num_pairs, SORT_CHUNK))
+    chunk = sort_chunk(num_pairs)
+    chunks = max(1, cdiv(num_pairs, chunk))
     counts = torch.empty(chunks, e_pad, dtype=torch.int32, device=experts.device)
     table = torch.empty(2, e_pad, dtype=torch.int32, device=experts.device)
-    _count_kernel[(chunks,)](experts, counts, num_pairs, num_experts_total, CHUNK=SORT_CHUNK, BLOCK=block, E_PAD=e_pad,
+    _count_kernel[(chunks,)](experts, counts, num_pairs, num_experts_total, CHUNK=chunk, BLOCK=block, E_PAD=e_pad,
                              num_warps=num_warps)
     _offsets_kernel[(1,)](counts, table, chunks, BLOCK_M=block_m, RB=max(1, 16384 // e_pad), E_PAD=e_pad,
                           num_warps=num_warps)
     _scatter_kernel[(chunks,)](experts, counts, table, sorted_pairs, block_experts, num_pairs, num_blocks,
-                               cdiv(num_blocks, chunks), num_experts_total, BLOCK_M=block_m, CHUNK=SORT_CHUNK,
+                               cdiv(num_blocks, chunks), num_experts_total, BLOCK_M=block_m, CHUNK=chunk,
                                BLOCK=block, E_PAD=e_pad, num_warps=num_warps)
 
 
