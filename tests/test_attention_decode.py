@@ -307,6 +307,28 @@ def test_paged_decode_attention_equals_the_contiguous_rows(page_size, dtype):
         assert (paged_out.double() - ref).abs().max() <= ATTENTION_TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [24, 64])
+def test_gated_decode_attention_is_the_sigmoid_gate_of_the_output(head_dim, dtype):
+    """With Qwen3.5's gate (read in place: heads strided, interleaved with the query in the
+    projection), the output is decode_linear's sigmoid_gate prologue kernel on the ungated output,
+    bit for bit (the same tile function), and the reference's within the output tolerance; an
+    empty row stays zero."""
+    from fuselm.ops.decode_linear.kernels import prologue_kernel
+
+    B, num_heads = 3, 4
+    q, key_cache, value_cache, kv_lengths = attention_inputs(B, num_heads, 2, head_dim, 40, dtype, [40, 9, 0], seed=5)
+    projection = torch.randn(B, num_heads, 2, head_dim, generator=torch.Generator().manual_seed(6)).to(DEVICE, dtype)
+    gate = projection[:, :, 1]  # [B, nH, hd], heads 2 hd apart
+    plain = decode_attention(q, key_cache, value_cache, kv_lengths, 0.3)
+    gated = decode_attention(q, key_cache, value_cache, kv_lengths, 0.3, gate=gate)
+    rows = (B * num_heads, head_dim)
+    assert torch.equal(gated.view(rows), prologue_kernel(plain.view(rows), "sigmoid_gate", gate.reshape(rows)))
+    ref = decode_attention_ref(q.double(), key_cache.double(), value_cache.double(), kv_lengths, 0.3, gate=gate.double())
+    assert (gated.double() - ref).abs().max() <= ATTENTION_TOL[dtype]
+    assert torch.equal(gated[2], torch.zeros_like(gated[2]))
+
+
 def test_decode_attention_equals_masked_sdpa_in_the_model_layout():
     """Against the masked SDPA the model's decode step used before (fp32, GQA)."""
     q, key_cache, value_cache, kv_lengths = attention_inputs(3, 8, 2, 32, 50, torch.float32, [50, 7, 23], seed=4)
@@ -329,6 +351,9 @@ def test_decode_attention_equals_masked_sdpa_in_the_model_layout():
     (lambda a: {**a, "block_table": a["kv_lengths"][:1, None]}, ValueError, "block_table"),
     (lambda a: {**a, "key_cache": a["key_cache"][:, :, :10], "value_cache": a["value_cache"][:, :, :10],
                 "block_table": a["kv_lengths"][:, None] * 0}, ValueError, "power of two"),
+    (lambda a: {**a, "gate": a["q"][:, :2]}, ValueError, "gate: expected"),
+    (lambda a: {**a, "gate": a["q"].half()}, ValueError, "gate: expected"),
+    (lambda a: {**a, "gate": a["q"].transpose(1, 2).contiguous().transpose(1, 2)}, ValueError, "gate: expected"),
 ])
 def test_decode_attention_bad_input_names_the_argument(change, error, match):
     q, key_cache, value_cache, kv_lengths = attention_inputs(2, 4, 2, 16, 12, torch.float32, [12, 5])

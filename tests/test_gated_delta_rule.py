@@ -8,6 +8,7 @@ from fuselm.ops.gated_delta_rule import (
     chunk_gated_delta_rule, chunk_gated_delta_rule_ref, fused_recurrent_gated_delta_rule, gates_from_projections,
     recurrent_gated_delta_rule_ref,
 )
+from fuselm.runtime import use_triton
 from fuselm.testing import rel_err
 
 # RMSE(out - ref) / RMS(ref), the issue's measure: rel_err's ||out - ref|| / ||ref||.
@@ -413,6 +414,56 @@ def test_decode_step_matches_reference_over_steps(H, HV, K, V, dtype):
         assert rel_err(state, ref_state) <= tol and torch.equal(conv_state, ref_conv), step
         positions += 1
     assert torch.equal(conv_state[1], untouched_conv) and torch.equal(state[[1, 2, 4]], untouched_pool)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else []))
+@pytest.mark.parametrize("norm_dtype", ["model", "fp32"])
+def test_decode_step_with_the_gated_norm_is_decode_linears_prologue(norm_dtype, dtype):
+    """With ``norm_weight`` the step's output is HF's gated RMSNorm of o with z (one program a
+    head): decode_linear's gated_rms_norm prologue kernel on the plain step's o, bit for bit (the
+    same tile function), the reference's within tolerance, state and conv state as the plain step's."""
+    from fuselm.ops.decode_linear import gated_rms_norm_ref
+    from fuselm.ops.decode_linear.kernels import prologue_kernel
+    from fuselm.ops.gated_delta_rule import gated_delta_rule_decode_step
+
+    H, HV, K, V, N = 1, 4, 24, 32, 3
+    proj, conv_state, conv_weight, A_log, dt_bias, state = decode_step_inputs(N, H, HV, K, V, 4, 4, dtype, seed=3)
+    norm_weight = (torch.rand(V, device=DEVICE) + 0.5).to(dtype if norm_dtype == "model" else torch.float32)
+    slots = torch.tensor([2, -1, 0], device=DEVICE, dtype=torch.int32)
+    positions = torch.tensor([0, 5, 7], device=DEVICE)
+    heads = dict(num_k_heads=H, head_k_dim=K, num_v_heads=HV, head_v_dim=V)
+    plain_conv, plain_state = conv_state.clone(), state.clone()
+    o = gated_delta_rule_decode_step(proj, plain_conv, conv_weight, A_log, dt_bias, plain_state, slots, positions,
+                                     **heads)
+    normed = gated_delta_rule_decode_step(proj, conv_state, conv_weight, A_log, dt_bias, state, slots, positions,
+                                          norm_weight=norm_weight, eps=1e-5, out=torch.full_like(o, float("nan")),
+                                          **heads)
+    assert torch.equal(state, plain_state) and torch.equal(conv_state, plain_conv)
+    z = proj[:, 2 * H * K + HV * V:2 * H * K + 2 * HV * V]
+    rows = (N, HV * V)
+    if use_triton(proj):
+        fused = prologue_kernel(o.reshape(rows), "gated_rms_norm", z, norm_weight, 1e-5, V)
+        assert torch.equal(normed.reshape(rows), fused)
+    ref = gated_rms_norm_ref(o.reshape(rows).double(), z.double(), norm_weight.double(), 1e-5, V)
+    assert rel_err(normed.reshape(rows), ref) <= (1e-5 if dtype == torch.float32 else 5e-3)
+
+
+def test_decode_step_norm_weight_is_checked():
+    from fuselm.ops.gated_delta_rule import gated_delta_rule_decode_step
+
+    heads = dict(num_k_heads=1, head_k_dim=16, num_v_heads=2, head_v_dim=24)
+    proj, conv_state, conv_weight, A_log, dt_bias, state = decode_step_inputs(2, 1, 2, 16, 24, 4, 2, torch.float32)
+    args = (proj, conv_state, conv_weight, A_log, dt_bias, state, torch.tensor([0, 1], device=DEVICE),
+            torch.zeros(2, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match="norm_weight: .*power-of-two head_v_dim"):
+        gated_delta_rule_decode_step(*args, norm_weight=torch.ones(24, device=DEVICE), **heads)
+    heads["head_v_dim"] = 32
+    proj, conv_state, conv_weight, A_log, dt_bias, state = decode_step_inputs(2, 1, 2, 16, 32, 4, 2, torch.float32)
+    args = (proj, conv_state, conv_weight, A_log, dt_bias, state, *args[6:])
+    with pytest.raises(ValueError, match="norm_weight: expected"):
+        gated_delta_rule_decode_step(*args, norm_weight=torch.ones(16, device=DEVICE), **heads)
+    with pytest.raises(ValueError, match="eps"):
+        gated_delta_rule_decode_step(*args, norm_weight=torch.ones(32, device=DEVICE), eps=float("nan"), **heads)
 
 
 @pytest.mark.gpu

@@ -232,21 +232,27 @@ class GatedDeltaNet(nn.Module):
                projected: torch.Tensor | None = None) -> torch.Tensor:
         """x [max_batch, 1, D] (or ``projected`` = ``project(x)``) -> [max_batch, 1, D]. in_proj;
         conv update + gates + l2-norm + recurrence on the state pool in one launch (slot -1, an
-        inactive row, reads zeros and writes no state); the gated RMSNorm and out_proj
-        (``output``: one launch at one row, two past it). Same math and roundings as ``prefill`` /
-        HF."""
+        inactive row, reads zeros and writes no state); the gated RMSNorm and out_proj. At one row
+        the norm is the out projection's fused prologue (``output``: one launch); past it the step
+        applies it to each whole head before it stores (a power-of-two head_v_dim), and the out
+        projection runs plain: no prologue kernel between them. Same math and roundings as
+        ``prefill`` / HF."""
         projected = self.project(x) if projected is None else projected
-        return self.output(self.decode_heads(projected, cache, step), projected)
+        if projected.shape[0] == 1 or self.head_v_dim & (self.head_v_dim - 1):
+            return self.output(self.decode_heads(projected, cache, step), projected)
+        return decode_linear(self.decode_heads(projected, cache, step, normed=True), self.out_proj)
 
     def decode_heads(self, projected: torch.Tensor, cache: DeltaNetCache, step: DecodeStep,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, normed: bool = False) -> torch.Tensor:
         """``project(x)`` [max_batch, 1, P] -> the delta rule's output [max_batch, 1, value_dim]
-        (into ``out`` when given, a contiguous buffer of that shape)."""
+        (into ``out`` when given, a contiguous buffer of that shape); with ``normed``, already
+        through the gated RMSNorm (``output``'s prologue; a power-of-two head_v_dim)."""
         N = projected.shape[0]
         o = gated_delta_rule_decode_step(
             projected[:, 0], cache.conv, self.conv_weight, self.A_log, self.dt_bias, cache.recurrent,
             step.state_slots, step.positions, num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim,
             num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim,
+            norm_weight=self.norm if normed else None, eps=self.eps,
             out=None if out is None else out.view(N, self.num_v_heads, self.head_v_dim))
         return o.flatten(1)[:, None]
 
@@ -309,9 +315,13 @@ class GatedAttention(nn.Module):
         rounded: ``decode_linear``'s sigmoid_gate prologue), any number of rows. The bias (when
         ``attention_bias``) is added to the rounded product: a second rounding where HF's linear
         has one."""
-        gate = projected[..., :self.q_size].unflatten(-1, (self.num_heads, 2, self.head_dim))[..., 1, :]
-        y = decode_linear(heads, self.o_proj, prologue="sigmoid_gate", gate=gate)  # [..., nH, hd], strided heads
+        y = decode_linear(heads, self.o_proj, prologue="sigmoid_gate", gate=self._gate(projected))
         return y if self.o_bias is None else y + self.o_bias
+
+    def _gate(self, projected: torch.Tensor) -> torch.Tensor:
+        """The output gate [..., nH, hd] in place in ``projected`` [..., P] (heads strided: each
+        head's query then its gate)."""
+        return projected[..., :self.q_size].unflatten(-1, (self.num_heads, 2, self.head_dim))[..., 1, :]
 
     def prefill(self, x: torch.Tensor, cache: AttentionCache, step: PrefillStep,
                 projected: torch.Tensor | None = None) -> torch.Tensor:
@@ -358,21 +368,24 @@ class GatedAttention(nn.Module):
         q/k norm + RoPE + the K/V write into each row's page and slot in one launch
         (``qk_norm_rope_kv_write``, as ``prefill_heads``); attention over each
         row's positions 0 .. position only, through its block-table row (``decode_attention``:
-        split over the sequence, fp32 softmax); the sigmoid gate, then o_proj (``output``: fused
-        into the vector kernel at one row, reading the gate in place; past it the gate as its own
-        small kernel, faster than fused at every row count measured)."""
+        split over the sequence, fp32 softmax); the sigmoid gate, then o_proj. At one row the gate
+        is the projection's fused prologue (``output``, reading the gate in place); past it the
+        attention's split-K combine applies it before it stores, and o_proj runs plain."""
         projected = self.project(x) if projected is None else projected
-        return self.output(self.decode_heads(projected, cache, step), projected)
+        if projected.shape[0] == 1:
+            return self.output(self.decode_heads(projected, cache, step), projected)
+        y = decode_linear(self.decode_heads(projected, cache, step, gated=True), self.o_proj)
+        return y if self.o_bias is None else y + self.o_bias
 
     def decode_heads(self, projected: torch.Tensor, cache: AttentionCache, step: DecodeStep,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
         """``project(x)`` [max_batch, 1, P] -> attention's output [max_batch, 1, nH hd] (copied into
-        ``out`` when given)."""
+        ``out`` when given); with ``gated``, times its sigmoid gate (``output``'s prologue)."""
         q = qk_norm_rope_kv_write(projected, self.q_norm, self.k_norm, step.cos, step.sin, cache.key, cache.value,
                                   step.write_column, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                   head_dim=self.head_dim, eps=self.eps, write_row=step.write_page)
-        attn = decode_attention(q, cache.key, cache.value, step.kv_lengths, self.scale,
-                                block_table=step.block_table)  # [B, heads, head_dim]
+        attn = decode_attention(q, cache.key, cache.value, step.kv_lengths, self.scale, block_table=step.block_table,
+                                gate=self._gate(projected)[:, 0] if gated else None)  # [B, heads, head_dim]
         return attn.flatten(1)[:, None] if out is None else out.copy_(attn.flatten(1)[:, None])
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from fuselm.ops.decode_linear.naive import sigmoid_gate_ref
 from fuselm.ops.rms_norm import rms_norm
 
 
@@ -76,12 +77,13 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
 
 
 def decode_attention_ref(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                         kv_lengths: torch.Tensor, scale: float, block_table: torch.Tensor | None = None) -> torch.Tensor:
+                         kv_lengths: torch.Tensor, scale: float, block_table: torch.Tensor | None = None,
+                         gate: torch.Tensor | None = None) -> torch.Tensor:
     """One query per row over its cache row's first ``kv_lengths[r]`` columns, in fp32:
     ``softmax(q k^T scale) v`` with GQA (query head h reads kv head h // (nH / nKV)); a row
     with length 0 gets zeros. q [B, nH, hd]; caches [>= B, nKV, L, hd], or with ``block_table``
     [B, pages_per_row] pages [pages, nKV, P, hd] (``gather_pages``); returns [B, nH, hd] in q's
-    dtype (one rounding)."""
+    dtype (one rounding), then with ``gate`` [B, nH, hd] ``sigmoid_gate_ref`` of it (two more)."""
     if block_table is not None:
         key_cache, value_cache = gather_pages(key_cache, block_table), gather_pages(value_cache, block_table)
     B, num_heads, _ = q.shape
@@ -92,4 +94,5 @@ def decode_attention_ref(q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     visible = torch.arange(keys.shape[2], device=q.device)[None, :] < kv_lengths.to(q.device)[:, None]
     weights = torch.softmax(scores.masked_fill(~visible[:, None, :], float("-inf")), dim=-1).nan_to_num(0.0)
     values = values.masked_fill(~visible[:, None, :, None], 0.0)  # columns past a row's length are never read
-    return torch.einsum("bhl,bhld->bhd", weights, values).to(q.dtype)
+    out = torch.einsum("bhl,bhld->bhd", weights, values).to(q.dtype)
+    return out if gate is None else sigmoid_gate_ref(out, gate)

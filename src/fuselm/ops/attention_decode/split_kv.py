@@ -13,7 +13,8 @@ dot). Per BLOCK_N columns, online softmax in fp32 (FlashAttention's recurrence):
 with q k^T and p v as dots with fp32 accumulation (p rounded to the cache dtype first, as flash
 attention does; fp32 caches stay fp32, with ieee fp32 dots, not tf32). Each split writes acc / l and lse = m + log l (fp32);
 a second kernel combines the splits of each (row, head): o = sum_s e^(lse_s - M) o_s / sum_s
-e^(lse_s - M), rounded once to q's dtype. A row of length 0 gets zeros.
+e^(lse_s - M), rounded once to q's dtype. A row of length 0 gets zeros. With a gate (Qwen3.5's
+output gate), the combine applies it to the rounded output (``fuselm.ops.common.prologue``).
 
 The number of splits depends on the shapes only (B, nKV, the cache's columns, the SM count): a
 CUDA graph may capture the op, and the lengths are read on the device. A paged cache (pages of P
@@ -28,6 +29,7 @@ import triton.language as tl
 
 from fuselm.ops.attention_decode.naive import decode_attention_ref
 from fuselm.ops.common.pdl import allow_next_kernel
+from fuselm.ops.common.prologue import PROLOGUE_NONE, PROLOGUE_SIGMOID_GATE, prologue_tile
 from fuselm.runtime import cdiv, check_same_device, check_tensor, next_power_of_2, num_sms, use_pdl, use_triton
 
 BLOCK_N = 64  # cache columns per inner step
@@ -89,8 +91,9 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, part_o_ptr, part_lse_
 
 
 @triton.jit
-def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
+def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, gate_ptr, stride_gb, stride_gh, NUM_HEADS,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                    PROLOGUE: tl.constexpr, USE_PDL: tl.constexpr):
     # The kernel after it (the output projection, launched as a programmatic dependent) may begin
     # now: it loads its weights, then waits for the output.
     allow_next_kernel(USE_PDL)
@@ -103,8 +106,12 @@ def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, HEAD_DIM: tl.constexpr, B
     total = tl.sum(weight, axis=0)
     parts = tl.load(part_o_ptr + (row * NUM_SPLITS + s[:, None]) * HEAD_DIM + d[None, :],
                     mask=(s < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-    out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    out = (tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)).to(out_ptr.dtype.element_ty)
+    if PROLOGUE:  # Qwen3.5's output gate on the rounded output: round(o round(sigmoid(gate)))
+        gate_row = gate_ptr + (row // NUM_HEADS) * stride_gb + (row % NUM_HEADS) * stride_gh
+        out = tl.reshape(prologue_tile(out[None, :], gate_row + d[None, :], (d < HEAD_DIM)[None, :], 0.0, 0.0,
+                                       PROLOGUE, 1, 1, BLOCK_D), [BLOCK_D])
+    tl.store(out_ptr + row * HEAD_DIM + d, out, mask=d < HEAD_DIM)
 
 
 def num_splits(batch: int, num_kv_heads: int, columns: int, block: int, device: torch.device) -> tuple[int, int]:
@@ -115,7 +122,7 @@ def num_splits(batch: int, num_kv_heads: int, columns: int, block: int, device: 
     return cdiv(columns, split_size), split_size
 
 
-def decode_attention_kernels(q, key_cache, value_cache, kv_lengths, scale, block_table=None):
+def decode_attention_kernels(q, key_cache, value_cache, kv_lengths, scale, block_table=None, gate=None):
     B, num_heads, head_dim = q.shape
     num_kv_heads, page = key_cache.shape[1], key_cache.shape[2]
     columns = page if block_table is None else block_table.shape[1] * page
@@ -133,14 +140,18 @@ def decode_attention_kernels(q, key_cache, value_cache, kv_lengths, scale, block
         BLOCK_N=block_n, NUM_SPLITS=splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PAGED=block_table is not None, PAGE=page, num_warps=4 if block_d <= 128 else 8, num_stages=2)
     out = torch.empty(B, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    _combine_kernel[(B * num_heads,)](part_o, part_lse, out, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                                      NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), USE_PDL=use_pdl(q.device),
-                                      num_warps=4)
+    gated = gate is not None
+    _combine_kernel[(B * num_heads,)](part_o, part_lse, out, gate if gated else out, gate.stride(0) if gated else 0,
+                                      gate.stride(1) if gated else 0, num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                                      NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits),
+                                      PROLOGUE=PROLOGUE_SIGMOID_GATE if gated else PROLOGUE_NONE,
+                                      USE_PDL=use_pdl(q.device), num_warps=4)
     return out
 
 
 def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     kv_lengths: torch.Tensor, scale: float, block_table: torch.Tensor | None = None) -> torch.Tensor:
+                     kv_lengths: torch.Tensor, scale: float, block_table: torch.Tensor | None = None,
+                     gate: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per row over its cache row's filled columns (decode).
 
     Args:
@@ -155,6 +166,10 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         block_table: optional int32/int64 [B, pages_per_row]: row b's column n is at page
             ``block_table[b, n // P]``, slot n % P (L = pages_per_row * P); entries past a row's
             length are never read. Values in [0, pages) (not checked: read on the device).
+        gate: optional [B, nH, hd] in q's dtype (last dim contiguous, any row and head strides:
+            Qwen3.5's gate read in place from its projection): the output is then
+            round(o round(sigmoid(gate))), ``decode_linear``'s sigmoid_gate prologue applied to the
+            rounded attention output, so the projection after it runs plain.
     Returns:
         [B, nH, hd] in q's dtype (``split_kv.py`` gives the numerics; ``naive.decode_attention_ref``
         is the fp32 reference). Inference only. CUDA-graph safe.
@@ -187,6 +202,12 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
             raise ValueError(f"{name}: the last dim must be contiguous")
     if kv_lengths.shape != (B,):
         raise ValueError(f"kv_lengths: expected [B] = ({B},), got {tuple(kv_lengths.shape)}")
+    if gate is not None:
+        check_tensor("gate", gate)
+        check_same_device(q=q, gate=gate)
+        if gate.shape != q.shape or gate.dtype != q.dtype or (gate.stride(-1) != 1 and head_dim > 1):
+            raise ValueError(f"gate: expected [B, nH, hd] = {tuple(q.shape)} in {q.dtype} with a contiguous last dim, "
+                             f"got {tuple(gate.shape)} {gate.dtype} strides {tuple(gate.stride())}")
     columns = key_cache.shape[2]
     if block_table is not None:
         page = key_cache.shape[2]
@@ -200,5 +221,5 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     if B == 0:
         return q.new_empty(q.shape)
     if not use_triton(q):
-        return decode_attention_ref(q, key_cache, value_cache, kv_lengths, scale, block_table)
-    return decode_attention_kernels(q, key_cache, value_cache, kv_lengths, scale, block_table)
+        return decode_attention_ref(q, key_cache, value_cache, kv_lengths, scale, block_table, gate)
+    return decode_attention_kernels(q, key_cache, value_cache, kv_lengths, scale, block_table, gate)

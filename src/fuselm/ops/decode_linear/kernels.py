@@ -39,41 +39,11 @@ import triton.language as tl
 
 from fuselm.ops.common.matmul import decode_block_m, dot_acc  # the same token padding and dot as swiglu_mlp
 from fuselm.ops.common.pdl import allow_next_kernel, wait_for_previous_kernel
+from fuselm.ops.common.prologue import PROLOGUE_GATED_RMS_NORM, PROLOGUE_NONE, PROLOGUE_SIGMOID_GATE, prologue_tile
 from fuselm.runtime import arch_major, cdiv, next_power_of_2, use_pdl
 
 # Prologue codes, as the constexpr the kernel takes.
-PROLOGUE_NONE = 0
-PROLOGUE_SIGMOID_GATE = 1
-PROLOGUE_GATED_RMS_NORM = 2
 PROLOGUE_CODES = {None: PROLOGUE_NONE, "sigmoid_gate": PROLOGUE_SIGMOID_GATE, "gated_rms_norm": PROLOGUE_GATED_RMS_NORM}
-
-
-
-@triton.jit
-def _prologue_tile(xt, g_ptrs, ok, nw, eps, PROLOGUE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The GEMV input ``a`` for an x tile ``xt`` [BLOCK_M, BLOCK_K] (entries outside ``ok`` loaded
-    as 0), in x's dtype; the gate tile is loaded at ``g_ptrs``; ``nw`` [1, BLOCK_K] is the norm
-    weight per column (gated_rms_norm; the tile starts on a head boundary)."""
-    dt = xt.dtype
-    if PROLOGUE == 1:
-        # s = round(sigmoid(gate)); a = round(x * s)
-        gf = tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32)
-        s = (1.0 / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32)
-        xt = (xt.to(tl.float32) * s).to(dt)
-    elif PROLOGUE == 2:
-        # r = rsqrt(mean(x^2 over the head) + eps); n1 = round(x r); n2 = round(w n1);
-        # a = round(n2 silu(z)). Masked entries (padding rows, the K tail) are zeros, whose
-        # r may be inf (eps = 0): they are forced back to 0.
-        xf = xt.to(tl.float32)
-        zf = tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32)
-        x3 = tl.reshape(xf, [BLOCK_M, BLOCK_K // HEAD_DIM, HEAD_DIM])
-        r = tl.rsqrt(tl.sum(x3 * x3, axis=2) / HEAD_DIM + eps)  # [BLOCK_M, heads]
-        n1 = tl.reshape((x3 * r[:, :, None]).to(dt), [BLOCK_M, BLOCK_K]).to(tl.float32)
-        n2 = (nw * n1).to(dt).to(tl.float32)
-        a = (n2 * (zf / (1.0 + tl.exp(-zf)))).to(dt)
-        xt = tl.where(ok, a, 0.0).to(dt)
-    return xt
 
 
 @triton.jit
@@ -89,7 +59,7 @@ def _prologue_kernel(
     if PROLOGUE == 2:
         nw = tl.load(nw_ptr + k % HEAD_DIM).to(tl.float32)[None, :]
     xt = tl.load(x_ptr + rows * stride_xm + k[None, :], mask=ok, other=0.0)
-    a = _prologue_tile(xt, g_ptr + rows * stride_gm + k[None, :], ok, nw, eps, PROLOGUE, HEAD_DIM, BLOCK_M, BLOCK_K)
+    a = prologue_tile(xt, g_ptr + rows * stride_gm + k[None, :], ok, nw, eps, PROLOGUE, HEAD_DIM, BLOCK_M, BLOCK_K)
     tl.store(a_ptr + rows * stride_am + k[None, :], a, mask=ok)
 
 
@@ -123,7 +93,7 @@ def _decode_linear_kernel(
         else:
             ok = row_ok & (k < K - k0)[None, :]
             w = tl.load(w_ptrs, mask=(k < K - k0)[None, :], other=0.0)
-        xt = _prologue_tile(tl.load(x_ptrs, mask=ok, other=0.0), g_ptrs, ok, nw, eps, PROLOGUE, HEAD_DIM, BLOCK_M, BLOCK_K)
+        xt = prologue_tile(tl.load(x_ptrs, mask=ok, other=0.0), g_ptrs, ok, nw, eps, PROLOGUE, HEAD_DIM, BLOCK_M, BLOCK_K)
         acc = dot_acc(w, tl.trans(xt), acc, IEEE)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -208,7 +178,7 @@ def _vector_products(w, x_ptr, g_ptr, stride_gh, k0, k, K, nw, eps, PROLOGUE: tl
         g_ptrs = g_ptr + col
     else:
         g_ptrs = g_ptr + (col // GATE_HEAD) * stride_gh + col % GATE_HEAD
-    a = _prologue_tile(xt, g_ptrs, ok, nw, eps, PROLOGUE, HEAD_DIM, 1, BLOCK_K)
+    a = prologue_tile(xt, g_ptrs, ok, nw, eps, PROLOGUE, HEAD_DIM, 1, BLOCK_K)
     return w.to(tl.float32) * a.to(tl.float32)
 
 

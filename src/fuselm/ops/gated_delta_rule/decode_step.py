@@ -38,7 +38,10 @@ import triton.language as tl
 from fuselm.ops.gated_delta_rule.fused_recurrent import _gated_delta_step, decode_block_v, decode_num_warps, softplus
 from fuselm.ops.gated_delta_rule.naive import gated_delta_rule_decode_step_ref
 from fuselm.ops.common.pdl import allow_next_kernel, wait_for_previous_kernel
-from fuselm.runtime import cdiv, check_same_device, check_tensor, next_power_of_2, use_pdl, use_triton
+from fuselm.ops.common.prologue import PROLOGUE_GATED_RMS_NORM, PROLOGUE_NONE, prologue_tile
+from fuselm.ops.decode_linear.naive import gated_rms_norm_ref
+from fuselm.runtime import (cdiv, check_finite_float, check_same_device, check_tensor, next_power_of_2, use_pdl,
+                            use_triton)
 
 
 @triton.jit
@@ -66,10 +69,10 @@ def _causal_conv_silu(proj, ch, mask, history):
 
 @triton.jit
 def _decode_step_kernel(
-    proj_ptr, conv_ptr, conv_w_ptr, A_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, positions_ptr, o_ptr,
-    stride_proj, stride_conv, scale,
+    proj_ptr, conv_ptr, conv_w_ptr, A_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, positions_ptr, norm_w_ptr, o_ptr,
+    stride_proj, stride_conv, scale, eps,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KW: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PROLOGUE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_n = tl.program_id(1) // HV
@@ -99,6 +102,9 @@ def _decode_step_kernel(
     v_history = _conv_history(conv, conv_w_ptr, v_ch, v_ok, position, KW)
     neg_A = -tl.exp(tl.load(A_log_ptr + i_hv).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + i_hv).to(tl.float32)
+    norm_w = 0.0
+    if PROLOGUE:  # the gated RMSNorm's weight
+        norm_w = tl.load(norm_w_ptr + vv, mask=v_ok, other=0.0).to(tl.float32)[None, :]
     wait_for_previous_kernel(USE_PDL)
     # The out projection after it (a programmatic dependent) may begin now: it loads its weights,
     # then waits for o.
@@ -113,7 +119,12 @@ def _decode_step_kernel(
     beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
 
     S, o = _gated_delta_step(S, q, k, v, g, beta, scale, True)  # q/k l2-norm in the step
-    tl.store(o_ptr + (i_n * HV + i_hv).to(tl.int64) * V + vv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+    o = o.to(o_ptr.dtype.element_ty)
+    if PROLOGUE:  # the whole head (BLOCK_V = V): HF's gated RMSNorm with z, as decode_linear's prologue
+        z_ptrs = proj + CONV_DIM + i_hv * V + vv[None, :]
+        o = tl.reshape(prologue_tile(o[None, :], z_ptrs, v_ok[None, :], norm_w, eps, PROLOGUE, V, 1, BLOCK_V),
+                       [BLOCK_V])
+    tl.store(o_ptr + (i_n * HV + i_hv).to(tl.int64) * V + vv, o, mask=v_ok)
     tl.store(state_ptr + slot * HV * K * V + state_offs, S, mask=state_mask)
 
     # this token's input, for the next KW - 1 tokens (masks as index bounds: a scalar condition
@@ -168,7 +179,7 @@ def gated_delta_rule_decode_step(
     proj: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
     dt_bias: torch.Tensor, state: torch.Tensor, state_slots: torch.Tensor, positions: torch.Tensor, *,
     num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int, scale: float | None = None,
-    out: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row through the conv, the gates and the gated delta rule (see the module doc).
 
@@ -179,12 +190,25 @@ def gated_delta_rule_decode_step(
         state: fp32 pool [P, HV, K, V], updated in place at ``state_slots`` (negative: inactive row).
         positions: [N] int, each row's token position (the conv state's clock).
         scale: on q; default K ** -0.5.
+        norm_weight: optional [V] (proj's dtype or fp32): the output is then HF's gated RMSNorm of
+            each head of o with z (proj's z columns) and this weight, ``decode_linear``'s
+            gated_rms_norm prologue (one program a whole head; V a power of two), so the out
+            projection after it runs plain.
+        eps: the gated RMSNorm's epsilon (with ``norm_weight``).
         out: optional [N, HV, V] output (no allocation: CUDA-graph friendly).
     Returns:
-        o [N, HV, V] in proj's dtype. No host sync; no backward (inference only).
+        o [N, HV, V] in proj's dtype (normed and gated with ``norm_weight``). No host sync; no
+        backward (inference only).
     """
     H, K, HV, V = num_k_heads, head_k_dim, num_v_heads, head_v_dim
     _check(proj, conv_state, conv_weight, A_log, dt_bias, state, state_slots, positions, H, K, HV, V)
+    if norm_weight is not None:
+        check_tensor("norm_weight", norm_weight)
+        check_same_device(proj=proj, norm_weight=norm_weight)
+        if V & (V - 1) or norm_weight.shape != (V,) or norm_weight.dtype not in (proj.dtype, torch.float32):
+            raise ValueError(f"norm_weight: expected [head_v_dim] = ({V},) in {proj.dtype} or float32 with a power-of-two "
+                             f"head_v_dim (one program a head), got {tuple(norm_weight.shape)} {norm_weight.dtype}")
+        eps = check_finite_float("eps", eps, nonnegative=True)
     N = proj.shape[0]
     scale = K ** -0.5 if scale is None else float(scale)
     if out is None:
@@ -192,17 +216,23 @@ def gated_delta_rule_decode_step(
     elif out.shape != (N, HV, V) or out.dtype != proj.dtype or not out.is_contiguous():
         raise ValueError(f"out: expected a contiguous [{N}, {HV}, {V}] {proj.dtype} tensor")
     if not use_triton(proj):
-        return out.copy_(gated_delta_rule_decode_step_ref(proj, conv_state, conv_weight, A_log, dt_bias, state,
-                                                          state_slots, positions, H, K, HV, V, scale))
+        o = gated_delta_rule_decode_step_ref(proj, conv_state, conv_weight, A_log, dt_bias, state, state_slots,
+                                             positions, H, K, HV, V, scale)
+        if norm_weight is not None:
+            z = proj[:, 2 * H * K + HV * V:2 * H * K + 2 * HV * V].unflatten(-1, (HV, V))
+            o = gated_rms_norm_ref(o, z, norm_weight, eps, V)
+        return out.copy_(o)
     if N == 0:
         return out
-    block_v = decode_block_v(N * HV, V, proj.device)  # the geometry of fused_recurrent's sweep
+    # the geometry of fused_recurrent's sweep; a whole head a program for the norm
+    block_v = V if norm_weight is not None else decode_block_v(N * HV, V, proj.device)
     pdl = use_pdl(proj.device)
     KW = conv_weight.shape[2]
     _decode_step_kernel[(cdiv(V, block_v), N * HV)](
-        proj, conv_state, conv_weight, A_log, dt_bias, state, state_slots, positions, out,
-        proj.stride(0), conv_state.stride(0), scale,
+        proj, conv_state, conv_weight, A_log, dt_bias, state, state_slots, positions,
+        proj if norm_weight is None else norm_weight, out, proj.stride(0), conv_state.stride(0), scale, float(eps),
         H=H, HV=HV, K=K, V=V, KW=KW, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
+        PROLOGUE=PROLOGUE_NONE if norm_weight is None else PROLOGUE_GATED_RMS_NORM,
         USE_PDL=pdl, num_warps=max(MIN_NUM_WARPS, decode_num_warps(next_power_of_2(K), block_v)), launch_pdl=pdl,
     )
     return out
