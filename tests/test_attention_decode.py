@@ -324,7 +324,8 @@ def test_gated_decode_attention_is_the_sigmoid_gate_of_the_output(head_dim, dtyp
     gated = decode_attention(q, key_cache, value_cache, kv_lengths, 0.3, gate=gate)
     rows = (B * num_heads, head_dim)
     assert torch.equal(gated.view(rows), prologue_kernel(plain.view(rows), "sigmoid_gate", gate.reshape(rows)))
-    ref = decode_attention_ref(q.double(), key_cache.double(), value_cache.double(), kv_lengths, 0.3, gate=gate.double())
+    ref = decode_attention_ref(q.double(), key_cache.double(), value_cache.double(), kv_lengths, 0.3,
+                               gate=gate.double())
     assert (gated.double() - ref).abs().max() <= ATTENTION_TOL[dtype]
     assert torch.equal(gated[2], torch.zeros_like(gated[2]))
 

@@ -22,7 +22,8 @@ VOCAB = 256
 
 
 def two_layer_config():
-    return replace(tiny_config(vocab_size=VOCAB), num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))
+    return replace(tiny_config(vocab_size=VOCAB), num_hidden_layers=2,
+                   layer_types=("linear_attention", "full_attention"))
 
 
 @pytest.fixture(scope="module")

@@ -348,6 +348,8 @@ S = TOP_K + SHARED
     (lambda a: expert_down(a["h"], a["w2"], a["sp"], a["be"], 16, out=torch.empty(N * S, H, dtype=torch.float16,
                                                                                   device=DEVICE)), "out: expected"),
     (lambda a: expert_gate_up(a["x"], a["w13"], a["sp"], a["be"], S, Activation(), 16, tma=True), "tma: "),
+    (lambda a: expert_gate_up(a["x"].half(), a["w13"].half(), a["sp"], a["be"], S, Activation(), 16, tma=True,
+                              config=GroupedGemmConfig(256, 16, 4, 1)), "config: .* a TMA box cannot hold"),
     (lambda a: expert_down(a["h"].half()[:, :-1], a["w2"].half()[:, :, :-1].contiguous(), a["sp"], a["be"], 16,
                            tma=True), "tma: "),
     (lambda a: combine(a["h"], a["weights"][:-1], torch.float32), "y: expected"),

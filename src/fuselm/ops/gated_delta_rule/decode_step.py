@@ -15,10 +15,15 @@ Inputs per row n (one token each), with key heads H x K, value heads HV x V, con
 
 Numerics (as HF's torch path): conv accumulated in fp32 and rounded to the model dtype (F.conv1d),
 SiLU in fp32 rounded again; g = -exp(A_log) softplus(a + dt_bias) in fp32; beta = sigmoid(b)
-rounded to the model dtype (HF's ``b.sigmoid()``); the recurrence in fp32; o rounded once.
+rounded to the model dtype (HF's ``b.sigmoid()``); the recurrence in fp32; o rounded once. With a
+norm weight (the model's decode at 2+ rows), the output is HF's gated RMSNorm of o's heads with z
+(``decode_linear``'s gated_rms_norm prologue, the same tile function: ``ops/common/prologue.py``),
+one program a whole head, so the out projection runs plain (H100, 9B batch 8: 6.830 -> 6.750 ms a
+step with the attention combine's gate, NOTES 75).
 
-Grid: (V / BLOCK_V, N * HV); the programs of one value head recompute the q/k conv of their key
-head (2 K channels x KW taps: a few hundred bytes); the first of them writes its conv state.
+Grid: (V / BLOCK_V, N * HV) (BLOCK_V = V with the norm); the programs of one value head recompute
+the q/k conv of their key head (2 K channels x KW taps: a few hundred bytes); the first of them
+writes its conv state.
 
 On Hopper the kernel is a programmatic dependent launch (``fuselm/ops/common/pdl.py``): while the
 input projection ahead of it still runs, each program loads its slice of the recurrent state, the
@@ -206,8 +211,9 @@ def gated_delta_rule_decode_step(
         check_tensor("norm_weight", norm_weight)
         check_same_device(proj=proj, norm_weight=norm_weight)
         if V & (V - 1) or norm_weight.shape != (V,) or norm_weight.dtype not in (proj.dtype, torch.float32):
-            raise ValueError(f"norm_weight: expected [head_v_dim] = ({V},) in {proj.dtype} or float32 with a power-of-two "
-                             f"head_v_dim (one program a head), got {tuple(norm_weight.shape)} {norm_weight.dtype}")
+            raise ValueError(f"norm_weight: expected [head_v_dim] = ({V},) in {proj.dtype} or float32 with a "
+                             f"power-of-two head_v_dim (one program a head), got {tuple(norm_weight.shape)} "
+                             f"{norm_weight.dtype}")
         eps = check_finite_float("eps", eps, nonnegative=True)
     N = proj.shape[0]
     scale = K ** -0.5 if scale is None else float(scale)

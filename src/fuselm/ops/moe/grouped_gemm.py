@@ -35,13 +35,24 @@ expert outputs summed in fp32, one rounding), with the shared expert's gated out
 S - top_k more slots whose weight is the fp32 sigmoid gate. Only the summation order differs
 from the reference (fp32 sums over K; the slots summed in slot order).
 
+Two builds of each GEMM. The pointer kernels (``_expert_gate_up_kernel``, ``_expert_down_kernel``)
+run a program per (block, feature tile). On Hopper, from 64-row blocks, with 16-bit operands, the
+persistent TMA kernels (``_expert_gate_up_tma_kernel``, ``_expert_down_tma_kernel``) run instead:
+min(tiles, SMs) programs walk the used blocks' tiles (counted in the kernel: the used blocks are a
+prefix of the list), in groups of ``group`` blocks that walk the feature tiles together (an
+expert's weight tile is fetched once for its blocks), the tile loop flattened into the K loop (the
+next tile's loads under this tile's epilogue), the weight tile through a TMA descriptor over the
+experts' rows ([E_total R, K]); activation rows are still gathered by pointer (Hopper's TMA cannot
+gather rows). Same products, roundings and stores. H100, 35B-A3B layer (NOTES.md 74): the block
+at 16384 tokens 2.90 -> 2.30 ms.
+
 Launches: three per block (gate/up, down, combine), after the routing's.
 
 Up to ``op.PAIR_PATH_TOKENS`` tokens (decode) the block takes ``decode.py`` instead: a
 matrix-vector program per pair, the down GEMM and this combine in one launch, no pair list.
 
-Not done yet: tiles between 64 and 4096 tokens measured (those in use were tuned at 1, 8, 64
-and 4096).
+Not done yet: tiles between 64 and 4096 tokens measured for the pointer kernels (tuned at 1, 8,
+64 and 4096), and between 256 and 4096 for the TMA ones (4096-16384).
 """
 
 from __future__ import annotations
@@ -260,7 +271,7 @@ class GroupedGemmConfig:
 # at K step 64, 8 warps) and down 128 features (14.1 / 45.1 us); 4 stages (2 stages: +5-70%). The
 # 64-row tiles serve past ~16 pairs an expert (``op.routing_block_m``: from ~450 tokens); at 4096
 # tokens (session 18) 256 features: gate/up 0.488 ms against 0.523 at 128, down 0.355 against
-# 0.462 (128-row tiles: 0.496 and 0.377). The 128-row tiles (past ~256 pairs an expert): gate/up at
+# 0.462 (128-row tiles: 0.496 and 0.377). The 128-row tiles (past 384 pairs an expert): gate/up at
 # 128 features (256 would need 245 KB of stages), down as at 64 rows. fp32 halves the K step and
 # takes at most 128 features (shared memory).
 GATE_UP_TILES = {16: GroupedGemmConfig(64, 128, 4, 4), 64: GroupedGemmConfig(256, 64, 8, 3),
@@ -306,19 +317,43 @@ def grouped_tma_ok(a: torch.Tensor, w: torch.Tensor) -> bool:
     return a.dtype in (torch.float16, torch.bfloat16) and w.is_contiguous() and tma_ok(w.view(-1, w.shape[-1]))
 
 
-def _check_tma(tma, a: torch.Tensor, w: torch.Tensor) -> None:
+def _tma_box_ok(kind: str, a: torch.Tensor, config: GroupedGemmConfig | None) -> bool:
+    """Whether ``config``'s weight tile fits a TMA box (at most 256 rows of at least 16 bytes)."""
+    if config is None:
+        return True
+    rows = 2 * config.block_n if kind == "gate_up" else config.block_n
+    return rows <= 256 and config.block_k * a.element_size() >= 16
+
+
+def _check_tma(tma, kind: str, a: torch.Tensor, w: torch.Tensor, config: GroupedGemmConfig | None) -> None:
     if tma not in (None, True, False):
         raise ValueError(f"tma: expected None, True or False, got {tma!r}")
     if tma and not grouped_tma_ok(a, w):
         raise ValueError("tma: the TMA kernels need 16-bit operands and contiguous weights whose rows are "
                          "16-byte multiples")
+    if tma and not _tma_box_ok(kind, a, config):
+        raise ValueError(f"config: {config} gives a weight tile that a TMA box cannot hold (at most 256 rows of at "
+                         "least 16 bytes)")
 
 
-def _use_tma(kind: str, a: torch.Tensor, w: torch.Tensor, block_m: int, tma: bool | None) -> bool:
+def _tma_config(kind: str, a: torch.Tensor, block_m: int, config: GroupedGemmConfig | None) -> GroupedGemmConfig:
+    """The TMA kernel's tile: ``config`` (checked by ``_check_tma``), the interpreter's small tile,
+    or Hopper's."""
+    if config is not None:
+        return config
+    if arch_major(a.device) == 0:
+        return TMA_INTERPRET_TILE
+    return grouped_gemm_config(kind, a.dtype, block_m, tma=True)
+
+
+def _use_tma(kind: str, a: torch.Tensor, w: torch.Tensor, block_m: int, tma: bool | None,
+             config: GroupedGemmConfig | None) -> bool:
     """``tma`` None: the TMA kernel of ``kind`` on Hopper from TMA_MIN_BLOCK_M[kind] rows when it
-    can address the operands; True: it (checked by ``_check_tma``); False: the pointer kernel."""
+    can address the operands and a given ``config`` fits its box (else the pointer kernel, for
+    which such a config was meant); True: it (checked by ``_check_tma``); False: the pointer kernel."""
     if tma is None:
-        return arch_major(a.device) == 9 and block_m >= TMA_MIN_BLOCK_M[kind] and grouped_tma_ok(a, w)
+        return (arch_major(a.device) == 9 and block_m >= TMA_MIN_BLOCK_M[kind] and grouped_tma_ok(a, w)
+                and _tma_box_ok(kind, a, config))
     return tma
 
 
@@ -419,7 +454,7 @@ def expert_gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_pairs: torch.Tenso
     kernel (None: the persistent TMA kernel on Hopper from 64-row blocks, else the pointer one;
     True / False force it, True in the interpreter too)."""
     _check_gate_up(x, w13, sorted_pairs, block_experts, slots, activation, block_m)
-    _check_tma(tma, x, w13)
+    _check_tma(tma, "gate_up", x, w13, config)
     N, H = x.shape
     F = w13.shape[1] // 2
     h = _check_out("out", out, (N * slots, F), x.dtype, x.device)
@@ -427,9 +462,8 @@ def expert_gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_pairs: torch.Tenso
         return expert_gate_up_ref(x, w13, sorted_pairs, block_experts, slots, activation, block_m, out=h)
     if N == 0 or F == 0 or sorted_pairs.numel() == 0:
         return h
-    if _use_tma("gate_up", x, w13, block_m, tma):
-        cfg = config or (TMA_INTERPRET_TILE if arch_major(x.device) == 0 else grouped_gemm_config("gate_up", x.dtype,
-                                                                                                 block_m, tma=True))
+    if _use_tma("gate_up", x, w13, block_m, tma, config):
+        cfg = _tma_config("gate_up", x, block_m, config)
         w_desc = TensorDescriptor.from_tensor(w13.view(-1, H), [2 * cfg.block_n, cfg.block_k])
         programs = min(block_experts.numel() * cdiv(F, cfg.block_n), num_sms(x.device))
         _expert_gate_up_tma_kernel[(programs,)](
@@ -461,7 +495,7 @@ def expert_down(h: torch.Tensor, w2: torch.Tensor, sorted_pairs: torch.Tensor, b
     each listed pair p; rows of unlisted pairs keep ``out``'s values (or are uninitialised).
     ``tma`` as ``expert_gate_up``'s (the TMA kernel by default from 64-row blocks)."""
     _check_down(h, w2, sorted_pairs, block_experts, block_m)
-    _check_tma(tma, h, w2)
+    _check_tma(tma, "down", h, w2, config)
     P, F = h.shape
     H = w2.shape[1]
     y = _check_out("out", out, (P, H), h.dtype, h.device)
@@ -469,9 +503,8 @@ def expert_down(h: torch.Tensor, w2: torch.Tensor, sorted_pairs: torch.Tensor, b
         return expert_down_ref(h, w2, sorted_pairs, block_experts, block_m, out=y)
     if P == 0 or H == 0 or sorted_pairs.numel() == 0:
         return y
-    if _use_tma("down", h, w2, block_m, tma):
-        cfg = config or (TMA_INTERPRET_TILE if arch_major(h.device) == 0 else grouped_gemm_config("down", h.dtype,
-                                                                                                 block_m, tma=True))
+    if _use_tma("down", h, w2, block_m, tma, config):
+        cfg = _tma_config("down", h, block_m, config)
         w_desc = TensorDescriptor.from_tensor(w2.view(-1, F), [cfg.block_n, cfg.block_k])
         programs = min(block_experts.numel() * cdiv(H, cfg.block_n), num_sms(h.device))
         _expert_down_tma_kernel[(programs,)](
