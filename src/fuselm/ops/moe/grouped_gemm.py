@@ -107,15 +107,24 @@ def _expert_gate_up_kernel(
         acc = dot_acc(xt, w, acc, IEEE)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    _store_swiglu_rows(acc, h_ptr, pairs, valid, pid_n, F, stride_hm, limit, alpha, ACT, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _store_swiglu_rows(acc, h_ptr, pairs, valid, pid_n, F, stride_hm, limit, alpha, ACT: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Both gate/up kernels' epilogue: the fp32 product ``acc`` [BLOCK_M, 2 BLOCK_N] (gate and up
+    columns interleaved) -> h's rows ``pairs`` (where ``valid``), features pid_n BLOCK_N + j. The
+    dense kernel's roundings: G and U to h's dtype (x's), the gate factor, the product once."""
+    dt = h_ptr.dtype.element_ty
     g, u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
-    # The dense kernel's roundings: G and U to x's dtype, the gate factor, the product once.
-    g = g.to(x_ptr.dtype.element_ty).to(tl.float32)
-    u = u.to(x_ptr.dtype.element_ty).to(tl.float32)
-    a = gate_factor(g, ACT, limit, alpha).to(x_ptr.dtype.element_ty).to(tl.float32)
+    g = g.to(dt).to(tl.float32)
+    u = u.to(dt).to(tl.float32)
+    a = gate_factor(g, ACT, limit, alpha).to(dt).to(tl.float32)
     hv = a * up_factor(u, ACT, limit)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = valid[:, None] & (cols < F)[None, :]
-    tl.store(h_ptr + pairs.to(tl.int64)[:, None] * stride_hm + cols[None, :], hv.to(h_ptr.dtype.element_ty), mask=mask)
+    tl.store(h_ptr + pairs.to(tl.int64)[:, None] * stride_hm + cols[None, :], hv.to(dt),
+             mask=valid[:, None] & (cols < F)[None, :])
 
 
 @triton.jit
@@ -198,15 +207,7 @@ def _expert_gate_up_tma_kernel(
                 xt = tl.load(x_ptrs + k0, mask=(k < H - k0)[None, :], other=0.0)
             w = w_desc.load([w_row, k0])  # 2 BLOCK_N interleaved gate/up rows
             acc = tl.dot(xt, w.T, acc)
-        g, u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
-        # _expert_gate_up_kernel's roundings.
-        g = g.to(x_ptr.dtype.element_ty).to(tl.float32)
-        u = u.to(x_ptr.dtype.element_ty).to(tl.float32)
-        a = gate_factor(g, ACT, limit, alpha).to(x_ptr.dtype.element_ty).to(tl.float32)
-        hv = a * up_factor(u, ACT, limit)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(h_ptr + pairs.to(tl.int64)[:, None] * stride_hm + cols[None, :], hv.to(h_ptr.dtype.element_ty),
-                 mask=valid[:, None] & (cols < F)[None, :])
+        _store_swiglu_rows(acc, h_ptr, pairs, valid, pid_n, F, stride_hm, limit, alpha, ACT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
