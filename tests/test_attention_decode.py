@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from fuselm.models.qwen35.layers import rotary_cos_sin
 from fuselm.ops.attention_decode import qk_norm_rope_kv_write, qk_norm_rope_kv_write_ref
+from fuselm.ops.decode_inputs import rotary_cos_sin
 from helpers import ELEMENTWISE_DTYPES
 
 EPS = 1e-6

@@ -418,15 +418,19 @@ def test_decode_step_matches_reference_over_steps(H, HV, K, V, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else []))
 @pytest.mark.parametrize("norm_dtype", ["model", "fp32"])
-def test_decode_step_with_the_gated_norm_is_decode_linears_prologue(norm_dtype, dtype):
+def test_decode_step_with_the_gated_norm_is_decode_linears_prologue(monkeypatch, norm_dtype, dtype):
     """With ``norm_weight`` the step's output is HF's gated RMSNorm of o with z (one program a
-    head): decode_linear's gated_rms_norm prologue kernel on the plain step's o, bit for bit (the
-    same tile function), the reference's within tolerance, state and conv state as the plain step's."""
+    head): decode_linear's gated_rms_norm prologue kernel on the plain step's o (run on whole heads
+    too), bit for bit (the same tile function), the reference's within tolerance; conv state as the
+    plain step's, the state too. On the GPU the two builds of the kernel (with and without the norm)
+    may compile the fp32 state update differently: there the state, and in fp32 the output, agree
+    within fp32 rounding (16-bit outputs still bit for bit)."""
     from fuselm.ops.decode_linear import gated_rms_norm_ref
     from fuselm.ops.decode_linear.kernels import prologue_kernel
-    from fuselm.ops.gated_delta_rule import gated_delta_rule_decode_step
+    from fuselm.ops.gated_delta_rule import fused_recurrent, gated_delta_rule_decode_step
 
     H, HV, K, V, N = 1, 4, 24, 32, 3
+    monkeypatch.setattr(fused_recurrent, "BLOCK_V", V)
     proj, conv_state, conv_weight, A_log, dt_bias, state = decode_step_inputs(N, H, HV, K, V, 4, 4, dtype, seed=3)
     norm_weight = (torch.rand(V, device=DEVICE) + 0.5).to(dtype if norm_dtype == "model" else torch.float32)
     slots = torch.tensor([2, -1, 0], device=DEVICE, dtype=torch.int32)
@@ -438,12 +442,16 @@ def test_decode_step_with_the_gated_norm_is_decode_linears_prologue(norm_dtype, 
     normed = gated_delta_rule_decode_step(proj, conv_state, conv_weight, A_log, dt_bias, state, slots, positions,
                                           norm_weight=norm_weight, eps=1e-5, out=torch.full_like(o, float("nan")),
                                           **heads)
-    assert torch.equal(state, plain_state) and torch.equal(conv_state, plain_conv)
+    assert torch.equal(conv_state, plain_conv)
+    assert rel_err(state, plain_state) <= 1e-6 if ON_GPU else torch.equal(state, plain_state)
     z = proj[:, 2 * H * K + HV * V:2 * H * K + 2 * HV * V]
     rows = (N, HV * V)
     if use_triton(proj):
         fused = prologue_kernel(o.reshape(rows), "gated_rms_norm", z, norm_weight, 1e-5, V)
-        assert torch.equal(normed.reshape(rows), fused)
+        if ON_GPU and dtype == torch.float32:  # o's fp32 bits are the two builds' (see the state)
+            assert rel_err(normed.reshape(rows), fused) <= 1e-6
+        else:
+            assert torch.equal(normed.reshape(rows), fused)
     ref = gated_rms_norm_ref(o.reshape(rows).double(), z.double(), norm_weight.double(), 1e-5, V)
     assert rel_err(normed.reshape(rows), ref) <= (1e-5 if dtype == torch.float32 else 5e-3)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fuselm.models.qwen35.config import FULL_ATTENTION, Qwen35Config
+from fuselm.ops.decode_inputs import kv_write_targets
 from fuselm.runtime import check_positive_int, to_device
 
 
@@ -123,9 +124,7 @@ class Qwen35Cache:
         the page from ``pages`` (block-table rows [rows, pages_per_slot]), for ``positions`` [rows]
         or [rows, T]; the scratch page, column 0, where ``valid`` (like positions) is False. Device
         ops only (no host sync)."""
-        page_index = (positions // self.page_size).clamp(max=self.pages_per_slot - 1)
-        page = pages.gather(1, page_index.view(pages.shape[0], -1)).view(positions.shape)
-        return torch.where(valid, page, self.num_pages), torch.where(valid, positions % self.page_size, 0)
+        return kv_write_targets(positions, pages, valid, self.page_size, self.num_pages)
 
     def first_rows(self, rows: int) -> "Qwen35Cache":
         """A cache of rows 0 .. rows-1 that shares this one's memory (every per-slot tensor a

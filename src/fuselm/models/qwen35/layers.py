@@ -107,17 +107,6 @@ def rotary_inv_freq(config: Qwen35Config) -> torch.Tensor:
     return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
 
 
-def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """cos, sin [..., rotary_dim] for integer positions [...]. The angle is one fp32 product
-    (as HF's fp32 ``inv_freq @ position_ids``), cos/sin in fp32, then rounded to the model dtype
-    as HF's ``Qwen3_5TextRotaryEmbedding`` returns them. Text-only M-RoPE: the T/H/W position
-    rows are equal, so the section interleaving changes nothing."""
-    angles = positions.to(torch.float32)[..., None] * inv_freq
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-
 # ============================================================================ Gated DeltaNet
 class GatedDeltaNet(nn.Module):
     """HF ``Qwen3_5GatedDeltaNet``: projections -> causal depthwise conv + SiLU over (q, k, v) ->

@@ -46,7 +46,8 @@ from torch import nn
 from fuselm.models.qwen35.cache import PAGE_SIZE, Qwen35Cache
 from fuselm.models.qwen35.config import Qwen35Config
 from fuselm.models.qwen35.layers import (DecodeStep, DecoderLayer, PrefillStep, TakeTensor, _assign, _param, linear,
-                                         prefixed, rotary_cos_sin, rotary_inv_freq)
+                                         prefixed, rotary_inv_freq)
+from fuselm.ops.decode_inputs import decode_inputs, rotary_cos_sin, rotary_table
 from fuselm.ops.rms_norm import add_rms_norm, rms_norm
 
 
@@ -79,6 +80,7 @@ class Qwen35(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size)
         # fp32 always (a plain attribute, so ``model.to(dtype)`` cannot round it); follows the device.
         self.inv_freq = rotary_inv_freq(config)
+        self._rotary_rows = None  # rotary_table [L, 2, R] for decode, made by new_cache (outside graphs)
 
     @staticmethod
     def for_config(config: Qwen35Config) -> "Qwen35":
@@ -102,12 +104,26 @@ class Qwen35(nn.Module):
             self.inv_freq = self.inv_freq.to(positions.device)
         return rotary_cos_sin(positions, self.inv_freq, self.dtype)
 
+    def _rotary_table(self, length: int) -> torch.Tensor:
+        """The decode steps' cos/sin rows of positions 0 .. >= length - 1 (``rotary_table``: the
+        prefill's values), made or grown outside graph capture and kept."""
+        table = self._rotary_rows
+        if table is None or table.shape[0] < length or table.dtype != self.dtype or table.device != self.device:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the rotary table is made by new_cache or an eager step, not during graph capture")
+            if self.inv_freq.device != self.device:
+                self.inv_freq = self.inv_freq.to(self.device)
+            table = self._rotary_rows = rotary_table(length, self.inv_freq, self.dtype)
+        return table
+
     def new_cache(self, max_batch: int, max_len: int, num_pages: int | None = None,
                   page_size: int = PAGE_SIZE) -> Qwen35Cache:
         """A cache of ``max_batch`` slots of ``max_len`` tokens each (prompt + generated); every
         slot starts inactive. Attention K/V in ``num_pages`` pages of ``page_size`` tokens
         (default: every slot's max_len, slot r owning its own; ``Qwen35Cache.allocate``)."""
-        return Qwen35Cache.allocate(self.config, max_batch, max_len, self.dtype, self.device, num_pages, page_size)
+        cache = Qwen35Cache.allocate(self.config, max_batch, max_len, self.dtype, self.device, num_pages, page_size)
+        self._rotary_table(max_len)
+        return cache
 
     # ------------------------------------------------------------------------ HF weights
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -189,16 +205,14 @@ class Qwen35(nn.Module):
         position ``cache.lengths``."""
         if token_ids.shape != (cache.max_batch,):  # metadata only: no sync
             raise ValueError(f"token_ids: expected [max_batch] = ({cache.max_batch},), got {tuple(token_ids.shape)}")
-        positions = cache.lengths
-        cos, sin = self._rotary(positions)  # [max_batch, rotary_dim]
-        # inactive rows write to the scratch page (an index with no branch) and attend to nothing
-        write_page, write_column = cache.kv_write_targets(positions, cache.block_table, cache.active)
+        # one launch; inactive rows write to the scratch page (an index with no branch) and attend to nothing
+        x, cos, sin, write_page, write_column, kv_lengths, state_slots = decode_inputs(
+            token_ids, cache.lengths, cache.active, cache.slots, cache.block_table, self.embed_tokens,
+            self._rotary_table(cache.max_len), page_size=cache.page_size, scratch_page=cache.num_pages)
         step = DecodeStep(
             cos=cos[:, None, None], sin=sin[:, None, None], write_page=write_page, write_column=write_column,
-            kv_lengths=torch.where(cache.active, positions + 1, 0), block_table=cache.block_table,
-            state_slots=torch.where(cache.active, cache.slots, -1), positions=positions)
-        token_ids = torch.where(cache.active, token_ids, 0)  # an inactive row's id may be anything
-        return F.embedding(token_ids[:, None], self.embed_tokens), step
+            kv_lengths=kv_lengths, block_table=cache.block_table, state_slots=state_slots, positions=cache.lengths)
+        return x[:, None], step
 
     def _prefill(self, input_ids: torch.Tensor, cache: Qwen35Cache, slots: torch.Tensor, starts: torch.Tensor,
                  lengths: torch.Tensor, fresh: bool) -> torch.Tensor:
@@ -295,7 +309,7 @@ class Qwen35(nn.Module):
         """
         x, step = self._decode_inputs(token_ids, cache)
         hidden = self._layers(x, lambda mixer, x, i: mixer.decode(x, cache.layers[i], step))
-        cache.lengths.add_(cache.active.to(torch.int64))
+        cache.lengths.add_(cache.active)  # bool promotes: one kernel
         return linear(hidden[:, 0], self.lm_head_weight)  # batch 1: the vector kernel, after the norm's start
 
     @torch.no_grad()
@@ -327,7 +341,7 @@ class Qwen35(nn.Module):
             return mixer.output(heads, projected)  # one GEMM
 
         hidden = self._layers(torch.cat([decode_x, prefill_x.view(R * T, 1, -1)]), mix)
-        rows.lengths.add_(rows.active.to(torch.int64))
+        rows.lengths.add_(rows.active)
         cache.lengths.index_copy_(0, slots, starts + lengths)
         last = self._last_tokens(hidden[b:, 0].view(R, T, -1), lengths)
         logits = F.linear(torch.cat([hidden[:b, 0], last]), self.lm_head_weight)  # one LM-head GEMM
