@@ -63,12 +63,15 @@ class Qwen35Cache:
     layers: list
     slots: torch.Tensor = field(repr=False)  # arange(max_batch), int32: each row's state-pool slot
     block_table: torch.Tensor = field(repr=False)
+    # [max_len, 2, rotary_dim] in the model dtype: the cos and sin of each position, the model's
+    # rotary_table; the cache holds it so that graphs captured on the cache read it as long as they live
+    rotary: torch.Tensor = field(repr=False)
 
     @classmethod
-    def allocate(cls, config: Qwen35Config, max_batch: int, max_len: int, dtype, device,
+    def allocate(cls, config: Qwen35Config, max_batch: int, max_len: int, dtype, device, rotary: torch.Tensor,
                  num_pages: int | None = None, page_size: int = PAGE_SIZE) -> "Qwen35Cache":
         """``num_pages`` K/V pages of ``page_size`` tokens (a power of two >= 16) shared by the
-        slots. Default: enough for every slot's max_len, and slot r owns pages r * pages_per_slot
+        slots; ``rotary`` the [max_len, 2, rotary_dim] table of cos / sin rows by position. Default: enough for every slot's max_len, and slot r owns pages r * pages_per_slot
         onwards (the block table an owner of the whole cache wants). With fewer, every slot starts
         with no pages (all at the scratch page): whoever admits requests gives them pages
         (``assign_pages``)."""
@@ -98,7 +101,7 @@ class Qwen35Cache:
             table = torch.full((max_batch, pages_per_slot), num_pages, device=device)
         return cls(config, max_len, page_size, num_pages, torch.zeros(max_batch, dtype=torch.int64, device=device),
                    torch.zeros(max_batch, dtype=torch.bool, device=device), layers,
-                   torch.arange(max_batch, dtype=torch.int32, device=device), table)
+                   torch.arange(max_batch, dtype=torch.int32, device=device), table, rotary)
 
     @property
     def max_batch(self) -> int:
@@ -137,4 +140,4 @@ class Qwen35Cache:
                   for layer in self.layers]
         return Qwen35Cache(self.config, self.max_len, self.page_size, self.num_pages, self.lengths[:rows],
                            self.active[:rows], layers,
-                           self.slots[:rows], self.block_table[:rows])
+                           self.slots[:rows], self.block_table[:rows], self.rotary)

@@ -80,7 +80,6 @@ class Qwen35(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size)
         # fp32 always (a plain attribute, so ``model.to(dtype)`` cannot round it); follows the device.
         self.inv_freq = rotary_inv_freq(config)
-        self._rotary_rows = None  # rotary_table [L, 2, R] for decode, made by new_cache (outside graphs)
 
     @staticmethod
     def for_config(config: Qwen35Config) -> "Qwen35":
@@ -104,26 +103,16 @@ class Qwen35(nn.Module):
             self.inv_freq = self.inv_freq.to(positions.device)
         return rotary_cos_sin(positions, self.inv_freq, self.dtype)
 
-    def _rotary_table(self, length: int) -> torch.Tensor:
-        """The decode steps' cos/sin rows of positions 0 .. >= length - 1 (``rotary_table``: the
-        prefill's values), made or grown outside graph capture and kept."""
-        table = self._rotary_rows
-        if table is None or table.shape[0] < length or table.dtype != self.dtype or table.device != self.device:
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("the rotary table is made by new_cache or an eager step, not during graph capture")
-            if self.inv_freq.device != self.device:
-                self.inv_freq = self.inv_freq.to(self.device)
-            table = self._rotary_rows = rotary_table(length, self.inv_freq, self.dtype)
-        return table
-
     def new_cache(self, max_batch: int, max_len: int, num_pages: int | None = None,
                   page_size: int = PAGE_SIZE) -> Qwen35Cache:
         """A cache of ``max_batch`` slots of ``max_len`` tokens each (prompt + generated); every
         slot starts inactive. Attention K/V in ``num_pages`` pages of ``page_size`` tokens
         (default: every slot's max_len, slot r owning its own; ``Qwen35Cache.allocate``)."""
-        cache = Qwen35Cache.allocate(self.config, max_batch, max_len, self.dtype, self.device, num_pages, page_size)
-        self._rotary_table(max_len)
-        return cache
+        if self.inv_freq.device != self.device:
+            self.inv_freq = self.inv_freq.to(self.device)
+        rotary = rotary_table(max_len, self.inv_freq, self.dtype)  # the decode steps' cos / sin rows
+        return Qwen35Cache.allocate(self.config, max_batch, max_len, self.dtype, self.device, rotary, num_pages,
+                                    page_size)
 
     # ------------------------------------------------------------------------ HF weights
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -208,7 +197,7 @@ class Qwen35(nn.Module):
         # one launch; inactive rows write to the scratch page (an index with no branch) and attend to nothing
         x, cos, sin, write_page, write_column, kv_lengths, state_slots = decode_inputs(
             token_ids, cache.lengths, cache.active, cache.slots, cache.block_table, self.embed_tokens,
-            self._rotary_table(cache.max_len), page_size=cache.page_size, scratch_page=cache.num_pages)
+            cache.rotary, page_size=cache.page_size, scratch_page=cache.num_pages)
         step = DecodeStep(
             cos=cos[:, None, None], sin=sin[:, None, None], write_page=write_page, write_column=write_column,
             kv_lengths=kv_lengths, block_table=cache.block_table, state_slots=state_slots, positions=cache.lengths)
