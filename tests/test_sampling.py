@@ -526,3 +526,63 @@ def test_cuda_graph_replay_with_new_parameters(filtered):
         graph.replay()
         assert torch.equal(out, sample_tokens(*fresh, filtered=filtered))
         assert torch.equal(out, sample_tokens_ref(*fresh, filtered=filtered))
+
+
+# ----------------------------------------------------------------------------- advance_slots
+def slot_counters(S=7, stops=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    active = torch.tensor([True, True, False, True, True, True, False])[:S]
+    positions = torch.randint(0, 50, (S,), generator=g)
+    remaining = torch.tensor([5, 1, 4, 3, 2, 9, 1])[:S]
+    stop_ids = torch.full((S, stops), -1, dtype=torch.int64)
+    stop_ids[0, :2] = torch.tensor([11, 12])
+    stop_ids[3, 0] = 13
+    stop_ids[4] = torch.tensor([7, 8, 9])
+    return [t.to(DEVICE) for t in (active, positions, remaining, stop_ids)]
+
+
+@pytest.mark.parametrize("with_slots", [False, True])
+@pytest.mark.parametrize("with_next", [False, True])
+def test_advance_slots_equals_the_reference(monkeypatch, with_slots, with_next):
+    """Stops by id (rows 0: its second stop id; 3: not its stop id), by the last allowed token (1),
+    inactive slots untouched (2, 6), with the first n slots or listed slots, several programs."""
+    from fuselm.ops.sampling import advance_slots, advance_slots_ref
+    from fuselm.ops.sampling import op as sampling_op
+    monkeypatch.setattr(sampling_op, "ADVANCE_ROWS", 2)
+    ids = torch.tensor([12, 40, 11, 14, 9, 3], device=DEVICE)
+    slots = torch.tensor([0, 1, 2, 3, 4, 6], device=DEVICE)[torch.tensor([5, 1, 0, 3, 2, 4])] if with_slots else None
+    got = slot_counters()
+    want = [t.clone() for t in got]
+    next_got = torch.full((7,), -5, dtype=torch.int64, device=DEVICE) if with_next else None
+    next_want = None if next_got is None else next_got.clone()
+    advance_slots(ids, *got, slots=slots, next_inputs=next_got)
+    advance_slots_ref(ids, *want, slots=slots, next_inputs=next_want)
+    for name, a, b in zip(("active", "positions", "remaining", "stop_ids"), got, want):
+        assert torch.equal(a, b), name
+    if with_next:
+        assert torch.equal(next_got, next_want)
+    if not with_slots:  # spelled out
+        active, positions, remaining, _ = got
+        start = slot_counters()
+        assert active.tolist() == [False, False, False, True, False, True, False]  # 4: 9 is a stop id
+        assert torch.equal(positions - start[1], torch.tensor([1, 1, 0, 1, 1, 1, 0], device=DEVICE))
+        assert remaining.tolist() == [4, 0, 4, 2, 1, 8, 1]
+        if with_next:
+            assert next_got.tolist() == [12, 40, 11, 14, 9, 3, -5]
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: {**a, "ids": a["ids"].int()}, "ids"),
+    (lambda a: {**a, "ids": torch.zeros(8, dtype=torch.int64, device=DEVICE)}, "ids: expected"),
+    (lambda a: {**a, "remaining": a["remaining"][:5]}, "remaining: expected"),
+    (lambda a: {**a, "stop_ids": a["stop_ids"][:, 0]}, "stop_ids: expected"),
+    (lambda a: {**a, "slots": torch.zeros(2, dtype=torch.int64, device=DEVICE)}, "slots: expected"),
+    (lambda a: {**a, "next_inputs": torch.zeros(3, dtype=torch.int64, device=DEVICE)}, "next_inputs: expected"),
+])
+def test_advance_slots_bad_input(change, match):
+    from fuselm.ops.sampling import advance_slots
+    active, positions, remaining, stop_ids = slot_counters()
+    args = change(dict(ids=torch.tensor([1, 2, 3], device=DEVICE), active=active, positions=positions,
+                       remaining=remaining, stop_ids=stop_ids))
+    with pytest.raises((TypeError, ValueError), match=match):
+        advance_slots(**args)

@@ -21,8 +21,8 @@ Decode step (what a graph holds), for batch size b, on the cache's first b slots
 (``Qwen35Cache.first_rows``: views, same addresses):
     logits = model.decode_step(input_tokens[:b], cache_b)   # advances the active slots
     ids    = sample_and_advance(logits)                     # per-slot params; stop ids and
-                                                            # max_tokens clear cache.active
-    input_tokens[:b] = ids                                  # the next step's input
+                                                            # max_tokens clear cache.active;
+                                                            # input_tokens[:b] = ids, the next input
 Every input and output is a static device buffer, so a step is one ``graph.replay()``. One graph
 is captured per batch size in ``graph_batch_sizes`` (clipped to max_batch, which is always
 added) and per sampler variant (``engine.sampling.SAMPLER_VARIANTS``), all in one memory
@@ -229,8 +229,8 @@ class ModelRunner:
         completed = [plan[i][0] for i in ends]
         slots = to_device(torch.tensor([r.slot for r in completed], dtype=torch.int64), self.device)
         rows = to_device(torch.tensor(ends, dtype=torch.int64), self.device)
-        first = self.sampling.sample_and_advance(logits[rows], self.cache.active, sampler_variant(completed), slots)
-        self.input_tokens.index_copy_(0, slots, first)
+        first = self.sampling.sample_and_advance(logits[rows], self.cache.active, sampler_variant(completed), slots,
+                                                 self.input_tokens)
         return completed, first
 
     @staticmethod
@@ -283,9 +283,7 @@ class ModelRunner:
     def _next_inputs(self, logits: torch.Tensor, batch: int, variant: str) -> torch.Tensor:
         """A decode step's ids [batch] from its logits (per-slot sampling; stops clear the slots'
         active flags), written as slots 0 .. batch-1's next inputs."""
-        ids = self.sampling.sample_and_advance(logits, self._views[batch].active, variant)
-        self.input_tokens[:batch].copy_(ids)
-        return ids
+        return self.sampling.sample_and_advance(logits, self.cache.active, variant, next_inputs=self.input_tokens)
 
     def _capture_graphs(self) -> None:
         """Warm up every (batch size, sampler) on a side stream (Triton JIT, cuBLAS workspaces,

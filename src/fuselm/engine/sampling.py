@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from fuselm.engine.request import Request
-from fuselm.ops.sampling import sample_tokens
+from fuselm.ops.sampling import advance_slots, sample_tokens
 from fuselm.runtime import to_device
 
 # Stop ids checked on the device per slot (eos ids + the request's stop_token_ids). A request
@@ -71,27 +71,18 @@ class SlotSampling:
         self.stop_ids.index_copy_(0, slots, column(stop, torch.int64))
 
     def sample_and_advance(self, logits: torch.Tensor, active: torch.Tensor, variant: str,
-                           slots: torch.Tensor | None = None) -> torch.Tensor:
+                           slots: torch.Tensor | None = None, next_inputs: torch.Tensor | None = None) -> torch.Tensor:
         """Next ids [n] for logits [n, V] of the slots ``slots`` [n] (default: the first n slots).
         ``active`` is the cache's [max_batch] flags: cleared where a slot stops. Inactive slots
-        draw nothing that counts (their counters stay); their ids are meaningless.
+        draw nothing that counts (their counters stay); their ids are meaningless. With
+        ``next_inputs`` [max_batch], each slot's id is also written there (the next step's input).
         ``variant``: one of ``SAMPLER_VARIANTS``, a promise about the slots' settings
-        (``sampler_variant``)."""
+        (``sampler_variant``). Two launches past the draw's own: the counters, stops and next
+        inputs in one (``advance_slots``)."""
         n = logits.shape[0]
         index = (lambda t: t[:n]) if slots is None else (lambda t: t[slots])
         ids = sample_tokens(logits, index(self.temperature), index(self.top_k), index(self.top_p),
                             index(self.seeds), index(self.positions), filtered=variant != PLAIN,
                             candidates=TOP_K_CANDIDATES if variant == TOP_K else None)
-        was_active = index(active)
-        counted = was_active.to(torch.int64)
-        remaining = index(self.remaining) - counted
-        stopped = (ids[:, None] == index(self.stop_ids)).any(dim=-1) | (remaining <= 0)
-        if slots is None:
-            self.positions[:n].add_(counted)
-            self.remaining[:n].copy_(remaining)
-            active[:n].logical_and_(~stopped)
-        else:
-            self.positions.index_add_(0, slots, counted)
-            self.remaining.index_copy_(0, slots, remaining)
-            active.index_copy_(0, slots, was_active & ~stopped)
+        advance_slots(ids, active, self.positions, self.remaining, self.stop_ids, slots, next_inputs)
         return ids

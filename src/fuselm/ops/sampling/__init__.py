@@ -1,9 +1,11 @@
 from fuselm.ops.sampling.cutoffs import cutoffs
 from fuselm.ops.sampling.kernels import SamplingGeometry, choose_geometry
-from fuselm.ops.sampling.naive import gumbel_noise_ref, keep_thresholds, random_bits_ref, sample_tokens_ref
-from fuselm.ops.sampling.op import sample_tokens
+from fuselm.ops.sampling.naive import (advance_slots_ref, gumbel_noise_ref, keep_thresholds, random_bits_ref,
+                                       sample_tokens_ref)
+from fuselm.ops.sampling.op import advance_slots, sample_tokens
 
 __all__ = [
-    "sample_tokens", "sample_tokens_ref", "keep_thresholds", "cutoffs", "random_bits_ref", "gumbel_noise_ref",
+    "sample_tokens", "sample_tokens_ref", "advance_slots", "advance_slots_ref", "keep_thresholds", "cutoffs",
+    "random_bits_ref", "gumbel_noise_ref",
     "SamplingGeometry", "choose_geometry",
 ]

@@ -149,6 +149,33 @@ def _reduce_splits_kernel(split_value_ptr, split_index_ptr, ids_ptr, n_splits, B
     tl.store(ids_ptr + row, tl.min(tl.where(value == best, index, 2147483647), axis=0).to(tl.int64))
 
 
+@triton.jit
+def advance_slots_kernel(ids_ptr, slots_ptr, active_ptr, positions_ptr, remaining_ptr, stop_ids_ptr, next_ptr, n,
+                         STOPS: tl.constexpr, BLOCK_STOPS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                         HAS_SLOTS: tl.constexpr, HAS_NEXT: tl.constexpr):
+    """``advance_slots``: BLOCK_ROWS rows a program, each row's slot read and written by that
+    program alone (the slots are distinct)."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    in_range = rows < n
+    slots = rows
+    if HAS_SLOTS:
+        slots = tl.load(slots_ptr + rows, mask=in_range, other=0)
+    slots = slots.to(tl.int64)
+    ids = tl.load(ids_ptr + rows, mask=in_range, other=0)
+    was_active = tl.load(active_ptr + slots, mask=in_range, other=0) != 0
+    counted = was_active.to(tl.int64)
+    left = tl.load(remaining_ptr + slots, mask=in_range, other=0) - counted
+    stops = tl.arange(0, BLOCK_STOPS)
+    stop_ids = tl.load(stop_ids_ptr + slots[:, None] * STOPS + stops[None, :],
+                       mask=in_range[:, None] & (stops < STOPS)[None, :], other=-1)
+    stopped = (tl.max((stop_ids == ids[:, None]).to(tl.int32), axis=1) > 0) | (left <= 0)
+    tl.store(positions_ptr + slots, tl.load(positions_ptr + slots, mask=in_range, other=0) + counted, mask=in_range)
+    tl.store(remaining_ptr + slots, left, mask=in_range)
+    tl.store(active_ptr + slots, (was_active & ~stopped).to(active_ptr.dtype.element_ty), mask=in_range)
+    if HAS_NEXT:
+        tl.store(next_ptr + slots, ids, mask=in_range)
+
+
 # ----------------------------------------------------------------------------- launch geometry
 @dataclass(frozen=True)
 class SamplingGeometry:

@@ -167,3 +167,21 @@ def sample_tokens_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
         cutoff = keep_thresholds(logits, temperature, top_k, top_p).double()[:, None]
         noisy = noisy.masked_fill(x < cutoff, float("-inf"))
     return torch.where(temperature > 0, noisy.argmax(dim=-1), greedy_ids)
+
+
+def advance_slots_ref(ids, active, positions, remaining, stop_ids, slots=None, next_inputs=None) -> None:
+    """``advance_slots``'s contract, in place: for row i of ``ids`` [n] and its slot s (``slots[i]``,
+    default i): a slot that was active counts its draw (positions[s] += 1, remaining[s] -= 1) and
+    stays active unless ids[i] is one of its ``stop_ids[s]`` (-1 pads) or remaining[s] reaches 0;
+    an inactive slot keeps its counters; ``next_inputs[s] = ids[i]`` when given."""
+    index = (lambda t: t[:ids.shape[0]]) if slots is None else (lambda t: t[slots])
+    was_active = index(active)
+    counted = was_active.to(torch.int64)
+    left = index(remaining) - counted
+    stopped = (ids[:, None] == index(stop_ids)).any(dim=-1) | (left <= 0)
+    rows = torch.arange(ids.shape[0], device=ids.device) if slots is None else slots
+    positions.index_add_(0, rows, counted)
+    remaining.index_copy_(0, rows, left)
+    active.index_copy_(0, rows, was_active & ~stopped)
+    if next_inputs is not None:
+        next_inputs.index_copy_(0, rows, ids)

@@ -18,16 +18,19 @@ Paths:
 - CPU without the interpreter: the float64 reference ``sample_tokens_ref``.
 Eager calls run the path directly; under ``torch.compile`` the call goes through the
 ``fuselm::sample_tokens`` custom op (traced with its fake implementation). Inference only.
+
+``advance_slots``: after a draw, each slot's counters, stop test and next input in one launch
+(integer arithmetic only; the reference is ``naive.advance_slots_ref``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from fuselm.ops.sampling.kernels import sample_tokens_kernel
+from fuselm.ops.sampling.kernels import advance_slots_kernel, sample_tokens_kernel
 from fuselm.ops.sampling.cutoffs import cutoffs
-from fuselm.ops.sampling.naive import sample_tokens_ref
-from fuselm.runtime import check_same_device, check_tensor, use_triton
+from fuselm.ops.sampling.naive import advance_slots_ref, sample_tokens_ref
+from fuselm.runtime import cdiv, check_same_device, check_tensor, next_power_of_2, use_triton
 
 # (name, dtype) of the per-row parameters, in argument order.
 _ROW_PARAMETERS = (("temperature", torch.float32), ("top_k", torch.int32), ("top_p", torch.float32),
@@ -140,3 +143,51 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     if out is None:
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     return _sample(logits, temperature, top_k, top_p, seeds, positions, filtered, candidates, out)
+
+
+ADVANCE_ROWS = 64  # rows a program of advance_slots
+
+
+def advance_slots(ids: torch.Tensor, active: torch.Tensor, positions: torch.Tensor, remaining: torch.Tensor,
+                  stop_ids: torch.Tensor, slots: torch.Tensor | None = None,
+                  next_inputs: torch.Tensor | None = None) -> None:
+    """After a draw, the per-slot counters in place, in one launch (``advance_slots_ref``'s
+    contract): row i's slot (``slots[i]``, distinct; default i) counts the draw if it was active
+    (``positions`` += 1, ``remaining`` -= 1) and goes inactive on one of its ``stop_ids`` or its
+    last allowed token; ``next_inputs[slot] = ids[i]`` when given (the next decode step's input).
+
+    Args: ids [n] int64; active [S] bool; positions, remaining [S] int64; stop_ids [S, M] int64
+    (-1 pads); slots [n] int64 or None (then n <= S, the first n slots); next_inputs [S] int64.
+    No host sync, static shapes (inside the decode step's CUDA graph)."""
+    check_tensor("ids", ids, (torch.int64,))
+    check_tensor("active", active, (torch.bool,))
+    for name, t in (("positions", positions), ("remaining", remaining), ("stop_ids", stop_ids)):
+        check_tensor(name, t, (torch.int64,))
+    S = active.shape[0] if active.dim() == 1 else -1
+    if ids.dim() != 1 or active.dim() != 1 or (slots is None and ids.shape[0] > S):
+        raise ValueError(f"ids: expected [n] with n <= active's length, got {tuple(ids.shape)} and active "
+                         f"{tuple(active.shape)}")
+    for name, t in (("active", active), ("positions", positions), ("remaining", remaining), ("ids", ids)):
+        if not t.is_contiguous() or (name != "ids" and t.shape != (S,)):
+            raise ValueError(f"{name}: expected a contiguous [{S}] tensor, got {tuple(t.shape)}")
+    if stop_ids.dim() != 2 or stop_ids.shape[0] != S or not stop_ids.is_contiguous():
+        raise ValueError(f"stop_ids: expected a contiguous [{S}, stops], got {tuple(stop_ids.shape)}")
+    if slots is not None:
+        check_tensor("slots", slots, (torch.int64,))
+        if slots.shape != ids.shape or not slots.is_contiguous():
+            raise ValueError(f"slots: expected a contiguous {tuple(ids.shape)} like ids, got {tuple(slots.shape)}")
+    if next_inputs is not None:
+        check_tensor("next_inputs", next_inputs, (torch.int64,))
+        if next_inputs.shape != (S,) or not next_inputs.is_contiguous():
+            raise ValueError(f"next_inputs: expected a contiguous [{S}] tensor, got {tuple(next_inputs.shape)}")
+    check_same_device(ids=ids, active=active, positions=positions, remaining=remaining, stop_ids=stop_ids,
+                      slots=slots, next_inputs=next_inputs)
+    if not use_triton(ids):
+        return advance_slots_ref(ids, active, positions, remaining, stop_ids, slots, next_inputs)
+    n = ids.shape[0]
+    if n:
+        advance_slots_kernel[(cdiv(n, ADVANCE_ROWS),)](
+            ids, ids if slots is None else slots, active, positions, remaining, stop_ids,
+            ids if next_inputs is None else next_inputs, n, STOPS=stop_ids.shape[1],
+            BLOCK_STOPS=max(2, next_power_of_2(stop_ids.shape[1])), BLOCK_ROWS=ADVANCE_ROWS,
+            HAS_SLOTS=slots is not None, HAS_NEXT=next_inputs is not None)
