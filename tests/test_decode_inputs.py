@@ -54,6 +54,28 @@ def test_decode_inputs_equal_the_reference(monkeypatch, block_d, dtype):
     assert torch.equal(cos[:4], want_cos) and torch.equal(sin[:4], want_sin)
 
 
+def test_decode_inputs_edge_rows_and_strided_inputs():
+    """An active row past the rotary table gets zero rotary rows (kernel and reference); on the
+    kernel path an active row's id outside the vocabulary reads a zero row (the reference raises);
+    strided [B] inputs read as their contiguous copies."""
+    token_ids, lengths, active, slots, block_table, embed, rotary = make_inputs(torch.float32)
+    lengths = lengths.clone()
+    lengths[1] = L  # active, one past the table
+    kwargs = dict(page_size=S, scratch_page=0)
+    x, cos, sin, *_ = decode_inputs(token_ids, lengths, active, slots, block_table, embed, rotary, **kwargs)
+    want = decode_inputs_ref(torch.where(active, token_ids, 0), lengths, active, slots, block_table, embed, rotary,
+                             **kwargs)
+    assert not cos[1].any() and not sin[1].any() and torch.equal(cos, want[1]) and torch.equal(x, want[0])
+    strided = torch.stack([token_ids, token_ids * 0], dim=1)[:, 0]  # [B] with stride 2
+    assert not strided.is_contiguous()
+    assert torch.equal(decode_inputs(strided, lengths, active, slots, block_table, embed, rotary, **kwargs)[0], x)
+    if use_triton(embed):
+        bad = token_ids.clone()
+        bad[0] = VOCAB  # active
+        x_bad = decode_inputs(bad, lengths, active, slots, block_table, embed, rotary, **kwargs)[0]
+        assert not x_bad[0].any() and torch.equal(x_bad[1:], x[1:])
+
+
 def test_decode_inputs_of_no_rows():
     inputs = [t[:0] if i < 5 else t for i, t in enumerate(make_inputs(torch.float32))]
     x, cos, sin, *rest = decode_inputs(*inputs, page_size=S, scratch_page=0)
@@ -63,7 +85,7 @@ def test_decode_inputs_of_no_rows():
 @pytest.mark.parametrize("change,error,match", [
     (lambda a: {**a, "lengths": a["lengths"].int()}, TypeError, "lengths"),
     (lambda a: {**a, "slots": a["slots"].long()}, TypeError, "slots"),
-    (lambda a: {**a, "active": a["active"][:3]}, ValueError, "active: expected a contiguous"),
+    (lambda a: {**a, "active": a["active"][:3]}, ValueError, "active: expected a \\[B\\]"),
     (lambda a: {**a, "block_table": a["block_table"][:, :0]}, ValueError, "block_table: expected"),
     (lambda a: {**a, "rotary": a["rotary"].half()}, ValueError, "rotary: expected"),
     (lambda a: {**a, "page_size": 24}, ValueError, "page_size: expected a power of two"),

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from conftest import DEVICE
 from fuselm import Qwen35, Qwen35Config
+from fuselm.models.qwen35.cache import Qwen35Cache
 from fuselm.models.qwen35.presets import random_qwen35, tiny_config
 
 transformers = pytest.importorskip("transformers")
@@ -363,6 +364,11 @@ def test_paged_cache_with_shuffled_pages_equals_the_default_one(models):
         assert (logits - expected).abs().max() <= 1e-5
     with pytest.raises(ValueError, match="page_size"):
         model.new_cache(max_batch=1, max_len=8, page_size=24)
+    with pytest.raises(ValueError, match="max_len"):
+        model.new_cache(max_batch=1, max_len=-1)
+    assert default.rotary.shape == (40, 2, model.config.rotary_dim) and default.first_rows(2).rotary is default.rotary
+    with pytest.raises(ValueError, match="rotary: expected"):  # a table shorter than max_len
+        Qwen35Cache.allocate(model.config, 1, 41, model.dtype, model.device, default.rotary)
 
 
 def test_prefill_step_padding_rows_and_tokens_change_nothing():

@@ -571,6 +571,20 @@ def test_advance_slots_equals_the_reference(monkeypatch, with_slots, with_next):
             assert next_got.tolist() == [12, 40, 11, 14, 9, 3, -5]
 
 
+def test_advance_slots_without_rows_or_stop_ids():
+    """No rows: nothing changes. Stop ids of width 0: only the last allowed token stops a slot."""
+    from fuselm.ops.sampling import advance_slots
+    counters = slot_counters()
+    start = [t.clone() for t in counters]
+    advance_slots(torch.zeros(0, dtype=torch.int64, device=DEVICE), *counters)
+    assert all(torch.equal(a, b) for a, b in zip(counters, start))
+    active, positions, remaining, _ = counters
+    advance_slots(torch.tensor([12, 40, 11], device=DEVICE), active, positions, remaining,
+                  torch.zeros(7, 0, dtype=torch.int64, device=DEVICE))
+    assert active.tolist() == [True, False, False, True, True, True, False]  # slot 1 drew its last token
+    assert remaining.tolist() == [4, 0, 4, 3, 2, 9, 1]
+
+
 @pytest.mark.parametrize("change,match", [
     (lambda a: {**a, "ids": a["ids"].int()}, "ids"),
     (lambda a: {**a, "ids": torch.zeros(8, dtype=torch.int64, device=DEVICE)}, "ids: expected"),

@@ -77,8 +77,8 @@ class SlotSampling:
         draw nothing that counts (their counters stay); their ids are meaningless. With
         ``next_inputs`` [max_batch], each slot's id is also written there (the next step's input).
         ``variant``: one of ``SAMPLER_VARIANTS``, a promise about the slots' settings
-        (``sampler_variant``). Two launches past the draw's own: the counters, stops and next
-        inputs in one (``advance_slots``)."""
+        (``sampler_variant``). One launch past the draw's own: the counters, stops and next
+        inputs (``advance_slots``)."""
         n = logits.shape[0]
         index = (lambda t: t[:n]) if slots is None else (lambda t: t[slots])
         ids = sample_tokens(logits, index(self.temperature), index(self.top_k), index(self.top_p),

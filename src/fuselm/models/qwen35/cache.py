@@ -50,7 +50,8 @@ class DeltaNetCache:
 class Qwen35Cache:
     """All decode state, preallocated: ``lengths`` [max_batch] int64 (tokens in the cache per
     row = the next token's position), ``active`` [max_batch] bool (rows that take part in decode),
-    ``block_table`` [max_batch, pages_per_slot] int64 (each slot's K/V pages), and per layer an
+    ``block_table`` [max_batch, pages_per_slot] int64 (each slot's K/V pages), ``rotary``
+    [max_len, 2, rotary_dim] (each position's cos and sin, read by decode steps), and per layer an
     ``AttentionCache`` or a ``DeltaNetCache``. Every tensor keeps its address for the cache's life
     (a CUDA graph may capture them)."""
 
@@ -63,21 +64,29 @@ class Qwen35Cache:
     layers: list
     slots: torch.Tensor = field(repr=False)  # arange(max_batch), int32: each row's state-pool slot
     block_table: torch.Tensor = field(repr=False)
-    # [max_len, 2, rotary_dim] in the model dtype: the cos and sin of each position, the model's
-    # rotary_table; the cache holds it so that graphs captured on the cache read it as long as they live
+    # [max_len, 2, rotary_dim] in the model dtype: the cos and sin of each position (``rotary_table``,
+    # made by ``Qwen35.new_cache``); held here so that graphs captured on the cache can read it as long
+    # as the cache lives
     rotary: torch.Tensor = field(repr=False)
 
     @classmethod
     def allocate(cls, config: Qwen35Config, max_batch: int, max_len: int, dtype, device, rotary: torch.Tensor,
                  num_pages: int | None = None, page_size: int = PAGE_SIZE) -> "Qwen35Cache":
         """``num_pages`` K/V pages of ``page_size`` tokens (a power of two >= 16) shared by the
-        slots; ``rotary`` the [max_len, 2, rotary_dim] table of cos / sin rows by position. Default: enough for every slot's max_len, and slot r owns pages r * pages_per_slot
-        onwards (the block table an owner of the whole cache wants). With fewer, every slot starts
+        slots; ``rotary`` the [max_len, 2, rotary_dim] table of cos / sin rows by position, in
+        ``dtype`` on ``device``. Default: enough for every slot's max_len, and slot r owns pages
+        r * pages_per_slot onwards (the block table an owner of the whole cache wants). With fewer, every slot starts
         with no pages (all at the scratch page): whoever admits requests gives them pages
         (``assign_pages``)."""
         check_positive_int("max_batch", max_batch)
         check_positive_int("max_len", max_len)
         check_positive_int("page_size", page_size)
+        want = torch.device(device)
+        if (not isinstance(rotary, torch.Tensor) or rotary.dim() != 3 or rotary.shape[:2] != (max_len, 2)
+                or rotary.dtype != dtype or rotary.device.type != want.type
+                or want.index not in (None, rotary.device.index)):
+            raise ValueError(f"rotary: expected a [max_len = {max_len}, 2, rotary_dim] table in {dtype} on {device}, "
+                             f"got {getattr(rotary, 'shape', rotary)}")
         if page_size < 16 or page_size & (page_size - 1):
             raise ValueError(f"page_size: expected a power of two >= 16, got {page_size}")
         pages_per_slot = -(-max_len // page_size)

@@ -1,6 +1,6 @@
 """The layers of a Qwen3.5 text model, each mapping its own Hugging Face tensors.
 
-Read top to bottom: what a prefill / decode step hands every layer, the rotary embedding, the
+Read top to bottom: what a prefill / decode step hands every layer, the rotary frequencies, the
 two token mixers (Gated DeltaNet and gated full attention), the SwiGLU MLP, the sparse MoE block
 (Qwen3.5-MoE's MLP), the decoder layer.
 

@@ -49,6 +49,7 @@ from fuselm.models.qwen35.layers import (DecodeStep, DecoderLayer, PrefillStep, 
                                          prefixed, rotary_inv_freq)
 from fuselm.ops.decode_inputs import decode_inputs, rotary_cos_sin, rotary_table
 from fuselm.ops.rms_norm import add_rms_norm, rms_norm
+from fuselm.runtime import check_positive_int
 
 
 class Qwen35(nn.Module):
@@ -108,6 +109,7 @@ class Qwen35(nn.Module):
         """A cache of ``max_batch`` slots of ``max_len`` tokens each (prompt + generated); every
         slot starts inactive. Attention K/V in ``num_pages`` pages of ``page_size`` tokens
         (default: every slot's max_len, slot r owning its own; ``Qwen35Cache.allocate``)."""
+        check_positive_int("max_len", max_len)
         if self.inv_freq.device != self.device:
             self.inv_freq = self.inv_freq.to(self.device)
         rotary = rotary_table(max_len, self.inv_freq, self.dtype)  # the decode steps' cos / sin rows

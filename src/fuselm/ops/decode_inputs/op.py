@@ -32,9 +32,10 @@ def decode_inputs(token_ids: torch.Tensor, lengths: torch.Tensor, active: torch.
     Returns:
         (x [B, D], cos [B, R], sin [B, R], write_page [B] int64, write_column [B] int64,
         kv_lengths [B] int64, state_slots [B] int32): ``decode_inputs_ref``'s contract. Inactive rows
-        take token 0, the scratch page's column 0, kv_length 0 and slot -1. No host sync, fixed
-        shapes (CUDA-graph safe). On the GPU a token id outside [0, V) reads a zero row and a
-        position outside [0, L) zero rotary rows (the reference raises): the sampler never gives one.
+        take token 0, the scratch page's column 0, kv_length 0 and slot -1; a position outside
+        [0, L) gets zero rotary rows. No host sync, fixed shapes (CUDA-graph safe). An active row's
+        token id outside [0, V) (the sampler never gives one) reads a zero row in the kernel; the
+        PyTorch path (CPU without the interpreter) raises.
     """
     for name, t in (("token_ids", token_ids), ("lengths", lengths), ("block_table", block_table)):
         check_tensor(name, t, (torch.int64,))
@@ -46,8 +47,10 @@ def decode_inputs(token_ids: torch.Tensor, lengths: torch.Tensor, active: torch.
                       embed=embed, rotary=rotary)
     B = token_ids.shape[0] if token_ids.dim() == 1 else -1
     for name, t in (("token_ids", token_ids), ("lengths", lengths), ("active", active), ("slots", slots)):
-        if t.shape != (max(B, 0),) or not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous [B] tensor, B = token_ids' length, got {tuple(t.shape)}")
+        if t.shape != (max(B, 0),):
+            raise ValueError(f"{name}: expected a [B] tensor, B = token_ids' length, got {tuple(t.shape)}")
+    # read only: a strided [B] view is copied (a no-op for the model's contiguous tensors)
+    token_ids, lengths, active, slots = (t.contiguous() for t in (token_ids, lengths, active, slots))
     if block_table.dim() != 2 or block_table.shape[0] != B or block_table.shape[1] < 1 or block_table.stride(1) != 1:
         raise ValueError(f"block_table: expected [{B}, pages] with contiguous rows, got {tuple(block_table.shape)}")
     if embed.dim() != 2 or not embed.is_contiguous():
