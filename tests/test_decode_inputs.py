@@ -38,7 +38,6 @@ def test_decode_inputs_equal_the_reference(monkeypatch, block_d, dtype):
     monkeypatch.setattr(decode_inputs_op, "BLOCK_D", block_d)
     inputs = make_inputs(dtype)
     kwargs = dict(page_size=S, scratch_page=PAGES * 6)
-    assert use_triton(inputs[5]) or DEVICE == "cpu"
     got = decode_inputs(*inputs, **kwargs)
     inputs_ref = list(inputs)
     inputs_ref[0] = torch.where(inputs[2], inputs[0], 0)  # the reference's embedding raises on a bad id

@@ -75,9 +75,9 @@ class Qwen35Cache:
         """``num_pages`` K/V pages of ``page_size`` tokens (a power of two >= 16) shared by the
         slots; ``rotary`` the [max_len, 2, rotary_dim] table of cos / sin rows by position, in
         ``dtype`` on ``device``. Default: enough for every slot's max_len, and slot r owns pages
-        r * pages_per_slot onwards (the block table an owner of the whole cache wants). With fewer, every slot starts
-        with no pages (all at the scratch page): whoever admits requests gives them pages
-        (``assign_pages``)."""
+        r * pages_per_slot onwards (the block table an owner of the whole cache wants). With fewer,
+        every slot starts with no pages (all at the scratch page): whoever admits requests gives
+        them pages (``assign_pages``)."""
         check_positive_int("max_batch", max_batch)
         check_positive_int("max_len", max_len)
         check_positive_int("page_size", page_size)

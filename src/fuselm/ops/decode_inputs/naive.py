@@ -1,5 +1,5 @@
-"""Plain-PyTorch reference of ``decode_inputs``, and the two pieces the model's prefill shares with
-it: the rotary table and the K/V write targets.
+"""Plain-PyTorch reference of ``decode_inputs``, the rotary table it reads, and the two pieces the
+model's prefill shares with it: ``rotary_cos_sin`` (which makes the table) and the K/V write targets.
 
 Shapes: B cache rows, D hidden size, R rotary dims, L positions in the rotary table, P pages a slot,
 S the page size."""
