@@ -85,7 +85,7 @@ def run_fuselm(config, args, device) -> dict:
     start = time.perf_counter()
     model = random_qwen35(config, dtype=args.dtype, device=device, seed=0)
     engine = Engine(model, max_batch=max(args.batch), max_len=args.prompt_len + args.new_tokens,
-                    graph_batch_sizes=tuple(args.batch))
+                    graph_batch_sizes=tuple(args.batch), state_dtype=args.state_dtype)
     sync(device)
     result = {"build_and_capture_s": time.perf_counter() - start, "weight_bytes_per_step": decode_weight_bytes(model),
               "parameters": sum(p.numel() for p in model.parameters()), "batches": {}}
@@ -175,7 +175,7 @@ def markdown(meta, ours, hf) -> str:
              f"transformers {meta['transformers']}, fla-core {meta['fla'] or 'not installed'}, "
              f"causal-conv1d {meta['causal_conv1d'] or 'not installed'}).", "",
              f"Random weights, prompt {meta['prompt_len']} random ids, greedy, no eos. fuselm: {meta['new_tokens']} new "
-             f"tokens, best of {meta['repeats']} runs; "
+             f"tokens, best of {meta['repeats']} runs, {meta.get('state_dtype', 'float32')} recurrent states; "
              + ("HF: not run" if hf is None else f"HF: {hf['new_tokens']} new tokens"
                 + (f" (capped from {meta['new_tokens']}: its per-step rate)" if hf["new_tokens"] < meta["new_tokens"] else ""))
              + ". Decode tok/s = batch x decode steps / decode time (the first token comes from prefill).", ""]
@@ -251,6 +251,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-hf", dest="hf", action="store_false")
+    parser.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="fuselm's Gated DeltaNet recurrent states in the cache (HF keeps fp32)")
     parser.add_argument("--device", default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -263,7 +265,8 @@ def main(argv=None) -> int:
     import triton
 
     meta = {"config": CONFIG_NAMES.get(args.config, f"{args.config} (built-in)"),
-            "dtype": str(args.dtype)[6:], "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+            "dtype": str(args.dtype)[6:], "state_dtype": args.state_dtype,
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
             "command": "python3 " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
             "torch": torch.__version__, "triton": triton.__version__, "transformers": package_version("transformers"),
             "fla": package_version("fla-core", "flash-linear-attention"), "causal_conv1d": package_version("causal-conv1d"),

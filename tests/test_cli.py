@@ -97,7 +97,13 @@ def test_generate_without_model_dir_is_the_random_weight_benchmark(tmp_path, cap
     assert results["model"] == "tiny (built-in)" and results["batch"] == 2
     assert [len(row) for row in results["tokens"]] == [3, 3] and results["decode_steps"] == 2
     assert results["prefill_tokens_per_s"] > 0 and results["decode_tokens_per_s"] > 0
+    assert results["state_dtype"] == "float32"
     assert "| decode | 2 steps x 2 requests" in capsys.readouterr().out
+    assert main(["generate", "--prompt-len", "5", "--max-new-tokens", "3", "--batch", "2", *MODEL_ARGS,
+                 "--state-dtype", "bfloat16", "--out", str(tmp_path)]) == 0
+    rounded = json.loads((tmp_path / "generate.json").read_text())
+    assert rounded["state_dtype"] == "bfloat16" and [len(row) for row in rounded["tokens"]] == [3, 3]
+    assert "(bfloat16 recurrent states)" in capsys.readouterr().out
 
 
 def test_audit_on_the_tiny_default(tmp_path, capsys):

@@ -57,6 +57,18 @@ def test_engine_equals_the_reference_loop(model, engine):
     assert all(o.finished and o.metrics.first_token_time >= o.metrics.arrival_time for o in outputs)
 
 
+def test_engine_keeps_the_recurrent_states_in_state_dtype(model):
+    """Engine(state_dtype=...): the cache's Gated DeltaNet pools in that dtype, requests that run
+    through prefill, a mixed step and decode; a dtype the kernels cannot hold is refused by name."""
+    rounded = Engine(model, max_batch=2, max_len=32, seed=0, max_prefill_tokens=6, state_dtype="bfloat16")
+    pools = [layer.recurrent for layer in rounded.runner.cache.layers if hasattr(layer, "recurrent")]
+    assert pools and all(pool.dtype == torch.bfloat16 for pool in pools)
+    outputs = rounded.generate([prompt(9, 1), prompt(4, 2)], greedy(5))
+    assert [len(ids) for ids in token_ids(outputs)] == [5, 5]
+    with pytest.raises(ValueError, match="state_dtype"):
+        Engine(model, max_batch=1, max_len=8, state_dtype="int8")
+
+
 def count_mixed_steps(engine, monkeypatch) -> list:
     """Record each mixed (prefill + decode) step the engine's runner takes."""
     calls, mixed = [], engine.runner.mixed

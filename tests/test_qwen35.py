@@ -16,6 +16,7 @@ from conftest import DEVICE
 from fuselm import Qwen35, Qwen35Config
 from fuselm.models.qwen35.cache import Qwen35Cache
 from fuselm.models.qwen35.presets import random_qwen35, tiny_config
+from fuselm.testing import rel_err
 
 transformers = pytest.importorskip("transformers")
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig  # noqa: E402
@@ -340,6 +341,34 @@ def test_chunked_prefill_equals_one_prefill(models, lengths, chunk_size):
         assert (logits - chunk_logits).abs().max() <= 1e-4
     with pytest.raises(ValueError, match="chunk_size"):
         model.prefill(ids, chunked, mask, slots=[2, 0], chunk_size=0)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_recurrent_states_round_each_step_and_stay_close(models, state_dtype):
+    """A cache whose Gated DeltaNet states are 16-bit (vLLM's default): the pools hold that dtype
+    after a chunked prefill (fresh and continued chunks) and decode steps, every kernel computes in
+    fp32 and rounds each new state once, so the logits differ from the fp32-state cache's by about
+    that rounding (not bit for bit: the states are rounded) and the greedy tokens agree."""
+    _, model = models
+    lengths, T = [19, 6], 19
+    ids, mask = prompt(2, T, seed=41), right_padding_mask(lengths, T)
+    exact = model.new_cache(max_batch=3, max_len=T + 5)
+    rounded = model.new_cache(max_batch=3, max_len=T + 5, state_dtype=state_dtype)
+    pools = [layer.recurrent for layer in rounded.layers if hasattr(layer, "recurrent")]
+    assert pools and all(pool.dtype == state_dtype for pool in pools)
+    logits = model.prefill(ids, exact, mask, slots=[2, 0], chunk_size=8)
+    rounded_logits = model.prefill(ids, rounded, mask, slots=[2, 0], chunk_size=8)
+    tokens = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    for step in range(4):
+        assert rel_err(rounded_logits, logits) <= 2e-2, step
+        assert not torch.equal(rounded_logits, logits), step
+        assert torch.equal(rounded_logits.argmax(-1), logits.argmax(-1)), step
+        tokens[[2, 0]] = logits.argmax(-1)
+        logits, rounded_logits = (model.decode_step(tokens, cache)[[2, 0]] for cache in (exact, rounded))
+    assert all(pool.dtype == state_dtype for pool in pools)
+    assert all(not pool[[0, 2]].eq(0).all() and pool[1].eq(0).all() for pool in pools)  # slot 1 unused
+    with pytest.raises(ValueError, match="state_dtype"):
+        model.new_cache(max_batch=1, max_len=8, state_dtype=torch.int8)
 
 
 def test_paged_cache_with_shuffled_pages_equals_the_default_one(models):

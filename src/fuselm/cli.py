@@ -89,7 +89,8 @@ def _load_llm(args):
         raise FileNotFoundError(f"{directory}: no such checkpoint directory")
     on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
     dtype = args.dtype or ("float32" if on_cpu else None)
-    return LLM(directory, dtype=dtype, device=args.device, max_batch=1, max_len=args.max_len, seed=args.seed)
+    return LLM(directory, dtype=dtype, device=args.device, max_batch=1, max_len=args.max_len, seed=args.seed,
+               state_dtype=args.state_dtype)
 
 
 def _sampling_params(llm, args):
@@ -151,13 +152,15 @@ def _serve(args) -> int:
         on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
         llm = LLM(directory, dtype=args.dtype or ("float32" if on_cpu else None), device=args.device,
                   max_batch=args.max_batch, max_len=args.max_len, seed=args.seed,
-                  max_prefill_tokens=args.max_prefill_tokens, kv_cache_tokens=args.kv_cache_tokens)
+                  max_prefill_tokens=args.max_prefill_tokens, kv_cache_tokens=args.kv_cache_tokens,
+                  state_dtype=args.state_dtype)
         model = ServedModel.from_llm(llm, args.served_model_name)
     else:
         device, dtype = _device_and_dtype(args)
         model = ServedModel.random(args.config, dtype=dtype, device=device, max_batch=args.max_batch,
                                    max_len=args.max_len, seed=args.seed, name=args.served_model_name,
-                                   max_prefill_tokens=args.max_prefill_tokens, kv_cache_tokens=args.kv_cache_tokens)
+                                   max_prefill_tokens=args.max_prefill_tokens, kv_cache_tokens=args.kv_cache_tokens,
+                                   state_dtype=args.state_dtype)
     pauses: list[dict] = []
     if args.step_log is not None:
         model.engine.step_log = []
@@ -197,7 +200,8 @@ def _generate_benchmark(args) -> int:
     results, markdown = run_generate_benchmark(config, description, batch=args.batch, prompt_len=args.prompt_len,
                                                max_new_tokens=args.max_new_tokens, seed=args.seed, device=device,
                                                dtype=dtype, temperature=args.temperature or 0.0,
-                                               top_p=1.0 if args.top_p is None else args.top_p, top_k=args.top_k or 0)
+                                               top_p=1.0 if args.top_p is None else args.top_p, top_k=args.top_k or 0,
+                                               state_dtype=args.state_dtype)
     print("\n" + markdown)
     write_results(args.out, "generate", results, markdown)
     return 0
@@ -288,6 +292,13 @@ def _add_model_arguments(command, seed_help: str) -> None:
     command.add_argument("--device", default=None, help="default: cuda when available, else cpu")
 
 
+def _add_state_dtype_argument(command) -> None:
+    command.add_argument("--state-dtype", default="float32", choices=DTYPES,
+                         help="the Gated DeltaNet recurrent states' dtype in the cache: float32 (HF's numerics) or "
+                              "16 bits (vLLM's default, its --mamba-ssm-cache-dtype auto: half the state bytes a "
+                              "decode step moves; computed in fp32, each step's state rounded once) (float32)")
+
+
 def _add_random_model_arguments(command, prompt_len: int, new_tokens: int, batch: int, fill_defaults: bool) -> None:
     """The random-weight runs' sizes and output; ``fill_defaults`` False leaves them None when not
     given (generate fills them once it knows its mode)."""
@@ -357,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "config.json path (the default without MODEL_DIR: tiny)")
     _add_random_model_arguments(gen, BENCH_PROMPT_LEN, BENCH_MAX_NEW_TOKENS, BENCH_BATCH, fill_defaults=False)
     _add_model_arguments(gen, "sampling seed (MODEL_DIR); weights and prompts (--config, default 0)")
+    _add_state_dtype_argument(gen)
     gen.set_defaults(run=_generate, command_parser=gen)
 
     chat = commands.add_parser("chat", help="interactive chat with a checkpoint (user lines from stdin)",
@@ -366,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_chat_arguments(chat)
     _add_sampling_arguments(chat, max_tokens=TEXT_MAX_TOKENS, max_len=TEXT_MAX_LEN)
     _add_model_arguments(chat, "sampling seed")
+    _add_state_dtype_argument(chat)
     chat.set_defaults(run=_chat)
 
     init = commands.add_parser("init-checkpoint", help="write a random-weight Qwen3.5 checkpoint with the tokenizer",
@@ -411,6 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "tokens, host times), then one per garbage collection (kind gc); "
                             "benchmarks/step_log.py summarises it")
     _add_model_arguments(serve, "seeds the sampling seeds of requests without one (and --config's weights)")
+    _add_state_dtype_argument(serve)
     serve.set_defaults(run=_serve, command_parser=serve)
 
     bench_serve = commands.add_parser(

@@ -24,7 +24,7 @@ from fuselm.engine import Engine, RequestOutput, SamplingParams
 from fuselm.engine.audit import decode_weight_bytes
 from fuselm.models.qwen35 import Qwen35Config
 from fuselm.models.qwen35.presets import random_qwen35
-from fuselm.runtime import INTERPRET, copy_bandwidth
+from fuselm.runtime import INTERPRET, copy_bandwidth, parse_dtype
 
 
 def request_timings(outputs: list[RequestOutput]) -> dict:
@@ -47,18 +47,21 @@ def request_timings(outputs: list[RequestOutput]) -> dict:
 def run_generate_benchmark(config: Qwen35Config, description: str, *, batch: int = 1, prompt_len: int = 32,
                            max_new_tokens: int = 16, seed: int = 0, device: torch.device,
                            dtype: torch.dtype, temperature: float = 0.0, top_p: float = 1.0,
-                           top_k: int = 0) -> tuple[dict, str]:
+                           top_k: int = 0, state_dtype: torch.dtype | str = torch.float32) -> tuple[dict, str]:
     """Build a random-weight model of ``config`` (weights and prompts from ``seed``) on ``device``
     in ``dtype``, run the batch and print what it does; returns (results for json, markdown
     table). ``description`` names the model in the output; sampling: greedy by default (each
-    request seeded from ``seed`` otherwise). ValueError names a bad size or sampling value."""
+    request seeded from ``seed`` otherwise); ``state_dtype``: the cache's Gated DeltaNet states'
+    (``Engine``). ValueError names a bad size or sampling value."""
     for name, value in (("batch", batch), ("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens)):
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {value}")
     device = torch.device(device)
+    state_dtype = parse_dtype(state_dtype, "state_dtype")
     started = time.perf_counter()
     model = random_qwen35(config, dtype=dtype, device=device, seed=seed)
-    engine = Engine(model, max_batch=batch, max_len=prompt_len + max_new_tokens, graph_batch_sizes=(batch,))
+    engine = Engine(model, max_batch=batch, max_len=prompt_len + max_new_tokens, graph_batch_sizes=(batch,),
+                    state_dtype=state_dtype)
     prompts = torch.randint(0, config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(seed))
     params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                              seed=seed + row, ignore_eos=True) for row in range(batch)]
@@ -68,7 +71,8 @@ def run_generate_benchmark(config: Qwen35Config, description: str, *, batch: int
     backend = f"{'CUDA graphs' if engine.runner.use_graphs else 'eager'}, {kernels}"
     parameters = sum(p.numel() for p in model.parameters())
     print(f"fuselm generate: Qwen3.5 {description}, random weights (seed {seed}); {parameters / 1e6:.1f}M parameters, "
-          f"{str(dtype)[6:]}, {device} ({backend}); batch {batch}, prompt {prompt_len}, {max_new_tokens} new tokens, "
+          f"{str(dtype)[6:]} ({str(state_dtype)[6:]} recurrent states), {device} ({backend}); batch {batch}, "
+          f"prompt {prompt_len}, {max_new_tokens} new tokens, "
           f"{sampling}, no eos; built in {time.perf_counter() - started:.1f} s", flush=True)
     if device.type == "cuda":  # compiles the prefill kernels for these shapes before the timed run
         engine.generate(prompts, SamplingParams(max_tokens=min(2, max_new_tokens), temperature=0.0, ignore_eos=True))
@@ -82,7 +86,8 @@ def run_generate_benchmark(config: Qwen35Config, description: str, *, batch: int
     prefill_tps = batch * prompt_len / timings["prefill_seconds"]
     step_ms = timings["decode_ms_per_step"]
     weight_bytes = decode_weight_bytes(model, batch)
-    results = {"model": description, "parameters": parameters, "dtype": str(dtype)[6:], "device": str(device),
+    results = {"model": description, "parameters": parameters, "dtype": str(dtype)[6:],
+               "state_dtype": str(state_dtype)[6:], "device": str(device),
                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "backend": backend,
                "batch": batch, "prompt_len": prompt_len, "max_new_tokens": max_new_tokens, "sampling": sampling,
                "graph_batch_size": engine.runner.batch_size_for(batch), **timings,

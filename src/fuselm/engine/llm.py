@@ -39,6 +39,8 @@ class LLM:
         max_batch: requests decoded together (more wait); max_len: prompt + output tokens.
         seed: seeds the per-request seeds of requests without one (reproducible runs).
         progress: show a progress bar while loading.
+        engine_options: ``Engine``'s keyword options (max_prefill_tokens, kv_cache_tokens,
+            state_dtype: the Gated DeltaNet states' dtype in the cache, float32 or bfloat16, ...).
     """
 
     def __init__(self, model, dtype: torch.dtype | str | None = None, device=None, max_batch: int = 8,

@@ -69,12 +69,13 @@ class ModelRunner:
 
     def __init__(self, model: Qwen35, max_batch: int, max_len: int,
                  graph_batch_sizes: Sequence[int] = DEFAULT_GRAPH_BATCH_SIZES, use_graphs: bool | None = None,
-                 num_pages: int | None = None, page_size: int = PAGE_SIZE):
+                 num_pages: int | None = None, page_size: int = PAGE_SIZE,
+                 state_dtype: torch.dtype | str = torch.float32):
         if not isinstance(model, Qwen35):
             raise TypeError(f"model: expected a fuselm Qwen35, got {type(model).__name__}")
         self.model = model
         self.device = model.device
-        self.cache = model.new_cache(max_batch, max_len, num_pages, page_size)  # checks them
+        self.cache = model.new_cache(max_batch, max_len, num_pages, page_size, state_dtype)  # checks them
         sizes = [b for b in graph_batch_sizes if isinstance(b, int) and not isinstance(b, bool) and b >= 1]
         if len(sizes) != len(graph_batch_sizes):
             raise ValueError(f"graph_batch_sizes: expected positive ints, got {tuple(graph_batch_sizes)!r}")

@@ -69,14 +69,14 @@ class ServedModel:
     @classmethod
     def random(cls, config_name: str, *, dtype, device, max_batch: int, max_len: int, seed: int | None = None,
                name: str | None = None, max_prefill_tokens: int | None = None,
-               kv_cache_tokens: int | None = None) -> ServedModel:
+               kv_cache_tokens: int | None = None, state_dtype: str = "float32") -> ServedModel:
         """Seeded random weights of the preset ``config_name`` (``presets.PRESETS``; weights from
         ``seed``, default 0), without a tokenizer; name: default ``config_name``."""
         from fuselm.models.qwen35.presets import preset_config, random_qwen35
 
         model = random_qwen35(preset_config(config_name), dtype=dtype, device=device, seed=seed or 0)
         engine = Engine(model, max_batch=max_batch, max_len=max_len, seed=seed, max_prefill_tokens=max_prefill_tokens,
-                        kv_cache_tokens=kv_cache_tokens)
+                        kv_cache_tokens=kv_cache_tokens, state_dtype=state_dtype)
         return cls(name or config_name, engine, None,
                    SamplingParams(), f"random weights of --config {config_name}")
 

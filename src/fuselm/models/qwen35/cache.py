@@ -17,7 +17,7 @@ import torch
 
 from fuselm.models.qwen35.config import FULL_ATTENTION, Qwen35Config
 from fuselm.ops.decode_inputs import kv_write_targets
-from fuselm.runtime import check_positive_int, to_device
+from fuselm.runtime import check_positive_int, parse_dtype, to_device
 
 
 PAGE_SIZE = 64  # tokens per K/V page (the decode attention kernel reads one page per block)
@@ -40,7 +40,9 @@ class DeltaNetCache:
     (model dtype), circular: column j holds the input at the latest position p with p % kernel == j
     (zeros for positions before the prompt), so a decode step reads the previous kernel - 1 inputs
     and writes one column (``gated_delta_rule_decode_step``); and the delta-rule state pool
-    [max_batch, value_heads, key_head_dim, value_head_dim] (fp32, updated in place)."""
+    [max_batch, value_heads, key_head_dim, value_head_dim], updated in place: fp32 by default (HF's
+    numerics), or 16 bits (``state_dtype``: vLLM's default, the model dtype), read into fp32 by
+    every kernel and each step's (or chunk's) new state rounded once into it."""
 
     conv: torch.Tensor
     recurrent: torch.Tensor
@@ -71,13 +73,16 @@ class Qwen35Cache:
 
     @classmethod
     def allocate(cls, config: Qwen35Config, max_batch: int, max_len: int, dtype, device, rotary: torch.Tensor,
-                 num_pages: int | None = None, page_size: int = PAGE_SIZE) -> "Qwen35Cache":
+                 num_pages: int | None = None, page_size: int = PAGE_SIZE,
+                 state_dtype: torch.dtype | str = torch.float32) -> "Qwen35Cache":
         """``num_pages`` K/V pages of ``page_size`` tokens (a power of two >= 16) shared by the
         slots; ``rotary`` the [max_len, 2, rotary_dim] table of cos / sin rows by position, in
         ``dtype`` on ``device``. Default: enough for every slot's max_len, and slot r owns pages
         r * pages_per_slot onwards (the block table an owner of the whole cache wants). With fewer,
         every slot starts with no pages (all at the scratch page): whoever admits requests gives
-        them pages (``assign_pages``)."""
+        them pages (``assign_pages``). ``state_dtype``: the Gated DeltaNet state pool's (a torch
+        dtype or its name: float32, bfloat16 or float16; ``DeltaNetCache``)."""
+        state_dtype = parse_dtype(state_dtype, "state_dtype")
         check_positive_int("max_batch", max_batch)
         check_positive_int("max_len", max_len)
         check_positive_int("page_size", page_size)
@@ -103,7 +108,7 @@ class Qwen35Cache:
                     torch.zeros(max_batch, config.linear_conv_dim, config.linear_conv_kernel_dim,
                                 dtype=dtype, device=device),
                     torch.zeros(max_batch, config.linear_num_value_heads, config.linear_key_head_dim,
-                                config.linear_value_head_dim, dtype=torch.float32, device=device)))
+                                config.linear_value_head_dim, dtype=state_dtype, device=device)))
         if num_pages >= whole:
             table = torch.arange(whole, device=device).view(max_batch, pages_per_slot)
         else:

@@ -200,8 +200,9 @@ class GatedDeltaNet(nn.Module):
         # HF: g = -exp(A_log) * softplus(a + dt_bias) in fp32; beta = sigmoid(b) in the model dtype.
         # Padded tokens get g = 0, beta = 0: S <- S * e^0 + 0, the state passes them unchanged.
         g, beta = gated_delta_gates(self.A_log, a, self.dt_bias, b, step.token_mask)
-        # q, k, v are read as slices of conv_out (no copies). The recurrent state pool is fp32
-        # [slots, HV, Kd, Vd]. A fresh chunk starts from zeros and its final state goes straight
+        # q, k, v are read as slices of conv_out (no copies). The recurrent state pool is
+        # [slots, HV, Kd, Vd] in the cache's state dtype (read into fp32; each final state rounded
+        # once into it). A fresh chunk starts from zeros and its final state goes straight
         # into each row's slot (a padding row repeating a slot writes none). A continued chunk
         # gathers its rows' states first (zeros for rows that start here) and scatters the finals:
         # in place, a padding row could read its slot after the row it repeats had written it.
@@ -214,7 +215,7 @@ class GatedDeltaNet(nn.Module):
         else:
             initial = torch.where(step.continues[:, None, None, None], cache.recurrent[step.slots], 0)
             o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale, initial, True, True, out=out)
-            cache.recurrent.index_copy_(0, step.slots, final)
+            cache.recurrent.index_copy_(0, step.slots, final.to(cache.recurrent.dtype))
         return o.flatten(-2)
 
     def decode(self, x: torch.Tensor, cache: DeltaNetCache, step: DecodeStep,

@@ -105,16 +105,18 @@ class Qwen35(nn.Module):
         return rotary_cos_sin(positions, self.inv_freq, self.dtype)
 
     def new_cache(self, max_batch: int, max_len: int, num_pages: int | None = None,
-                  page_size: int = PAGE_SIZE) -> Qwen35Cache:
+                  page_size: int = PAGE_SIZE, state_dtype: torch.dtype | str = torch.float32) -> Qwen35Cache:
         """A cache of ``max_batch`` slots of ``max_len`` tokens each (prompt + generated); every
         slot starts inactive. Attention K/V in ``num_pages`` pages of ``page_size`` tokens
-        (default: every slot's max_len, slot r owning its own; ``Qwen35Cache.allocate``)."""
+        (default: every slot's max_len, slot r owning its own; ``Qwen35Cache.allocate``); the Gated
+        DeltaNet states in ``state_dtype`` (fp32: HF's numerics; bf16 halves a decode step's state
+        traffic, as vLLM keeps it by default)."""
         check_positive_int("max_len", max_len)
         if self.inv_freq.device != self.device:
             self.inv_freq = self.inv_freq.to(self.device)
         rotary = rotary_table(max_len, self.inv_freq, self.dtype)  # the decode steps' cos / sin rows
         return Qwen35Cache.allocate(self.config, max_batch, max_len, self.dtype, self.device, rotary, num_pages,
-                                    page_size)
+                                    page_size, state_dtype)
 
     # ------------------------------------------------------------------------ HF weights
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:

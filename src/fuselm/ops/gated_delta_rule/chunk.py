@@ -274,7 +274,7 @@ def _chunk_recurrence_kernel(
         if HAS_H0_FLAGS:
             read_rows = tl.where(tl.load(has_h0_ptr + i_n) != 0, BK, 0)
         S = tl.load(h0_ptr + final_row * HV * K * V + state_offs,
-                    mask=final_mask & (tl.arange(0, BK) < read_rows)[:, None], other=0.0)
+                    mask=final_mask & (tl.arange(0, BK) < read_rows)[:, None], other=0.0).to(tl.float32)
     dt = w_ptr.dtype.element_ty
     i_h = i_hv // (HV // H)
     rows = tl.arange(0, BT)
@@ -295,7 +295,7 @@ def _chunk_recurrence_kernel(
         decayed = (new_v * tl.where(row_ok, tl.exp(G_last - G), 0.0)[:, None]).to(dt)
         S = tl.dot(tl.trans(k), decayed, S * tl.exp(G_last), input_precision=P)
     if STORE_HT:
-        tl.store(ht_ptr + final_row * HV * K * V + state_offs, S, mask=final_mask)
+        tl.store(ht_ptr + final_row * HV * K * V + state_offs, S.to(ht_ptr.dtype.element_ty), mask=final_mask)
 
 
 @triton.jit
@@ -502,9 +502,10 @@ def chunk_gated_delta_rule(
         chunk_size: FLA's 16, 32 or 64; fuselm's chunks are 64 tokens whatever is asked (the
             chunk length changes only the summation order).
         state_indices: int [N], a state pool (as ``fused_recurrent_gated_delta_rule``'s):
-            ``initial_state`` is an fp32 pool [P, HV, K, V], sequence n starts from row
-            ``state_indices[n]`` and its final state is written back there (the pool is updated in
-            place and returned as the final state); a negative index (a padded row) starts from
+            ``initial_state`` is a pool [P, HV, K, V] (fp32, bf16 or fp16), sequence n starts from
+            row ``state_indices[n]`` and its final state is written back there, rounded once into
+            the pool's dtype (the pool is updated in place and returned as the final state); a
+            negative index (a padded row) starts from
             zeros and writes nothing. Indices >= 0 must be distinct (a row's read may follow
             another's write within the launch). Inference only.
         has_initial_state: bool [N], with ``state_indices``: sequence n reads its pool row only
@@ -524,7 +525,8 @@ def chunk_gated_delta_rule(
         raise ValueError("A_log, dt_bias: only used with use_gate_in_kernel=True (g is then the raw gate input)")
     check_state_pool_layout(state_indices, initial_state, state_v_first)
     g, beta, initial_state = fla_input_options(v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias,
-                                               use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first)
+                                               use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
+                                               pool=state_indices is not None)
     o, final = _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
                                        use_qk_l2norm_in_kernel, cu_seqlens, state_indices, has_initial_state,
                                        out)

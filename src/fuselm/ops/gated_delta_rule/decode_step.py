@@ -10,12 +10,14 @@ Inputs per row n (one token each), with key heads H x K, value heads HV x V, con
   .. t - 1 (columns (t + 1 .. t + KW - 1) % KW) with x, then writes x to column t % KW. No
   program reads the column it writes, so the many programs of a row share the state without a
   race, and nothing shifts.
-- ``state`` [P, HV, K, V] fp32 pool, row n's slot ``state_slots[n]``; a negative slot (an inactive
-  row) reads zeros and writes neither the state nor the conv state.
+- ``state`` [P, HV, K, V] pool (fp32, or bf16 / fp16 as vLLM keeps it by default), row n's slot
+  ``state_slots[n]``; a negative slot (an inactive row) reads zeros and writes neither the state nor
+  the conv state.
 
 Numerics (as HF's torch path): conv accumulated in fp32 and rounded to the model dtype (F.conv1d),
 SiLU in fp32 rounded again; g = -exp(A_log) softplus(a + dt_bias) in fp32; beta = sigmoid(b)
-rounded to the model dtype (HF's ``b.sigmoid()``); the recurrence in fp32; o rounded once. With a
+rounded to the model dtype (HF's ``b.sigmoid()``); the recurrence in fp32 (a 16-bit pool's row
+read into fp32, the new state rounded once into the pool); o rounded once. With a
 norm weight (the model's decode at 2+ rows), the output is HF's gated RMSNorm of o's heads with z
 (``decode_linear``'s gated_rms_norm prologue, the same tile function: ``ops/common/prologue.py``),
 one program a whole head, so the out projection runs plain (H100, 9B batch 8: 6.830 -> 6.750 ms a
@@ -40,7 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselm.ops.gated_delta_rule.fused_recurrent import _gated_delta_step, decode_block_v, decode_num_warps, softplus
+from fuselm.ops.gated_delta_rule.fused_recurrent import (STATE_POOL_DTYPES, _gated_delta_step, decode_block_v,
+                                                         decode_num_warps, softplus)
 from fuselm.ops.gated_delta_rule.naive import gated_delta_rule_decode_step_ref
 from fuselm.ops.common.pdl import allow_next_kernel, wait_for_previous_kernel
 from fuselm.ops.common.prologue import PROLOGUE_GATED_RMS_NORM, PROLOGUE_NONE, prologue_tile
@@ -95,7 +98,7 @@ def _decode_step_kernel(
     active = slot >= 0
     state_offs = i_hv * K * V + kk[:, None] * V + vv[None, :]
     state_mask = (kk < tl.where(active, K, 0))[:, None] & v_ok[None, :]
-    S = tl.load(state_ptr + slot * HV * K * V + state_offs, mask=state_mask, other=0.0)
+    S = tl.load(state_ptr + slot * HV * K * V + state_offs, mask=state_mask, other=0.0).to(tl.float32)
     position = tl.load(positions_ptr + i_n)
     proj = proj_ptr + i_n.to(tl.int64) * stride_proj
     conv = conv_ptr + i_n.to(tl.int64) * stride_conv
@@ -130,7 +133,7 @@ def _decode_step_kernel(
         o = tl.reshape(prologue_tile(o[None, :], z_ptrs, v_ok[None, :], norm_w, eps, PROLOGUE, V, 1, BLOCK_V),
                        [BLOCK_V])
     tl.store(o_ptr + (i_n * HV + i_hv).to(tl.int64) * V + vv, o, mask=v_ok)
-    tl.store(state_ptr + slot * HV * K * V + state_offs, S, mask=state_mask)
+    tl.store(state_ptr + slot * HV * K * V + state_offs, S.to(state_ptr.dtype.element_ty), mask=state_mask)
 
     # this token's input, for the next KW - 1 tokens (masks as index bounds: a scalar condition
     # folded into the bound, as for the state rows above)
@@ -170,9 +173,10 @@ def _check(proj, conv_state, conv_weight, A_log, dt_bias, state, state_slots, po
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
         if t.shape != (HV,):
             raise ValueError(f"{name}: expected [HV] = ({HV},), got {tuple(t.shape)}")
-    if state.dtype != torch.float32 or state.dim() != 4 or state.shape[1:] != (HV, K, V) or not state.is_contiguous():
-        raise ValueError(f"state: expected a contiguous fp32 pool [P, {HV}, {K}, {V}], got {tuple(state.shape)} "
-                         f"{state.dtype}")
+    if (state.dtype not in STATE_POOL_DTYPES or state.dim() != 4 or state.shape[1:] != (HV, K, V)
+            or not state.is_contiguous()):
+        raise ValueError(f"state: expected a contiguous pool [P, {HV}, {K}, {V}] in fp32, bf16 or fp16, got "
+                         f"{tuple(state.shape)} {state.dtype}")
     for name, t in (("state_slots", state_slots), ("positions", positions)):
         if t.shape != (N,):
             raise ValueError(f"{name}: expected [N] = ({N},), got {tuple(t.shape)}")
@@ -192,7 +196,8 @@ def gated_delta_rule_decode_step(
         proj: [N, conv_dim + HV V + 2 HV] in_proj output (rows may be strided).
         conv_state: [N, conv_dim, kernel] circular conv state, updated in place (active rows).
         conv_weight: [conv_dim, 1, kernel]; A_log, dt_bias: [HV].
-        state: fp32 pool [P, HV, K, V], updated in place at ``state_slots`` (negative: inactive row).
+        state: pool [P, HV, K, V] (fp32, or bf16 / fp16: read into fp32, the new state rounded once
+            into it), updated in place at ``state_slots`` (negative: inactive row).
         positions: [N] int, each row's token position (the conv state's clock).
         scale: on q; default K ** -0.5.
         norm_weight: optional [V] (proj's dtype or fp32): the output is then HF's gated RMSNorm of

@@ -112,7 +112,7 @@ def _fused_recurrent_gdr_kernel(
         S, o = _gated_delta_step(S, q, k, v, g, beta, scale, L2NORM)
         tl.store(o_ptr + (t * HV + i_hv) * V + vv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
     if STORE_HT:
-        tl.store(ht_ptr + slot * HV * K * V + state_offs, S, mask=state_mask)
+        tl.store(ht_ptr + slot * HV * K * V + state_offs, S.to(ht_ptr.dtype.element_ty), mask=state_mask)
 
 
 # Value columns and warps per program. H100 sweep (benchmarks/gdn.py, HV=32 K=V=128, per call of 20
@@ -177,8 +177,10 @@ def _check(q, k, v, g, beta, raw, initial_state, cu_seqlens, state_indices):
             raise ValueError(f"cu_seqlens: must start at 0, never decrease and end at T = {T}")
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if initial_state is not None:
-        if not isinstance(initial_state, torch.Tensor) or initial_state.dtype != torch.float32:
-            raise TypeError("initial_state: expected an fp32 tensor [N, HV, K, V] (fp16 / bf16 are taken to fp32)")
+        pool_dtypes = STATE_POOL_DTYPES if state_indices is not None else (torch.float32,)
+        if not isinstance(initial_state, torch.Tensor) or initial_state.dtype not in pool_dtypes:
+            raise TypeError("initial_state: expected an fp32 tensor [N, HV, K, V] (fp16 / bf16 are taken to fp32), "
+                            "or with state_indices a pool in fp32, bf16 or fp16")
         rows = initial_state.shape[0] if state_indices is not None else N
         if initial_state.shape != (rows, HV, q.shape[3], v.shape[3]) or not initial_state.is_contiguous():
             raise ValueError(f"initial_state: expected a contiguous [{'P' if state_indices is not None else N}, "
@@ -194,13 +196,17 @@ def _check(q, k, v, g, beta, raw, initial_state, cu_seqlens, state_indices):
     return N
 
 
+# A state pool's dtypes: the kernels load a row, compute in fp32 and round the final state once
+# into the pool's dtype (16 bits: vLLM's default, the model dtype; fp32: HF's).
+STATE_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def check_state_pool_layout(state_indices, initial_state, state_v_first: bool) -> None:
-    """A ``state_indices`` pool is updated in place as fp32 [P, HV, K, V]: ValueError for the FLA
-    options that would need a converted copy (``state_v_first``, a 16-bit initial state)."""
-    if state_indices is not None and (state_v_first or (isinstance(initial_state, torch.Tensor)
-                                                        and initial_state.dtype != torch.float32)):
-        raise ValueError("state_indices: the pool is updated in place as fp32 [P, HV, K, V]; "
-                         "state_v_first and 16-bit initial states are not supported with it")
+    """A ``state_indices`` pool [P, HV, K, V] is updated in place in its own dtype: ValueError for
+    the FLA option that would need a converted copy (``state_v_first``)."""
+    if state_indices is not None and state_v_first:
+        raise ValueError("state_indices: the pool is updated in place as [P, HV, K, V]; "
+                         "state_v_first is not supported with it")
 
 
 def fla_state_layout(state_v_first: bool, transpose_state_layout: bool | None) -> bool:
@@ -215,13 +221,14 @@ def fla_state_layout(state_v_first: bool, transpose_state_layout: bool | None) -
 
 
 def fla_input_options(v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
-                      allow_neg_eigval, state_v_first):
+                      allow_neg_eigval, state_v_first, pool=False):
     """flash-linear-attention's input options as PyTorch ops before the kernels (differentiable:
     gradients reach the raw inputs) -> (g, beta, initial_state) as fuselm's kernels take them.
     use_gate_in_kernel: g is the raw gate input, g = -exp(A_log) softplus(g + dt_bias) in fp32
     (A_log [HV] required, dt_bias [HV] optional); use_beta_sigmoid_in_kernel: beta holds logits,
     beta = sigmoid(beta) in fp32, times 2 with allow_neg_eigval; a 16-bit initial state is taken
-    to fp32 (as FLA does), a state_v_first one ([N, HV, V, K]) transposed to [N, HV, K, V]."""
+    to fp32 (as FLA does; not a state ``pool``, updated in place in its dtype), a state_v_first one
+    ([N, HV, V, K]) transposed to [N, HV, K, V]."""
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("allow_neg_eigval: requires use_beta_sigmoid_in_kernel=True (it scales sigmoid(beta) by 2)")
     if use_gate_in_kernel:
@@ -239,7 +246,7 @@ def fla_input_options(v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_b
             raise ValueError("beta: required with use_beta_sigmoid_in_kernel=True (the logits)")
         beta = beta.float().sigmoid() * (2.0 if allow_neg_eigval else 1.0)
     if isinstance(initial_state, torch.Tensor):
-        if initial_state.dtype in (torch.float16, torch.bfloat16):
+        if initial_state.dtype in (torch.float16, torch.bfloat16) and not pool:
             initial_state = initial_state.float()
         if state_v_first:
             initial_state = initial_state.transpose(-1, -2).contiguous()
@@ -264,7 +271,8 @@ def fused_recurrent_gated_delta_rule(
             raw projections ``A_log`` [HV], ``a`` [B, T, HV], ``dt_bias`` [HV], ``b`` [B, T, HV]
             (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), computed in the kernel).
         scale: on q; default K ** -0.5.
-        initial_state: fp32 [N, HV, K, V]; with ``state_indices``, a pool [P, HV, K, V].
+        initial_state: fp32 [N, HV, K, V]; with ``state_indices``, a pool [P, HV, K, V] (fp32, bf16
+            or fp16).
         output_final_state: also return the final state (new [N, HV, K, V] tensor).
         use_qk_l2norm_in_kernel: l2-normalise q and k per head first.
         cu_seqlens: [N + 1] offsets of N packed sequences (B = 1); no host sync while a CUDA
@@ -276,7 +284,8 @@ def fused_recurrent_gated_delta_rule(
             flash-linear-attention's options, keyword only (``fla_input_options``; with
             use_gate_in_kernel, g is the raw gate input and A_log / dt_bias make it the log-decay);
             per-key / per-value gates (gk, gv) are not supported. A 16-bit initial state is taken
-            to fp32 (not a state_indices pool, which is updated in place). ``transpose_state_layout``:
+            to fp32 (not a state_indices pool: updated in place in its dtype, fp32 / bf16 / fp16,
+            each sequence's final state rounded once into it). ``transpose_state_layout``:
             the deprecated name of state_v_first.
     Returns:
         (o [B, T, HV, V] in v's dtype, final_state or None).
@@ -289,7 +298,8 @@ def fused_recurrent_gated_delta_rule(
     check_state_pool_layout(state_indices, initial_state, state_v_first)
     g, beta, initial_state = fla_input_options(
         v, g, beta, initial_state, use_gate_in_kernel, A_log if use_gate_in_kernel else None,
-        dt_bias if use_gate_in_kernel else None, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first)
+        dt_bias if use_gate_in_kernel else None, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
+        pool=state_indices is not None)
     if use_gate_in_kernel:
         A_log = dt_bias = None
     o, final = _fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,

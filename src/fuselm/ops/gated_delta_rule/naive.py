@@ -134,7 +134,7 @@ def run_on_state_pool(reference, pool, state_indices, has_initial_state=None):
     read = valid if has_initial_state is None else valid & has_initial_state.to(torch.bool)
     h0 = torch.where(read[:, None, None, None], pool[state_indices.clamp(min=0).long()], 0.0)
     o, final = reference(h0)
-    pool[state_indices[valid].long()] = final[valid]
+    pool[state_indices[valid].long()] = final[valid].to(pool.dtype)  # a 16-bit pool: rounded once
     return o, pool
 
 
@@ -144,7 +144,7 @@ def gated_delta_rule_decode_step_ref(proj, conv_state, conv_weight, A_log, dt_bi
     (see ``decode_step.py`` for the layout and the circular ``conv_state`` [N, conv_dim, KW]), as
     HF's torch path computes it: F.conv1d over the window in the model dtype, SiLU, q/k l2-norm,
     g = -exp(A_log) softplus(a + dt_bias) (fp32), beta = sigmoid(b) (model dtype), then the
-    recurrence. Updates ``conv_state`` and the fp32 pool ``state`` in place for rows with
+    recurrence (fp32). Updates ``conv_state`` and the pool ``state`` in place for rows with
     ``state_slots >= 0``; returns o [N, HV, V] in proj's dtype."""
     N = proj.shape[0]
     KW = conv_weight.shape[-1]
@@ -162,7 +162,7 @@ def gated_delta_rule_decode_step_ref(proj, conv_state, conv_weight, A_log, dt_bi
     h0 = torch.where(active[:, None, None, None], state[slots], 0.0)
     o, final = recurrent_gated_delta_rule_ref(q.reshape(N, 1, H, K), k.reshape(N, 1, H, K), v.reshape(N, 1, HV, V),
                                               g[:, None], b.sigmoid()[:, None], scale, h0, True, True)
-    state[slots[active]] = final[active]
+    state[slots[active]] = final[active].to(state.dtype)  # a 16-bit pool: rounded once
     rows = torch.arange(N, device=proj.device)[active]
     conv_state[rows, :, positions.long()[active] % KW] = x[active]
     return o[:, 0]
