@@ -53,9 +53,9 @@ class Qwen35Cache:
     """All decode state, preallocated: ``lengths`` [max_batch] int64 (tokens in the cache per
     row = the next token's position), ``active`` [max_batch] bool (rows that take part in decode),
     ``block_table`` [max_batch, pages_per_slot] int64 (each slot's K/V pages), ``rotary``
-    [max_len, 2, rotary_dim] (each position's cos and sin, read by decode steps), and per layer an
-    ``AttentionCache`` or a ``DeltaNetCache``. Every tensor keeps its address for the cache's life
-    (a CUDA graph may capture them)."""
+    [max_len, 2, rotary_dim] (each position's cos and sin, read by prefill and decode steps), and
+    per layer an ``AttentionCache`` or a ``DeltaNetCache``. Every tensor keeps its address for the
+    cache's life (a CUDA graph may capture them)."""
 
     config: Qwen35Config
     max_len: int

@@ -47,7 +47,7 @@ from fuselm.models.qwen35.cache import PAGE_SIZE, Qwen35Cache
 from fuselm.models.qwen35.config import Qwen35Config
 from fuselm.models.qwen35.layers import (DecodeStep, DecoderLayer, PrefillStep, TakeTensor, _assign, _param, linear,
                                          prefixed, rotary_inv_freq)
-from fuselm.ops.decode_inputs import decode_inputs, rotary_cos_sin, rotary_table
+from fuselm.ops.decode_inputs import decode_inputs, rotary_table
 from fuselm.ops.rms_norm import add_rms_norm, rms_norm
 from fuselm.runtime import check_positive_int
 
@@ -99,11 +99,6 @@ class Qwen35(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
-    def _rotary(self, positions: torch.Tensor):
-        if self.inv_freq.device != positions.device:  # metadata only (graph-safe after the first call)
-            self.inv_freq = self.inv_freq.to(positions.device)
-        return rotary_cos_sin(positions, self.inv_freq, self.dtype)
-
     def new_cache(self, max_batch: int, max_len: int, num_pages: int | None = None,
                   page_size: int = PAGE_SIZE, state_dtype: torch.dtype | str = torch.float32) -> Qwen35Cache:
         """A cache of ``max_batch`` slots of ``max_len`` tokens each (prompt + generated); every
@@ -114,7 +109,7 @@ class Qwen35(nn.Module):
         check_positive_int("max_len", max_len)
         if self.inv_freq.device != self.device:
             self.inv_freq = self.inv_freq.to(self.device)
-        rotary = rotary_table(max_len, self.inv_freq, self.dtype)  # the decode steps' cos / sin rows
+        rotary = rotary_table(max_len, self.inv_freq, self.dtype)  # every step's cos / sin rows
         return Qwen35Cache.allocate(self.config, max_batch, max_len, self.dtype, self.device, rotary, num_pages,
                                     page_size, state_dtype)
 
@@ -181,7 +176,9 @@ class Qwen35(nn.Module):
         positions = starts[:, None] + torch.arange(T, device=input_ids.device)
         token_mask = positions < (starts + lengths)[:, None]
         input_ids = input_ids.masked_fill(~token_mask, 0)  # padding ids may be anything
-        cos, sin = self._rotary(positions)
+        # each position's cos / sin: rows of the cache's table, as the decode steps read them (the
+        # same bits); padding past max_len reads the last row (its values reach no real token)
+        rotary = cache.rotary[positions.clamp(max=cache.max_len - 1)]  # [B, T, 2, R]
         pages = cache.block_table[slots]
         # positions past the block-table row (only padding gets there) write to the scratch page
         write_page, write_column = cache.kv_write_targets(positions, pages,
@@ -190,7 +187,8 @@ class Qwen35(nn.Module):
         rows = torch.arange(slots.shape[0], device=slots.device)
         first_with_slot = (slots[:, None] == slots[None, :]).to(torch.int8).argmax(dim=1) == rows
         step = PrefillStep(slots, torch.where(first_with_slot, slots, -1), starts, starts > 0, lengths, token_mask,
-                           positions, fresh, pages, write_page, write_column, cos=cos[:, :, None], sin=sin[:, :, None])
+                           positions, fresh, pages, write_page, write_column, cos=rotary[:, :, None, 0],
+                           sin=rotary[:, :, None, 1])
         return F.embedding(input_ids, self.embed_tokens), step
 
     def _decode_inputs(self, token_ids: torch.Tensor, cache: Qwen35Cache):

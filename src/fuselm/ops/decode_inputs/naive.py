@@ -1,5 +1,6 @@
-"""Plain-PyTorch reference of ``decode_inputs``, the rotary table it reads, and the two pieces the
-model's prefill shares with it: ``rotary_cos_sin`` (which makes the table) and the K/V write targets.
+"""Plain-PyTorch reference of ``decode_inputs``, the rotary table it reads (the model's prefill
+gathers its rows too: ``rotary_cos_sin`` makes it), and the K/V write targets, which the prefill
+shares.
 
 Shapes: B cache rows, D hidden size, R rotary dims, L positions in the rotary table, P pages a slot,
 S the page size."""
