@@ -505,9 +505,8 @@ def chunk_gated_delta_rule(
             ``initial_state`` is a pool [P, HV, K, V] (fp32, bf16 or fp16), sequence n starts from
             row ``state_indices[n]`` and its final state is written back there, rounded once into
             the pool's dtype (the pool is updated in place and returned as the final state); a
-            negative index (a padded row) starts from
-            zeros and writes nothing. Indices >= 0 must be distinct (a row's read may follow
-            another's write within the launch). Inference only.
+            negative index (a padded row) starts from zeros and writes nothing. Indices >= 0 must
+            be distinct (a row's read may follow another's write within the launch). Inference only.
         has_initial_state: bool [N], with ``state_indices``: sequence n reads its pool row only
             where True (False: starts from zeros, e.g. a fresh request in a reused slot).
         out: a contiguous [B, T, HV, V] buffer in v's dtype for o (inference only).
