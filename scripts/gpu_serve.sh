@@ -16,6 +16,8 @@
 #   server_*.log (each server's log tail: graph captures), steps_*.md (benchmarks/step_log.py: step
 #   durations by kind, per benchmark run; the slowest steps' host spans and garbage collections),
 #   steps_N.jsonl (stage serveN: the raw step log),
+#   host_state.txt (stage serve: the cgroup's CPU quota and throttling, CPU pressure and load before and
+#   after the server: do host stalls come from outside the process?),
 #   hf_anchor.md, hf_anchor.json, serve_tests.log, sanitizer.log; sampling.md (the sampler's cut-off
 #   ways: sort, histogram, top-k candidates; benchmarks/sampling.py) when that stage is named
 # STATE_DTYPE=bfloat16: the engine and the servers keep the Gated DeltaNet states in bf16 (--state-dtype).
@@ -46,11 +48,18 @@ engine() {  # batch, then sampling flags
 }
 want engine && { engine 1; engine 1 $SERVED_SAMPLING; }
 healthy() { python3 -c "import urllib.request as u; u.urlopen('$url/health', timeout=2)" 2>/dev/null; }
+host_state() {  # CPU quota and throttling (cgroup v2), CPU pressure and load: do host stalls come from outside?
+  echo "## $1 ($(date +%T))"; nproc
+  for f in /sys/fs/cgroup/cpu.max /sys/fs/cgroup/cpu.stat /proc/pressure/cpu /proc/loadavg; do
+    [ -r "$f" ] && { echo "# $f"; cat "$f"; }
+  done
+}
 bench() {  # label, then bench-serve options
   local label=$1; shift
   python3 -m fuselm bench-serve "$url" --random-input-len 512 --random-output-len 256 --disable-tqdm \
     --out "$work" --label "$label" "$@" > "$work/$label.log" 2>&1 || status=1
   cat "$work/$label.md" >> "$OUT/serve.md" 2>/dev/null || tail -20 "$work/$label.log"
+  host_state "after $label" >> "$OUT/host_state.txt"
 }
 serve() {  # prefill token budget ("" for the CLI's default); then the benches run
   setsid python3 -m fuselm serve "$checkpoint" --max-batch 32 --max-len 1024 --port $port --state-dtype "$state_dtype" \
@@ -64,6 +73,7 @@ stop() {
   kill -INT $server; wait $server; echo "server exit status: $?"
 }
 if want serve; then
+  host_state "before the server" >> "$OUT/host_state.txt"
   serve ""
   bench serve_c1 --num-prompts 8 --max-concurrency 1 --warmup-requests 2 --goodput ttft:500 tpot:10
   bench serve_c32 --num-prompts 96 --max-concurrency 32 --warmup-requests 4
@@ -77,6 +87,7 @@ if want serve; then
   bench serve_poisson --num-prompts 96 --request-rate "$rate" --burstiness 1 --max-concurrency 32 --goodput ttft:500
   cp "$work/serve_poisson.png" "$OUT/" 2>/dev/null
   stop
+  host_state "after the server" >> "$OUT/host_state.txt"
   tail -c 20000 "$work/server_.log" > "$OUT/server_default.log"
   python3 benchmarks/step_log.py "$work/steps_.jsonl" > "$OUT/steps_default.md" 2>&1
 fi
