@@ -23,7 +23,7 @@ def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch
 
 def rotary_table(length: int, inv_freq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[L, 2, R]: ``rotary_cos_sin`` of positions 0 .. L - 1 (row p holds p's cos, then its sin), so
-    a decode step gathers its rows' values instead of computing them (the same bits)."""
+    prefill and decode steps gather their rows' values instead of computing them (the same bits)."""
     cos, sin = rotary_cos_sin(torch.arange(length, device=inv_freq.device), inv_freq, dtype)
     return torch.stack([cos, sin], dim=1)
 
