@@ -438,7 +438,9 @@ def test_prefill_step_padding_rows_and_tokens_change_nothing():
 def test_mixed_step_equals_a_decode_step_then_a_prefill_step():
     """One pass of a decode step over rows 0-2 (slot 1 idle) and prompt chunks into slots 3 (fresh)
     and 1 (continued from 6 cached tokens, inside the decode rows: inactive there) gives the two
-    calls' logits and cache state within 1e-5; the chunks' slots keep their active flags."""
+    calls' logits and cache state within 1e-5; the chunks' slots keep their active flags. Row 1's
+    decode logits are meaningless (an inactive row reads its slot while the chunk writes it: on CUDA
+    the halves run on two streams), as is the scratch page both write: neither is compared."""
     model = random_qwen35(tiny_config(), dtype=torch.float32, device=DEVICE, seed=8)
     ids = prompt(3, 14, seed=42)
     as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=DEVICE)  # noqa: E731
@@ -457,13 +459,15 @@ def test_mixed_step_equals_a_decode_step_then_a_prefill_step():
     prefill_logits = model.prefill_step(chunk, apart, slots, starts, lengths)
     apart.active[[3, 1]] = False  # prefill_step activates its slots; mixed_step leaves that to the caller
     got_decode, got_prefill = model.mixed_step(tokens, mixed, chunk, slots, starts, lengths)
-    assert (got_decode - decode_logits).abs().max() <= 1e-5
+    assert (got_decode[[0, 2]] - decode_logits[[0, 2]]).abs().max() <= 1e-5
     assert (got_prefill - prefill_logits).abs().max() <= 1e-5
     assert mixed.lengths.tolist() == apart.lengths.tolist() == [10, 11, 10, 8]
     assert mixed.active.tolist() == [True, False, True, False]
     for a, b in zip(apart.layers, mixed.layers):
         for name in ("conv", "recurrent") if hasattr(a, "conv") else ("key", "value"):
             x, y = getattr(a, name), getattr(b, name)
+            if name in ("key", "value"):  # the last page is scratch: both halves write padding there
+                x, y = x[:-1], y[:-1]
             assert (x - y).abs().max() <= 1e-5, name
 
 

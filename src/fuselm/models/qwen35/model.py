@@ -37,6 +37,7 @@ positions make M-RoPE plain RoPE: all three position rows are equal); training.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
@@ -49,7 +50,7 @@ from fuselm.models.qwen35.layers import (DecodeStep, DecoderLayer, PrefillStep, 
                                          prefixed, rotary_inv_freq)
 from fuselm.ops.decode_inputs import decode_inputs, rotary_table
 from fuselm.ops.rms_norm import add_rms_norm, rms_norm
-from fuselm.runtime import check_positive_int
+from fuselm.runtime import check_positive_int, side_stream
 
 
 class Qwen35(nn.Module):
@@ -311,24 +312,39 @@ class Qwen35(nn.Module):
         :meth:`prefill_step`) in one pass, as vLLM's mixed batches: their b + R T tokens share the
         norms, the token mixers' input projections, the MLP GEMMs and the LM head (most of the
         weight bytes: read once for both), and each half goes through its own token mixing
-        (decode kernels; chunked prefill) before one output projection for all. Returns (decode
-        logits [b, vocab], the logits of each prefill row's last real token [R, vocab]).
+        (decode kernels; chunked prefill; on CUDA the chunk's on a high-priority side stream beside
+        the decode rows', ``runtime.side_stream``) before one output projection for all. Returns
+        (decode logits [b, vocab], the logits of each prefill row's last real token [R, vocab]).
 
         Decode rows advance as in :meth:`decode_step`; the prefill slots get lengths
         starts + lengths but keep their ``active`` flag (they must be inactive in the decode half:
         the caller activates a slot once its whole prompt is in). Same results as the two calls
-        up to the GEMMs' summation order. CUDA-graph safe, no host sync."""
+        up to the GEMMs' summation order (inactive rows' logits, meaningless, apart). CUDA-graph
+        safe, no host sync."""
         b = token_ids.shape[0]
         rows = cache if b == cache.max_batch else cache.first_rows(b)
         decode_x, decode = self._decode_inputs(token_ids, rows)
         prefill_x, prefill = self._prefill_inputs(input_ids, cache, slots, starts, lengths, fresh)
         R, T = input_ids.shape
 
+        side = side_stream(self.device)
+
         def mix(mixer, x, i):  # x [b + R T, 1, D]: the decode rows, then the prompt tokens
             projected = mixer.project(x)  # one input-projection GEMM for both halves
             heads = projected.new_empty(b + R * T, 1, mixer.heads_dim)  # both halves' outputs, one buffer
+            # The halves' token mixing write disjoint slots and rows of ``heads`` (both write padding
+            # into the scratch page, never read; an inactive decode row's read of its slot while the
+            # chunk fills it gives logits nobody reads): on CUDA the prompt chunk's (short,
+            # latency-bound kernels: a few programs a head) runs on a side stream beside the decode
+            # rows' (bandwidth-bound: the recurrent states), joined before out_proj.
+            if side is not None:
+                side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                mixer.prefill_heads(projected[b:].view(R, T, -1), cache.layers[i], prefill,
+                                    out=heads[b:].view(R, T, -1))
             mixer.decode_heads(projected[:b], rows.layers[i], decode, out=heads[:b])
-            mixer.prefill_heads(projected[b:].view(R, T, -1), cache.layers[i], prefill, out=heads[b:].view(R, T, -1))
+            if side is not None:
+                torch.cuda.current_stream().wait_stream(side)
             return mixer.output(heads, projected)  # one GEMM
 
         hidden = self._layers(torch.cat([decode_x, prefill_x.view(R * T, 1, -1)]), mix)
