@@ -435,13 +435,10 @@ def test_prefill_step_padding_rows_and_tokens_change_nothing():
             assert (x - y).abs().max() <= 1e-5, name
 
 
-def test_mixed_step_equals_a_decode_step_then_a_prefill_step():
-    """One pass of a decode step over rows 0-2 (slot 1 idle) and prompt chunks into slots 3 (fresh)
-    and 1 (continued from 6 cached tokens, inside the decode rows: inactive there) gives the two
-    calls' logits and cache state within 1e-5; the chunks' slots keep their active flags. Row 1's
-    decode logits are meaningless (an inactive row reads its slot while the chunk writes it: on CUDA
-    the halves run on two streams), as is the scratch page both write: neither is compared."""
-    model = random_qwen35(tiny_config(), dtype=torch.float32, device=DEVICE, seed=8)
+def mixed_step_case(model):
+    """Two equal caches of 4 slots (3 and 1 prompts prefilled, slot 1 idle: its prompt goes on) and
+    a mixed step's inputs: decode tokens for rows 0-2, prompt chunks into slots 3 (fresh) and 1
+    (continued from 6 cached tokens, inside the decode rows: inactive there)."""
     ids = prompt(3, 14, seed=42)
     as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=DEVICE)  # noqa: E731
     caches = [model.new_cache(max_batch=4, max_len=40, num_pages=12, page_size=16) for _ in range(2)]
@@ -450,11 +447,29 @@ def test_mixed_step_equals_a_decode_step_then_a_prefill_step():
         model.prefill(ids[:2, :9], cache, slots=[0, 2])
         model.prefill(ids[2:, :6], cache, slots=[1])
         cache.active[1] = False  # slot 1's prompt goes on below: not decoding
-    tokens = as_tensor([5, 0, 17])
     chunk = torch.zeros(2, 8, dtype=torch.int64, device=DEVICE)
     chunk[0, :8], chunk[1, :5] = ids[0, :8], ids[2, 6:11]
-    slots, starts, lengths = as_tensor([3, 1]), as_tensor([0, 6]), as_tensor([8, 5])
-    apart, mixed = caches
+    return caches, as_tensor([5, 0, 17]), chunk, as_tensor([3, 1]), as_tensor([0, 6]), as_tensor([8, 5])
+
+
+def assert_same_cache_state(a: Qwen35Cache, b: Qwen35Cache, tol: float) -> None:
+    """Every layer's conv and recurrent states, and K/V but the scratch page (the last: both halves
+    of a mixed step write padding there), within ``tol``."""
+    for x_layer, y_layer in zip(a.layers, b.layers):
+        for name in ("conv", "recurrent") if hasattr(x_layer, "conv") else ("key", "value"):
+            x, y = getattr(x_layer, name), getattr(y_layer, name)
+            if name in ("key", "value"):
+                x, y = x[:-1], y[:-1]
+            assert (x - y).abs().max() <= tol, name
+
+
+def test_mixed_step_equals_a_decode_step_then_a_prefill_step():
+    """One pass of a decode step and two prompt chunks (``mixed_step_case``) gives the two calls'
+    logits and cache state within 1e-5; the chunks' slots keep their active flags. Row 1's decode
+    logits are meaningless (an inactive row reads its slot while the chunk writes it: on CUDA the
+    halves run on two streams), as is the scratch page both write: neither is compared."""
+    model = random_qwen35(tiny_config(), dtype=torch.float32, device=DEVICE, seed=8)
+    (apart, mixed), tokens, chunk, slots, starts, lengths = mixed_step_case(model)
     decode_logits = model.decode_step(tokens, apart.first_rows(3))
     prefill_logits = model.prefill_step(chunk, apart, slots, starts, lengths)
     apart.active[[3, 1]] = False  # prefill_step activates its slots; mixed_step leaves that to the caller
@@ -463,12 +478,7 @@ def test_mixed_step_equals_a_decode_step_then_a_prefill_step():
     assert (got_prefill - prefill_logits).abs().max() <= 1e-5
     assert mixed.lengths.tolist() == apart.lengths.tolist() == [10, 11, 10, 8]
     assert mixed.active.tolist() == [True, False, True, False]
-    for a, b in zip(apart.layers, mixed.layers):
-        for name in ("conv", "recurrent") if hasattr(a, "conv") else ("key", "value"):
-            x, y = getattr(a, name), getattr(b, name)
-            if name in ("key", "value"):  # the last page is scratch: both halves write padding there
-                x, y = x[:-1], y[:-1]
-            assert (x - y).abs().max() <= 1e-5, name
+    assert_same_cache_state(apart, mixed, 1e-5)
 
 
 def test_stop_ids_are_the_union_of_the_checkpoint_files():
@@ -510,6 +520,32 @@ def test_bf16_logits_match_hf_on_gpu():
         assert cosine(logits[:, step], ref_logits[:, step]) >= 0.999, step
         if not torch.equal(tokens[:, : step + 1], ref_run.sequences[:, 100: 101 + step]):
             break  # a bf16 near-tie changed the path: later steps are not comparable
+
+
+@pytest.mark.gpu
+def test_mixed_step_on_a_side_stream_equals_one_stream(monkeypatch):
+    """On CUDA a mixed step runs its prompt chunk's token mixing on a side stream: the same logits
+    (active rows) and cache state as with FUSELM_SIDE_STREAM=0 (one stream, in order), eager and
+    replayed from a CUDA graph (the fork and join captured as graph branches)."""
+    from fuselm import runtime
+
+    model = random_qwen35(tiny_config(), dtype=torch.float32, device=DEVICE, seed=8)
+    assert runtime.side_stream(model.device) is not None
+    (side, graphed), tokens, chunk, slots, starts, lengths = mixed_step_case(model)
+    (single, scratch), *_ = mixed_step_case(model)
+    got = model.mixed_step(tokens, side, chunk, slots, starts, lengths)
+    caches = iter([scratch, graphed])  # capture_graph's warm-up call takes the scratch cache
+    graph, graph_out = runtime.capture_graph(
+        lambda: model.mixed_step(tokens, next(caches), chunk, slots, starts, lengths))
+    graph.replay()
+    monkeypatch.setattr(runtime, "SIDE_STREAM", False)
+    assert runtime.side_stream(model.device) is None
+    want = model.mixed_step(tokens, single, chunk, slots, starts, lengths)
+    torch.cuda.synchronize()
+    for out, cache in ((got, side), (graph_out, graphed)):
+        assert (out[0][[0, 2]] - want[0][[0, 2]]).abs().max() <= 1e-5
+        assert (out[1] - want[1]).abs().max() <= 1e-5
+        assert_same_cache_state(cache, single, 1e-5)
 
 
 @pytest.mark.gpu
