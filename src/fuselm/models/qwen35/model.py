@@ -328,6 +328,7 @@ class Qwen35(nn.Module):
         R, T = input_ids.shape
 
         side = side_stream(self.device)
+        main = torch.cuda.current_stream(self.device) if side is not None else None
 
         def mix(mixer, x, i):  # x [b + R T, 1, D]: the decode rows, then the prompt tokens
             projected = mixer.project(x)  # one input-projection GEMM for both halves
@@ -338,13 +339,13 @@ class Qwen35(nn.Module):
             # latency-bound kernels: a few programs a head) runs on a side stream beside the decode
             # rows' (bandwidth-bound: the recurrent states), joined before out_proj.
             if side is not None:
-                side.wait_stream(torch.cuda.current_stream())
+                side.wait_stream(main)
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 mixer.prefill_heads(projected[b:].view(R, T, -1), cache.layers[i], prefill,
                                     out=heads[b:].view(R, T, -1))
             mixer.decode_heads(projected[:b], rows.layers[i], decode, out=heads[:b])
             if side is not None:
-                torch.cuda.current_stream().wait_stream(side)
+                main.wait_stream(side)
             return mixer.output(heads, projected)  # one GEMM
 
         hidden = self._layers(torch.cat([decode_x, prefill_x.view(R * T, 1, -1)]), mix)
