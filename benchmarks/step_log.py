@@ -9,9 +9,10 @@ host's work) — the inter-token latency of every request decoding in it. Gaps a
 the kind of the step they time: decode, mixed (prompt chunks + decode in one pass), prefill (no
 decode rows), prefill+decode (a prefill step with a decode step behind it). Idle steps (nothing
 to run) and the gap after them are left out. Prints a markdown table per kind (count, share,
-median, p90, p99, max, mean prompt tokens; and the host's share of each step: median ms from
-the step's start to its last launch, "host launch", and from there to having read the step
-before's ids, "wait") and the kinds / sizes of the slowest 1% of gaps, each with the host's span
+median, p90, p99, max, mean prompt tokens, mean decode rows; and the host's share of each step:
+median ms from the step's start to its last launch, "host launch", and from there to having read
+the step before's ids, "wait"), the decode rows a step and the decode tokens/s they make over the
+run's time, and the kinds / sizes of the slowest 1% of gaps, each with the host's span
 from reading the step before to launching the next (longer than the step's GPU time: the GPU
 waited for the host) and the garbage collections within it (the log's "gc" entries, which
 ``fuselm serve --step-log`` records), for each run of steps without a pause of more than
@@ -65,13 +66,15 @@ def summarise(steps: list[dict], pauses: list[dict] = ()) -> str:
     timed = [(gap, before) for gap, before, _ in pairs]
     if not timed:
         return "no timed steps"
-    lines = ["| step kind | steps | share | median ms | p90 ms | p99 ms | max ms | mean prompt tokens | host launch ms | wait ms |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| step kind | steps | share | median ms | p90 ms | p99 ms | max ms | mean prompt tokens "
+             "| mean decode rows | host launch ms | wait ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     kinds = Counter(step["kind"] for _, step in timed)
     for kind, count in kinds.most_common():
         ms = [gap for gap, step in timed if step["kind"] == kind]
-        tokens = [step["prompt_tokens"] for _, step in timed if step["kind"] == kind]
         mine = [step for _, step in timed if step["kind"] == kind]
+        tokens = sum(step["prompt_tokens"] for step in mine)
+        rows = sum(step["decode_rows"] for step in mine)
         split = "| |"
         if all("launched" in step for step in mine):
             host = [1e3 * (step["launched"] - step["began"]) for step in mine]
@@ -79,10 +82,15 @@ def summarise(steps: list[dict], pauses: list[dict] = ()) -> str:
             split = f"{percentile(host, 0.5):.2f} | {percentile(wait, 0.5):.2f} |"
         lines.append(f"| {kind} | {count} | {count / len(timed):.1%} | {percentile(ms, 0.5):.2f} | "
                      f"{percentile(ms, 0.9):.2f} | {percentile(ms, 0.99):.2f} | {max(ms):.2f} | "
-                     f"{sum(tokens) / count:.0f} | {split}")
+                     f"{tokens / count:.0f} | {rows / count:.1f} | {split}")
     every = [gap for gap, _ in timed]
+    rows = sum(step["decode_rows"] for _, step in timed)
     lines.append(f"| all | {len(timed)} | 100% | {percentile(every, 0.5):.2f} | {percentile(every, 0.9):.2f} | "
-                 f"{percentile(every, 0.99):.2f} | {max(every):.2f} | | | |")
+                 f"{percentile(every, 0.99):.2f} | {max(every):.2f} | | {rows / len(timed):.1f} | | |")
+    # Decode rows over the run's time: the rate at which running requests got tokens (each prompt's
+    # first token, from its last chunk, comes beside them).
+    lines += ["", f"decode rows a step {rows / len(timed):.2f}, mean step {sum(every) / len(every):.2f} ms: "
+                  f"{1e3 * rows / sum(every):,.0f} decode tokens/s"]
     slowest = sorted(pairs, key=lambda item: -item[0])[:max(1, len(pairs) // 100)]
     lines += ["", f"slowest 1% ({len(slowest)} steps): " + ", ".join(
         f"{gap:.1f} ms {step['kind']} (rows {step['decode_rows']}, chunks {step['chunks']}, "

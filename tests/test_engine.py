@@ -227,6 +227,9 @@ def test_the_step_log_records_each_step(model):
     spec.loader.exec_module(step_log)
     table = step_log.summarise(engine.step_log)
     assert "| mixed |" in table and "| all |" in table
+    timed = [step for _, step in step_log.gaps(engine.step_log)]
+    rows = sum(step["decode_rows"] for step in timed) / len(timed)
+    assert f"decode rows a step {rows:.2f}," in table  # the two requests' occupancy, the ramp and drain included
     # A collection inside the slowest gap is named there, with the host's span across it.
     steps = engine.step_log
     gap, before, after = max(step_log.timed_pairs(steps), key=lambda item: item[0])
