@@ -42,8 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselm.ops.gated_delta_rule.fused_recurrent import (STATE_POOL_DTYPES, _gated_delta_step, decode_block_v,
-                                                         decode_num_warps, softplus)
+from fuselm.ops.gated_delta_rule.fused_recurrent import _gated_delta_step, decode_block_v, decode_num_warps, softplus
 from fuselm.ops.gated_delta_rule.naive import gated_delta_rule_decode_step_ref
 from fuselm.ops.common.pdl import allow_next_kernel, wait_for_previous_kernel
 from fuselm.ops.common.prologue import PROLOGUE_GATED_RMS_NORM, PROLOGUE_NONE, prologue_tile
@@ -173,8 +172,7 @@ def _check(proj, conv_state, conv_weight, A_log, dt_bias, state, state_slots, po
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
         if t.shape != (HV,):
             raise ValueError(f"{name}: expected [HV] = ({HV},), got {tuple(t.shape)}")
-    if (state.dtype not in STATE_POOL_DTYPES or state.dim() != 4 or state.shape[1:] != (HV, K, V)
-            or not state.is_contiguous()):
+    if state.dim() != 4 or state.shape[1:] != (HV, K, V) or not state.is_contiguous():  # dtype: check_tensor
         raise ValueError(f"state: expected a contiguous pool [P, {HV}, {K}, {V}] in fp32, bf16 or fp16, got "
                          f"{tuple(state.shape)} {state.dtype}")
     for name, t in (("state_slots", state_slots), ("positions", positions)):

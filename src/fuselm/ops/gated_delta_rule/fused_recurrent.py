@@ -21,8 +21,8 @@ import triton.language as tl
 
 from fuselm.ops.gated_delta_rule.naive import (decay_gate, gates_from_projections, recurrent_gated_delta_rule_ref,
                                               run_on_state_pool)
-from fuselm.runtime import (arch_major, cdiv, check_same_device, check_tensor, needs_autograd, next_power_of_2, num_sms,
-                            use_triton)
+from fuselm.runtime import (KERNEL_DTYPES, arch_major, cdiv, check_same_device, check_tensor, needs_autograd,
+                            next_power_of_2, num_sms, use_triton)
 
 
 @triton.jit
@@ -196,9 +196,9 @@ def _check(q, k, v, g, beta, raw, initial_state, cu_seqlens, state_indices):
     return N
 
 
-# A state pool's dtypes: the kernels load a row, compute in fp32 and round the final state once
-# into the pool's dtype (16 bits: vLLM's default, the model dtype; fp32: HF's).
-STATE_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# A state pool's dtypes, every kernel dtype: the kernels load a row, compute in fp32 and round the
+# final state once into the pool's dtype (16 bits: vLLM's default, the model dtype; fp32: HF's).
+STATE_POOL_DTYPES = KERNEL_DTYPES
 
 
 def check_state_pool_layout(state_indices, initial_state, state_v_first: bool) -> None:
