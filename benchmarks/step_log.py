@@ -12,7 +12,7 @@ to run) and the gap after them are left out. Prints a markdown table per kind (c
 median, p90, p99, max, mean prompt tokens, mean decode rows; and the host's share of each step:
 median ms from the step's start to its last launch, "host launch", and from there to having read
 the step before's ids, "wait"), the decode rows a step and the decode tokens/s they make over the
-run's time, and the kinds / sizes of the slowest 1% of gaps, each with the host's span
+run's time, where the requests were (decoding, prefilling, queued: ``occupancy``), and the kinds / sizes of the slowest 1% of gaps, each with the host's span
 from reading the step before to launching the next (longer than the step's GPU time: the GPU
 waited for the host) and the garbage collections within it (the log's "gc" entries, which
 ``fuselm serve --step-log`` records), for each run of steps without a pause of more than
@@ -58,6 +58,25 @@ def why(before: dict, after: dict, pauses: list[dict]) -> str:
     return f"; {', '.join(parts)}" if parts else ""
 
 
+def occupancy(timed: list[tuple[float, dict]]) -> list[str]:
+    """Where the requests were, on average over the timed steps (logs with running / waiting):
+    decoding, holding a slot while their prompt goes in, queued for a slot; and how long the
+    requests each step admitted had waited since the server took them (admission_waits_ms)."""
+    if not timed or "running" not in timed[0][1]:
+        return []
+    count = len(timed)
+    decoding = sum(step["decode_rows"] for _, step in timed) / count
+    running = sum(step["running"] for _, step in timed) / count
+    waiting = sum(step["waiting"] for _, step in timed) / count
+    waits = [ms for _, step in timed for ms in step["admission_waits_ms"]]
+    line = (f"requests a step: {decoding:.2f} decoding, {running - decoding:.2f} prefilling (a slot, no decode row), "
+            f"{waiting:.2f} queued")
+    if waits:
+        line += (f"; {len(waits)} admitted, waited {percentile(waits, 0.5):.1f} ms median, p90 "
+                 f"{percentile(waits, 0.9):.1f}, max {max(waits):.1f} from submission to the step that took them")
+    return ["", line]
+
+
 def summarise(steps: list[dict], pauses: list[dict] = ()) -> str:
     """The tables of the module docstring for one run of ``steps``; ``pauses``: the run's garbage
     collections (``{"kind": "gc", "began", "read"}`` entries of the log)."""
@@ -91,6 +110,7 @@ def summarise(steps: list[dict], pauses: list[dict] = ()) -> str:
     # first token, from its last chunk, comes beside them).
     lines += ["", f"decode rows a step {rows / len(timed):.2f}, mean step {sum(every) / len(every):.2f} ms: "
                   f"{1e3 * rows / sum(every):,.0f} decode tokens/s"]
+    lines += occupancy(timed)
     slowest = sorted(pairs, key=lambda item: -item[0])[:max(1, len(pairs) // 100)]
     lines += ["", f"slowest 1% ({len(slowest)} steps): " + ", ".join(
         f"{gap:.1f} ms {step['kind']} (rows {step['decode_rows']}, chunks {step['chunks']}, "

@@ -15,12 +15,13 @@
 #   serve.md (every bench-serve table), serve.json (their JSON), serve_poisson.png, engine.md,
 #   server_*.log (each server's log tail: graph captures), steps_*.md (benchmarks/step_log.py: step
 #   durations by kind, per benchmark run; the slowest steps' host spans and garbage collections),
-#   steps_N.jsonl (stage serveN: the raw step log),
+#   steps_N.jsonl (stage serveN: the raw step log; stage serve: steps_default.jsonl.gz),
 #   host_state.txt (stage serve: the cgroup's CPU quota and throttling, CPU pressure and load before and
 #   after the server: do host stalls come from outside the process?),
 #   hf_anchor.md, hf_anchor.json, serve_tests.log, sanitizer.log; sampling.md (the sampler's cut-off
 #   ways: sort, histogram, top-k candidates; benchmarks/sampling.py) when that stage is named
 # STATE_DTYPE=bfloat16: the engine and the servers keep the Gated DeltaNet states in bf16 (--state-dtype).
+# ADMISSION_WAIT_MS=N: the servers' --admission-wait-ms (default: the CLI's).
 # Usage: bash scripts/gpu_serve.sh [STAGE ...]   stages: engine serve serveN hf tests sanitizer sampling
 #   (default all: ~10 min on an H100, more than one device call allows: name fewer stages per call;
 #   wheels from .whl/ as gpu_env.sh installs them)
@@ -63,7 +64,8 @@ bench() {  # label, then bench-serve options
 }
 serve() {  # prefill token budget ("" for the CLI's default); then the benches run
   setsid python3 -m fuselm serve "$checkpoint" --max-batch 32 --max-len 1024 --port $port --state-dtype "$state_dtype" \
-    ${1:+--max-prefill-tokens $1} --step-log "$work/steps_$1.jsonl" > "$work/server_$1.log" 2>&1 &
+    ${1:+--max-prefill-tokens $1} ${ADMISSION_WAIT_MS:+--admission-wait-ms $ADMISSION_WAIT_MS} \
+    --step-log "$work/steps_$1.jsonl" > "$work/server_$1.log" 2>&1 &
   server=$!
   for _ in $(seq 240); do healthy && break; sleep 1; done
   healthy || { echo "server did not come up"; tail -40 "$work/server_$1.log"; kill $server; exit 1; }
@@ -90,6 +92,7 @@ if want serve; then
   host_state "after the server" >> "$OUT/host_state.txt"
   tail -c 20000 "$work/server_.log" > "$OUT/server_default.log"
   python3 benchmarks/step_log.py "$work/steps_.jsonl" > "$OUT/steps_default.md" 2>&1
+  gzip -c "$work/steps_.jsonl" > "$OUT/steps_default.jsonl.gz"
 fi
 for stage in $stages; do  # serveN: 32 clients, then Poisson at 80% of their throughput (or $RATE), budget N
   [[ $stage =~ ^serve([0-9]+)$ ]] || continue

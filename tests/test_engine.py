@@ -230,6 +230,13 @@ def test_the_step_log_records_each_step(model):
     timed = [step for _, step in step_log.gaps(engine.step_log)]
     rows = sum(step["decode_rows"] for step in timed) / len(timed)
     assert f"decode rows a step {rows:.2f}," in table  # the two requests' occupancy, the ramp and drain included
+    # Each request is admitted once, the first at the first step (the other then still queued);
+    # where they were, a step:
+    admitted = [len(step["admission_waits_ms"]) for step in engine.step_log]
+    assert sum(admitted) == 2 and admitted[0] >= 1
+    assert engine.step_log[0]["running"] == admitted[0] and engine.step_log[0]["waiting"] == 2 - admitted[0]
+    prefilling = sum(step["running"] - step["decode_rows"] for step in timed) / len(timed)
+    assert f"{rows:.2f} decoding, {prefilling:.2f} prefilling" in table and "2 admitted, waited" in table
     # A collection inside the slowest gap is named there, with the host's span across it.
     steps = engine.step_log
     gap, before, after = max(step_log.timed_pairs(steps), key=lambda item: item[0])

@@ -313,6 +313,57 @@ def test_an_moe_model_serves_concurrent_requests_their_solo_output():
         server.stop()
 
 
+# ==================================================================================== admission wait
+def test_a_follow_up_request_is_admitted_in_the_step_after_the_one_that_finished_its_predecessor():
+    """A closed-loop client's next request (sent on its previous one's last token) arrives after
+    the engine thread has read that token; with the admission wait the engine plans no step
+    before it comes, so it is admitted in the very next step (the step log's admission_waits_ms
+    and running / waiting counts record it). Meanwhile the running request goes on."""
+    from fuselm.engine.engine import Engine
+    from fuselm.engine.request import SamplingParams
+    from fuselm.models.qwen35.presets import random_qwen35, tiny_config
+    from fuselm.serve.async_engine import AsyncEngine
+
+    engine = Engine(random_qwen35(tiny_config(), dtype=torch.float32, device="cpu", seed=0), max_batch=2,
+                    max_len=MAX_LEN, seed=0)
+    engine.step_log = []
+    params = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
+
+    async def closed_loop():
+        async_engine = AsyncEngine(engine, admission_wait=0.05)
+        async_engine.start()
+        try:
+            first = await async_engine.submit([1, 2, 3], params(2))
+            running = await async_engine.submit([4, 5, 6, 7], params(8))
+            async for delta in first:
+                pass
+            follow_up = await async_engine.submit([8, 9], params(2))
+            return [[d async for d in stream][-1] for stream in (running, follow_up)], delta
+        finally:
+            await async_engine.shutdown()
+
+    (running_last, follow_up_last), first_last = asyncio.run(closed_loop())
+    assert first_last.finish_reason == running_last.finish_reason == follow_up_last.finish_reason == "length"
+    assert len(running_last.output.outputs[0].token_ids) == 8
+    first_finished = first_last.output.metrics.finished_time
+    admitted = [step for step in engine.step_log if step["admission_waits_ms"]]
+    assert len(admitted) == 3 and all(len(step["admission_waits_ms"]) == 1 for step in admitted)
+    follow_up_step = admitted[2]
+    between = [step for step in engine.step_log if first_finished < step["began"] < follow_up_step["began"]]
+    assert between == [], "a step was planned between the predecessor's end and its follow-up's admission"
+    assert follow_up_step["running"] == 2 and follow_up_step["waiting"] == 0
+    assert 0 <= follow_up_step["admission_waits_ms"][0] < 50
+
+
+def test_admission_wait_out_of_range_is_refused_naming_it():
+    from fuselm.serve.async_engine import AsyncEngine
+
+    engine = ServedModel.random("tiny", dtype=torch.float32, device="cpu", max_batch=1, max_len=MAX_LEN).engine
+    for bad in (-0.001, 1.0, "3", True):
+        with pytest.raises(ValueError, match="admission_wait"):
+            AsyncEngine(engine, admission_wait=bad)
+
+
 # ==================================================================================== shutdown
 def test_stopping_aborts_running_requests_and_ends_the_engine_thread():
     model = ServedModel.random("tiny", dtype=torch.float32, device="cpu", max_batch=1, max_len=MAX_LEN, seed=0)

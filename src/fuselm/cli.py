@@ -40,6 +40,8 @@ TEXT_MAX_TOKENS, TEXT_MAX_LEN = 256, 4096
 # against 8.1 ms for 256's three), 3,297 tok/s against 3,249 at 256 and 3,300 at 384 on the engine
 # alone; 2048 gave ITL p99 14x the median (whole prompts in one step).
 SERVE_MAX_PREFILL_TOKENS = 320
+# fuselm.serve.async_engine.ADMISSION_WAIT_S and MAX_ADMISSION_WAIT_S, in ms (no import here: lazy)
+SERVE_ADMISSION_WAIT_MS, SERVE_MAX_ADMISSION_WAIT_MS = 3.0, 50.0
 BENCH_PROMPT_LEN, BENCH_MAX_NEW_TOKENS, BENCH_BATCH = 32, 16, 1
 
 
@@ -141,6 +143,9 @@ def _serve(args) -> int:
         args.command_parser.error(f"--port: expected 0..65535, got {args.port}")
     if args.max_queue is not None and args.max_queue < 0:
         args.command_parser.error(f"--max-queue: expected >= 0, got {args.max_queue}")
+    if not 0 <= args.admission_wait_ms <= SERVE_MAX_ADMISSION_WAIT_MS:
+        args.command_parser.error(f"--admission-wait-ms: expected 0..{SERVE_MAX_ADMISSION_WAIT_MS:g}, got "
+                                  f"{args.admission_wait_ms:g}")
     if args.model_dir is not None:
         import torch
 
@@ -166,7 +171,7 @@ def _serve(args) -> int:
         model.engine.step_log = []
         gc.callbacks.append(_gc_recorder(pauses))
     try:
-        run_server(model, args.host, args.port, args.max_queue)
+        run_server(model, args.host, args.port, args.max_queue, args.admission_wait_ms / 1e3)
     except OSError as error:  # the address cannot be listened on
         raise ValueError(f"--host/--port: {error}") from None
     if args.step_log is not None:
@@ -419,6 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
                             f"longer prompts go in chunks over several steps ({SERVE_MAX_PREFILL_TOKENS})")
     serve.add_argument("--max-queue", type=int, default=None,
                        help="requests that may wait for a slot; more get a 503 (default: no limit)")
+    serve.add_argument("--admission-wait-ms", type=float, default=SERVE_ADMISSION_WAIT_MS,
+                       help="after a step that finished a request, while none waits, how long the engine waits for "
+                            "the next one before it plans the next step, so that a client's follow-up request is "
+                            f"admitted a step sooner (0: never; default {SERVE_ADMISSION_WAIT_MS:g})")
     serve.add_argument("--step-log", default=None, metavar="PATH",
                        help="write one JSON line per engine step to PATH at shutdown (kind, decode rows, prompt "
                             "tokens, host times), then one per garbage collection (kind gc); "

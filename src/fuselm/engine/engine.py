@@ -160,6 +160,10 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._in_flight)
 
+    def num_waiting_requests(self) -> int:
+        """Requests queued for a slot (not yet admitted)."""
+        return len(self.scheduler.waiting)
+
     def abort(self, request: Request) -> None:
         """End a request now (its slot is freed; an in-flight step's ids for it are dropped)."""
         if not request.finished:
@@ -249,9 +253,14 @@ class Engine:
         if self.step_log is not None:
             kind = "mixed" if mixed else "prefill+decode" if plan and decoding else "prefill" if plan else \
                 "decode" if decoding else "idle"
+            # running / waiting: requests holding a slot / queued for one once this step was planned;
+            # admission_waits_ms: how long each request this step admitted had waited for it.
             self.step_log.append({"began": began, "launched": launched_at, "read": time.perf_counter(), "kind": kind,
                                   "decode_rows": len(decoding), "chunks": len(plan),
-                                  "prompt_tokens": sum(count for _, _, count in plan)})
+                                  "prompt_tokens": sum(count for _, _, count in plan),
+                                  "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                                  "admission_waits_ms": [round(1e3 * (began - request.metrics.arrival_time), 3)
+                                                         for request, start, _ in plan if start == 0]})
         return updated
 
     def capture_mixed_graphs(self) -> int:

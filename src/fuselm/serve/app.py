@@ -35,7 +35,7 @@ from aiohttp import web
 
 from fuselm.engine.engine import Engine
 from fuselm.engine.request import SamplingParams
-from fuselm.serve.async_engine import AsyncEngine, EngineUnavailableError, RequestStream
+from fuselm.serve.async_engine import ADMISSION_WAIT_S, AsyncEngine, EngineUnavailableError, RequestStream
 from fuselm.serve.protocol import (APIError, ChatFormat, CompletionFormat, GenerationRequest, ResponseFormat,
                                    bad_request, check_model, model_list, parse_chat_request,
                                    parse_completion_request, token_usage)
@@ -101,11 +101,12 @@ async def _send_event(response: web.StreamResponse, data: dict | str) -> None:
 
 class OpenAIServer:
     """The routes' handlers over one ``ServedModel``, its ``AsyncEngine`` (``engine``) holding at
-    most ``max_queue`` waiting requests (None: no limit)."""
+    most ``max_queue`` waiting requests (None: no limit) and waiting ``admission_wait`` seconds for
+    a closed-loop client's next request (``AsyncEngine``)."""
 
-    def __init__(self, model: ServedModel, max_queue: int | None = None):
+    def __init__(self, model: ServedModel, max_queue: int | None = None, admission_wait: float = ADMISSION_WAIT_S):
         self.model = model
-        self.engine = AsyncEngine(model.engine, max_queue)
+        self.engine = AsyncEngine(model.engine, max_queue, admission_wait)
         self.created = int(time.time())
 
     # ------------------------------------------------------------------------ lifecycle
@@ -222,11 +223,12 @@ async def _openai_errors(request: web.Request, handler):
         return web.json_response(APIError(500, f"internal error: {error!r}").body, status=500)
 
 
-def build_app(model: ServedModel, max_queue: int | None = None) -> web.Application:
+def build_app(model: ServedModel, max_queue: int | None = None,
+              admission_wait: float = ADMISSION_WAIT_S) -> web.Application:
     """The aiohttp application serving ``model`` (routes: module docstring); ``app[SERVER]`` is
     its ``OpenAIServer``. Run it with ``handler_cancellation=True`` so that a client that goes
     away has its request aborted (``run_server`` does)."""
-    server = OpenAIServer(model, max_queue)
+    server = OpenAIServer(model, max_queue, admission_wait)
     app = web.Application(middlewares=[_openai_errors], client_max_size=MAX_REQUEST_BYTES)
     app[SERVER] = server
     app.add_routes([web.get("/health", server.health), web.get("/v1/models", server.models),
@@ -237,7 +239,8 @@ def build_app(model: ServedModel, max_queue: int | None = None) -> web.Applicati
     return app
 
 
-def run_server(model: ServedModel, host: str = "127.0.0.1", port: int = 8000, max_queue: int | None = None) -> None:
+def run_server(model: ServedModel, host: str = "127.0.0.1", port: int = 8000, max_queue: int | None = None,
+               admission_wait: float = ADMISSION_WAIT_S) -> None:
     """Serve ``model`` on ``host:port`` until SIGINT or SIGTERM, then shut down cleanly (stop
     listening, abort unfinished requests, end the engine thread) and return."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -257,5 +260,5 @@ def run_server(model: ServedModel, host: str = "127.0.0.1", port: int = 8000, ma
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     gc.collect()
     gc.freeze()
-    web.run_app(build_app(model, max_queue), host=host, port=port, handler_cancellation=True,
+    web.run_app(build_app(model, max_queue, admission_wait), host=host, port=port, handler_cancellation=True,
                 print=lambda message: print(message, file=sys.stderr, flush=True))
