@@ -320,27 +320,32 @@ def test_prefill_into_slots_leaves_the_other_slots_decoding(models):
     assert (model.decode_step(torch.tensor([11], device=DEVICE), alone)[0] - both[2]).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("lengths, chunk_size", [([19, 6], 1), ([19, 6], 4), ([70, 23], 64)])
+@pytest.mark.parametrize("lengths, chunk_size", [([19, 6], 1), ([19, 6], 4), ([70, 23], 64), ([37], 8)])
 def test_chunked_prefill_equals_one_prefill(models, lengths, chunk_size):
     """Prompts prefilled chunk_size tokens at a time (each chunk continuing from the conv state,
     the GDN state and the K/V of the chunks before it; the shorter row dropping out) give the
-    one-call prefill's logits within 1e-4 and the same state: the next 4 greedy decode steps agree."""
+    one-call prefill's logits within 1e-4 and the same state: the next 4 greedy decode steps agree.
+    (One prompt: its continued chunks read and write the state pool in place; two: gathered.)"""
     _, model = models
     T = max(lengths)
-    ids, mask = prompt(2, T, seed=31), right_padding_mask(lengths, T)
+    slots = [2, 0][:len(lengths)]
+    ids, mask = prompt(len(lengths), T, seed=31), right_padding_mask(lengths, T)
     whole, chunked = model.new_cache(max_batch=3, max_len=T + 5), model.new_cache(max_batch=3, max_len=T + 5)
-    logits = model.prefill(ids, whole, mask, slots=[2, 0])
-    chunk_logits = model.prefill(ids, chunked, mask, slots=[2, 0], chunk_size=chunk_size)
+    logits = model.prefill(ids, whole, mask, slots=slots)
+    chunk_logits = model.prefill(ids, chunked, mask, slots=slots, chunk_size=chunk_size)
     assert (logits - chunk_logits).abs().max() <= 1e-4
-    assert whole.lengths.tolist() == chunked.lengths.tolist() == [lengths[1], 0, lengths[0]]
+    expected_lengths = [0, 0, 0]
+    for slot, length in zip(slots, lengths):
+        expected_lengths[slot] = length
+    assert whole.lengths.tolist() == chunked.lengths.tolist() == expected_lengths
     tokens = torch.zeros(3, dtype=torch.int64, device=DEVICE)
     for _ in range(4):
-        tokens[[2, 0]] = logits.argmax(-1)
-        assert torch.equal(tokens[[2, 0]], chunk_logits.argmax(-1))
-        logits, chunk_logits = (model.decode_step(tokens, cache)[[2, 0]] for cache in (whole, chunked))
+        tokens[slots] = logits.argmax(-1)
+        assert torch.equal(tokens[slots], chunk_logits.argmax(-1))
+        logits, chunk_logits = (model.decode_step(tokens, cache)[slots] for cache in (whole, chunked))
         assert (logits - chunk_logits).abs().max() <= 1e-4
     with pytest.raises(ValueError, match="chunk_size"):
-        model.prefill(ids, chunked, mask, slots=[2, 0], chunk_size=0)
+        model.prefill(ids, chunked, mask, slots=slots, chunk_size=0)
 
 
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16])
