@@ -5,7 +5,7 @@
 # transformers on the same directory, all in this run:
 #   1. static Engine, batch 1 (prefill time of one 512-token prompt, decode step), greedy and with
 #      the served requests' sampling (the checkpoint's generation_config): engine.md
-#   2. server with the CLI's prefill budget: 1 client; 32 concurrent clients (96 prompts, 320 and
+#   2. server with the CLI's prefill budget: 1 client; 32 concurrent clients (96 prompts, 1024 and
 #      1000 for the steady state); Poisson arrivals at 80% of the 32-client request throughput. Stage
 #      serveN: a server with --max-prefill-tokens N, 32 clients and the same Poisson rate (or $RATE)
 #   3. static Engine, batch 32, greedy and with the served sampling: engine.md
@@ -80,8 +80,10 @@ if want serve; then
   bench serve_c1 --num-prompts 8 --max-concurrency 1 --warmup-requests 2 --goodput ttft:500 tpot:10
   bench serve_c32 --num-prompts 96 --max-concurrency 32 --warmup-requests 4
   # Steady state: 96 prompts are three waves, and the first wave's 32 x 512-token prefill has no
-  # decode to hide under (nor the last wave's drain): ~10% of the run (NOTES.md 34, 47)
-  bench serve_c32_steady --num-prompts 320 --max-concurrency 32 --warmup-requests 4
+  # decode to hide under (nor the last wave's drain): ~10% of the run (NOTES.md 34, 47). 1024 = 32
+  # x 32 keeps all 32 clients busy to the last wave; 1000 (vLLM's default count) leaves 8 requests
+  # running alone at batch 8 for their whole life at the end (~1.8% of the run, NOTES.md 82)
+  bench serve_c32_steady --num-prompts 1024 --max-concurrency 32 --warmup-requests 4
   # vLLM's bench serve default count: the ramp and drain ~1% of the run
   bench serve_c32_1000 --num-prompts 1000 --max-concurrency 32 --warmup-requests 4
   rate=$(python3 -c "import json; print(0.8 * json.load(open('$work/serve_c32.json'))['request_throughput'])")

@@ -11,7 +11,7 @@ from fuselm.models.qwen35.layers import GatedAttention, GatedDeltaNet
 from fuselm.models.qwen35.presets import tiny_config
 from fuselm.ops.decode_linear import (
     DecodeLinearConfig, DecodeVectorConfig, decode_linear, decode_linear_config, decode_linear_ref,
-    decode_vector_config, gated_rms_norm_ref, linear_prologue, prologue_ref, sigmoid_gate_ref,
+    decode_vector_config, gated_rms_norm_ref, sigmoid_gate_ref,
 )
 from fuselm.ops.rms_norm import rms_norm, rms_norm_ref
 from fuselm.testing import assert_close, poisoned_like
@@ -288,45 +288,6 @@ def test_bad_input(name, error, kwargs):
     x, weight = kwargs.pop("x"), kwargs.pop("weight")
     with pytest.raises(error, match=name):
         decode_linear(x, weight, **kwargs)
-
-
-# ----------------------------------------------------------------------------- the prologue alone
-@pytest.mark.parametrize("case", CASES[1:] + [("gated_rms_norm", 60, 20)],  # a head the kernel cannot tile
-                         ids=CASE_IDS[1:] + ["gated_rms_norm_hd20"])
-@pytest.mark.parametrize("dtype", DTYPES + [torch.bfloat16] * ON_GPU)  # the interpreter rounds bf16 otherwise
-@pytest.mark.parametrize("in_place", [False, True])
-def test_linear_prologue_alone_equals_the_reference(in_place, dtype, case):
-    """``linear_prologue``: decode_linear's prologue without the product (a mixed step's prompt
-    rows), into a poisoned buffer or in place over x (a contiguous [rows, 1, K] buffer, as the
-    mixed step's heads): the reference's roundings (fp32: 1e-6; 16-bit: equal up to rare 1-ulp
-    flips where the kernel sums a head's squares in another order, as the fused prologue)."""
-    prologue, k, head_dim = case
-    x, _, kwargs = make_inputs(37, k, dtype, prologue, head_dim)
-    expected = prologue_ref(x, **kwargs, eps=1e-6)
-    x = x.contiguous()[:, None]
-    gate = kwargs.pop("gate")[:, None]
-    kwargs.pop("prologue")
-    out = x if in_place else poisoned_like(x)
-    a = linear_prologue(x, prologue, gate=gate, out=out, **kwargs)
-    assert a is out and a.shape == (37, 1, k)
-    if dtype == torch.float32:
-        assert_close(a[:, 0], expected, 1e-6, "a")
-    else:
-        worst, flips = ulp_flips(a[:, 0], expected)
-        assert worst <= 1 and flips <= max(2, expected.numel() // 500), (worst, flips)
-
-
-def test_linear_prologue_bad_input_names_the_argument():
-    x, _, kwargs = make_inputs(3, 96, torch.float32, "gated_rms_norm", 32)
-    for name, error, bad in [
-        ("prologue", ValueError, dict(kwargs, prologue=None)),
-        ("gate", ValueError, dict(kwargs, gate=kwargs["gate"][:1])),
-        ("head_dim", ValueError, dict(kwargs, head_dim=40)),
-        ("out", ValueError, dict(kwargs, out=torch.empty(3, 95, device=DEVICE))),
-        ("out", TypeError, dict(kwargs, out=torch.empty(3, 96, device=DEVICE, dtype=torch.float16))),
-    ]:
-        with pytest.raises(error, match=name):
-            linear_prologue(x, bad.pop("prologue"), **bad)
 
 
 def test_fp32_norm_weight_is_accepted():

@@ -25,7 +25,7 @@ from fuselm.models.qwen35.config import LINEAR_ATTENTION, Qwen35Config
 from fuselm.ops.attention_decode import decode_attention, qk_norm_rope_kv_write
 from fuselm.ops.attention_prefill import prefill_attention
 from fuselm.ops.causal_conv1d import causal_conv1d_silu
-from fuselm.ops.decode_linear import decode_linear, linear_prologue
+from fuselm.ops.decode_linear import decode_linear
 from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, gated_delta_gates, gated_delta_rule_decode_step
 from fuselm.ops.moe import SwiGLUMoE
 from fuselm.ops.swiglu_mlp import SwiGLUMLP, interleave_gate_up
@@ -177,23 +177,9 @@ class GatedDeltaNet(nn.Module):
         gated_rms_norm prologue (fused into the GEMV at one row; else its own kernel, then the GEMV
         or past 32 rows cuBLAS), any number of rows (a mixed step's decode rows and prompt tokens
         in one GEMM)."""
-        return decode_linear(heads, self.out_proj, prologue="gated_rms_norm", gate=self._z(projected),
-                             norm_weight=self.norm, eps=self.eps, head_dim=self.head_v_dim)
-
-    def gate_heads(self, heads: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
-        """``output``'s gated RMSNorm alone, in place on ``heads`` [..., value_dim] (contiguous);
-        ``output_gated`` then takes them (a mixed step gates its prompt rows on their side
-        stream, its decode rows in their kernel)."""
-        return linear_prologue(heads, "gated_rms_norm", gate=self._z(projected), norm_weight=self.norm, eps=self.eps,
-                               head_dim=self.head_v_dim, out=heads)
-
-    def output_gated(self, heads: torch.Tensor) -> torch.Tensor:
-        """out_proj of heads already through the gated RMSNorm (``gate_heads``, ``decode_heads(...,
-        gated=True)``): the plain product, any number of rows."""
-        return decode_linear(heads, self.out_proj)
-
-    def _z(self, projected: torch.Tensor) -> torch.Tensor:
-        return projected[..., self.conv_dim:self.conv_dim + self.value_dim]
+        z = projected[..., self.conv_dim:self.conv_dim + self.value_dim]
+        return decode_linear(heads, self.out_proj, prologue="gated_rms_norm", gate=z, norm_weight=self.norm,
+                             eps=self.eps, head_dim=self.head_v_dim)
 
     def prefill(self, x: torch.Tensor, cache: DeltaNetCache, step: PrefillStep,
                 projected: torch.Tensor | None = None) -> torch.Tensor:
@@ -244,26 +230,23 @@ class GatedDeltaNet(nn.Module):
         projection runs plain: no prologue kernel between them. Same math and roundings as
         ``prefill`` / HF."""
         projected = self.project(x) if projected is None else projected
-        if projected.shape[0] == 1:
+        if projected.shape[0] == 1 or self.head_v_dim & (self.head_v_dim - 1):
             return self.output(self.decode_heads(projected, cache, step), projected)
-        return self.output_gated(self.decode_heads(projected, cache, step, gated=True))
+        return decode_linear(self.decode_heads(projected, cache, step, normed=True), self.out_proj)
 
     def decode_heads(self, projected: torch.Tensor, cache: DeltaNetCache, step: DecodeStep,
-                     out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+                     out: torch.Tensor | None = None, normed: bool = False) -> torch.Tensor:
         """``project(x)`` [max_batch, 1, P] -> the delta rule's output [max_batch, 1, value_dim]
-        (into ``out`` when given, a contiguous buffer of that shape); with ``gated``, already
-        through the gated RMSNorm (``output``'s prologue: in the step kernel as it stores, for a
-        power-of-two head_v_dim; else ``gate_heads`` after it)."""
+        (into ``out`` when given, a contiguous buffer of that shape); with ``normed``, already
+        through the gated RMSNorm (``output``'s prologue; a power-of-two head_v_dim)."""
         N = projected.shape[0]
-        fused = gated and not self.head_v_dim & (self.head_v_dim - 1)
         o = gated_delta_rule_decode_step(
             projected[:, 0], cache.conv, self.conv_weight, self.A_log, self.dt_bias, cache.recurrent,
             step.state_slots, step.positions, num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim,
             num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim,
-            norm_weight=self.norm if fused else None, eps=self.eps,
+            norm_weight=self.norm if normed else None, eps=self.eps,
             out=None if out is None else out.view(N, self.num_v_heads, self.head_v_dim))
-        heads = o.flatten(1)[:, None]
-        return self.gate_heads(heads, projected) if gated and not fused else heads
+        return o.flatten(1)[:, None]
 
 
 # ============================================================================ gated full attention
@@ -327,17 +310,6 @@ class GatedAttention(nn.Module):
         y = decode_linear(heads, self.o_proj, prologue="sigmoid_gate", gate=self._gate(projected))
         return y if self.o_bias is None else y + self.o_bias
 
-    def gate_heads(self, heads: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
-        """``output``'s sigmoid gate alone, in place on ``heads`` [..., nH hd] (contiguous);
-        ``output_gated`` then takes them (see ``GatedDeltaNet.gate_heads``)."""
-        return linear_prologue(heads, "sigmoid_gate", gate=self._gate(projected), out=heads)
-
-    def output_gated(self, heads: torch.Tensor) -> torch.Tensor:
-        """o_proj of heads already gated (``gate_heads``, ``decode_heads(..., gated=True)``): the
-        plain product (and the bias), any number of rows."""
-        y = decode_linear(heads, self.o_proj)
-        return y if self.o_bias is None else y + self.o_bias
-
     def _gate(self, projected: torch.Tensor) -> torch.Tensor:
         """The output gate [..., nH, hd] in place in ``projected`` [..., P] (heads strided: each
         head's query then its gate)."""
@@ -394,7 +366,8 @@ class GatedAttention(nn.Module):
         projected = self.project(x) if projected is None else projected
         if projected.shape[0] == 1:
             return self.output(self.decode_heads(projected, cache, step), projected)
-        return self.output_gated(self.decode_heads(projected, cache, step, gated=True))
+        y = decode_linear(self.decode_heads(projected, cache, step, gated=True), self.o_proj)
+        return y if self.o_bias is None else y + self.o_bias
 
     def decode_heads(self, projected: torch.Tensor, cache: AttentionCache, step: DecodeStep,
                      out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:

@@ -337,20 +337,16 @@ class Qwen35(nn.Module):
             # into the scratch page, never read; an inactive decode row's read of its slot while the
             # chunk fills it gives logits nobody reads): on CUDA the prompt chunk's (short,
             # latency-bound kernels: a few programs a head) runs on a side stream beside the decode
-            # rows' (bandwidth-bound: the recurrent states), joined before out_proj. Each half
-            # applies the output gate (GDN: gated RMSNorm; attention: sigmoid gate) to its own rows:
-            # the decode kernels as they store, the chunk's on its stream (``gate_heads``), so
-            # nothing but the plain out_proj GEMM follows the join.
+            # rows' (bandwidth-bound: the recurrent states), joined before out_proj.
             if side is not None:
                 side.wait_stream(main)
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 mixer.prefill_heads(projected[b:].view(R, T, -1), cache.layers[i], prefill,
                                     out=heads[b:].view(R, T, -1))
-                mixer.gate_heads(heads[b:], projected[b:])
-            mixer.decode_heads(projected[:b], rows.layers[i], decode, out=heads[:b], gated=True)
+            mixer.decode_heads(projected[:b], rows.layers[i], decode, out=heads[:b])
             if side is not None:
                 main.wait_stream(side)
-            return mixer.output_gated(heads)  # one GEMM
+            return mixer.output(heads, projected)  # one GEMM
 
         hidden = self._layers(torch.cat([decode_x, prefill_x.view(R * T, 1, -1)]), mix)
         rows.lengths.add_(rows.active)

@@ -3,10 +3,10 @@ from fuselm.ops.decode_linear.kernels import (
     DecodeLinearConfig, DecodeVectorConfig, decode_linear_config, decode_vector_config,
 )
 from fuselm.ops.decode_linear.naive import decode_linear_ref, gated_rms_norm_ref, prologue_ref, sigmoid_gate_ref
-from fuselm.ops.decode_linear.op import decode_linear, linear_prologue
+from fuselm.ops.decode_linear.op import decode_linear
 
 __all__ = [
-    "decode_linear", "linear_prologue", "DecodeLinearConfig", "decode_linear_config", "DecodeVectorConfig", "decode_vector_config",
+    "decode_linear", "DecodeLinearConfig", "decode_linear_config", "DecodeVectorConfig", "decode_vector_config",
     "DECODE_MAX_M",
     "decode_linear_ref", "prologue_ref", "sigmoid_gate_ref", "gated_rms_norm_ref",
 ]

@@ -50,8 +50,12 @@ from fuselm.runtime import (
 
 def _check(x, weight, prologue, gate, norm_weight, eps, head_dim, out, config):
     """All argument checks (metadata only); returns (eps, out shape)."""
+    check_tensor("x", x)
     check_tensor("weight", weight)
-    eps = _check_prologue(x, prologue, gate, norm_weight, eps, head_dim)
+    if x.dim() == 0:
+        raise ValueError("x: must have at least one dimension, [..., K]")
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        raise ValueError(f"x: the last dim must be contiguous (stride 1), got strides {tuple(x.stride())}")
     if weight.dim() != 2:
         raise ValueError(f"weight: expected [N, K] (nn.Linear layout), got shape {tuple(weight.shape)}")
     if weight.shape[1] != x.shape[-1]:
@@ -60,40 +64,6 @@ def _check(x, weight, prologue, gate, norm_weight, eps, head_dim, out, config):
         raise ValueError("weight: rows must be contiguous (last-dim stride 1); pass weight.contiguous() once at load")
     if weight.dtype != x.dtype:
         raise TypeError(f"weight: dtype {weight.dtype} does not match x {x.dtype}")
-
-    out_shape = (*x.shape[:-1], weight.shape[0])
-    _check_out(out, out_shape, x)
-    check_same_device(x=x, weight=weight, gate=gate, norm_weight=norm_weight, out=out)
-    for name, t in (("x", x), ("weight", weight), ("gate", gate), ("norm_weight", norm_weight)):
-        if t is not None and needs_autograd(t):
-            raise ValueError(f"{name}: requires grad, but decode_linear is inference-only (no autograd); "
-                             "call it under torch.no_grad()")
-    if config is not None:
-        check_config(config)
-        rows = math.prod(out_shape[:-1])
-        if isinstance(config, DecodeVectorConfig) and rows != 1:
-            raise ValueError(f"config: a DecodeVectorConfig is for one token, got {rows} rows of x")
-    return eps, out_shape
-
-
-def _check_out(out, out_shape, x) -> None:
-    if out is not None:
-        check_tensor("out", out, KERNEL_DTYPES)
-        if tuple(out.shape) != out_shape:
-            raise ValueError(f"out: shape {tuple(out.shape)} does not match the output {out_shape}")
-        if out.dtype != x.dtype:
-            raise TypeError(f"out: dtype {out.dtype} does not match x {x.dtype}")
-        if not out.is_contiguous():
-            raise ValueError("out: must be contiguous")
-
-
-def _check_prologue(x, prologue, gate, norm_weight, eps, head_dim) -> float:
-    """The checks of x and of the prologue's arguments; returns eps (0.0 without the norm)."""
-    check_tensor("x", x)
-    if x.dim() == 0:
-        raise ValueError("x: must have at least one dimension, [..., K]")
-    if x.stride(-1) != 1 and x.shape[-1] > 1:
-        raise ValueError(f"x: the last dim must be contiguous (stride 1), got strides {tuple(x.stride())}")
     if prologue not in PROLOGUE_CODES:
         raise ValueError(f"prologue: expected None, 'sigmoid_gate' or 'gated_rms_norm', got {prologue!r}")
 
@@ -135,47 +105,27 @@ def _check_prologue(x, prologue, gate, norm_weight, eps, head_dim) -> float:
         if head_dim is not None:
             raise ValueError(f"head_dim: only used with prologue='gated_rms_norm', got prologue={prologue!r}")
         eps = 0.0
-    return eps
 
-
-def linear_prologue(
-    x: torch.Tensor,
-    prologue: str,
-    *,
-    gate: torch.Tensor,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    head_dim: int | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``decode_linear``'s prologue alone: a = prologue(x) [..., K] in x's dtype, the same
-    roundings (``naive.prologue_ref``), for a caller whose product runs apart from it (a mixed
-    step applies it to its prompt rows on their own stream, its decode rows' kernels apply it
-    as they store, and one plain GEMM takes them all). Arguments as ``decode_linear``'s
-    (``prologue`` required). out: a contiguous [..., K] buffer, or x itself (in place: each
-    element is read and then written by one program). One launch on a Triton device (PyTorch
-    for a head_dim the kernel cannot tile); no host sync; inference only."""
-    if prologue is None:
-        raise ValueError("prologue: expected 'sigmoid_gate' or 'gated_rms_norm', got None")
-    eps = _check_prologue(x, prologue, gate, norm_weight, eps, head_dim)
-    _check_out(out, tuple(x.shape), x)
-    check_same_device(x=x, gate=gate, norm_weight=norm_weight, out=out)
-    for name, t in (("x", x), ("gate", gate), ("norm_weight", norm_weight)):
+    out_shape = (*x.shape[:-1], weight.shape[0])
+    if out is not None:
+        check_tensor("out", out, KERNEL_DTYPES)
+        if tuple(out.shape) != out_shape:
+            raise ValueError(f"out: shape {tuple(out.shape)} does not match the output {out_shape} = (*x.shape[:-1], N)")
+        if out.dtype != x.dtype:
+            raise TypeError(f"out: dtype {out.dtype} does not match x {x.dtype}")
+        if not out.is_contiguous():
+            raise ValueError("out: must be contiguous")
+    check_same_device(x=x, weight=weight, gate=gate, norm_weight=norm_weight, out=out)
+    for name, t in (("x", x), ("weight", weight), ("gate", gate), ("norm_weight", norm_weight)):
         if t is not None and needs_autograd(t):
-            raise ValueError(f"{name}: requires grad, but linear_prologue is inference-only (no autograd); "
+            raise ValueError(f"{name}: requires grad, but decode_linear is inference-only (no autograd); "
                              "call it under torch.no_grad()")
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
-    K = x.shape[-1]
-    if gate.dim() == x.dim() + 1:
-        gate = gate.flatten(-2)
-    if not use_triton(x) or not prologue_kernel_ok(prologue, head_dim):
-        return out.copy_(prologue_ref(x, prologue, gate, norm_weight, eps, head_dim))
-    prologue_kernel(as_rows("x", x), prologue, as_rows("gate", gate), norm_weight, eps, head_dim,
-                    out=out.view(-1, K))
-    return out
+    if config is not None:
+        check_config(config)
+        rows = math.prod(out_shape[:-1])
+        if isinstance(config, DecodeVectorConfig) and rows != 1:
+            raise ValueError(f"config: a DecodeVectorConfig is for one token, got {rows} rows of x")
+    return eps, out_shape
 
 
 def decode_linear(
