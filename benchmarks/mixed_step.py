@@ -1,6 +1,7 @@
 """A mixed prefill + decode step against the two apart (GPU only; 9B config, random bf16 weights).
 
     python benchmarks/mixed_step.py [--decode-rows 31] [--chunks 480 224 96 224@256 512 256] [--profile [--profile-rows 15]]
+        [--decode-block-v 16 32 64]
 
 Cache of 32 slots x 1024 tokens; rows 0 .. decode_rows-1 decode (active, 512 tokens cached; their
 state is random-free zeros, which costs the same), the prompt chunks go into the slots after them.
@@ -10,7 +11,11 @@ both; also the time to capture the mixed graph (what a server pays on a bucket's
 A chunk spec is [ROWSx]TOKENS[@START]: START > 0 is a continued chunk (its rows already hold START
 tokens: the second chunk of a longer prompt).
 ``--profile``: per kernel, the GPU time of one eager decode step and one eager mixed step
-(torch.profiler), ordered by what the mixed step adds.
+(torch.profiler), ordered by what the mixed step adds. ``--decode-block-v``: the table once per
+value columns a program of the mixed step's Gated DeltaNet decode kernel (its decode half runs
+without the fused norm: ``fused_recurrent.BLOCK_V``; the decode step alone keeps its whole-head
+programs), to see whether smaller, shorter-lived programs let the side stream's chunk kernels in
+sooner (NOTES.md 83).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import time
 import torch
 
 from fuselm.models.qwen35.presets import config_9b, random_qwen35
+from fuselm.ops.gated_delta_rule import fused_recurrent
 from timing import kernel_breakdown
 
 ROWS, MAX_LEN, CACHED = 32, 1024, 512
@@ -80,11 +86,21 @@ def main():
     parser.add_argument("--chunks", nargs="+", default=["480", "224", "96", "224@256", "512", "256"])
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-rows", type=int, default=15, help="kernels listed per profile table")
+    parser.add_argument("--decode-block-v", type=int, nargs="+", default=[None],
+                        help="value columns a program of the mixed step's GDN decode kernel (default: its choice)")
     args = parser.parse_args()
     model = random_qwen35(config_9b(), dtype=torch.bfloat16, device="cuda", seed=0)
     cache = model.new_cache(ROWS, MAX_LEN)
     decoding = args.decode_rows
-    print(f"## mixed step: {decoding} decode rows (of {ROWS}) + prompt chunks, 9B bf16, {torch.cuda.get_device_name()}")
+    for block_v in args.decode_block_v:
+        fused_recurrent.BLOCK_V = block_v
+        print(f"## mixed step: {decoding} decode rows (of {ROWS}) + prompt chunks, 9B bf16, "
+              f"{torch.cuda.get_device_name()}" + (f", decode kernel BLOCK_V {block_v}" if block_v else ""))
+        run_chunks(model, cache, decoding, args)
+
+
+def run_chunks(model, cache, decoding: int, args) -> None:
+    """The table of the module docstring (and the profiles) for ``args.chunks``."""
     print("| chunks | decode alone | prefill alone | sum | mixed | mixed - decode | per prompt token | capture of mixed (s) |")
     print("|---|---|---|---|---|---|---|---|")
     for spec in args.chunks:

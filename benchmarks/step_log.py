@@ -12,7 +12,8 @@ to run) and the gap after them are left out. Prints a markdown table per kind (c
 median, p90, p99, max, mean prompt tokens, mean decode rows; and the host's share of each step:
 median ms from the step's start to its last launch, "host launch", and from there to having read
 the step before's ids, "wait"), the decode rows a step and the decode tokens/s they make over the
-run's time, where the requests were (decoding, prefilling, queued: ``occupancy``), and the kinds / sizes of the slowest 1% of gaps, each with the host's span
+run's time, where the requests were (decoding, prefilling, queued: ``occupancy``), and the kinds /
+sizes of the slowest 1% of gaps, each with the host's span
 from reading the step before to launching the next (longer than the step's GPU time: the GPU
 waited for the host) and the garbage collections within it (the log's "gc" entries, which
 ``fuselm serve --step-log`` records), for each run of steps without a pause of more than

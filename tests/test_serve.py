@@ -356,8 +356,12 @@ def test_a_follow_up_request_is_admitted_in_the_step_after_the_one_that_finished
 
 
 def test_admission_wait_out_of_range_is_refused_naming_it():
-    from fuselm.serve.async_engine import AsyncEngine
+    from fuselm import cli
+    from fuselm.serve.async_engine import ADMISSION_WAIT_S, MAX_ADMISSION_WAIT_S, AsyncEngine
 
+    # the CLI's lazy copies of the defaults (it imports no serving code to build its parser)
+    assert (cli.SERVE_ADMISSION_WAIT_MS, cli.SERVE_MAX_ADMISSION_WAIT_MS) == (1e3 * ADMISSION_WAIT_S,
+                                                                              1e3 * MAX_ADMISSION_WAIT_S)
     engine = ServedModel.random("tiny", dtype=torch.float32, device="cpu", max_batch=1, max_len=MAX_LEN).engine
     for bad in (-0.001, 1.0, "3", True):
         with pytest.raises(ValueError, match="admission_wait"):

@@ -430,7 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
                             f"admitted a step sooner (0: never; default {SERVE_ADMISSION_WAIT_MS:g})")
     serve.add_argument("--step-log", default=None, metavar="PATH",
                        help="write one JSON line per engine step to PATH at shutdown (kind, decode rows, prompt "
-                            "tokens, host times), then one per garbage collection (kind gc); "
+                            "tokens, host times, requests running and queued, admitted requests' waits), then one per "
+                            "garbage collection (kind gc); "
                             "benchmarks/step_log.py summarises it")
     _add_model_arguments(serve, "seeds the sampling seeds of requests without one (and --config's weights)")
     _add_state_dtype_argument(serve)
