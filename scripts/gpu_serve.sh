@@ -84,7 +84,7 @@ if want serve; then
   # x 32 keeps all 32 clients busy to the last wave; 1000 (vLLM's default count) leaves 8 requests
   # running alone at batch 8 for their whole life at the end (~1.8% of the run, NOTES.md 82)
   bench serve_c32_steady --num-prompts 1024 --max-concurrency 32 --warmup-requests 4
-  # vLLM's bench serve default count: the ramp and drain ~1% of the run
+  # vLLM's bench serve default count (its batch-8 tail: above)
   bench serve_c32_1000 --num-prompts 1000 --max-concurrency 32 --warmup-requests 4
   rate=$(python3 -c "import json; print(0.8 * json.load(open('$work/serve_c32.json'))['request_throughput'])")
   echo "Poisson rate: $rate req/s (80% of the 32-client throughput)"
