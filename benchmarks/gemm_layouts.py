@@ -9,6 +9,9 @@ ones (NOTES 65, mixed_step.md's profiles). For each shape this times, as CUDA-gr
   swapped+copy  the same, made contiguous (what a caller needing rows would pay)
   split    (attention qkv only) two products, q/gate rows and k/v rows of the weight (cuBLAS picks
            a kernel per shape: at 320 rows the whole product's pick is slow, NOTES.md 83)
+  split into  the same two products written into their columns of one [M, N] output
+           (torch.mm's out= a strided column slice: what the model would run, if cuBLAS takes the
+           row stride as is; a copy would show as a slower time)
 and reports TFLOP/s. Usage: python3 benchmarks/gemm_layouts.py [--rows 256 288 320 384]
 """
 
@@ -34,8 +37,9 @@ def main() -> None:
     torch.manual_seed(0)
     gpu = torch.cuda.get_device_name()
     print(f"## cuBLAS layouts of the mixed step's GEMMs, bf16, {gpu}, torch {torch.__version__}\n")
-    print("| product | M | linear us | swapped us | swapped+copy us | split us | linear TFLOP/s | swapped TFLOP/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| product | M | linear us | swapped us | swapped+copy us | split us | split into us | linear TFLOP/s "
+          "| swapped TFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, N, K in SHAPES:
         weight = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
         for M in args.rows:
@@ -50,13 +54,19 @@ def main() -> None:
             if name in SPLIT_ROWS:
                 first, second = weight[:SPLIT_ROWS[name]], weight[SPLIT_ROWS[name]:]
                 providers["split"] = lambda: (F.linear(x, first), F.linear(x, second))
+                rows = SPLIT_ROWS[name]
+                providers["split into"] = lambda: (torch.mm(x, first.t(), out=out[:, :rows]),
+                                                   torch.mm(x, second.t(), out=out[:, rows:]))
             times = interleaved_graph_bench(providers)
-            split = f"{1e3 * times['split']:.1f}" if "split" in times else "-"
+            split, split_into = (f"{1e3 * times[k]:.1f}" if k in times else "-" for k in ("split", "split into"))
+            if "split into" in times:
+                providers["split into"]()
+                torch.testing.assert_close(out.float(), F.linear(x, weight).float(), rtol=2e-2, atol=2e-2)
             torch.testing.assert_close(torch.mm(weight, x.t()).t().float(), F.linear(x, weight).float(),
                                        rtol=2e-2, atol=2e-2)
             flops = 2 * M * N * K
             print(f"| {name} | {M} | {1e3 * times['linear']:.1f} | {1e3 * times['swapped']:.1f} | "
-                  f"{1e3 * times['swapped+copy']:.1f} | {split} | {flops / times['linear'] / 1e9:.0f} | "
+                  f"{1e3 * times['swapped+copy']:.1f} | {split} | {split_into} | {flops / times['linear'] / 1e9:.0f} | "
                   f"{flops / times['swapped'] / 1e9:.0f} |")
 
 

@@ -1,7 +1,7 @@
 """A mixed prefill + decode step against the two apart (GPU only; 9B config, random bf16 weights).
 
     python benchmarks/mixed_step.py [--decode-rows 31] [--chunks 480 224 96 224@256 512 256] [--profile [--profile-rows 15]]
-        [--decode-block-v 16 32 64]
+        [--decode-block-v 16 32 64] [--qkv-split]
 
 Cache of 32 slots x 1024 tokens; rows 0 .. decode_rows-1 decode (active, 512 tokens cached; their
 state is random-free zeros, which costs the same), the prompt chunks go into the slots after them.
@@ -15,7 +15,9 @@ tokens: the second chunk of a longer prompt).
 value columns a program of the mixed step's Gated DeltaNet decode kernel (its decode half runs
 without the fused norm: ``fused_recurrent.BLOCK_V``; the decode step alone keeps its whole-head
 programs), to see whether smaller, shorter-lived programs let the side stream's chunk kernels in
-sooner (NOTES.md 83).
+sooner (NOTES.md 83). ``--qkv-split``: the table again with the attention layers' qkv projection
+as two products (q/gate rows, k/v rows of the weight) written into one output, past 64 rows
+(cuBLAS's pick for the whole product at 320 rows is slow, NOTES.md 84).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import argparse
 import time
 
 import torch
+import torch.nn.functional as F
 
+from fuselm.models.qwen35.layers import GatedAttention
 from fuselm.models.qwen35.presets import config_9b, random_qwen35
 from fuselm.ops.gated_delta_rule import fused_recurrent
 from timing import kernel_breakdown
@@ -88,15 +92,34 @@ def main():
     parser.add_argument("--profile-rows", type=int, default=15, help="kernels listed per profile table")
     parser.add_argument("--decode-block-v", type=int, nargs="+", default=[None],
                         help="value columns a program of the mixed step's GDN decode kernel (default: its choice)")
+    parser.add_argument("--qkv-split", action="store_true",
+                        help="also with the attention qkv projection as two products past 64 rows")
     args = parser.parse_args()
     model = random_qwen35(config_9b(), dtype=torch.bfloat16, device="cuda", seed=0)
     cache = model.new_cache(ROWS, MAX_LEN)
     decoding = args.decode_rows
+    whole_project = GatedAttention.project
     for block_v in args.decode_block_v:
-        fused_recurrent.BLOCK_V = block_v
-        print(f"## mixed step: {decoding} decode rows (of {ROWS}) + prompt chunks, 9B bf16, "
-              f"{torch.cuda.get_device_name()}" + (f", decode kernel BLOCK_V {block_v}" if block_v else ""))
-        run_chunks(model, cache, decoding, args)
+        for split in (False, True) if args.qkv_split else (False,):
+            fused_recurrent.BLOCK_V = block_v
+            GatedAttention.project = split_qkv_project if split else whole_project
+            print(f"## mixed step: {decoding} decode rows (of {ROWS}) + prompt chunks, 9B bf16, "
+                  f"{torch.cuda.get_device_name()}" + (f", decode kernel BLOCK_V {block_v}" if block_v else "")
+                  + (", qkv as two products" if split else ""))
+            run_chunks(model, cache, decoding, args)
+    GatedAttention.project = whole_project
+
+
+def split_qkv_project(self: GatedAttention, x: torch.Tensor) -> torch.Tensor:
+    """``GatedAttention.project`` as two products (q/gate rows, k/v rows) into one output, past 64 rows."""
+    rows = x.numel() // x.shape[-1]
+    if rows <= 64 or self.qkv_bias is not None:
+        return F.linear(x, self.qkv_proj, self.qkv_bias)
+    out = x.new_empty(*x.shape[:-1], self.qkv_proj.shape[0])
+    flat_x, flat_out = x.reshape(rows, -1), out.view(rows, -1)
+    torch.mm(flat_x, self.qkv_proj[:self.q_size].t(), out=flat_out[:, :self.q_size])
+    torch.mm(flat_x, self.qkv_proj[self.q_size:].t(), out=flat_out[:, self.q_size:])
+    return out
 
 
 def run_chunks(model, cache, decoding: int, args) -> None:
