@@ -13,9 +13,10 @@ median, p90, p99, max, mean prompt tokens, mean decode rows; and the host's shar
 median ms from the step's start to its last launch, "host launch", and from there to having read
 the step before's ids, "wait"), the decode rows a step and the decode tokens/s they make over the
 run's time, where the requests were (decoding, prefilling, queued: ``occupancy``), and the kinds /
-sizes of the slowest 1% of gaps, each with the host's span
-from reading the step before to launching the next (longer than the step's GPU time: the GPU
-waited for the host) and the garbage collections within it (the log's "gc" entries, which
+sizes of the slowest 1% of gaps, each with the host's span from reading the step before to
+launching the next (longer than the step's GPU time: the GPU waited for the host), the engine
+thread's CPU time, page faults and context switches over it (``host_spans`` sets the spans over
+10 ms apart from the rest) and the garbage collections within it (the log's "gc" entries, which
 ``fuselm serve --step-log`` records), for each run of steps without a pause of more than
 --split-gap seconds (a server's benchmarks, one after another, come out as separate runs).
 """
@@ -25,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 from collections import Counter
+
+SLOW_HOST_MS = 10.0  # host spans longer than this are set apart in host_spans
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -48,12 +51,32 @@ def gc_ms(pauses: list[dict], start: float, end: float) -> float:
     return 1e3 * sum(max(0.0, min(end, p["read"]) - max(start, p["began"])) for p in pauses)
 
 
+def span_usage(before: dict, after: dict) -> list[float] | None:
+    """The engine thread's use over the host span from ``before``'s read to ``after``'s launch
+    (logs with usage_read / usage_launched): [user ms, system ms, minor page faults, voluntary
+    context switches, involuntary ones]."""
+    first, last = before.get("usage_read"), after.get("usage_launched")
+    if not first or not last:
+        return None
+    return [1e3 * (last[0] - first[0]), 1e3 * (last[1] - first[1])] + [b - a for a, b in zip(first[2:], last[2:])]
+
+
+def usage_text(usage: list[float]) -> str:
+    count = lambda n: f"{n:.0f}" if float(n).is_integer() else f"{n:.1f}"  # noqa: E731 (means are not whole)
+    return (f"CPU user {usage[0]:.1f} ms, system {usage[1]:.1f} ms, faults {count(usage[2])}, switches "
+            f"{count(usage[3])} voluntary / {count(usage[4])} involuntary")
+
+
 def why(before: dict, after: dict, pauses: list[dict]) -> str:
     """What a gap's host did: the span from reading the step before to launching the next one
-    (when it is longer than the GPU's step, the GPU waited), and the collections within the gap."""
+    (when it is longer than the GPU's step, the GPU waited), the engine thread's CPU use and
+    context switches over that span, and the collections within the gap."""
     parts = []
     if "launched" in after:
         parts.append(f"host {1e3 * (after['launched'] - before['read']):.1f} ms")
+    usage = span_usage(before, after)
+    if usage is not None:
+        parts.append(usage_text(usage))
     if pauses:
         parts.append(f"gc {gc_ms(pauses, before['read'], after['read']):.1f} ms")
     return f"; {', '.join(parts)}" if parts else ""
@@ -116,12 +139,32 @@ def summarise(steps: list[dict], pauses: list[dict] = ()) -> str:
     lines += ["", f"slowest 1% ({len(slowest)} steps): " + ", ".join(
         f"{gap:.1f} ms {step['kind']} (rows {step['decode_rows']}, chunks {step['chunks']}, "
         f"prompt tokens {step['prompt_tokens']}{why(step, after, pauses)})" for gap, step, after in slowest[:20])]
+    lines += host_spans(pairs)
     if pauses:
         total = gc_ms(pauses, steps[0]["began"], steps[-1]["read"])
         longest = max((1e3 * (p["read"] - p["began"]) for p in pauses if steps[0]["began"] <= p["began"] <=
                        steps[-1]["read"]), default=0.0)
         lines += ["", f"garbage collection in the run: {total:.1f} ms in all, the longest {longest:.1f} ms"]
     return "\n".join(lines)
+
+
+def host_spans(pairs: list[tuple[float, dict, dict]], slow_ms: float = SLOW_HOST_MS) -> list[str]:
+    """The engine thread's use over its host spans longer than ``slow_ms`` against the others'
+    (logs with usage): is a slow span the thread's own work, the kernel's, a wait for a lock (the
+    GIL: voluntary switches with little CPU) or a preemption?"""
+    spans = [(1e3 * (after["launched"] - before["read"]), span_usage(before, after)) for _, before, after in pairs]
+    spans = [(ms, usage) for ms, usage in spans if usage is not None]
+    if not spans:
+        return []
+    lines = []
+    for label, chosen in ((f"over {slow_ms:g} ms", [s for s in spans if s[0] > slow_ms]),
+                          (f"up to {slow_ms:g} ms", [s for s in spans if s[0] <= slow_ms])):
+        if chosen:
+            n = len(chosen)
+            mean = [sum(usage[i] for _, usage in chosen) / n for i in range(5)]
+            lines.append(f"host spans {label}: {n}, mean {sum(ms for ms, _ in chosen) / n:.2f} ms; per span "
+                         + usage_text(mean))
+    return ["", "engine thread: " + "; ".join(lines)]
 
 
 def runs(steps: list[dict], split_gap: float) -> list[list[dict]]:

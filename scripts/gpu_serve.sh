@@ -16,8 +16,8 @@
 #   server_*.log (each server's log tail: graph captures), steps_*.md (benchmarks/step_log.py: step
 #   durations by kind, per benchmark run; the slowest steps' host spans and garbage collections),
 #   steps_N.jsonl (stage serveN: the raw step log; stage serve: steps_default.jsonl.gz),
-#   host_state.txt (stage serve: the cgroup's CPU quota and throttling, CPU pressure and load before and
-#   after the server: do host stalls come from outside the process?),
+#   host_state.txt (stage serve: the cgroup's CPU quota and throttling, CPU / memory / IO pressure, load,
+#   huge pages and direct compaction, before and after each bench: do host stalls come from outside?),
 #   hf_anchor.md, hf_anchor.json, serve_tests.log, sanitizer.log; sampling.md (the sampler's cut-off
 #   ways: sort, histogram, top-k candidates; benchmarks/sampling.py) when that stage is named
 # STATE_DTYPE=bfloat16: the engine and the servers keep the Gated DeltaNet states in bf16 (--state-dtype).
@@ -49,11 +49,19 @@ engine() {  # batch, then sampling flags
 }
 want engine && { engine 1; engine 1 $SERVED_SAMPLING; }
 healthy() { python3 -c "import urllib.request as u; u.urlopen('$url/health', timeout=2)" 2>/dev/null; }
-host_state() {  # CPU quota and throttling (cgroup v2), CPU pressure and load: do host stalls come from outside?
+host_state() {  # do host stalls come from outside the process? CPU quota and throttling (cgroup v2), CPU /
+  # memory / IO pressure, load; transparent huge pages and the kernel's direct compaction and reclaim
+  # (stalls a faulting thread: the step log's per-span system time and faults tell), memory; the
+  # server's context switches
   echo "## $1 ($(date +%T))"; nproc
-  for f in /sys/fs/cgroup/cpu.max /sys/fs/cgroup/cpu.stat /proc/pressure/cpu /proc/loadavg; do
+  for f in /sys/fs/cgroup/cpu.max /sys/fs/cgroup/cpu.stat /proc/pressure/cpu /proc/pressure/memory \
+           /proc/pressure/io /proc/loadavg /sys/kernel/mm/transparent_hugepage/enabled \
+           /sys/kernel/mm/transparent_hugepage/defrag; do
     [ -r "$f" ] && { echo "# $f"; cat "$f"; }
   done
+  echo "# /proc/vmstat"; grep -E '^(compact_(stall|fail|success)|thp_fault_(alloc|fallback)|pgmajfault|allocstall_[a-z]+|pgscan_direct|pgsteal_direct) ' /proc/vmstat
+  echo "# /proc/meminfo"; grep -E '^(MemTotal|MemFree|MemAvailable|Cached|AnonHugePages):' /proc/meminfo
+  [ -n "${server:-}" ] && [ -r "/proc/$server/status" ] && { echo "# server"; grep -E 'ctxt_switches|VmRSS' "/proc/$server/status"; }
 }
 bench() {  # label, then bench-serve options
   local label=$1; shift

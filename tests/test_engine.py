@@ -245,6 +245,23 @@ def test_the_step_log_records_each_step(model):
     slowest = table.split("slowest 1%")[1]
     assert f"gc {gap / 2:.1f} ms" in slowest and "host " in slowest
     assert f"garbage collection in the run: {gap / 2:.1f} ms in all" in table
+    # The engine thread's CPU use at each launch and read: user and system seconds, faults and
+    # context switches never go back; over each host span (a read to the next launch) it is summed
+    # apart for the spans over 10 ms and the others.
+    if step_log.span_usage(steps[0], steps[1]) is not None:  # Linux: getrusage(RUSAGE_THREAD)
+        usages = [usage for step in steps for usage in (step["usage_launched"], step["usage_read"])]
+        assert all(len(u) == 5 and all(b >= a for a, b in zip(u, v)) for u, v in zip(usages, usages[1:]))
+        spans = [1e3 * (after["launched"] - before["read"]) for _, before, after in step_log.timed_pairs(steps)]
+        slow = sum(ms > 10 for ms in spans)
+        for label, count in (("over 10 ms", slow), ("up to 10 ms", len(spans) - slow)):
+            assert (f"host spans {label}: {count}, mean" in table) == (count > 0)
+    # A slow span's use, made up: 20 ms of host, 2 ms user and 15 ms system CPU, 300 faults.
+    before = {**steps[0], "read": 1.0, "usage_read": [0.5, 0.25, 1000, 10, 1]}
+    after = {**steps[1], "launched": 1.02, "read": 1.03, "usage_launched": [0.502, 0.265, 1300, 14, 1],
+             "usage_read": [0.503, 0.265, 1300, 15, 1]}
+    assert step_log.host_spans([(30.0, before, after)]) == [
+        "", "engine thread: host spans over 10 ms: 1, mean 20.00 ms; per span CPU user 2.0 ms, system 15.0 ms, "
+        "faults 300, switches 4 voluntary / 0 involuntary"]
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_any_batch(model, engine):

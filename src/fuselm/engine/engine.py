@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import resource
 import time
 from typing import Callable, Sequence
 
@@ -39,6 +40,19 @@ from fuselm.engine.scheduler import Scheduler
 from fuselm.models.qwen35 import Qwen35
 from fuselm.models.qwen35.cache import PAGE_SIZE
 from fuselm.runtime import check_positive_int
+
+
+def thread_usage() -> list[float] | None:
+    """The calling thread's CPU use so far, for the step log: [user s, system s, minor page faults,
+    voluntary context switches, involuntary ones] (``getrusage(RUSAGE_THREAD)``; None where the
+    platform has no per-thread figures). Over a slow host span they tell what held the thread up:
+    its own work (user time), the kernel's on its behalf (system time, page faults: e.g. direct
+    memory compaction), waiting on a lock such as the GIL (voluntary switches, little CPU) or
+    other processes taking its core (involuntary switches)."""
+    if not hasattr(resource, "RUSAGE_THREAD"):
+        return None
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    return [usage.ru_utime, usage.ru_stime, usage.ru_minflt, usage.ru_nvcsw, usage.ru_nivcsw]
 
 
 class _Launched:
@@ -103,8 +117,9 @@ class Engine:
                                    cache.page_size)
         self.model = model
         # Set to a list to record each step (``step()``: what it launched, when its host work
-        # began, when its launches were done, and when it had read the step before's ids: the gaps between "read" times are the
-        # steps' durations as a decoding request sees them); ``fuselm serve --step-log``.
+        # began, when its launches were done, and when it had read the step before's ids: the gaps
+        # between "read" times are the steps' durations as a decoding request sees them; the
+        # engine thread's CPU use at launch and read); ``fuselm serve --step-log``.
         self.step_log: list[dict] | None = None
         self.vocab_size = model.config.vocab_size
         self.eos_ids = model.config.stop_token_ids
@@ -243,6 +258,7 @@ class Engine:
                 _, ids = self.runner.decode(*self._decode_shape(decoding))
                 pending.append(_Launched(ids, decoding))
         launched_at = time.perf_counter()
+        usage_launched = thread_usage() if self.step_log is not None else None
         for launched in self._in_flight:
             updated += self._read(launched)
         if prefilled is not None:
@@ -254,13 +270,15 @@ class Engine:
             kind = "mixed" if mixed else "prefill+decode" if plan and decoding else "prefill" if plan else \
                 "decode" if decoding else "idle"
             # running / waiting: requests holding a slot / queued for one once this step was planned;
-            # admission_waits_ms: how long each request this step admitted had waited for it.
+            # admission_waits_ms: how long each request this step admitted had waited for it;
+            # usage_launched / usage_read: the engine thread's ``thread_usage`` at launched / read.
             self.step_log.append({"began": began, "launched": launched_at, "read": time.perf_counter(), "kind": kind,
                                   "decode_rows": len(decoding), "chunks": len(plan),
                                   "prompt_tokens": sum(count for _, _, count in plan),
                                   "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                                   "admission_waits_ms": [round(1e3 * (began - request.metrics.arrival_time), 3)
-                                                         for request, start, _ in plan if start == 0]})
+                                                         for request, start, _ in plan if start == 0],
+                                  "usage_launched": usage_launched, "usage_read": thread_usage()})
         return updated
 
     def capture_mixed_graphs(self) -> int:
