@@ -53,18 +53,18 @@ def gc_ms(pauses: list[dict], start: float, end: float) -> float:
 
 def span_usage(before: dict, after: dict) -> list[float] | None:
     """The engine thread's use over the host span from ``before``'s read to ``after``'s launch
-    (logs with usage_read / usage_launched): [user ms, system ms, minor page faults, voluntary
-    context switches, involuntary ones]."""
+    (logs with usage_read / usage_launched): [CPU ms, minor page faults, voluntary context
+    switches, involuntary ones]."""
     first, last = before.get("usage_read"), after.get("usage_launched")
     if not first or not last:
         return None
-    return [1e3 * (last[0] - first[0]), 1e3 * (last[1] - first[1])] + [b - a for a, b in zip(first[2:], last[2:])]
+    return [1e3 * (last[0] - first[0])] + [b - a for a, b in zip(first[1:], last[1:])]
 
 
 def usage_text(usage: list[float]) -> str:
     count = lambda n: f"{n:.0f}" if float(n).is_integer() else f"{n:.1f}"  # noqa: E731 (means are not whole)
-    return (f"CPU user {usage[0]:.1f} ms, system {usage[1]:.1f} ms, faults {count(usage[2])}, switches "
-            f"{count(usage[3])} voluntary / {count(usage[4])} involuntary")
+    return (f"CPU {usage[0]:.1f} ms, faults {count(usage[1])}, switches {count(usage[2])} voluntary / "
+            f"{count(usage[3])} involuntary")
 
 
 def why(before: dict, after: dict, pauses: list[dict]) -> str:
@@ -161,7 +161,7 @@ def host_spans(pairs: list[tuple[float, dict, dict]], slow_ms: float = SLOW_HOST
                           (f"up to {slow_ms:g} ms", [s for s in spans if s[0] <= slow_ms])):
         if chosen:
             n = len(chosen)
-            mean = [sum(usage[i] for _, usage in chosen) / n for i in range(5)]
+            mean = [sum(usage[i] for _, usage in chosen) / n for i in range(4)]
             lines.append(f"host spans {label}: {n}, mean {sum(ms for ms, _ in chosen) / n:.2f} ms; per span "
                          + usage_text(mean))
     return ["", "engine thread: " + "; ".join(lines)]

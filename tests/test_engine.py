@@ -245,23 +245,23 @@ def test_the_step_log_records_each_step(model):
     slowest = table.split("slowest 1%")[1]
     assert f"gc {gap / 2:.1f} ms" in slowest and "host " in slowest
     assert f"garbage collection in the run: {gap / 2:.1f} ms in all" in table
-    # The engine thread's CPU use at each launch and read: user and system seconds, faults and
-    # context switches never go back; over each host span (a read to the next launch) it is summed
+    # The engine thread's use at each launch and read: CPU seconds, faults and context switches
+    # never go back; over each host span (a read to the next launch) it is summed
     # apart for the spans over 10 ms and the others.
     if step_log.span_usage(steps[0], steps[1]) is not None:  # Linux: getrusage(RUSAGE_THREAD)
         usages = [usage for step in steps for usage in (step["usage_launched"], step["usage_read"])]
-        assert all(len(u) == 5 and all(b >= a for a, b in zip(u, v)) for u, v in zip(usages, usages[1:]))
+        assert all(len(u) == 4 and all(b >= a for a, b in zip(u, v)) for u, v in zip(usages, usages[1:]))
         spans = [1e3 * (after["launched"] - before["read"]) for _, before, after in step_log.timed_pairs(steps)]
         slow = sum(ms > 10 for ms in spans)
         for label, count in (("over 10 ms", slow), ("up to 10 ms", len(spans) - slow)):
             assert (f"host spans {label}: {count}, mean" in table) == (count > 0)
-    # A slow span's use, made up: 20 ms of host, 2 ms user and 15 ms system CPU, 300 faults.
-    before = {**steps[0], "read": 1.0, "usage_read": [0.5, 0.25, 1000, 10, 1]}
-    after = {**steps[1], "launched": 1.02, "read": 1.03, "usage_launched": [0.502, 0.265, 1300, 14, 1],
-             "usage_read": [0.503, 0.265, 1300, 15, 1]}
+    # A slow span's use, made up: 20 ms of host, 17 ms of CPU, 300 faults.
+    before = {**steps[0], "read": 1.0, "usage_read": [0.5, 1000, 10, 1]}
+    after = {**steps[1], "launched": 1.02, "read": 1.03, "usage_launched": [0.517, 1300, 14, 1],
+             "usage_read": [0.518, 1300, 15, 1]}
     assert step_log.host_spans([(30.0, before, after)]) == [
-        "", "engine thread: host spans over 10 ms: 1, mean 20.00 ms; per span CPU user 2.0 ms, system 15.0 ms, "
-        "faults 300, switches 4 voluntary / 0 involuntary"]
+        "", "engine thread: host spans over 10 ms: 1, mean 20.00 ms; per span CPU 17.0 ms, faults 300, switches 4 "
+        "voluntary / 0 involuntary"]
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_any_batch(model, engine):
@@ -276,6 +276,30 @@ def test_seeded_sampling_is_the_same_alone_and_in_any_batch(model, engine):
     assert token_ids(engine.generate([target], other_seed))[0] != alone  # 6 draws: a different stream
     top_k_1 = SamplingParams(max_tokens=6, temperature=1.5, top_k=1, seed=3, ignore_eos=True)
     assert token_ids(engine.generate([target], top_k_1)) == token_ids(engine.generate([target], greedy(6)))
+
+
+def test_a_prompt_completed_in_a_mixed_step_draws_its_first_id_as_alone(model, monkeypatch):
+    """A prompt whose last chunk runs beside decode rows draws its first id in their draw (its
+    last token's logits in its slot's row of the decode logits): requests of each sampler variant,
+    seeded, and a greedy one, each completing its prompt in a mixed step while the others decode,
+    give their solo output."""
+    engine = Engine(model, max_batch=4, max_len=32, seed=0, max_prefill_tokens=6)
+    mixed_steps = count_mixed_steps(engine, monkeypatch)
+    settings = [SamplingParams(max_tokens=5, temperature=1.3, top_k=40, top_p=0.95, seed=77, ignore_eos=True),
+                SamplingParams(max_tokens=5, temperature=1.0, top_p=0.8, seed=5, ignore_eos=True),
+                SamplingParams(max_tokens=5, temperature=0.9, seed=11, ignore_eos=True), greedy(5)]
+    prompts = [prompt(n, 120 + i) for i, n in enumerate((4, 9, 3, 7))]
+    solo = [token_ids(Engine(model, max_batch=1, max_len=32).generate([p], params))[0]
+            for p, params in zip(prompts, settings)]
+    requests = [engine.add_request(prompts[0], settings[0])]
+    for p, params in zip(prompts[1:], settings[1:]):
+        engine.step()
+        requests.append(engine.add_request(p, params))
+    engine.run()
+    assert [r.output_token_ids for r in requests] == solo
+    completed = {id(request) for plan, _, _ in mixed_steps for request, start, count in plan
+                 if start + count == len(request.prompt_token_ids)}
+    assert all(id(request) in completed for request in requests[1:])
 
 
 def test_sampler_variants_draw_the_same_tokens(model, monkeypatch):

@@ -43,16 +43,17 @@ from fuselm.runtime import check_positive_int
 
 
 def thread_usage() -> list[float] | None:
-    """The calling thread's CPU use so far, for the step log: [user s, system s, minor page faults,
-    voluntary context switches, involuntary ones] (``getrusage(RUSAGE_THREAD)``; None where the
-    platform has no per-thread figures). Over a slow host span they tell what held the thread up:
-    its own work (user time), the kernel's on its behalf (system time, page faults: e.g. direct
+    """The calling thread's use so far, for the step log: [CPU s, minor page faults, voluntary
+    context switches, involuntary ones] (``time.thread_time``: exact, where getrusage's times
+    lag by up to a scheduler tick; the counts from ``getrusage(RUSAGE_THREAD)``; None where the
+    platform has no per-thread counts). Over a slow host span they tell what held the thread up:
+    its own work (CPU time ~ the span), the kernel's on its behalf (page faults: e.g. direct
     memory compaction), waiting on a lock such as the GIL (voluntary switches, little CPU) or
-    other processes taking its core (involuntary switches)."""
+    other threads taking its core (involuntary switches)."""
     if not hasattr(resource, "RUSAGE_THREAD"):
         return None
     usage = resource.getrusage(resource.RUSAGE_THREAD)
-    return [usage.ru_utime, usage.ru_stime, usage.ru_minflt, usage.ru_nvcsw, usage.ru_nivcsw]
+    return [time.thread_time(), usage.ru_minflt, usage.ru_nvcsw, usage.ru_nivcsw]
 
 
 class _Launched:
@@ -225,9 +226,10 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Prefill this step's prompt chunks (the scheduler's budget) and decode the requests whose
-        prompts were in before it: in one mixed pass when there are both (the chunks' requests
-        decode from the next step on, and their first ids are read with that pass's ids on the
-        next step, so the host never waits for a mixed pass with nothing queued behind it), else
+        prompts were in before it: in one mixed pass when there are both (a prompt the pass
+        completes draws its first id in the decode rows' draw and decodes from the next step on;
+        its id is read with theirs on the next step, so the host never waits for a mixed pass
+        with nothing queued behind it), else
         a prefill and then a decode step that takes in the just-completed prompts (their first ids
         read at once, behind that decode step). Then read the launches of the step before.
         Returns the requests that got a token (finished ones included)."""
@@ -241,18 +243,16 @@ class Engine:
         mixed = bool(plan and decoding)
         prefilled = None
         if mixed:
-            completed, first, ids = self.runner.mixed(plan, *self._decode_shape(decoding))
-            pending.append(_Launched(ids, decoding))
+            # The prompts this pass completes draw their first ids with its decode rows (at their slots).
+            completing = [request for request, start, count in plan if start + count == len(request.prompt_token_ids)]
+            completed, ids = self.runner.mixed(plan, *self._decode_shape(decoding, completing))
+            pending.append(_Launched(ids, {**decoding, **{request.slot: request for request in completed}}))
         elif plan:
             completed, first = self.runner.prefill(plan)
-        if plan:
-            for request, _, count in plan:
-                self.scheduler.prefilled(request, count)
             prefilled = _Launched(first, dict(enumerate(completed)))
-        if mixed:
-            pending.append(prefilled)  # read on the next step, with the mixed pass's ids
-            prefilled = None
-        else:
+        for request, _, count in plan:
+            self.scheduler.prefilled(request, count)
+        if not mixed:
             decoding = self.scheduler.decoding()
             if decoding:
                 _, ids = self.runner.decode(*self._decode_shape(decoding))
@@ -290,10 +290,12 @@ class Engine:
             raise RuntimeError("capture_mixed_graphs: the engine has requests; call it before adding any")
         return self.runner.capture_mixed_graphs({b: self.scheduler.prompt_budget(b) for b in self.runner.batch_sizes})
 
-    def _decode_shape(self, decoding: dict[int, Request]) -> tuple[int, str]:
-        """(decode batch size, sampler variant) of a step over the ``decoding`` requests: the
-        smallest graph covering the slots in use, the variant their sampling settings allow."""
-        return self.runner.batch_size_for(self.scheduler.slots_in_use()), sampler_variant(decoding.values())
+    def _decode_shape(self, decoding: dict[int, Request], drawing: Sequence[Request] = ()) -> tuple[int, str]:
+        """(decode batch size, sampler variant) of a step over the ``decoding`` requests (and
+        ``drawing``: requests drawing their first id in it): the smallest graph covering the slots
+        in use, the variant their sampling settings allow."""
+        return (self.runner.batch_size_for(self.scheduler.slots_in_use()),
+                sampler_variant(list(decoding.values()) + list(drawing)))
 
     def add_requests(self, requests: Sequence[dict]) -> list[Request]:
         """Queue several requests, each given as ``add_request``'s keyword arguments, all or none:

@@ -122,19 +122,20 @@ class ModelRunner:
 
     @torch.no_grad()
     def mixed(self, plan: list[tuple[Request, int, int]], batch: int,
-              variant: str) -> tuple[list[Request], torch.Tensor, torch.Tensor]:
+              variant: str) -> tuple[list[Request], torch.Tensor]:
         """A decode step over slots 0 .. batch-1 (as :meth:`decode`) and ``plan``'s prompt chunks
         (as :meth:`prefill`) in one ``model.mixed_step``: the chunks ride on the decode step's
         read of the weights instead of taking a step of their own between decode steps. The
-        chunks' slots must be inactive (a prompt not yet wholly in). Returns (the requests whose
-        prompt completed, their first ids [n], the decode step's ids [batch]), all on the device.
-        """
+        chunks' slots must be inactive (a prompt not yet wholly in) and below ``batch``. A prompt
+        that this chunk completes draws its first id with the decode rows, in the same draw: its
+        last token's logits go into its slot's row of the decode logits and the slot turns
+        active before the draw (``variant`` must cover its request too). Returns (the requests
+        whose prompt completed, the ids [batch] on the device: theirs at their slots)."""
         packed, key = self._admit(plan, batch)
         body = lambda inputs: self._mixed_body(inputs, batch, key[2])  # noqa: E731
-        logits, slots, completes = self._run_graph(("mixed", batch) + key, packed, body)
-        ids = self._sample_decode_logits(batch, variant)  # the chunks' slots still inactive
-        self.cache.active.index_copy_(0, slots, completes.bool())
-        return self._first_tokens(plan, logits) + (ids,)
+        self._run_graph(("mixed", batch) + key, packed, body)
+        ids = self._sample_decode_logits(batch, variant)
+        return [request for request, start, count in plan if start + count == len(request.prompt_token_ids)], ids
 
     def capture_mixed_graphs(self, longest_chunk: dict[int, int]) -> int:
         """Capture now the mixed graphs of one prompt chunk beside each decode batch size b in
@@ -247,17 +248,19 @@ class ModelRunner:
         self.cache.active.index_copy_(0, slots, completes.bool())  # mid-prompt slots stay out of decode
         return logits
 
-    def _mixed_body(self, inputs: torch.Tensor, batch: int,
-                    fresh: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _mixed_body(self, inputs: torch.Tensor, batch: int, fresh: bool) -> None:
         """What a mixed graph holds: the model pass, its decode logits into the static
         ``decode_logits`` buffer (drawn from by the (batch, variant) sampler graph after it: one
-        mixed graph serves every sampler). Returns (the chunks' last-token logits [rows, V], their
-        slots and completes flags: the caller activates those slots after the draw)."""
+        mixed graph serves every sampler), each chunk's last-token logits into its slot's row
+        there, and the slots whose prompt completes turned active: their first ids come from
+        that draw. (A chunk that does not complete its prompt leaves its slot inactive: its row
+        draws nothing that counts.)"""
         ids, slots, starts, lengths, completes = self._unpack(inputs)
         decode_logits, logits = self.model.mixed_step(self.input_tokens[:batch], self.cache, ids, slots, starts,
                                                       lengths, fresh)
         self.decode_logits[:batch].copy_(decode_logits)
-        return logits, slots, completes
+        self.decode_logits.index_copy_(0, slots, logits)
+        self.cache.active.index_copy_(0, slots, completes.bool())
 
     def _sample_decode_logits(self, batch: int, variant: str) -> torch.Tensor:
         """The next ids [batch] drawn from ``decode_logits[:batch]``: a graph replay, or eager."""
