@@ -229,10 +229,10 @@ class Engine:
         prompts were in before it: in one mixed pass when there are both (a prompt the pass
         completes draws its first id in the decode rows' draw and decodes from the next step on;
         its id is read with theirs on the next step, so the host never waits for a mixed pass
-        with nothing queued behind it), else
-        a prefill and then a decode step that takes in the just-completed prompts (their first ids
-        read at once, behind that decode step). Then read the launches of the step before.
-        Returns the requests that got a token (finished ones included)."""
+        with nothing queued behind it), else a prefill and then a decode step that takes in the
+        just-completed prompts (their first ids read at once, behind that decode step). Then read
+        the launches of the step before. Returns the requests that got a token (finished ones
+        included)."""
         updated, pending = [], []
         began = time.perf_counter()
         decoding = self.scheduler.decoding()
@@ -245,8 +245,8 @@ class Engine:
         if mixed:
             # The prompts this pass completes draw their first ids with its decode rows (at their slots).
             completing = [request for request, start, count in plan if start + count == len(request.prompt_token_ids)]
-            completed, ids = self.runner.mixed(plan, *self._decode_shape(decoding, completing))
-            pending.append(_Launched(ids, {**decoding, **{request.slot: request for request in completed}}))
+            ids = self.runner.mixed(plan, *self._decode_shape(decoding, completing))
+            pending.append(_Launched(ids, {**decoding, **{request.slot: request for request in completing}}))
         elif plan:
             completed, first = self.runner.prefill(plan)
             prefilled = _Launched(first, dict(enumerate(completed)))

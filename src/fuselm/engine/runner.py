@@ -121,21 +121,19 @@ class ModelRunner:
         return self._first_tokens(plan, logits)
 
     @torch.no_grad()
-    def mixed(self, plan: list[tuple[Request, int, int]], batch: int,
-              variant: str) -> tuple[list[Request], torch.Tensor]:
+    def mixed(self, plan: list[tuple[Request, int, int]], batch: int, variant: str) -> torch.Tensor:
         """A decode step over slots 0 .. batch-1 (as :meth:`decode`) and ``plan``'s prompt chunks
         (as :meth:`prefill`) in one ``model.mixed_step``: the chunks ride on the decode step's
         read of the weights instead of taking a step of their own between decode steps. The
         chunks' slots must be inactive (a prompt not yet wholly in) and below ``batch``. A prompt
         that this chunk completes draws its first id with the decode rows, in the same draw: its
         last token's logits go into its slot's row of the decode logits and the slot turns
-        active before the draw (``variant`` must cover its request too). Returns (the requests
-        whose prompt completed, the ids [batch] on the device: theirs at their slots)."""
+        active before the draw (``variant`` must cover its request too). Returns the ids [batch]
+        on the device (a completed prompt's first id at its slot)."""
         packed, key = self._admit(plan, batch)
         body = lambda inputs: self._mixed_body(inputs, batch, key[2])  # noqa: E731
         self._run_graph(("mixed", batch) + key, packed, body)
-        ids = self._sample_decode_logits(batch, variant)
-        return [request for request, start, count in plan if start + count == len(request.prompt_token_ids)], ids
+        return self._sample_decode_logits(batch, variant)
 
     def capture_mixed_graphs(self, longest_chunk: dict[int, int]) -> int:
         """Capture now the mixed graphs of one prompt chunk beside each decode batch size b in
