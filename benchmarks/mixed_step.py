@@ -1,7 +1,7 @@
 """A mixed prefill + decode step against the two apart (GPU only; 9B config, random bf16 weights).
 
     python benchmarks/mixed_step.py [--decode-rows 31] [--chunks 480 224 96 224@256 512 256] [--profile [--profile-rows 15]]
-        [--decode-block-v 16 32 64] [--qkv-split]
+        [--decode-block-v 16 32 64] [--qkv-split] [--prologue-tiles 8x512x4 16x512x4 ...]
 
 Cache of 32 slots x 1024 tokens; rows 0 .. decode_rows-1 decode (active, 512 tokens cached; their
 state is random-free zeros, which costs the same), the prompt chunks go into the slots after them.
@@ -17,7 +17,9 @@ without the fused norm: ``fused_recurrent.BLOCK_V``; the decode step alone keeps
 programs), to see whether smaller, shorter-lived programs let the side stream's chunk kernels in
 sooner (NOTES.md 83). ``--qkv-split``: the table again with the attention layers' qkv projection
 as two products (q/gate rows, k/v rows of the weight) written into one output, past 64 rows
-(cuBLAS's pick for the whole product at 320 rows is slow, NOTES.md 84).
+(cuBLAS's pick for the whole product at 320 rows is slow, NOTES.md 84). ``--prologue-tiles``: the
+table once per tile (rows x columns x warps a program) of the standalone prologue kernel that
+gates all rows before the output projections (``decode_linear``'s ``_prologue_kernel``; NOTES.md 86).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ import torch.nn.functional as F
 
 from fuselm.models.qwen35.layers import GatedAttention
 from fuselm.models.qwen35.presets import config_9b, random_qwen35
+from fuselm.ops.decode_linear import kernels as decode_linear_kernels
 from fuselm.ops.gated_delta_rule import fused_recurrent
-from timing import kernel_breakdown
+from timing import graph_bench, kernel_breakdown
 
 ROWS, MAX_LEN, CACHED = 32, 1024, 512
 
@@ -94,20 +97,43 @@ def main():
                         help="value columns a program of the mixed step's GDN decode kernel (default: its choice)")
     parser.add_argument("--qkv-split", action="store_true",
                         help="also with the attention qkv projection as two products past 64 rows")
+    parser.add_argument("--prologue-tiles", nargs="+", default=[None], metavar="MxKxW",
+                        help="the standalone prologue kernel's rows x columns x warps a program")
     args = parser.parse_args()
     model = random_qwen35(config_9b(), dtype=torch.bfloat16, device="cuda", seed=0)
     cache = model.new_cache(ROWS, MAX_LEN)
     decoding = args.decode_rows
     whole_project = GatedAttention.project
-    for block_v in args.decode_block_v:
-        for split in (False, True) if args.qkv_split else (False,):
-            fused_recurrent.BLOCK_V = block_v
-            GatedAttention.project = split_qkv_project if split else whole_project
-            print(f"## mixed step: {decoding} decode rows (of {ROWS}) + prompt chunks, 9B bf16, "
-                  f"{torch.cuda.get_device_name()}" + (f", decode kernel BLOCK_V {block_v}" if block_v else "")
-                  + (", qkv as two products" if split else ""))
-            run_chunks(model, cache, decoding, args)
+    k = decode_linear_kernels
+    default_tile = (k.PROLOGUE_BLOCK_M, k.PROLOGUE_BLOCK_K, k.PROLOGUE_NUM_WARPS)
+    for tile in args.prologue_tiles:
+        k.PROLOGUE_BLOCK_M, k.PROLOGUE_BLOCK_K, k.PROLOGUE_NUM_WARPS = (
+            tuple(int(n) for n in tile.split("x")) if tile else default_tile)
+        for block_v in args.decode_block_v:
+            for split in (False, True) if args.qkv_split else (False,):
+                fused_recurrent.BLOCK_V = block_v
+                GatedAttention.project = split_qkv_project if split else whole_project
+                print(f"## mixed step: {decoding} decode rows (of {ROWS}) + prompt chunks, 9B bf16, "
+                      f"{torch.cuda.get_device_name()}" + (f", decode kernel BLOCK_V {block_v}" if block_v else "")
+                      + (", qkv as two products" if split else "") + (f", prologue tile {tile}" if tile else ""))
+                if tile:
+                    print(prologue_alone())
+                run_chunks(model, cache, decoding, args)
     GatedAttention.project = whole_project
+    k.PROLOGUE_BLOCK_M, k.PROLOGUE_BLOCK_K, k.PROLOGUE_NUM_WARPS = default_tile
+
+
+def prologue_alone(rows: int = 320, K: int = 4096, head_dim: int = 128) -> str:
+    """The standalone prologue kernel at the current tile, alone (graph replays, do_bench median):
+    both gates of the mixed step's output projections over ``rows`` rows, as strided as there (x
+    and gate every other K-wide column block of one buffer)."""
+    buffer = torch.randn(rows, 2 * K, device="cuda", dtype=torch.bfloat16)
+    x, gate = buffer[:, :K], buffer[:, K:]
+    norm_weight = torch.randn(head_dim, device="cuda", dtype=torch.bfloat16)
+    times = {name: 1e3 * graph_bench(lambda a=args: decode_linear_kernels.prologue_kernel(x, *a))
+             for name, args in (("gated_rms_norm", ("gated_rms_norm", gate, norm_weight, 1e-6, head_dim)),
+                                ("sigmoid_gate", ("sigmoid_gate", gate)))}
+    return "prologue kernel alone at {} rows: ".format(rows) + ", ".join(f"{n} {t:.1f} us" for n, t in times.items())
 
 
 def split_qkv_project(self: GatedAttention, x: torch.Tensor) -> torch.Tensor:

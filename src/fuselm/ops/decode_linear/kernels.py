@@ -219,6 +219,7 @@ FUSED_PROLOGUE_MAX_M = {"sigmoid_gate": 0, "gated_rms_norm": 1}
 # head for gated_rms_norm).
 PROLOGUE_BLOCK_M = 8
 PROLOGUE_BLOCK_K = 512
+PROLOGUE_NUM_WARPS = 4
 INTERPRET_PROLOGUE_BLOCK_K = 64
 # Other GPUs: the Hopper values (untuned).
 # The Triton interpreter (arch 0, the CPU test suite): small tiles, so that the tests' odd shapes
@@ -397,5 +398,6 @@ def prologue_kernel(x, prologue: str, gate, norm_weight=None, eps: float = 1e-6,
     _prologue_kernel[(cdiv(M, PROLOGUE_BLOCK_M), cdiv(K, block_k))](
         x, gate, norm_weight if norm_weight is not None else x, a, M, K, x.stride(0), gate.stride(0), a.stride(0),
         float(eps), PROLOGUE=code, HEAD_DIM=head, BLOCK_M=PROLOGUE_BLOCK_M, BLOCK_K=block_k,
+        num_warps=PROLOGUE_NUM_WARPS,
     )
     return a
