@@ -161,7 +161,7 @@ def host_spans(pairs: list[tuple[float, dict, dict]], slow_ms: float = SLOW_HOST
                           (f"up to {slow_ms:g} ms", [s for s in spans if s[0] <= slow_ms])):
         if chosen:
             n = len(chosen)
-            mean = [sum(usage[i] for _, usage in chosen) / n for i in range(4)]
+            mean = [sum(values) / n for values in zip(*(usage for _, usage in chosen))]
             lines.append(f"host spans {label}: {n}, mean {sum(ms for ms, _ in chosen) / n:.2f} ms; per span "
                          + usage_text(mean))
     return ["", "engine thread: " + "; ".join(lines)]

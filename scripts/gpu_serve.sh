@@ -51,7 +51,7 @@ want engine && { engine 1; engine 1 $SERVED_SAMPLING; }
 healthy() { python3 -c "import urllib.request as u; u.urlopen('$url/health', timeout=2)" 2>/dev/null; }
 host_state() {  # do host stalls come from outside the process? CPU quota and throttling (cgroup v2), CPU /
   # memory / IO pressure, load; transparent huge pages and the kernel's direct compaction and reclaim
-  # (stalls a faulting thread: the step log's per-span system time and faults tell), memory; the
+  # (stalls a faulting thread: the step log's per-span faults and CPU time tell), memory; the
   # server's context switches
   echo "## $1 ($(date +%T))"; nproc
   for f in /sys/fs/cgroup/cpu.max /sys/fs/cgroup/cpu.stat /proc/pressure/cpu /proc/pressure/memory \
