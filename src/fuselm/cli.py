@@ -35,11 +35,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 PRESETS = ("tiny", "9b", "tiny-moe", "35b-a3b", "0.8b")  # fuselm.models.qwen35.presets.PRESETS (no import here: lazy)
 TEXT_MAX_TOKENS, TEXT_MAX_LEN = 256, 4096
 # Tokens per engine step when serving (decode rows + a prompt chunk): what bounds the stall of
-# running decodes. H100, 9B, 32 clients, 512-token prompts (benchmarks/NOTES.md 65): 320 takes a
-# prompt in two mixed steps (289 + 223 tokens beside 31 decode rows: 6.9 ms over two decode steps,
-# against 8.1 ms for 256's three), 3,297 tok/s against 3,249 at 256 and 3,300 at 384 on the engine
-# alone; 2048 gave ITL p99 14x the median (whole prompts in one step).
-SERVE_MAX_PREFILL_TOKENS = 320
+# running decodes. H100, 9B, 32 clients, 512-token prompts: 288 takes a prompt in two mixed steps
+# of 256 tokens beside the 32-row decode graph (GEMMs of 288 rows: 2.79 + 2.92 ms over two decode
+# steps, against 3.65 + 2.36 for 320's 288 + 224, whose 320 rows take cuBLAS's slower picks;
+# benchmarks/NOTES.md 87); three steps (256) or one (544) cost more; 2048 gave ITL p99 14x the
+# median (whole prompts in one step; NOTES 65).
+SERVE_MAX_PREFILL_TOKENS = 288
 # fuselm.serve.async_engine.ADMISSION_WAIT_S and MAX_ADMISSION_WAIT_S, in ms (no import here: lazy)
 SERVE_ADMISSION_WAIT_MS, SERVE_MAX_ADMISSION_WAIT_MS = 3.0, 50.0
 BENCH_PROMPT_LEN, BENCH_MAX_NEW_TOKENS, BENCH_BATCH = 32, 16, 1

@@ -14,8 +14,8 @@ the weights). With CUDA, prefill and mixed steps are graphs too: rows and tokens
 buckets (``ROW_BUCKETS``, ``TOKEN_BUCKETS``), one graph per (rows, tokens, fresh) and, mixed, per
 decode (batch, variant), captured the first time it is needed, so a 512-token prompt is one
 replay instead of ~1,200 launches. A mixed step of one chunk pads its tokens so that the decode
-rows and the chunk fill whole ``GEMM_TILE_M`` tiles (32 rows + 224 tokens: one 256-row GEMM, not
-288 rows in three 128-row tiles with the third nearly empty).
+rows and the chunk make a multiple of ``GEMM_TILE_M`` rows (32 decode rows + 250 prompt tokens: 256
+tokens, one 288-row GEMM).
 
 Decode step (what a graph holds), for batch size b, on the cache's first b slots
 (``Qwen35Cache.first_rows``: views, same addresses):
@@ -42,7 +42,7 @@ from fuselm.engine.request import Request
 from fuselm.engine.sampling import SAMPLER_VARIANTS, SlotSampling, sampler_variant
 from fuselm.models.qwen35 import Qwen35
 from fuselm.models.qwen35.cache import PAGE_SIZE
-from fuselm.runtime import to_device
+from fuselm.runtime import cublaslt_preferred, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,10 @@ DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 # (tokens: 16 and 24 times powers of two, so at most a third of a graph's tokens are padding).
 ROW_BUCKETS = tuple(2 ** i for i in range(12))
 TOKEN_BUCKETS = tuple(sorted({m * 2 ** i for m in (16, 24) for i in range(16)}))
-GEMM_TILE_M = 64  # a mixed step's decode rows + chunk tokens are padded to a multiple of this
+# A mixed step's decode rows + chunk tokens are padded to a multiple of this: few graph shapes,
+# and not past the rows where cuBLAS(Lt) picks slower tiles (H100, 9B, 32 decode rows: padding
+# 288 rows to 320 would cost ~0.9 ms of a 12 ms step; benchmarks/NOTES.md 87).
+GEMM_TILE_M = 32
 # Prefill and mixed steps of more (padded) prompt tokens run eagerly: their GPU time (>= ~17 ms on
 # the 9B) hides their ~1,200 launches, and a burst's shapes (several long prompts in one step)
 # would each cost a capture on first use, a stall of the running requests (measured on the H100:
@@ -200,20 +203,24 @@ class ModelRunner:
     def _run_graph(self, key: tuple, packed: torch.Tensor, body):
         """``body(inputs)`` on the packed inputs: eager when ``key`` ends with graphed False;
         else one replay of ``key``'s graph, captured the first time it is needed (after an eager
-        run that is this call's result and warms its kernels)."""
+        run that is this call's result and warms its kernels). Prefill and mixed steps run (and
+        are captured) with cuBLASLt preferred: its picks for the GEMMs of a mixed step's 288 rows
+        (32 decode + 256 prompt) are faster than cuBLAS's (``runtime.cublaslt_preferred``)."""
         if not key[-1]:  # pinned: a copy from pageable memory would wait for the steps before it
-            return body(to_device(packed, self.device))
+            with cublaslt_preferred(self.device):
+                return body(to_device(packed, self.device))
         if key in self._graphs:
             self._graph_inputs[key].copy_(packed.pin_memory(), non_blocking=True)
             self._graphs[key].replay()
             return self._graph_outputs[key]
         began = time.perf_counter()
         inputs = packed.to(self.device)
-        result = body(inputs)
-        self._graph_inputs[key] = inputs
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._graph_outputs[key] = body(inputs)
+        with cublaslt_preferred(self.device):
+            result = body(inputs)
+            self._graph_inputs[key] = inputs
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._graph_outputs[key] = body(inputs)
         self._graphs[key] = graph
         logger.info("graph %s: warm-up run and capture in %.2f s (%d graphs)", key, time.perf_counter() - began,
                     len(self._graphs))
