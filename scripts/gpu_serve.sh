@@ -17,7 +17,8 @@
 #   durations by kind, per benchmark run; the slowest steps' host spans and garbage collections),
 #   steps_N.jsonl (stage serveN: the raw step log; stage serve: steps_default.jsonl.gz),
 #   host_state.txt (stage serve: the cgroup's CPU quota and throttling, CPU / memory / IO pressure, load,
-#   huge pages and direct compaction, before and after each bench: do host stalls come from outside?),
+#   huge pages and direct compaction, before and after each bench; before the server, a probe of
+#   host-thread stalls from outside the process and the busiest processes: do host stalls come from outside?),
 #   hf_anchor.md, hf_anchor.json, serve_tests.log, sanitizer.log; sampling.md (the sampler's cut-off
 #   ways: sort, histogram, top-k candidates; benchmarks/sampling.py) when that stage is named
 # STATE_DTYPE=bfloat16: the engine and the servers keep the Gated DeltaNet states in bf16 (--state-dtype).
@@ -84,6 +85,10 @@ stop() {
 }
 if want serve; then
   host_state "before the server" >> "$OUT/host_state.txt"
+  # a host thread stalled from outside (a slow core; a driver call blocked by another GPU client,
+  # e.g. a monitoring agent's polls): benchmarks/host_probe.py, and the busiest processes
+  { echo "# benchmarks/host_probe.py"; timeout 60 python3 benchmarks/host_probe.py 2>&1
+    echo "# busiest processes"; ps -eo pid,pcpu,etime,comm --sort=-pcpu | head -12; } >> "$OUT/host_state.txt"
   serve ""
   bench serve_c1 --num-prompts 8 --max-concurrency 1 --warmup-requests 2 --goodput ttft:500 tpot:10
   bench serve_c32 --num-prompts 96 --max-concurrency 32 --warmup-requests 4
