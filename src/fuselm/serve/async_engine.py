@@ -97,6 +97,13 @@ class RequestStream:
         """Hand ``delta`` to the stream's event loop (the engine thread's side)."""
         _call_in_loop(self.loop, self._deltas.put_nowait, delta)
 
+    @staticmethod
+    def deliver_all(loop: asyncio.AbstractEventLoop, deltas: list[tuple[RequestStream, RequestDelta]]) -> None:
+        """Hand each (stream, delta) of streams on ``loop`` to its stream in one call into the loop
+        (the engine thread's side): one wake-up of the loop's thread for a step's deltas, not one a
+        request, so fewer handoffs of the GIL between the two threads."""
+        _call_in_loop(loop, _put_all, deltas)
+
 
 def _call_in_loop(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
     """``callback(*args)`` on ``loop``'s thread; dropped when the loop has closed (nobody waits)."""
@@ -104,6 +111,11 @@ def _call_in_loop(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
         loop.call_soon_threadsafe(callback, *args)
     except RuntimeError:
         pass
+
+
+def _put_all(deltas: list[tuple[RequestStream, RequestDelta]]) -> None:
+    for stream, delta in deltas:
+        stream._deltas.put_nowait(delta)
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:
@@ -305,7 +317,9 @@ class AsyncEngine:
         _call_in_loop(loop, _settle, submit.accepted, None)
 
     def _publish(self, updated: list[Request]) -> None:
-        """One ``RequestDelta`` to the stream of each request that got tokens in the last step."""
+        """One ``RequestDelta`` to the stream of each request that got tokens in the last step, all
+        of a step's handed to each event loop at once (``RequestStream.deliver_all``)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestDelta]]] = {}
         for request in updated:
             running = self._running.get(request.request_id)
             if running is None or running.request is not request:
@@ -315,9 +329,12 @@ class AsyncEngine:
             text = request.take_new_text()
             if request.finished:
                 del self._running[request.request_id]
-                running.stream.deliver(RequestDelta(text, new_ids, request.finish_reason.value, request.output()))
+                delta = RequestDelta(text, new_ids, request.finish_reason.value, request.output())
             else:
-                running.stream.deliver(RequestDelta(text, new_ids))
+                delta = RequestDelta(text, new_ids)
+            by_loop.setdefault(running.stream.loop, []).append((running.stream, delta))
+        for loop, deltas in by_loop.items():
+            RequestStream.deliver_all(loop, deltas)
 
     def _close(self, reason: str) -> None:
         """The engine thread's exit: take no more commands, refuse the submissions still queued,
