@@ -1,7 +1,7 @@
 """A mixed prefill + decode step against the two apart (GPU only; 9B config, random bf16 weights).
 
     python benchmarks/mixed_step.py [--decode-rows 31] [--chunks 480 224 96 224@256 512 256] [--profile [--profile-rows 15]]
-        [--decode-block-v 16 32 64] [--qkv-split] [--prologue-tiles 8x512x4 16x512x4 ...]
+        [--decode-block-v 16 32 64] [--qkv-split] [--prologue-tiles 8x512x4 16x512x4 ...] [--blas cublas cublaslt]
 
 Cache of 32 slots x 1024 tokens; rows 0 .. decode_rows-1 decode (active, 512 tokens cached; their
 state is random-free zeros, which costs the same), the prompt chunks go into the slots after them.
@@ -20,11 +20,16 @@ as two products (q/gate rows, k/v rows of the weight) written into one output, p
 (cuBLAS's pick for the whole product at 320 rows is slow, NOTES.md 84). ``--prologue-tiles``: the
 table once per tile (rows x columns x warps a program) of the standalone prologue kernel that
 gates all rows before the output projections (``decode_linear``'s ``_prologue_kernel``; NOTES.md 86).
+``--blas``: the table once per BLAS library PyTorch's matmuls prefer
+(``torch.backends.cuda.preferred_blas_library``: cuBLAS and cuBLASLt pick different tiles for the same
+GEMM at some row counts; the engine captures its mixed steps with cuBLASLt, NOTES.md 87). Note that the
+graphs here put the 32 cache rows beside the chunk: a chunk of T tokens makes GEMMs of 32 + T rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
@@ -99,6 +104,8 @@ def main():
                         help="also with the attention qkv projection as two products past 64 rows")
     parser.add_argument("--prologue-tiles", nargs="+", default=[None], metavar="MxKxW",
                         help="the standalone prologue kernel's rows x columns x warps a program")
+    parser.add_argument("--blas", nargs="+", default=[None], choices=["cublas", "cublaslt"],
+                        help="the table once per BLAS library PyTorch's matmuls prefer (default: as the process has it)")
     args = parser.parse_args()
     model = random_qwen35(config_9b(), dtype=torch.bfloat16, device="cuda", seed=0)
     cache = model.new_cache(ROWS, MAX_LEN)
@@ -106,19 +113,22 @@ def main():
     whole_project = GatedAttention.project
     k = decode_linear_kernels
     default_tile = (k.PROLOGUE_BLOCK_M, k.PROLOGUE_BLOCK_K, k.PROLOGUE_NUM_WARPS)
-    for tile in args.prologue_tiles:
+    default_blas = torch.backends.cuda.preferred_blas_library()
+    for blas, tile, block_v, split in itertools.product(args.blas, args.prologue_tiles, args.decode_block_v,
+                                                        (False, True) if args.qkv_split else (False,)):
+        torch.backends.cuda.preferred_blas_library(blas or default_blas)
         k.PROLOGUE_BLOCK_M, k.PROLOGUE_BLOCK_K, k.PROLOGUE_NUM_WARPS = (
             tuple(int(n) for n in tile.split("x")) if tile else default_tile)
-        for block_v in args.decode_block_v:
-            for split in (False, True) if args.qkv_split else (False,):
-                fused_recurrent.BLOCK_V = block_v
-                GatedAttention.project = split_qkv_project if split else whole_project
-                print(f"## mixed step: {decoding} decode rows (of {ROWS}) + prompt chunks, 9B bf16, "
-                      f"{torch.cuda.get_device_name()}" + (f", decode kernel BLOCK_V {block_v}" if block_v else "")
-                      + (", qkv as two products" if split else "") + (f", prologue tile {tile}" if tile else ""))
-                if tile:
-                    print(prologue_alone())
-                run_chunks(model, cache, decoding, args)
+        fused_recurrent.BLOCK_V = block_v
+        GatedAttention.project = split_qkv_project if split else whole_project
+        print(f"## mixed step: {decoding} decode rows (of {ROWS}) + prompt chunks, 9B bf16, "
+              f"{torch.cuda.get_device_name()}" + (f", decode kernel BLOCK_V {block_v}" if block_v else "")
+              + (", qkv as two products" if split else "") + (f", prologue tile {tile}" if tile else "")
+              + (f", {blas} preferred" if blas else ""))
+        if tile:
+            print(prologue_alone())
+        run_chunks(model, cache, decoding, args)
+    torch.backends.cuda.preferred_blas_library(default_blas)
     GatedAttention.project = whole_project
     k.PROLOGUE_BLOCK_M, k.PROLOGUE_BLOCK_K, k.PROLOGUE_NUM_WARPS = default_tile
 
