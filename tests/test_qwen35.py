@@ -320,7 +320,7 @@ def test_prefill_into_slots_leaves_the_other_slots_decoding(models):
     assert (model.decode_step(torch.tensor([11], device=DEVICE), alone)[0] - both[2]).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("lengths, chunk_size", [([19, 6], 1), ([19, 6], 4), ([70, 23], 64), ([37], 8)])
+@pytest.mark.parametrize("lengths, chunk_size", [([9, 6], 1), ([19, 6], 4), ([70, 23], 64), ([37], 8)])
 def test_chunked_prefill_equals_one_prefill(models, lengths, chunk_size):
     """Prompts prefilled chunk_size tokens at a time (each chunk continuing from the conv state,
     the GDN state and the K/V of the chunks before it; the shorter row dropping out) give the
