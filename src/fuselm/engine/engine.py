@@ -244,7 +244,7 @@ class Engine:
         prefilled = None
         if mixed:
             # The prompts this pass completes draw their first ids with its decode rows (at their slots).
-            completing = [request for request, start, count in plan if start + count == len(request.prompt_token_ids)]
+            completing = [request for request, start, count in plan if request.completes_prompt(start, count)]
             ids = self.runner.mixed(plan, *self._decode_shape(decoding, completing))
             pending.append(_Launched(ids, {**decoding, **{request.slot: request for request in completing}}))
         elif plan:

@@ -178,6 +178,10 @@ class Request:
         """Its whole prompt is in the cache: it decodes."""
         return self.num_prompt_computed == len(self.prompt_token_ids)
 
+    def completes_prompt(self, start: int, count: int) -> bool:
+        """A chunk of ``count`` prompt tokens from position ``start`` is the prompt's last."""
+        return start + count == len(self.prompt_token_ids)
+
     def output(self) -> RequestOutput:
         text = None if self.detokenizer is None else self.detokenizer.text
         completion = CompletionOutput(0, text, list(self.output_token_ids),

@@ -196,8 +196,7 @@ class ModelRunner:
         for i in range(rows):
             request, start, count = plan[i if i < len(plan) else 0]
             packed[i, :count] = torch.tensor(request.prompt_token_ids[start:start + count])
-            packed[i, tokens:] = torch.tensor([request.slot, start, count,
-                                               start + count == len(request.prompt_token_ids)])
+            packed[i, tokens:] = torch.tensor([request.slot, start, count, request.completes_prompt(start, count)])
         return packed, (rows, tokens, len(fresh) == len(plan), graphed)
 
     def _run_graph(self, key: tuple, packed: torch.Tensor, body):
@@ -230,7 +229,7 @@ class ModelRunner:
                       logits: torch.Tensor) -> tuple[list[Request], torch.Tensor]:
         """Draw the first token of each request whose prompt this plan completed, from its row
         of ``logits`` [>= rows, V]; it becomes the slot's next decode input."""
-        ends = [i for i, (request, start, count) in enumerate(plan) if start + count == len(request.prompt_token_ids)]
+        ends = [i for i, (request, start, count) in enumerate(plan) if request.completes_prompt(start, count)]
         if not ends:
             return [], torch.empty(0, dtype=torch.int64, device=self.device)
         completed = [plan[i][0] for i in ends]

@@ -95,7 +95,7 @@ class RequestStream:
 
     def deliver(self, delta: RequestDelta) -> None:
         """Hand ``delta`` to the stream's event loop (the engine thread's side)."""
-        _call_in_loop(self.loop, self._deltas.put_nowait, delta)
+        RequestStream.deliver_all(self.loop, [(self, delta)])
 
     @staticmethod
     def deliver_all(loop: asyncio.AbstractEventLoop, deltas: list[tuple[RequestStream, RequestDelta]]) -> None:
