@@ -16,6 +16,8 @@
 #   server_*.log (each server's log tail: graph captures), steps_*.md (benchmarks/step_log.py: step
 #   durations by kind, per benchmark run; the slowest steps' host spans and garbage collections),
 #   steps_N.jsonl (stage serveN: the raw step log; stage serve: steps_default.jsonl.gz),
+#   stalls_*.md (benchmarks/stall_dump.py: every thread's stack when the engine thread's host work
+#   between two steps passed 10 ms, grouped; stage serve: the dumps in stalls_default.txt.gz),
 #   host_state.txt (stage serve: the cgroup's CPU quota and throttling, CPU / memory / IO pressure, load,
 #   huge pages and direct compaction, before and after each bench; before the server, a probe of
 #   host-thread stalls from outside the process and the busiest processes: do host stalls come from outside?),
@@ -74,7 +76,7 @@ bench() {  # label, then bench-serve options
 serve() {  # prefill token budget ("" for the CLI's default); then the benches run
   setsid python3 -m fuselm serve "$checkpoint" --max-batch 32 --max-len 1024 --port $port --state-dtype "$state_dtype" \
     ${1:+--max-prefill-tokens $1} ${ADMISSION_WAIT_MS:+--admission-wait-ms $ADMISSION_WAIT_MS} \
-    --step-log "$work/steps_$1.jsonl" > "$work/server_$1.log" 2>&1 &
+    --step-log "$work/steps_$1.jsonl" --stall-dump "$work/stalls_$1.txt" > "$work/server_$1.log" 2>&1 &
   server=$!
   for _ in $(seq 240); do healthy && break; sleep 1; done
   healthy || { echo "server did not come up"; tail -40 "$work/server_$1.log"; kill $server; exit 1; }
@@ -108,6 +110,8 @@ if want serve; then
   tail -c 20000 "$work/server_.log" > "$OUT/server_default.log"
   python3 benchmarks/step_log.py "$work/steps_.jsonl" > "$OUT/steps_default.md" 2>&1
   gzip -c "$work/steps_.jsonl" > "$OUT/steps_default.jsonl.gz"
+  python3 benchmarks/stall_dump.py "$work/stalls_.txt" > "$OUT/stalls_default.md" 2>&1
+  gzip -c "$work/stalls_.txt" > "$OUT/stalls_default.txt.gz"
 fi
 for stage in $stages; do  # serveN: 32 clients, then Poisson at 80% of their throughput (or $RATE), budget N
   [[ $stage =~ ^serve([0-9]+)$ ]] || continue
@@ -122,6 +126,7 @@ for stage in $stages; do  # serveN: 32 clients, then Poisson at 80% of their thr
   cp "$work/serve_poisson_budget$budget.png" "$OUT/" 2>/dev/null
   python3 benchmarks/step_log.py "$work/steps_$budget.jsonl" > "$OUT/steps_$budget.md" 2>&1
   cp "$work/steps_$budget.jsonl" "$OUT/"
+  python3 benchmarks/stall_dump.py "$work/stalls_$budget.txt" > "$OUT/stalls_$budget.md" 2>&1
   grep -c "graph (" "$work/server_$budget.log" | sed "s/^/graph captures at budget $budget: /"
   tail -c 20000 "$work/server_$budget.log" > "$OUT/server_$budget.log"
 done

@@ -209,6 +209,46 @@ def test_a_plan_counts_its_rows_padded_to_the_longest():
     assert all(len(p) * max(p) <= 512 for p in plans)
 
 
+def test_a_slow_host_span_dumps_every_threads_stack(model, tmp_path):
+    """Engine.watch_host_stalls (fuselm serve --stall-dump): host work between two steps that takes
+    longer than the threshold writes every thread's stack, the stalled one's where it stalls, and
+    no watchdog is left armed once the requests have finished; benchmarks/stall_dump.py groups
+    the stacks."""
+    import importlib.util
+    import time
+    from pathlib import Path
+
+    engine = Engine(model, max_batch=2, max_len=32)
+    slow_steps = []
+
+    def stream(request):  # runs between one step's read and the next step's launches
+        if len(request.output_token_ids) == 2 and not slow_steps:
+            slow_steps.append(request)
+            time.sleep(0.4)
+
+    path = tmp_path / "stalls.txt"
+    with open(path, "w") as file:
+        engine.watch_host_stalls(file, 0.2)
+        engine.generate([prompt(5, 82)], greedy(4), stream=stream)
+        time.sleep(0.4)  # a watchdog still armed after the last step would write here
+        engine.watch_host_stalls(None, None)
+    spec = importlib.util.spec_from_file_location("stall_dump", Path(__file__).parents[1] / "benchmarks" / "stall_dump.py")
+    stall_dump = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stall_dump)
+    dumps = stall_dump.parse(path.read_text())
+    # (Here a step's launches are the interpreter's whole computation, so slow spans other than
+    # the callback's may be dumped too.) The callback's sleep is in one; none is from the wait
+    # after the last step.
+    engine_stacks = [stack for dump in dumps for thread, stack in dump if thread.endswith("(engine)")]
+    assert len(engine_stacks) == len(dumps)  # (here the engine's thread is the main one, the handler's)
+    assert sum(any(frame.endswith(" stream") for frame in stack) for stack in engine_stacks) == 1, dumps
+    assert not any(stack[0].endswith(" test_a_slow_host_span_dumps_every_threads_stack")
+                   for stack in engine_stacks), dumps
+    assert f"{len(dumps)} stall dumps" in stall_dump.summarise(dumps)
+    with pytest.raises(ValueError, match="seconds"):
+        engine.watch_host_stalls(file, 0)
+
+
 def test_the_step_log_records_each_step(model):
     """Engine.step_log (fuselm serve --step-log): one entry per step with its kind, decode rows and
     prompt tokens; benchmarks/step_log.py times them by the gaps between reads."""

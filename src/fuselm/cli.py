@@ -144,6 +144,8 @@ def _serve(args) -> int:
         args.command_parser.error(f"--port: expected 0..65535, got {args.port}")
     if args.max_queue is not None and args.max_queue < 0:
         args.command_parser.error(f"--max-queue: expected >= 0, got {args.max_queue}")
+    if not args.stall_dump_ms > 0:
+        args.command_parser.error(f"--stall-dump-ms: expected > 0, got {args.stall_dump_ms:g}")
     if not 0 <= args.admission_wait_ms <= SERVE_MAX_ADMISSION_WAIT_MS:
         args.command_parser.error(f"--admission-wait-ms: expected 0..{SERVE_MAX_ADMISSION_WAIT_MS:g}, got "
                                   f"{args.admission_wait_ms:g}")
@@ -171,10 +173,17 @@ def _serve(args) -> int:
     if args.step_log is not None:
         model.engine.step_log = []
         gc.callbacks.append(_gc_recorder(pauses))
+    stall_dump = None if args.stall_dump is None else open(args.stall_dump, "w")
     try:
+        if stall_dump is not None:
+            model.engine.watch_host_stalls(stall_dump, args.stall_dump_ms / 1e3)
         run_server(model, args.host, args.port, args.max_queue, args.admission_wait_ms / 1e3)
     except OSError as error:  # the address cannot be listened on
         raise ValueError(f"--host/--port: {error}") from None
+    finally:
+        if stall_dump is not None:
+            model.engine.watch_host_stalls(None, None)
+            stall_dump.close()
     if args.step_log is not None:
         with open(args.step_log, "w") as handle:
             handle.writelines(json.dumps(entry) + "\n" for entry in model.engine.step_log + pauses)
@@ -434,6 +443,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "tokens, host times, requests running and queued, admitted requests' waits), then one per "
                             "garbage collection (kind gc); "
                             "benchmarks/step_log.py summarises it")
+    serve.add_argument("--stall-dump", default=None, metavar="PATH",
+                       help="write every thread's Python stack to PATH whenever the engine thread's host work between "
+                            "two steps takes longer than --stall-dump-ms (a SIGALRM timer armed each step: where a "
+                            "stalled engine thread is); benchmarks/stall_dump.py groups them")
+    serve.add_argument("--stall-dump-ms", type=float, default=10.0,
+                       help="the host span that counts as a stall for --stall-dump (10)")
     _add_model_arguments(serve, "seeds the sampling seeds of requests without one (and --config's weights)")
     _add_state_dtype_argument(serve)
     serve.set_defaults(run=_serve, command_parser=serve)

@@ -27,7 +27,11 @@ from __future__ import annotations
 import itertools
 import random
 import resource
+import signal
+import sys
+import threading
 import time
+import traceback
 from typing import Callable, Sequence
 
 import torch
@@ -122,6 +126,12 @@ class Engine:
         # between "read" times are the steps' durations as a decoding request sees them; the
         # engine thread's CPU use at launch and read); ``fuselm serve --step-log``.
         self.step_log: list[dict] | None = None
+        # ``watch_host_stalls``: (file, seconds, the SIGALRM handler before); steps so far and the
+        # thread that runs them, for its dumps.
+        self._stall_watch: tuple | None = None
+        self._steps = 0
+        self._stepping_thread: int | None = None
+        self._span_began = 0.0
         self.vocab_size = model.config.vocab_size
         self.eos_ids = model.config.stop_token_ids
         self._seeds = random.Random(seed)
@@ -131,6 +141,47 @@ class Engine:
     @property
     def max_batch(self) -> int:
         return self.runner.max_batch
+
+    def watch_host_stalls(self, file, seconds: float | None) -> None:
+        """While requests run, write every thread's Python stack to ``file`` (an open text file)
+        whenever the host's work between two steps, from reading one step's ids to the next step's
+        launches, takes longer than ``seconds`` (None: stop watching). A real-time timer armed at
+        each read and disarmed at each launch (two ``setitimer`` calls a step, no extra thread)
+        raises SIGALRM; its handler, on the main thread, writes the stacks: where the stalled
+        engine thread is, and what the other threads were doing (``fuselm serve --stall-dump``;
+        benchmarks/stall_dump.py groups them). Call it from the main thread (it installs the
+        SIGALRM handler; stopping restores the one before)."""
+        if seconds is not None and (not isinstance(seconds, (int, float)) or isinstance(seconds, bool)
+                                    or not seconds > 0):
+            raise ValueError(f"seconds: expected None or a positive number, got {seconds!r}")
+        if not hasattr(signal, "setitimer"):
+            raise RuntimeError("watch_host_stalls: this platform has no setitimer")
+        if self._stall_watch is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self._stall_watch[2])
+            self._stall_watch = None
+        if seconds is not None:
+            previous = signal.signal(signal.SIGALRM, self._dump_stacks)  # ValueError off the main thread
+            signal.siginterrupt(signal.SIGALRM, False)  # system calls the signal lands in resume
+            self._stall_watch = (file, float(seconds), signal.SIG_DFL if previous is None else previous)
+
+    def _dump_stacks(self, signum, frame) -> None:
+        """The SIGALRM handler of ``watch_host_stalls`` (on the main thread): every thread's stack,
+        innermost frame first, in faulthandler's layout."""
+        if self._stall_watch is None:
+            return
+        file, seconds, _ = self._stall_watch
+        names = {thread.ident: thread.name for thread in threading.enumerate()}
+        lines = [f"Stall ({(time.perf_counter() - self._span_began) * 1e3:.1f} ms into the host's span after step "
+                 f"{self._steps}, watched at {seconds * 1e3:g} ms):"]
+        stacks = sys._current_frames()
+        stacks[threading.get_ident()] = frame  # this thread's, where the signal interrupted it
+        for ident, top in stacks.items():
+            engine = " (engine)" if ident == self._stepping_thread else ""
+            lines.append(f"Thread {names.get(ident, hex(ident))}{engine} (most recent call first):")
+            lines += [f'  File "{f.filename}", line {f.lineno} in {f.name}' for f in reversed(traceback.extract_stack(top))]
+        file.write("\n".join(lines) + "\n\n")
+        file.flush()
 
     @property
     def max_len(self) -> int:
@@ -258,6 +309,8 @@ class Engine:
                 _, ids = self.runner.decode(*self._decode_shape(decoding))
                 pending.append(_Launched(ids, decoding))
         launched_at = time.perf_counter()
+        if self._stall_watch is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)  # the host's span between steps ends at the launches
         usage_launched = thread_usage() if self.step_log is not None else None
         for launched in self._in_flight:
             updated += self._read(launched)
@@ -279,6 +332,10 @@ class Engine:
                                   "admission_waits_ms": [round(1e3 * (began - request.metrics.arrival_time), 3)
                                                          for request, start, _ in plan if start == 0],
                                   "usage_launched": usage_launched, "usage_read": thread_usage()})
+        self._steps += 1
+        if self._stall_watch is not None and self.has_unfinished_requests():
+            self._stepping_thread, self._span_began = threading.get_ident(), time.perf_counter()
+            signal.setitimer(signal.ITIMER_REAL, self._stall_watch[1])  # from this read to the next launches
         return updated
 
     def capture_mixed_graphs(self) -> int:
