@@ -11,12 +11,14 @@ chunks over several steps; a first token comes from the logits of a prompt's las
 requests decoding, the runner runs those chunks and their decode step as one mixed pass (the
 chunks share its norms, input projections, MLP GEMMs and LM head: measured 19.4 ms for 32 rows
 + 480 tokens against a 9.4 ms decode step, H100, benchmarks/results/.../mixed_step.md);
-with none, it prefills and then decodes the just-prefilled requests. Only then does the host
-read: the launches of the step before (a mixed pass's first ids too), then a prefill-only step's
-first ids (behind its decode step). Decode is pipelined one step deep: step n+1 is on the GPU while the host appends step n's ids, detokenizes and checks
-stop conditions, so the host's work hides behind the GPU's. A request that ends on the host (a stop
-string) is one step late on the device; that extra step writes only its own slot and is
-discarded. Stop ids and max_tokens also end a slot on the device, inside the step.
+with none, it prefills and then decodes the just-prefilled requests. That is ``launch()``; then
+``read()`` reads the launches of the step before (a mixed pass's first ids too), then a
+prefill-only step's first ids (behind its decode step). Decode is pipelined one step deep: step
+n+1 is on the GPU while the host appends step n's ids, detokenizes and checks stop conditions, so
+the host's work hides behind the GPU's (and a caller's own, between ``launch`` and ``read``). A
+request that ends on the host (a stop string) is one step late on the device; that extra step
+writes only its own slot and is discarded. Stop ids and max_tokens also end a slot on the device,
+inside the step.
 
 Requests join and leave between steps: each owns a cache slot for its life, a finished request's
 slot is freed for the next waiting one, and requests already decoding go on untouched.
@@ -137,6 +139,7 @@ class Engine:
         self._seeds = random.Random(seed)
         self._ids = itertools.count()
         self._in_flight: list[_Launched] = []  # the last step's launches, read in the next step
+        self._launched: tuple | None = None  # ``launch()``'s, until its ``read()``
 
     @property
     def max_batch(self) -> int:
@@ -276,15 +279,23 @@ class Engine:
         return updated
 
     def step(self) -> list[Request]:
-        """Prefill this step's prompt chunks (the scheduler's budget) and decode the requests whose
-        prompts were in before it: in one mixed pass when there are both (a prompt the pass
-        completes draws its first id in the decode rows' draw and decodes from the next step on;
-        its id is read with theirs on the next step, so the host never waits for a mixed pass
-        with nothing queued behind it), else a prefill and then a decode step that takes in the
-        just-completed prompts (their first ids read at once, behind that decode step). Then read
-        the launches of the step before. Returns the requests that got a token (finished ones
-        included)."""
-        updated, pending = [], []
+        """``launch()`` this step, then ``read()`` the one before: returns the requests that got a
+        token (finished ones included)."""
+        self.launch()
+        return self.read()
+
+    def launch(self) -> None:
+        """Queue this step on the device, reading nothing: prefill its prompt chunks (the
+        scheduler's budget) and decode the requests whose prompts were in before it, in one mixed
+        pass when there are both (a prompt the pass completes draws its first id in the decode
+        rows' draw and decodes from the next step on; its id is read with theirs a step later, so
+        the host never waits for a mixed pass with nothing queued behind it), else a prefill and
+        then a decode step that takes in the just-completed prompts (their first ids read at once,
+        behind that decode step). Each ``launch`` is followed by one ``read``; between the two the
+        caller may do host work of its own while the device runs (a server: stream the tokens of
+        the step before), without delaying this step."""
+        if self._launched is not None:
+            raise RuntimeError("launch: the step launched before has not been read (call read())")
         began = time.perf_counter()
         decoding = self.scheduler.decoding()
         # The budget less the decode rows this step will run (the decode batch covers the slot a
@@ -292,7 +303,7 @@ class Engine:
         decode_rows = self.runner.batch_size_for(self.scheduler.slots_in_use_after_admission()) if decoding else 0
         plan = self.scheduler.schedule_prefill(decode_rows)
         mixed = bool(plan and decoding)
-        prefilled = None
+        pending, prefilled = [], None
         if mixed:
             # The prompts this pass completes draw their first ids with its decode rows (at their slots).
             completing = [request for request, start, count in plan if request.completes_prompt(start, count)]
@@ -308,10 +319,33 @@ class Engine:
             if decoding:
                 _, ids = self.runner.decode(*self._decode_shape(decoding))
                 pending.append(_Launched(ids, decoding))
-        launched_at = time.perf_counter()
         if self._stall_watch is not None:
             signal.setitimer(signal.ITIMER_REAL, 0)  # the host's span between steps ends at the launches
-        usage_launched = thread_usage() if self.step_log is not None else None
+        entry = None
+        if self.step_log is not None:
+            kind = "mixed" if mixed else "prefill+decode" if plan and decoding else "prefill" if plan else \
+                "decode" if decoding else "idle"
+            # running / waiting: requests holding a slot / queued for one once this step was planned;
+            # admission_waits_ms: how long each request this step admitted had waited for it;
+            # usage_launched / usage_read: the engine thread's ``thread_usage`` at launched / read.
+            entry = {"began": began, "launched": time.perf_counter(), "kind": kind,
+                     "decode_rows": len(decoding), "chunks": len(plan),
+                     "prompt_tokens": sum(count for _, _, count in plan),
+                     "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                     "admission_waits_ms": [round(1e3 * (began - request.metrics.arrival_time), 3)
+                                            for request, start, _ in plan if start == 0],
+                     "usage_launched": thread_usage()}
+        self._launched = (pending, prefilled, entry)
+
+    def read(self) -> list[Request]:
+        """Read the launches of the step before the one ``launch()`` queued (waiting for them), and
+        a prefill-only step's first ids: append the ids to their requests (detokenize, check stop
+        conditions, end the finished ones). Returns the requests that got a token (finished ones
+        included)."""
+        if self._launched is None:
+            raise RuntimeError("read: no step was launched (call launch() first)")
+        (pending, prefilled, entry), self._launched = self._launched, None
+        updated = []
         for launched in self._in_flight:
             updated += self._read(launched)
         if prefilled is not None:
@@ -319,19 +353,8 @@ class Engine:
         # A launch whose requests all ended meanwhile is dropped unread.
         self._in_flight = [launched for launched in pending
                            if any(not request.finished for request in launched.requests.values())]
-        if self.step_log is not None:
-            kind = "mixed" if mixed else "prefill+decode" if plan and decoding else "prefill" if plan else \
-                "decode" if decoding else "idle"
-            # running / waiting: requests holding a slot / queued for one once this step was planned;
-            # admission_waits_ms: how long each request this step admitted had waited for it;
-            # usage_launched / usage_read: the engine thread's ``thread_usage`` at launched / read.
-            self.step_log.append({"began": began, "launched": launched_at, "read": time.perf_counter(), "kind": kind,
-                                  "decode_rows": len(decoding), "chunks": len(plan),
-                                  "prompt_tokens": sum(count for _, _, count in plan),
-                                  "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                                  "admission_waits_ms": [round(1e3 * (began - request.metrics.arrival_time), 3)
-                                                         for request, start, _ in plan if start == 0],
-                                  "usage_launched": usage_launched, "usage_read": thread_usage()})
+        if entry is not None:
+            self.step_log.append({**entry, "read": time.perf_counter(), "usage_read": thread_usage()})
         self._steps += 1
         if self._stall_watch is not None and self.has_unfinished_requests():
             self._stepping_thread, self._span_began = threading.get_ident(), time.perf_counter()

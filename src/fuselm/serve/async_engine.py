@@ -8,6 +8,13 @@ thread-safe command queue (submit, abort, stop) and hears back only through
 ``asyncio.Queue``. When no request is unfinished the engine thread blocks on the command queue
 (no busy loop); while requests run it takes the commands that came in between two steps.
 
+Publishing. The engine thread hands a step's tokens to the event loop in two parts: the
+requests it finished at once, the others after it has launched the next step. The loop's
+thread then writes their stream chunks while the engine thread waits on the GPU (without the
+GIL), not while it plans and launches a step: each of its torch calls releases the GIL and must
+take it back, and a loop busy with 32 streams holds the GIL for a switch interval at a time
+(measured on the H100: host spans of 10-26 ms between steps, the GPU idle, benchmarks/NOTES.md 89).
+
 Admission wait. The engine plans step n+1 as soon as it has read step n-1 (step n still runs on
 the GPU), so a request that comes in just after that plan waits a whole step more for its first
 chunk. A closed-loop client (a chat user, a benchmark with max concurrency) sends its next
@@ -254,6 +261,7 @@ class AsyncEngine:
             if self.engine.model.device.type == "cuda":
                 torch.cuda.set_device(self.engine.model.device)
             finished = False  # the last step finished a request
+            going_on: list[Request] = []  # the last step's other requests with new tokens
             while True:
                 commands = self._next_commands(finished)
                 for command in commands:
@@ -262,9 +270,12 @@ class AsyncEngine:
                     self._handle(command)
                 finished = False
                 if self.engine.has_unfinished_requests():
-                    updated = self.engine.step()
-                    finished = any(request.finished for request in updated)
-                    self._publish(updated)
+                    self.engine.launch()
+                    self._publish(going_on)  # the loop writes them while this thread waits on the device
+                    updated = self.engine.read()
+                    ended = [request for request in updated if request.finished]
+                    finished, going_on = bool(ended), [request for request in updated if not request.finished]
+                    self._publish(ended)  # at once: a closed-loop client's next request must not wait a step
         except BaseException as error:  # a failed step (e.g. a CUDA error) ends every request
             logger.exception("the engine thread failed")
             self.failure, reason = error, f"the engine failed: {error!r}"
@@ -317,8 +328,9 @@ class AsyncEngine:
         _call_in_loop(loop, _settle, submit.accepted, None)
 
     def _publish(self, updated: list[Request]) -> None:
-        """One ``RequestDelta`` to the stream of each request that got tokens in the last step, all
-        of a step's handed to each event loop at once (``RequestStream.deliver_all``)."""
+        """One ``RequestDelta`` to the stream of each of ``updated`` (requests that got tokens in a
+        step) that is still running here, all handed to each event loop at once
+        (``RequestStream.deliver_all``)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestDelta]]] = {}
         for request in updated:
             running = self._running.get(request.request_id)
