@@ -232,7 +232,8 @@ def test_a_slow_host_span_dumps_every_threads_stack(model, tmp_path):
         engine.generate([prompt(5, 82)], greedy(4), stream=stream)
         time.sleep(0.4)  # a watchdog still armed after the last step would write here
         engine.watch_host_stalls(None, None)
-    spec = importlib.util.spec_from_file_location("stall_dump", Path(__file__).parents[1] / "benchmarks" / "stall_dump.py")
+    script = Path(__file__).parents[1] / "benchmarks" / "stall_dump.py"
+    spec = importlib.util.spec_from_file_location("stall_dump", script)
     stall_dump = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(stall_dump)
     dumps = stall_dump.parse(path.read_text())

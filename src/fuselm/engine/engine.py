@@ -182,7 +182,8 @@ class Engine:
         for ident, top in stacks.items():
             engine = " (engine)" if ident == self._stepping_thread else ""
             lines.append(f"Thread {names.get(ident, hex(ident))}{engine} (most recent call first):")
-            lines += [f'  File "{f.filename}", line {f.lineno} in {f.name}' for f in reversed(traceback.extract_stack(top))]
+            lines += [f'  File "{f.filename}", line {f.lineno} in {f.name}'
+                      for f in reversed(traceback.extract_stack(top))]
         file.write("\n".join(lines) + "\n\n")
         file.flush()
 
