@@ -12,8 +12,9 @@ to run) and the gap after them are left out. Prints a markdown table per kind (c
 median, p90, p99, max, mean prompt tokens, mean decode rows; and the host's share of each step:
 median ms from the step's start to its last launch, "host launch", and from there to having read
 the step before's ids, "wait"), the decode rows a step and the decode tokens/s they make over the
-run's time, where the requests were (decoding, prefilling, queued: ``occupancy``), and the kinds /
-sizes of the slowest 1% of gaps, each with the host's span from reading the step before to
+run's time, where the requests were (decoding, prefilling, queued: ``occupancy``), each kind's GPU
+time a step (CUDA events, ``gpu_times``), and the kinds / sizes of the slowest 1% of gaps, each
+with its GPU time, the host's span from reading the step before to
 launching the next (longer than the step's GPU time: the GPU waited for the host), the engine
 thread's CPU time, page faults and context switches over it (``host_spans`` sets the spans over
 10 ms apart from the rest) and the garbage collections within it (the log's "gc" entries, which
@@ -72,6 +73,8 @@ def why(before: dict, after: dict, pauses: list[dict]) -> str:
     (when it is longer than the GPU's step, the GPU waited), the engine thread's CPU use and
     context switches over that span, and the collections within the gap."""
     parts = []
+    if "gpu_ms" in before:
+        parts.append(f"GPU {before['gpu_ms']:.1f} ms")
     if "launched" in after:
         parts.append(f"host {1e3 * (after['launched'] - before['read']):.1f} ms")
     usage = span_usage(before, after)
@@ -99,6 +102,19 @@ def occupancy(timed: list[tuple[float, dict]]) -> list[str]:
         line += (f"; {len(waits)} admitted, waited {percentile(waits, 0.5):.1f} ms median, p90 "
                  f"{percentile(waits, 0.9):.1f}, max {max(waits):.1f} from submission to the step that took them")
     return ["", line]
+
+
+def gpu_times(timed: list[tuple[float, dict]]) -> list[str]:
+    """Each kind's GPU time a step (logs with gpu_ms: CUDA events around a step's launches)
+    beside its duration: a step longer than its GPU time waited for the host; a GPU time longer
+    than usual is the device's (or its queue's) own."""
+    parts = []
+    for kind in Counter(step["kind"] for _, step in timed):
+        ms = [step["gpu_ms"] for _, step in timed if step["kind"] == kind and "gpu_ms" in step]
+        if ms:
+            parts.append(f"{kind} median {percentile(ms, 0.5):.2f}, p99 {percentile(ms, 0.99):.2f}, "
+                         f"max {max(ms):.2f}")
+    return ["", "GPU ms a step: " + "; ".join(parts)] if parts else []
 
 
 def summarise(steps: list[dict], pauses: list[dict] = ()) -> str:
@@ -135,6 +151,7 @@ def summarise(steps: list[dict], pauses: list[dict] = ()) -> str:
     lines += ["", f"decode rows a step {rows / len(timed):.2f}, mean step {sum(every) / len(every):.2f} ms: "
                   f"{1e3 * rows / sum(every):,.0f} decode tokens/s"]
     lines += occupancy(timed)
+    lines += gpu_times(timed)
     slowest = sorted(pairs, key=lambda item: -item[0])[:max(1, len(pairs) // 100)]
     lines += ["", f"slowest 1% ({len(slowest)} steps): " + ", ".join(
         f"{gap:.1f} ms {step['kind']} (rows {step['decode_rows']}, chunks {step['chunks']}, "

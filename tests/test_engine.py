@@ -303,6 +303,15 @@ def test_the_step_log_records_each_step(model):
     assert step_log.host_spans([(30.0, before, after)]) == [
         "", "engine thread: host spans over 10 ms: 1, mean 20.00 ms; per span CPU 17.0 ms, faults 300, switches 4 "
         "voluntary / 0 involuntary"]
+    # With CUDA each step's GPU time (events around its launches) comes in once it has run: every
+    # step but the last's (its launches may not have run when the log was last read).
+    gpu = [step.get("gpu_ms") for step in steps]
+    assert all(ms is not None and ms > 0 for ms in gpu[:-1]) if ON_GPU else gpu == [None] * len(gpu)
+    timed_steps = [{**step, "gpu_ms": 2.0 + i} for i, step in enumerate(steps)]
+    table = step_log.summarise(timed_steps)
+    mixed = [2.0 + i for i, step in enumerate(steps[:-1]) if step["kind"] == "mixed"]
+    assert f"mixed median {step_log.percentile(mixed, 0.5):.2f}, p99" in table.split("GPU ms a step: ")[1]
+    assert "GPU " in table.split("slowest 1%")[1]
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_any_batch(model, engine):

@@ -66,12 +66,12 @@ class _Launched:
     """Ids on the GPU (a decode step's per slot, or a prefill's first ids per completed request)
     on their way to pinned host memory, and which request each index belonged to at launch."""
 
-    def __init__(self, ids: torch.Tensor, requests: dict[int, Request]):
+    def __init__(self, ids: torch.Tensor, requests: dict[int, Request], timed: bool = False):
         self.requests = dict(requests)
         if ids.is_cuda:
             self.host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
             self.host_ids.copy_(ids, non_blocking=True)
-            self.done = torch.cuda.Event()
+            self.done = torch.cuda.Event(enable_timing=timed)  # timed: the step log's GPU time
             self.done.record()
         else:
             self.host_ids, self.done = ids.clone(), None
@@ -126,7 +126,9 @@ class Engine:
         # Set to a list to record each step (``step()``: what it launched, when its host work
         # began, when its launches were done, and when it had read the step before's ids: the gaps
         # between "read" times are the steps' durations as a decoding request sees them; the
-        # engine thread's CPU use at launch and read); ``fuselm serve --step-log``.
+        # engine thread's CPU use at launch and read; with CUDA, "gpu_ms": its GPU time, from an
+        # event before its launches to its last launch's, told apart from the host's lateness);
+        # ``fuselm serve --step-log``.
         self.step_log: list[dict] | None = None
         # ``watch_host_stalls``: (file, seconds, the SIGALRM handler before); steps so far and the
         # thread that runs them, for its dumps.
@@ -140,6 +142,7 @@ class Engine:
         self._ids = itertools.count()
         self._in_flight: list[_Launched] = []  # the last step's launches, read in the next step
         self._launched: tuple | None = None  # ``launch()``'s, until its ``read()``
+        self._timing: list[tuple] = []  # (step-log entry, start event, end event) until the end has run
 
     @property
     def max_batch(self) -> int:
@@ -298,6 +301,11 @@ class Engine:
         if self._launched is not None:
             raise RuntimeError("launch: the step launched before has not been read (call read())")
         began = time.perf_counter()
+        # The step log's GPU time of a step: from an event before its launches to its last one's.
+        timed = self.step_log is not None and self.runner.device.type == "cuda"
+        if timed:
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
         decoding = self.scheduler.decoding()
         # The budget less the decode rows this step will run (the decode batch covers the slot a
         # newly admitted request takes: mixed graphs are keyed by it, captured up front).
@@ -309,17 +317,17 @@ class Engine:
             # The prompts this pass completes draw their first ids with its decode rows (at their slots).
             completing = [request for request, start, count in plan if request.completes_prompt(start, count)]
             ids = self.runner.mixed(plan, *self._decode_shape(decoding, completing))
-            pending.append(_Launched(ids, {**decoding, **{request.slot: request for request in completing}}))
+            pending.append(_Launched(ids, {**decoding, **{request.slot: request for request in completing}}, timed))
         elif plan:
             completed, first = self.runner.prefill(plan)
-            prefilled = _Launched(first, dict(enumerate(completed)))
+            prefilled = _Launched(first, dict(enumerate(completed)), timed)
         for request, _, count in plan:
             self.scheduler.prefilled(request, count)
         if not mixed:
             decoding = self.scheduler.decoding()
             if decoding:
                 _, ids = self.runner.decode(*self._decode_shape(decoding))
-                pending.append(_Launched(ids, decoding))
+                pending.append(_Launched(ids, decoding, timed))
         if self._stall_watch is not None:
             signal.setitimer(signal.ITIMER_REAL, 0)  # the host's span between steps ends at the launches
         entry = None
@@ -336,6 +344,9 @@ class Engine:
                      "admission_waits_ms": [round(1e3 * (began - request.metrics.arrival_time), 3)
                                             for request, start, _ in plan if start == 0],
                      "usage_launched": thread_usage()}
+            last = (pending or [prefilled])[-1]
+            if timed and last is not None:
+                self._timing.append((entry, started, last.done))
         self._launched = (pending, prefilled, entry)
 
     def read(self) -> list[Request]:
@@ -355,7 +366,12 @@ class Engine:
         self._in_flight = [launched for launched in pending
                            if any(not request.finished for request in launched.requests.values())]
         if entry is not None:
-            self.step_log.append({**entry, "read": time.perf_counter(), "usage_read": thread_usage()})
+            entry.update(read=time.perf_counter(), usage_read=thread_usage())
+            self.step_log.append(entry)
+            # gpu_ms: each step's GPU time (CUDA events), once its last launch has run.
+            while self._timing and self._timing[0][2].query():
+                logged, started, done = self._timing.pop(0)
+                logged["gpu_ms"] = round(started.elapsed_time(done), 4)
         self._steps += 1
         if self._stall_watch is not None and self.has_unfinished_requests():
             self._stepping_thread, self._span_began = threading.get_ident(), time.perf_counter()
