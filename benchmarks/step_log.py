@@ -11,7 +11,7 @@ decode rows), prefill+decode (a prefill step with a decode step behind it). Idle
 to run) and the gap after them are left out. Prints a markdown table per kind (count, share,
 median, p90, p99, max, mean prompt tokens, mean decode rows; and the host's share of each step:
 median ms from the step's start to its last launch, "host launch", and from there to having read
-the step before's ids, "wait"), the decode rows a step and the decode tokens/s they make over the
+the step before's ids, "wait": a server's streaming of the tokens read before is in it), the decode rows a step and the decode tokens/s they make over the
 run's time, where the requests were (decoding, prefilling, queued: ``occupancy``), each kind's GPU
 time a step (CUDA events, ``gpu_times``), and the kinds / sizes of the slowest 1% of gaps, each
 with its GPU time, the host's span from reading the step before to

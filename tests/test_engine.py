@@ -215,6 +215,7 @@ def test_a_slow_host_span_dumps_every_threads_stack(model, tmp_path):
     no watchdog is left armed once the requests have finished; benchmarks/stall_dump.py groups
     the stacks."""
     import importlib.util
+    import signal
     import time
     from pathlib import Path
 
@@ -227,11 +228,15 @@ def test_a_slow_host_span_dumps_every_threads_stack(model, tmp_path):
             time.sleep(0.4)
 
     path = tmp_path / "stalls.txt"
+    previous = signal.getsignal(signal.SIGALRM)
     with open(path, "w") as file:
-        engine.watch_host_stalls(file, 0.2)
-        engine.generate([prompt(5, 82)], greedy(4), stream=stream)
-        time.sleep(0.4)  # a watchdog still armed after the last step would write here
-        engine.watch_host_stalls(None, None)
+        try:
+            engine.watch_host_stalls(file, 0.2)
+            engine.generate([prompt(5, 82)], greedy(4), stream=stream)
+            time.sleep(0.4)  # a timer still armed after the last step would write here
+        finally:
+            engine.watch_host_stalls(None, None)
+    assert signal.getsignal(signal.SIGALRM) is previous
     script = Path(__file__).parents[1] / "benchmarks" / "stall_dump.py"
     spec = importlib.util.spec_from_file_location("stall_dump", script)
     stall_dump = importlib.util.module_from_spec(spec)
@@ -248,6 +253,25 @@ def test_a_slow_host_span_dumps_every_threads_stack(model, tmp_path):
     assert f"{len(dumps)} stall dumps" in stall_dump.summarise(dumps)
     with pytest.raises(ValueError, match="seconds"):
         engine.watch_host_stalls(file, 0)
+
+
+def test_launch_and_read_alternate_and_make_the_steps_of_generate(model):
+    """Engine.step() is launch() then read(); a caller that drives the two itself (the server,
+    which streams between them) gets what generate gives, and a call out of turn is refused
+    without touching the engine."""
+    engine = Engine(model, max_batch=2, max_len=32)
+    expected = token_ids(engine.generate([prompt(3, 7), prompt(6, 8)], greedy(3)))
+    with pytest.raises(RuntimeError, match="read: no step was launched"):
+        engine.read()
+    requests = [engine.add_request(prompt(3, 7), greedy(3)), engine.add_request(prompt(6, 8), greedy(3))]
+    engine.launch()
+    with pytest.raises(RuntimeError, match="launch: the step launched before has not been read"):
+        engine.launch()
+    engine.read()
+    while engine.has_unfinished_requests():
+        engine.launch()
+        engine.read()
+    assert [request.output().outputs[0].token_ids for request in requests] == expected
 
 
 def test_the_step_log_records_each_step(model):

@@ -448,7 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "two steps takes longer than --stall-dump-ms (a SIGALRM timer armed each step: where a "
                             "stalled engine thread is); benchmarks/stall_dump.py groups them")
     serve.add_argument("--stall-dump-ms", type=float, default=10.0,
-                       help="the host span that counts as a stall for --stall-dump (10)")
+                       help="the host span that counts as a stall for --stall-dump (10; the admission wait is part of "
+                            "the span: keep it above --admission-wait-ms)")
     _add_model_arguments(serve, "seeds the sampling seeds of requests without one (and --config's weights)")
     _add_state_dtype_argument(serve)
     serve.set_defaults(run=_serve, command_parser=serve)

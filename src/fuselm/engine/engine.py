@@ -27,6 +27,7 @@ slot is freed for the next waiting one, and requests already decoding go on unto
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import resource
 import signal
@@ -46,6 +47,8 @@ from fuselm.engine.scheduler import Scheduler
 from fuselm.models.qwen35 import Qwen35
 from fuselm.models.qwen35.cache import PAGE_SIZE
 from fuselm.runtime import check_positive_int
+
+logger = logging.getLogger(__name__)
 
 
 def thread_usage() -> list[float] | None:
@@ -123,12 +126,12 @@ class Engine:
         self.scheduler = Scheduler(max_batch, max_prefill_tokens or max_batch * max_len, cache.num_pages,
                                    cache.page_size)
         self.model = model
-        # Set to a list to record each step (``step()``: what it launched, when its host work
-        # began, when its launches were done, and when it had read the step before's ids: the gaps
-        # between "read" times are the steps' durations as a decoding request sees them; the
-        # engine thread's CPU use at launch and read; with CUDA, "gpu_ms": its GPU time, from an
-        # event before its launches to its last launch's, told apart from the host's lateness);
-        # ``fuselm serve --step-log``.
+        # Set to a list to record each step (``launch()`` and ``read()``: what it launched, when its
+        # host work began, when its launches were done, and when it had read the step before's ids:
+        # the gaps between "read" times are the steps' durations as a decoding request sees them;
+        # the engine thread's CPU use at launch and read; with CUDA, "gpu_ms": its GPU time, from
+        # an event queued just before its launches to its last launch's); ``fuselm serve
+        # --step-log``.
         self.step_log: list[dict] | None = None
         # ``watch_host_stalls``: (file, seconds, the SIGALRM handler before); steps so far and the
         # thread that runs them, for its dumps.
@@ -172,23 +175,33 @@ class Engine:
             self._stall_watch = (file, float(seconds), signal.SIG_DFL if previous is None else previous)
 
     def _dump_stacks(self, signum, frame) -> None:
-        """The SIGALRM handler of ``watch_host_stalls`` (on the main thread): every thread's stack,
-        innermost frame first, in faulthandler's layout."""
-        if self._stall_watch is None:
+        """The SIGALRM handler of ``watch_host_stalls`` (on the main thread, between two of its
+        bytecodes): every thread's stack, innermost frame first, in faulthandler's layout; the
+        threads named by ident but for the main one and the engine's (``threading.enumerate``
+        takes a lock the interrupted thread may hold), no source lines read. A failure to write
+        stops the watching rather than raise into the interrupted code."""
+        watch = self._stall_watch
+        if watch is None:
             return
-        file, seconds, _ = self._stall_watch
-        names = {thread.ident: thread.name for thread in threading.enumerate()}
-        lines = [f"Stall ({(time.perf_counter() - self._span_began) * 1e3:.1f} ms into the host's span after step "
-                 f"{self._steps}, watched at {seconds * 1e3:g} ms):"]
-        stacks = sys._current_frames()
-        stacks[threading.get_ident()] = frame  # this thread's, where the signal interrupted it
-        for ident, top in stacks.items():
-            engine = " (engine)" if ident == self._stepping_thread else ""
-            lines.append(f"Thread {names.get(ident, hex(ident))}{engine} (most recent call first):")
-            lines += [f'  File "{f.filename}", line {f.lineno} in {f.name}'
-                      for f in reversed(traceback.extract_stack(top))]
-        file.write("\n".join(lines) + "\n\n")
-        file.flush()
+        try:
+            file, seconds, _ = watch
+            lines = [f"Stall ({(time.perf_counter() - self._span_began) * 1e3:.1f} ms into the host's span after "
+                     f"step {self._steps}, watched at {seconds * 1e3:g} ms):"]
+            stacks = sys._current_frames()
+            stacks[threading.get_ident()] = frame  # this thread's, where the signal interrupted it
+            main = threading.main_thread().ident
+            for ident, top in stacks.items():
+                name = "MainThread" if ident == main else hex(ident)
+                engine = " (engine)" if ident == self._stepping_thread else ""
+                lines.append(f"Thread {name}{engine} (most recent call first):")
+                lines += [f'  File "{f.filename}", line {f.lineno} in {f.name}'
+                          for f in traceback.StackSummary.extract(traceback.walk_stack(top), lookup_lines=False)]
+            file.write("\n".join(lines) + "\n\n")
+            file.flush()
+        except Exception:  # (e.g. a full disk) the stall is the caller's business, not the code this interrupted
+            self._stall_watch = None
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            logger.exception("watch_host_stalls: writing the stacks failed; no longer watching")
 
     @property
     def max_len(self) -> int:
@@ -243,6 +256,8 @@ class Engine:
         if not request.finished:
             request.finish_reason, request.stop_reason = FinishReason.STOP, None
             self._finish(request)
+        if self._stall_watch is not None and not self.has_unfinished_requests():
+            signal.setitimer(signal.ITIMER_REAL, 0)  # no step follows: the host's span ends here
 
     # ------------------------------------------------------------------------ the loop
     def _finish(self, request: Request) -> None:
@@ -297,15 +312,11 @@ class Engine:
         then a decode step that takes in the just-completed prompts (their first ids read at once,
         behind that decode step). Each ``launch`` is followed by one ``read``; between the two the
         caller may do host work of its own while the device runs (a server: stream the tokens of
-        the step before), without delaying this step."""
+        the step before), without delaying this step. An engine whose ``launch`` or ``read``
+        raised is not stepped again (a device error leaves its state unknown)."""
         if self._launched is not None:
             raise RuntimeError("launch: the step launched before has not been read (call read())")
         began = time.perf_counter()
-        # The step log's GPU time of a step: from an event before its launches to its last one's.
-        timed = self.step_log is not None and self.runner.device.type == "cuda"
-        if timed:
-            started = torch.cuda.Event(enable_timing=True)
-            started.record()
         decoding = self.scheduler.decoding()
         # The budget less the decode rows this step will run (the decode batch covers the slot a
         # newly admitted request takes: mixed graphs are keyed by it, captured up front).
@@ -313,6 +324,13 @@ class Engine:
         plan = self.scheduler.schedule_prefill(decode_rows)
         mixed = bool(plan and decoding)
         pending, prefilled = [], None
+        # The step log's GPU time of a step: from an event queued just before its launches to its
+        # last launch's (from the later of the step before's end and this point: with the device
+        # idle, the host's launches count too).
+        timed = self.step_log is not None and self.runner.device.type == "cuda"
+        if timed:
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
         if mixed:
             # The prompts this pass completes draw their first ids with its decode rows (at their slots).
             completing = [request for request, start, count in plan if request.completes_prompt(start, count)]
@@ -373,9 +391,10 @@ class Engine:
                 logged, started, done = self._timing.pop(0)
                 logged["gpu_ms"] = round(started.elapsed_time(done), 4)
         self._steps += 1
-        if self._stall_watch is not None and self.has_unfinished_requests():
+        watch = self._stall_watch
+        if watch is not None and self.has_unfinished_requests():
             self._stepping_thread, self._span_began = threading.get_ident(), time.perf_counter()
-            signal.setitimer(signal.ITIMER_REAL, self._stall_watch[1])  # from this read to the next launches
+            signal.setitimer(signal.ITIMER_REAL, watch[1])  # from this read to the next launches
         return updated
 
     def capture_mixed_graphs(self) -> int:

@@ -1,7 +1,7 @@
 """``AsyncEngine``: an ``Engine`` run by a thread of its own, its requests streamed to asyncio.
 
-Threading model. One engine thread owns the ``Engine``: every ``add_request``, ``step`` and
-``abort`` runs on it, so the engine needs no locks. The event loop talks to it only through a
+Threading model. One engine thread owns the ``Engine``: every ``add_request``, ``launch``,
+``read`` and ``abort`` runs on it, so the engine needs no locks. The event loop talks to it only through a
 thread-safe command queue (submit, abort, stop) and hears back only through
 ``loop.call_soon_threadsafe``: a submission's acceptance (or the error that refused it), then one
 ``RequestDelta`` per step that gave the request tokens, put into that request's
@@ -9,11 +9,12 @@ thread-safe command queue (submit, abort, stop) and hears back only through
 (no busy loop); while requests run it takes the commands that came in between two steps.
 
 Publishing. The engine thread hands a step's tokens to the event loop in two parts: the
-requests it finished at once, the others after it has launched the next step. The loop's
-thread then writes their stream chunks while the engine thread waits on the GPU (without the
-GIL), not while it plans and launches a step: each of its torch calls releases the GIL and must
-take it back, and a loop busy with 32 streams holds the GIL for a switch interval at a time
-(measured on the H100: host spans of 10-26 ms between steps, the GPU idle, benchmarks/NOTES.md 89).
+requests it finished at once, the others after it has launched the next step (after the
+admission wait too, when there is one). The loop's thread then writes their stream chunks while
+the engine thread waits on the GPU (without the GIL), not while it plans and launches a step:
+each of its torch calls releases the GIL and must take it back, and a loop busy with 32 streams
+holds the GIL for a switch interval at a time (measured on the H100: host spans of 10-26 ms
+between steps, the GPU idle, benchmarks/NOTES.md 89).
 
 Admission wait. The engine plans step n+1 as soon as it has read step n-1 (step n still runs on
 the GPU), so a request that comes in just after that plan waits a whole step more for its first
@@ -266,6 +267,7 @@ class AsyncEngine:
                 commands = self._next_commands(finished)
                 for command in commands:
                     if isinstance(command, _Stop):
+                        self._publish(going_on)  # the tokens read: before the streams end
                         return
                     self._handle(command)
                 finished = False
