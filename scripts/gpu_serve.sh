@@ -17,7 +17,8 @@
 #   durations by kind, per benchmark run; the slowest steps' host spans and garbage collections),
 #   steps_N.jsonl (stage serveN: the raw step log; stage serve: steps_default.jsonl.gz),
 #   stalls_*.md (benchmarks/stall_dump.py: every thread's stack when the engine thread's host work
-#   between two steps passed 10 ms, grouped; stage serve: the dumps in stalls_default.txt.gz),
+#   between two steps passed 10 ms, or a step's wait for the one before it 14 ms (a mixed step of 256
+#   prompt tokens takes ~11.5), grouped; stage serve: the dumps in stalls_default.txt.gz),
 #   host_state.txt (stage serve: the cgroup's CPU quota and throttling, CPU / memory / IO pressure, load,
 #   huge pages and direct compaction, the VM's steal time, the server threads' run and run-queue wait
 #   times, before and after each bench; before the server, a probe of
@@ -82,7 +83,7 @@ bench() {  # label, then bench-serve options
 serve() {  # prefill token budget ("" for the CLI's default); then the benches run
   setsid python3 -m fuselm serve "$checkpoint" --max-batch 32 --max-len 1024 --port $port --state-dtype "$state_dtype" \
     ${1:+--max-prefill-tokens $1} ${ADMISSION_WAIT_MS:+--admission-wait-ms $ADMISSION_WAIT_MS} \
-    --step-log "$work/steps_$1.jsonl" --stall-dump "$work/stalls_$1.txt" > "$work/server_$1.log" 2>&1 &
+    --step-log "$work/steps_$1.jsonl" --stall-dump "$work/stalls_$1.txt" --stall-dump-wait-ms 14 > "$work/server_$1.log" 2>&1 &
   server=$!
   for _ in $(seq 240); do healthy && break; sleep 1; done
   healthy || { echo "server did not come up"; tail -40 "$work/server_$1.log"; kill $server; exit 1; }

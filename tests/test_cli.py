@@ -147,6 +147,8 @@ def test_a_bad_sampling_flag_is_one_error_line(checkpoint, capsys):
     (["audit", "--config", "tiny", "--checkpoint", "some-dir"], "exclusive"),
     (["serve", "--config", "tiny", "--admission-wait-ms", "-1"], "--admission-wait-ms: expected 0..50"),
     (["serve", "--config", "tiny", "--stall-dump", "d.txt", "--stall-dump-ms", "0"], "--stall-dump-ms: expected > 0"),
+    (["serve", "--config", "tiny", "--stall-dump", "d.txt", "--stall-dump-wait-ms", "-2"],
+     "--stall-dump-wait-ms: expected > 0"),
 ])
 def test_bad_command_lines_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

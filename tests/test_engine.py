@@ -209,50 +209,61 @@ def test_a_plan_counts_its_rows_padded_to_the_longest():
     assert all(len(p) * max(p) <= 512 for p in plans)
 
 
-def test_a_slow_host_span_dumps_every_threads_stack(model, tmp_path):
-    """Engine.watch_host_stalls (fuselm serve --stall-dump): host work between two steps that takes
-    longer than the threshold writes every thread's stack, the stalled one's where it stalls, and
-    no watchdog is left armed once the requests have finished; benchmarks/stall_dump.py groups
-    the stacks."""
+def test_a_slow_host_span_or_wait_dumps_every_threads_stack(model, tmp_path):
+    """Engine.watch_host_stalls (fuselm serve --stall-dump): host work between two steps, or a
+    read after its launch, that takes longer than its threshold writes every thread's stack, the
+    stalled one's where it stalls, and no timer is left armed once the requests have finished;
+    benchmarks/stall_dump.py groups the stacks by phase."""
     import importlib.util
     import signal
     import time
     from pathlib import Path
 
     engine = Engine(model, max_batch=2, max_len=32)
-    slow_steps = []
+    slow = []
 
     def stream(request):  # runs between one step's read and the next step's launches
-        if len(request.output_token_ids) == 2 and not slow_steps:
-            slow_steps.append(request)
+        if len(request.output_token_ids) == 2 and "span" not in slow:
+            slow.append("span")
             time.sleep(0.4)
 
+    def slow_read(launched, read=engine._read):  # a read that takes long after its launch
+        if "wait" not in slow and "span" in slow:
+            slow.append("wait")
+            time.sleep(0.4)
+        return read(launched)
+
+    engine._read = slow_read
     path = tmp_path / "stalls.txt"
     previous = signal.getsignal(signal.SIGALRM)
     with open(path, "w") as file:
         try:
-            engine.watch_host_stalls(file, 0.2)
-            engine.generate([prompt(5, 82)], greedy(4), stream=stream)
+            engine.watch_host_stalls(file, 0.2, wait_seconds=0.2)
+            engine.generate([prompt(5, 82)], greedy(5), stream=stream)
             time.sleep(0.4)  # a timer still armed after the last step would write here
         finally:
             engine.watch_host_stalls(None, None)
-    assert signal.getsignal(signal.SIGALRM) is previous
+    assert signal.getsignal(signal.SIGALRM) is previous and slow == ["span", "wait"]
     script = Path(__file__).parents[1] / "benchmarks" / "stall_dump.py"
     spec = importlib.util.spec_from_file_location("stall_dump", script)
     stall_dump = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(stall_dump)
-    dumps = stall_dump.parse(path.read_text())
+    text = path.read_text()
+    dumps, phases = stall_dump.parse(text), stall_dump.dump_phases(text)
     # (Here a step's launches are the interpreter's whole computation, so slow spans other than
-    # the callback's may be dumped too.) The callback's sleep is in one; none is from the wait
-    # after the last step.
+    # the callback's may be dumped too.) The callback's sleep is in a span's dump, the slow read's
+    # in a wait's; none is from the wait after the last step.
     engine_stacks = [stack for dump in dumps for thread, stack in dump if thread.endswith("(engine)")]
-    assert len(engine_stacks) == len(dumps)  # (here the engine's thread is the main one, the handler's)
-    assert sum(any(frame.endswith(" stream") for frame in stack) for stack in engine_stacks) == 1, dumps
-    assert not any(stack[0].endswith(" test_a_slow_host_span_dumps_every_threads_stack")
-                   for stack in engine_stacks), dumps
-    assert f"{len(dumps)} stall dumps" in stall_dump.summarise(dumps)
-    with pytest.raises(ValueError, match="seconds"):
-        engine.watch_host_stalls(file, 0)
+    assert len(engine_stacks) == len(dumps) == len(phases)  # (here the engine's thread is the main one)
+    assert [phase for phase, stack in zip(phases, engine_stacks)
+            if any(frame.endswith(" stream") for frame in stack)] == ["span"], text
+    assert [phase for phase, stack in zip(phases, engine_stacks)
+            if any(frame.endswith(" slow_read") for frame in stack)] == ["wait"], text
+    assert not any(stack[0].endswith(" test_a_slow_host_span_or_wait_dumps_every_threads_stack")
+                   for stack in engine_stacks), text
+    assert f"{len(dumps)} stall dumps" in stall_dump.summarise(dumps, phases=phases)
+    with pytest.raises(ValueError, match="wait_seconds"):
+        engine.watch_host_stalls(file, 0.1, wait_seconds=0)
 
 
 def test_launch_and_read_alternate_and_make_the_steps_of_generate(model):

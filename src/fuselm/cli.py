@@ -146,6 +146,8 @@ def _serve(args) -> int:
         args.command_parser.error(f"--max-queue: expected >= 0, got {args.max_queue}")
     if not args.stall_dump_ms > 0:
         args.command_parser.error(f"--stall-dump-ms: expected > 0, got {args.stall_dump_ms:g}")
+    if args.stall_dump_wait_ms is not None and not args.stall_dump_wait_ms > 0:
+        args.command_parser.error(f"--stall-dump-wait-ms: expected > 0, got {args.stall_dump_wait_ms:g}")
     if not 0 <= args.admission_wait_ms <= SERVE_MAX_ADMISSION_WAIT_MS:
         args.command_parser.error(f"--admission-wait-ms: expected 0..{SERVE_MAX_ADMISSION_WAIT_MS:g}, got "
                                   f"{args.admission_wait_ms:g}")
@@ -176,7 +178,8 @@ def _serve(args) -> int:
     stall_dump = None if args.stall_dump is None else open(args.stall_dump, "w")
     try:
         if stall_dump is not None:
-            model.engine.watch_host_stalls(stall_dump, args.stall_dump_ms / 1e3)
+            model.engine.watch_host_stalls(stall_dump, args.stall_dump_ms / 1e3,
+                                           args.stall_dump_wait_ms and args.stall_dump_wait_ms / 1e3)
         run_server(model, args.host, args.port, args.max_queue, args.admission_wait_ms / 1e3)
     except OSError as error:  # the address cannot be listened on
         raise ValueError(f"--host/--port: {error}") from None
@@ -450,6 +453,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--stall-dump-ms", type=float, default=10.0,
                        help="the host span that counts as a stall for --stall-dump (10; the admission wait is part of "
                             "the span: keep it above --admission-wait-ms)")
+    serve.add_argument("--stall-dump-wait-ms", type=float, default=None,
+                       help="with --stall-dump, also write the stacks when a step's wait for the step before it (its "
+                            "device time, then reading its ids) takes longer than this (default: not watched; keep it "
+                            "above the slowest normal step)")
     _add_model_arguments(serve, "seeds the sampling seeds of requests without one (and --config's weights)")
     _add_state_dtype_argument(serve)
     serve.set_defaults(run=_serve, command_parser=serve)

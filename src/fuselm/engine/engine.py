@@ -138,7 +138,9 @@ class Engine:
         self._stall_watch: tuple | None = None
         self._steps = 0
         self._stepping_thread: int | None = None
-        self._span_began = 0.0
+        # What the stall timer watches: (phase, since when, seconds), and what it watched before
+        # (a signal raised in one phase may be handled in the next).
+        self._watched = self._watched_before = ("", 0.0, None)
         self.vocab_size = model.config.vocab_size
         self.eos_ids = model.config.stop_token_ids
         self._seeds = random.Random(seed)
@@ -151,28 +153,36 @@ class Engine:
     def max_batch(self) -> int:
         return self.runner.max_batch
 
-    def watch_host_stalls(self, file, seconds: float | None) -> None:
+    def watch_host_stalls(self, file, seconds: float | None, wait_seconds: float | None = None) -> None:
         """While requests run, write every thread's Python stack to ``file`` (an open text file)
         whenever the host's work between two steps, from reading one step's ids to the next step's
-        launches, takes longer than ``seconds`` (None: stop watching). A real-time timer armed at
-        each read and disarmed at each launch (two ``setitimer`` calls a step, no extra thread)
-        raises SIGALRM; its handler, on the main thread, writes the stacks: where the stalled
-        engine thread is, and what the other threads were doing (``fuselm serve --stall-dump``;
-        benchmarks/stall_dump.py groups them). Call it from the main thread (it installs the
-        SIGALRM handler; stopping restores the one before)."""
-        if seconds is not None and (not isinstance(seconds, (int, float)) or isinstance(seconds, bool)
-                                    or not seconds > 0):
-            raise ValueError(f"seconds: expected None or a positive number, got {seconds!r}")
+        launches, takes longer than ``seconds`` (None: stop watching), and, with ``wait_seconds``,
+        whenever a ``read`` (its wait for the step before, then appending its ids) ends longer
+        than that after the launches before it. A real-time timer armed and disarmed at each read
+        and launch (``setitimer`` calls, no extra thread) raises SIGALRM; its handler, on the main
+        thread, writes the stacks: where the stalled engine thread is, and what the other threads
+        were doing (``fuselm serve --stall-dump``; benchmarks/stall_dump.py groups them). Call it
+        from the main thread (it installs the SIGALRM handler; stopping restores the one before)."""
+        for name, value in (("seconds", seconds), ("wait_seconds", wait_seconds)):
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0):
+                raise ValueError(f"{name}: expected None or a positive number, got {value!r}")
         if not hasattr(signal, "setitimer"):
             raise RuntimeError("watch_host_stalls: this platform has no setitimer")
         if self._stall_watch is not None:
             signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, self._stall_watch[2])
+            signal.signal(signal.SIGALRM, self._stall_watch[-1])
             self._stall_watch = None
         if seconds is not None:
             previous = signal.signal(signal.SIGALRM, self._dump_stacks)  # ValueError off the main thread
             signal.siginterrupt(signal.SIGALRM, False)  # system calls the signal lands in resume
-            self._stall_watch = (file, float(seconds), signal.SIG_DFL if previous is None else previous)
+            self._stall_watch = (file, float(seconds), None if wait_seconds is None else float(wait_seconds),
+                                 signal.SIG_DFL if previous is None else previous)
+
+    def _watch(self, phase: str, seconds: float | None) -> None:
+        """Arm the stall timer for ``seconds`` of ``phase`` (None: disarm it)."""
+        self._stepping_thread = threading.get_ident()
+        self._watched_before, self._watched = self._watched, (phase, time.perf_counter(), seconds)
+        signal.setitimer(signal.ITIMER_REAL, seconds or 0)
 
     def _dump_stacks(self, signum, frame) -> None:
         """The SIGALRM handler of ``watch_host_stalls`` (on the main thread, between two of its
@@ -184,9 +194,11 @@ class Engine:
         if watch is None:
             return
         try:
-            file, seconds, _ = watch
-            lines = [f"Stall ({(time.perf_counter() - self._span_began) * 1e3:.1f} ms into the host's span after "
-                     f"step {self._steps}, watched at {seconds * 1e3:g} ms):"]
+            file, now = watch[0], time.perf_counter()
+            phase, began, seconds = self._watched
+            if seconds is None or now - began < seconds:  # raised in the phase before, handled in this one
+                phase, began, _ = self._watched_before
+            lines = [f"Stall ({(now - began) * 1e3:.1f} ms into {phase}):"]
             stacks = sys._current_frames()
             stacks[threading.get_ident()] = frame  # this thread's, where the signal interrupted it
             main = threading.main_thread().ident
@@ -346,8 +358,9 @@ class Engine:
             if decoding:
                 _, ids = self.runner.decode(*self._decode_shape(decoding))
                 pending.append(_Launched(ids, decoding, timed))
-        if self._stall_watch is not None:
-            signal.setitimer(signal.ITIMER_REAL, 0)  # the host's span between steps ends at the launches
+        watch = self._stall_watch
+        if watch is not None:  # the host's span between steps ends at the launches; the wait begins
+            self._watch(f"the wait for step {self._steps}, watched at {(watch[2] or 0) * 1e3:g} ms", watch[2])
         entry = None
         if self.step_log is not None:
             kind = "mixed" if mixed else "prefill+decode" if plan and decoding else "prefill" if plan else \
@@ -392,9 +405,9 @@ class Engine:
                 logged["gpu_ms"] = round(started.elapsed_time(done), 4)
         self._steps += 1
         watch = self._stall_watch
-        if watch is not None and self.has_unfinished_requests():
-            self._stepping_thread, self._span_began = threading.get_ident(), time.perf_counter()
-            signal.setitimer(signal.ITIMER_REAL, watch[1])  # from this read to the next launches
+        if watch is not None:  # from this read to the next launches, if one follows
+            self._watch(f"the host's span after step {self._steps}, watched at {watch[1] * 1e3:g} ms",
+                        watch[1] if self.has_unfinished_requests() else None)
         return updated
 
     def capture_mixed_graphs(self) -> int:
