@@ -5,8 +5,9 @@
 # transformers on the same directory, all in this run:
 #   1. static Engine, batch 1 (prefill time of one 512-token prompt, decode step), greedy and with
 #      the served requests' sampling (the checkpoint's generation_config): engine.md
-#   2. server with the CLI's prefill budget: 1 client; 32 concurrent clients (96 prompts, 1024 and
-#      1000 for the steady state); Poisson arrivals at 80% of the 32-client request throughput. Stage
+#   2. server with the CLI's prefill budget: 1 client; 32 concurrent clients (96 prompts, 1024 for
+#      the steady state, and 1000 with PROMPTS_1000=1); Poisson arrivals at 80% of the 32-client
+#      request throughput. Stage
 #      serveN: a server with --max-prefill-tokens N, 32 clients and the same Poisson rate (or $RATE)
 #   3. static Engine, batch 32, greedy and with the served sampling: engine.md
 #   4. HF transformers: static generate at batch 1 and 32, and generate_batch checked: hf_anchor.*
@@ -27,6 +28,8 @@
 #   ways: sort, histogram, top-k candidates; benchmarks/sampling.py) when that stage is named
 # STATE_DTYPE=bfloat16: the engine and the servers keep the Gated DeltaNet states in bf16 (--state-dtype).
 # ADMISSION_WAIT_MS=N: the servers' --admission-wait-ms (default: the CLI's).
+# PROMPTS_1000=1: stage serve also runs 1000 prompts at 32 clients (vLLM's default count).
+# One device call for issue 17's bars with the HF anchor in the same run: `engine serve hf` (~9 min).
 # Usage: bash scripts/gpu_serve.sh [STAGE ...]   stages: engine serve serveN hf tests sanitizer sampling
 #   (default all: ~10 min on an H100, more than one device call allows: name fewer stages per call;
 #   wheels from .whl/ as gpu_env.sh installs them)
@@ -106,8 +109,9 @@ if want serve; then
   # x 32 keeps all 32 clients busy to the last wave; 1000 (vLLM's default count) leaves 8 requests
   # running alone at batch 8 for their whole life at the end (~1.8% of the run, NOTES.md 82)
   bench serve_c32_steady --num-prompts 1024 --max-concurrency 32 --warmup-requests 4
-  # vLLM's bench serve default count (its batch-8 tail: above)
-  bench serve_c32_1000 --num-prompts 1000 --max-concurrency 32 --warmup-requests 4
+  # vLLM's bench serve default count (its batch-8 tail: above); ~80 s, which `engine serve hf` in one
+  # device call (the bar's "anchor in the same run") has no room for
+  [ "${PROMPTS_1000:-0}" = 1 ] && bench serve_c32_1000 --num-prompts 1000 --max-concurrency 32 --warmup-requests 4
   rate=$(python3 -c "import json; print(0.8 * json.load(open('$work/serve_c32.json'))['request_throughput'])")
   echo "Poisson rate: $rate req/s (80% of the 32-client throughput)"
   bench serve_poisson --num-prompts 96 --request-rate "$rate" --burstiness 1 --max-concurrency 32 --goodput ttft:500
