@@ -11,15 +11,17 @@ decode rows), prefill+decode (a prefill step with a decode step behind it). Idle
 to run) and the gap after them are left out. Prints a markdown table per kind (count, share,
 median, p90, p99, max, mean prompt tokens, mean decode rows; and the host's share of each step:
 median ms from the step's start to its last launch, "host launch", and from there to having read
-the step before's ids, "wait": a server's streaming of the tokens read before is in it), the decode rows a step and the decode tokens/s they make over the
-run's time, where the requests were (decoding, prefilling, queued: ``occupancy``), each kind's GPU
-time a step (CUDA events, ``gpu_times``), and the kinds / sizes of the slowest 1% of gaps, each
-with its GPU time, the host's span from reading the step before to
-launching the next (longer than the step's GPU time: the GPU waited for the host), the engine
-thread's CPU time, page faults and context switches over it (``host_spans`` sets the spans over
-10 ms apart from the rest) and the garbage collections within it (the log's "gc" entries, which
-``fuselm serve --step-log`` records), for each run of steps without a pause of more than
---split-gap seconds (a server's benchmarks, one after another, come out as separate runs).
+the step before's ids, "wait": a server's streaming of the tokens read before is in it), the
+decode rows a step and the decode tokens/s they make over the run's time, where the requests were
+(decoding, prefilling, queued: ``occupancy``), each kind's GPU time a step (CUDA events,
+``gpu_times``), the steps over their kind's median + 1 ms by the part that grew (``slow_steps``),
+and the kinds / sizes of the slowest 1% of gaps, each with its GPU time, the host's span from
+reading the step before to launching the next (longer than the step's GPU time: the GPU waited
+for the host), the engine thread's CPU time, page faults and context switches over it
+(``host_spans`` sets the spans over 10 ms apart from the rest) and the garbage collections within
+it (the log's "gc" entries, which ``fuselm serve --step-log`` records), for each run of steps
+without a pause of more than --split-gap seconds (a server's benchmarks, one after another, come
+out as separate runs).
 """
 
 from __future__ import annotations
@@ -157,6 +159,7 @@ def summarise(steps: list[dict], pauses: list[dict] = ()) -> str:
         f"{gap:.1f} ms {step['kind']} (rows {step['decode_rows']}, chunks {step['chunks']}, "
         f"prompt tokens {step['prompt_tokens']}{why(step, after, pauses)})" for gap, step, after in slowest[:20])]
     lines += host_spans(pairs)
+    lines += slow_steps(pairs)
     if pauses:
         total = gc_ms(pauses, steps[0]["began"], steps[-1]["read"])
         longest = max((1e3 * (p["read"] - p["began"]) for p in pauses if steps[0]["began"] <= p["began"] <=
@@ -182,6 +185,51 @@ def host_spans(pairs: list[tuple[float, dict, dict]], slow_ms: float = SLOW_HOST
             lines.append(f"host spans {label}: {n}, mean {sum(ms for ms, _ in chosen) / n:.2f} ms; per span "
                          + usage_text(mean))
     return ["", "engine thread: " + "; ".join(lines)]
+
+
+def slow_steps(pairs: list[tuple[float, dict, dict]], over_ms: float = 1.0) -> list[str]:
+    """The steps more than ``over_ms`` over their kind's median (decode and mixed), split by what
+    was longer: the host's span before the next launch (the GPU waited for the host) or the wait
+    for the step (its GPU time, or the engine thread getting back to it late); with the engine
+    thread's CPU time and voluntary switches in those waits against the other waits' (a wait
+    that spins on the GPU has none: switches mean it blocked, on a lock such as the GIL) and,
+    with gpu_ms, the steps' GPU time against the others'."""
+    lines = []
+    for kind in ("decode", "mixed"):
+        mine = [(gap, before, after) for gap, before, after in pairs if before["kind"] == kind]
+        if len(mine) < 2 or not all("launched" in after for _, _, after in mine):
+            continue
+        median = percentile([gap for gap, _, _ in mine], 0.5)
+        slow = [item for item in mine if item[0] > median + over_ms]
+        if not slow:
+            lines.append(f"slow {kind} steps (over the median {median:.2f} ms + {over_ms:g}): none")
+            continue
+        # Which part grew: the host's span or the wait, each against its own median over the kind.
+        span_median = percentile([after["launched"] - before["read"] for _, before, after in mine], 0.5)
+        wait_median = percentile([after["read"] - after["launched"] for _, _, after in mine], 0.5)
+        host_late = sum(after["launched"] - before["read"] - span_median
+                        > after["read"] - after["launched"] - wait_median for _, before, after in slow)
+        text = (f"slow {kind} steps (over the median {median:.2f} ms + {over_ms:g}): {len(slow)}, "
+                f"{sum(gap - median for gap, _, _ in slow):.0f} ms over the median; in {host_late} the host's span "
+                f"grew more than the wait, in {len(slow) - host_late} the wait")
+
+        def waits(items):
+            usages = [[b - a for a, b in zip(after["usage_launched"], after["usage_read"])]
+                      for _, _, after in items if after.get("usage_launched") and after.get("usage_read")]
+            if not usages:
+                return None
+            wait_ms = sum(1e3 * (after["read"] - after["launched"]) for _, _, after in items) / len(items)
+            return (f"wait {wait_ms:.2f} ms, CPU {1e3 * sum(u[0] for u in usages) / len(usages):.2f} ms, "
+                    f"{sum(u[2] for u in usages) / len(usages):.1f} voluntary switches")
+        normal = [item for item in mine if item[0] <= median + over_ms]
+        if waits(slow) and waits(normal):
+            text += f"; in their waits {waits(slow)} (the others: {waits(normal)})"
+        gpu = [before["gpu_ms"] for _, before, _ in slow if "gpu_ms" in before]
+        others = [before["gpu_ms"] for _, before, _ in normal if "gpu_ms" in before]
+        if gpu and others:
+            text += f"; GPU {sum(gpu) / len(gpu):.2f} ms a step (the others: {sum(others) / len(others):.2f})"
+        lines.append(text)
+    return [""] + lines if lines else []
 
 
 def runs(steps: list[dict], split_gap: float) -> list[list[dict]]:

@@ -342,6 +342,23 @@ def test_the_step_log_records_each_step(model):
     # step but the last's (its launches may not have run when the log was last read).
     gpu = [step.get("gpu_ms") for step in steps]
     assert all(ms is not None and ms > 0 for ms in gpu[:-1]) if ON_GPU else gpu == [None] * len(gpu)
+    # Slow steps by the part that grew, made up: nine decode steps of 8 ms (0.5 ms of host span,
+    # 7.5 of wait, spinning: CPU = wait, no switches), one whose wait grew to 11.5 ms with 30
+    # switches, one whose host span grew to 5.5 ms.
+    made_up, t = [], 0.0
+    normal = (0.5, 7.5, 0)  # host span ms, wait ms, voluntary switches in the wait
+    for span, wait, switches in [normal] * 9 + [(0.5, 11.5, 30), (5.5, 7.5, 0), normal]:
+        launched = t + span / 1e3
+        read = launched + wait / 1e3
+        cpu = wait if not switches else wait / 2
+        made_up.append({"kind": "decode", "began": t, "launched": launched, "read": read,
+                        "usage_launched": [launched, 0, 0, 0], "usage_read": [launched + cpu / 1e3, 0, switches, 0],
+                        "gpu_ms": 7.9})
+        t = read
+    line = step_log.slow_steps(step_log.timed_pairs(made_up))[1]
+    assert line.startswith("slow decode steps (over the median 8.00 ms + 1): 2, 9 ms over the median; in 1 the "
+                           "host's span grew more than the wait, in 1 the wait;"), line
+    assert "(the others: wait 7.50 ms, CPU 7.50 ms, 0.0 voluntary switches)" in line
     timed_steps = [{**step, "gpu_ms": 2.0 + i} for i, step in enumerate(steps)]
     table = step_log.summarise(timed_steps)
     mixed = [2.0 + i for i, step in enumerate(steps[:-1]) if step["kind"] == "mixed"]
