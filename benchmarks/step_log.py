@@ -58,10 +58,27 @@ def span_usage(before: dict, after: dict) -> list[float] | None:
     """The engine thread's use over the host span from ``before``'s read to ``after``'s launch
     (logs with usage_read / usage_launched): [CPU ms, minor page faults, voluntary context
     switches, involuntary ones]."""
-    first, last = before.get("usage_read"), after.get("usage_launched")
+    return usage_between(before.get("usage_read"), after.get("usage_launched"))
+
+
+def usage_between(first: list[float] | None, last: list[float] | None) -> list[float] | None:
+    """The engine thread's use from one ``thread_usage`` reading to a later one: [CPU ms, minor
+    page faults, voluntary context switches, involuntary ones] (None without both)."""
     if not first or not last:
         return None
     return [1e3 * (last[0] - first[0])] + [b - a for a, b in zip(first[1:], last[1:])]
+
+
+def wait_usage(items: list[tuple[float, dict, dict]]) -> str | None:
+    """The mean wait (from a step's launches to its read) of ``items`` (timed pairs), with the
+    engine thread's CPU time and voluntary switches over it (None without usage readings)."""
+    usages = [usage for _, _, after in items
+              if (usage := usage_between(after.get("usage_launched"), after.get("usage_read"))) is not None]
+    if not usages:
+        return None
+    wait_ms = sum(1e3 * (after["read"] - after["launched"]) for _, _, after in items) / len(items)
+    return (f"wait {wait_ms:.2f} ms, CPU {sum(u[0] for u in usages) / len(usages):.2f} ms, "
+            f"{sum(u[2] for u in usages) / len(usages):.1f} voluntary switches")
 
 
 def usage_text(usage: list[float]) -> str:
@@ -212,18 +229,10 @@ def slow_steps(pairs: list[tuple[float, dict, dict]], over_ms: float = 1.0) -> l
         text = (f"slow {kind} steps (over the median {median:.2f} ms + {over_ms:g}): {len(slow)}, "
                 f"{sum(gap - median for gap, _, _ in slow):.0f} ms over the median; in {host_late} the host's span "
                 f"grew more than the wait, in {len(slow) - host_late} the wait")
-
-        def waits(items):
-            usages = [[b - a for a, b in zip(after["usage_launched"], after["usage_read"])]
-                      for _, _, after in items if after.get("usage_launched") and after.get("usage_read")]
-            if not usages:
-                return None
-            wait_ms = sum(1e3 * (after["read"] - after["launched"]) for _, _, after in items) / len(items)
-            return (f"wait {wait_ms:.2f} ms, CPU {1e3 * sum(u[0] for u in usages) / len(usages):.2f} ms, "
-                    f"{sum(u[2] for u in usages) / len(usages):.1f} voluntary switches")
         normal = [item for item in mine if item[0] <= median + over_ms]
-        if waits(slow) and waits(normal):
-            text += f"; in their waits {waits(slow)} (the others: {waits(normal)})"
+        slow_waits, normal_waits = wait_usage(slow), wait_usage(normal)
+        if slow_waits and normal_waits:
+            text += f"; in their waits {slow_waits} (the others: {normal_waits})"
         gpu = [before["gpu_ms"] for _, before, _ in slow if "gpu_ms" in before]
         others = [before["gpu_ms"] for _, before, _ in normal if "gpu_ms" in before]
         if gpu and others:

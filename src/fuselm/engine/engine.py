@@ -138,9 +138,9 @@ class Engine:
         self._stall_watch: tuple | None = None
         self._steps = 0
         self._stepping_thread: int | None = None
-        # What the stall timer watches: (phase, since when, seconds), and what it watched before
-        # (a signal raised in one phase may be handled in the next).
-        self._watched = self._watched_before = ("", 0.0, None)
+        # What the stall timer watches: (phase, step, since when, seconds), and what it watched
+        # before (a signal raised in one phase may be handled in the next).
+        self._watched = self._watched_before = ("span", 0, 0.0, None)
         self.vocab_size = model.config.vocab_size
         self.eos_ids = model.config.stop_token_ids
         self._seeds = random.Random(seed)
@@ -178,10 +178,17 @@ class Engine:
             self._stall_watch = (file, float(seconds), None if wait_seconds is None else float(wait_seconds),
                                  signal.SIG_DFL if previous is None else previous)
 
-    def _watch(self, phase: str, seconds: float | None) -> None:
-        """Arm the stall timer for ``seconds`` of ``phase`` (None: disarm it)."""
+    def _watch(self, phase: str, armed: bool = True) -> None:
+        """Arm the stall timer for ``phase``: "span" (the host's work from a read to the next
+        launches) or "wait" (from the launches to the read); its threshold from
+        ``watch_host_stalls`` (none, or not ``armed``: disarm it)."""
+        watch = self._stall_watch  # (None if the main thread stopped the watching meanwhile)
+        if watch is None:
+            return
+        _, span_seconds, wait_seconds, _ = watch
+        seconds = (span_seconds if phase == "span" else wait_seconds) if armed else None
         self._stepping_thread = threading.get_ident()
-        self._watched_before, self._watched = self._watched, (phase, time.perf_counter(), seconds)
+        self._watched_before, self._watched = self._watched, (phase, self._steps, time.perf_counter(), seconds)
         signal.setitimer(signal.ITIMER_REAL, seconds or 0)
 
     def _dump_stacks(self, signum, frame) -> None:
@@ -195,10 +202,11 @@ class Engine:
             return
         try:
             file, now = watch[0], time.perf_counter()
-            phase, began, seconds = self._watched
+            phase, step, began, seconds = self._watched
             if seconds is None or now - began < seconds:  # raised in the phase before, handled in this one
-                phase, began, _ = self._watched_before
-            lines = [f"Stall ({(now - began) * 1e3:.1f} ms into {phase}):"]
+                phase, step, began, seconds = self._watched_before
+            where = f"the host's span after step {step}" if phase == "span" else f"the wait for step {step}"
+            lines = [f"Stall ({(now - began) * 1e3:.1f} ms into {where}, watched at {(seconds or 0) * 1e3:g} ms):"]
             stacks = sys._current_frames()
             stacks[threading.get_ident()] = frame  # this thread's, where the signal interrupted it
             main = threading.main_thread().ident
@@ -358,9 +366,8 @@ class Engine:
             if decoding:
                 _, ids = self.runner.decode(*self._decode_shape(decoding))
                 pending.append(_Launched(ids, decoding, timed))
-        watch = self._stall_watch
-        if watch is not None:  # the host's span between steps ends at the launches; the wait begins
-            self._watch(f"the wait for step {self._steps}, watched at {(watch[2] or 0) * 1e3:g} ms", watch[2])
+        if self._stall_watch is not None:  # the host's span between steps ends at the launches; the wait begins
+            self._watch("wait")
         entry = None
         if self.step_log is not None:
             kind = "mixed" if mixed else "prefill+decode" if plan and decoding else "prefill" if plan else \
@@ -404,10 +411,8 @@ class Engine:
                 logged, started, done = self._timing.pop(0)
                 logged["gpu_ms"] = round(started.elapsed_time(done), 4)
         self._steps += 1
-        watch = self._stall_watch
-        if watch is not None:  # from this read to the next launches, if one follows
-            self._watch(f"the host's span after step {self._steps}, watched at {watch[1] * 1e3:g} ms",
-                        watch[1] if self.has_unfinished_requests() else None)
+        if self._stall_watch is not None:  # from this read to the next launches, if one follows
+            self._watch("span", armed=self.has_unfinished_requests())
         return updated
 
     def capture_mixed_graphs(self) -> int:
