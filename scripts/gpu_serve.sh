@@ -21,8 +21,8 @@
 #   between two steps passed 10 ms, or a step's wait for the one before it 14 ms (a mixed step of 256
 #   prompt tokens takes ~11.5), grouped; stage serve: the dumps in stalls_default.txt.gz),
 #   host_state.txt (stage serve: the cgroup's CPU quota and throttling, CPU / memory / IO pressure, load,
-#   huge pages and direct compaction, the VM's steal time, the server threads' run and run-queue wait
-#   times, before and after each bench; before the server, a probe of
+#   huge pages and direct compaction, the VM's steal time, the server's and its engine process's threads'
+#   run and run-queue wait times, before and after each bench; before the server, a probe of
 #   host-thread stalls from outside the process and the busiest processes: do host stalls come from outside?),
 #   hf_anchor.md, hf_anchor.json, serve_tests.log, sanitizer.log; sampling.md (the sampler's cut-off
 #   ways: sort, histogram, top-k candidates; benchmarks/sampling.py) when that stage is named
@@ -71,10 +71,14 @@ host_state() {  # do host stalls come from outside the process? CPU quota and th
   echo "# /proc/meminfo"; grep -E '^(MemTotal|MemFree|MemAvailable|Cached|AnonHugePages):' /proc/meminfo
   # steal: time the hypervisor ran something else on this VM's vCPUs (the 8th value of /proc/stat's cpu line)
   echo "# /proc/stat (cpu: user nice system idle iowait irq softirq steal)"; head -1 /proc/stat
-  [ -n "${server:-}" ] && [ -r "/proc/$server/status" ] && { echo "# server"; grep -E 'ctxt_switches|VmRSS' "/proc/$server/status"
-    # each server thread's time on a CPU and waiting for one (runnable, not running), ns, and its timeslices
-    echo "# server threads: tid, /proc/.../schedstat (run ns, run-queue wait ns, timeslices)"
-    for t in /proc/$server/task/*; do echo "${t##*/} $(cat "$t/schedstat" 2>/dev/null)"; done; }
+  # the HTTP server process and its engine process (its child)
+  [ -n "${server:-}" ] && for p in $server $(pgrep -P "$server"); do
+    [ -r "/proc/$p/status" ] || continue
+    echo "# process $p ($(cat /proc/$p/comm))"; grep -E 'ctxt_switches|VmRSS' "/proc/$p/status"
+    # each thread's time on a CPU and waiting for one (runnable, not running), ns, and its timeslices
+    echo "# its threads: tid, /proc/.../schedstat (run ns, run-queue wait ns, timeslices)"
+    for t in /proc/$p/task/*; do echo "${t##*/} $(cat "$t/schedstat" 2>/dev/null)"; done
+  done
 }
 bench() {  # label, then bench-serve options
   local label=$1; shift

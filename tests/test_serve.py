@@ -41,8 +41,8 @@ class ServerThread:
     path of run_app's SIGINT / SIGTERM handling: ``runner.cleanup()`` (stop listening, on_shutdown,
     wait for the handlers, on_cleanup)."""
 
-    def __init__(self, model: ServedModel, max_queue: int | None = None):
-        self.app = build_app(model, max_queue)
+    def __init__(self, model: ServedModel, max_queue: int | None = None, engine=None):
+        self.app = build_app(model, engine, max_queue)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop", daemon=True)
         self._thread.start()
@@ -60,7 +60,7 @@ class ServerThread:
 
     @property
     def engine(self):
-        """The ``AsyncEngine``."""
+        """The ``EngineClient`` (an ``AsyncEngine`` unless one was given)."""
         return self.app[SERVER].engine
 
     def stop(self) -> None:
@@ -356,7 +356,7 @@ def test_a_follow_up_request_is_admitted_in_the_step_after_the_one_that_finished
 
 
 def test_a_steps_deltas_reach_the_event_loop_finished_at_once_the_rest_after_the_next_launch():
-    """The engine thread hands a step's deltas to the event loop in at most two calls (one
+    """The engine thread hands a step's deltas to the event loop in at most two messages (one
     call_soon_threadsafe wakes the loop's thread for many requests: fewer GIL handoffs; NOTES.md
     88): the finished requests' right after the read (a closed-loop client's next request must not
     wait), the others after the next step's launches, so that the loop writes them while the
@@ -385,8 +385,8 @@ def test_a_steps_deltas_reach_the_event_loop_finished_at_once_the_rest_after_the
         call = loop.call_soon_threadsafe
 
         def counting(callback, *args, **kwargs):
-            if callback is module._put_all:
-                events.append([(stream.request_id, delta.last) for stream, delta in args[0]])
+            if callback == served._receive and args[0][0] == "deltas":
+                events.append([(request_id, delta.last) for request_id, delta in args[0][1]])
             return call(callback, *args, **kwargs)
 
         loop.call_soon_threadsafe = counting
@@ -418,10 +418,94 @@ def test_admission_wait_out_of_range_is_refused_naming_it():
     # the CLI's lazy copies of the defaults (it imports no serving code to build its parser)
     assert (cli.SERVE_ADMISSION_WAIT_MS, cli.SERVE_MAX_ADMISSION_WAIT_MS) == (1e3 * ADMISSION_WAIT_S,
                                                                               1e3 * MAX_ADMISSION_WAIT_S)
+    from fuselm.serve import serve_spec
+
     engine = ServedModel.random("tiny", dtype=torch.float32, device="cpu", max_batch=1, max_len=MAX_LEN).engine
     for bad in (-0.001, 1.0, "3", True):
         with pytest.raises(ValueError, match="admission_wait"):
             AsyncEngine(engine, admission_wait=bad)
+        with pytest.raises(ValueError, match="admission_wait"):
+            serve_spec(None, "tiny", admission_wait=bad)
+    with pytest.raises(ValueError, match="max_queue"):
+        serve_spec(None, "tiny", max_queue=-1)
+
+
+# ==================================================================================== engine process
+@pytest.fixture(scope="module")
+def process_server(checkpoint):
+    """The checkpoint served as ``fuselm serve`` serves it: the engine in a spawned process
+    (``EngineProcess``), this process speaking HTTP only."""
+    from fuselm.serve import EngineProcess, serve_spec
+
+    engine = EngineProcess(serve_spec(str(checkpoint), dtype="float32", device="cpu", max_batch=MAX_BATCH,
+                                      max_len=MAX_LEN, seed=0, progress=False, max_queue=MAX_QUEUE))
+    info = engine.launch()
+    server = ServerThread(ServedModel.from_engine_info(info), engine=engine)
+    yield server
+    server.stop()
+    assert not engine.process.is_alive() and engine.process.exitcode == 0
+
+
+def test_an_engine_process_serves_what_the_engine_thread_serves(server, process_server):
+    """Text, token ids, stop strings and streams come back from the engine process as from the
+    engine thread (the same checkpoint and seed); a request the engine refuses is a 400 naming
+    the field (the error crosses the pipe), a bad stop string too."""
+    def answers(served):
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        name = model_name(served)
+        whole = client.completions.create(model=name, prompt="The capital of France is", max_tokens=5,
+                                          temperature=0, extra_body={"return_token_ids": True})
+        streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+            model=name, prompt="The capital of France is", max_tokens=5, temperature=0, stream=True))
+        chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=4, temperature=0)
+        too_long = post(served, COMPLETIONS, {"prompt": [1, 2, 3], "max_tokens": MAX_LEN})
+        return (whole.choices[0].text, whole.choices[0].model_extra["token_ids"], streamed,
+                chat.choices[0].message.content, too_long[0], too_long[1]["error"]["param"])
+
+    thread_answers, process_answers = answers(server), answers(process_server)
+    assert process_answers == thread_answers
+    assert process_answers[0] == process_answers[2] and process_answers[4:] == (400, "max_tokens")
+    assert process_server.engine.alive
+
+
+def test_a_dead_engine_process_ends_its_requests_and_health_turns_503(checkpoint):
+    """The engine process killed mid-stream: the stream ends with an error event and [DONE], new
+    requests get 503, /health 503; the HTTP side stays up."""
+    from fuselm.serve import EngineProcess, serve_spec
+
+    engine = EngineProcess(serve_spec(None, "tiny", dtype=torch.float32, device="cpu", max_batch=1, max_len=MAX_LEN,
+                                      seed=0))
+    server = ServerThread(ServedModel.from_engine_info(engine.launch()), engine=engine)
+    try:
+        async def kill_mid_stream():
+            async with aiohttp.ClientSession() as session:
+                body = {"prompt": [1, 2, 3], "stream": True, **greedy(LONG, ignore_eos=True)}
+                async with session.post(server.url + COMPLETIONS, json=body) as response:
+                    events = [await response.content.readline()]
+                    engine.process.kill()
+                    events += [line async for line in response.content if line.strip()]
+                async with session.post(server.url + COMPLETIONS, json=body) as response:
+                    refused = response.status, await response.json()
+                async with session.get(server.url + "/health") as response:
+                    return events, refused, response.status
+
+        events, (refused_status, refused), health = asyncio.run(kill_mid_stream())
+        assert events[-1] == b"data: [DONE]\n"
+        assert json.loads(events[-2].removeprefix(b"data: "))["error"]["code"] == 503
+        assert refused_status == 503 and "engine process ended" in refused["error"]["message"]
+        assert health == 503 and not engine.alive
+    finally:
+        server.stop()
+
+
+def test_an_engine_process_that_cannot_build_raises_the_builds_error():
+    from fuselm.serve import EngineProcess, serve_spec
+
+    engine = EngineProcess(serve_spec(None, "tiny", dtype=torch.float32, device="cpu", max_batch=0, max_len=MAX_LEN))
+    with pytest.raises(ValueError, match="max_batch"):
+        engine.launch()
+    assert not engine.process.is_alive()
 
 
 # ==================================================================================== shutdown

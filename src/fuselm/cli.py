@@ -25,10 +25,7 @@ exit status 1.
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import sys
-import time
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -135,7 +132,7 @@ def _chat(args) -> int:
 def _serve(args) -> int:
     """``fuselm serve``: MODEL_DIR (text and chat) or --config (random weights, token-id
     prompts only) behind ``fuselm.serve.run_server`` until SIGINT / SIGTERM (exit status 0)."""
-    from fuselm.serve import ServedModel, run_server
+    from fuselm.serve.app import run_server, serve_spec
 
     if (args.model_dir is None) == (args.config is None):
         args.command_parser.error("expected exactly one of MODEL_DIR (a checkpoint) and --config tiny|9b (random "
@@ -151,61 +148,29 @@ def _serve(args) -> int:
     if not 0 <= args.admission_wait_ms <= SERVE_MAX_ADMISSION_WAIT_MS:
         args.command_parser.error(f"--admission-wait-ms: expected 0..{SERVE_MAX_ADMISSION_WAIT_MS:g}, got "
                                   f"{args.admission_wait_ms:g}")
+    options = dict(max_batch=args.max_batch, max_len=args.max_len, seed=args.seed, name=args.served_model_name,
+                   max_prefill_tokens=args.max_prefill_tokens, kv_cache_tokens=args.kv_cache_tokens,
+                   state_dtype=args.state_dtype)
     if args.model_dir is not None:
         import torch
-
-        from fuselm.engine.llm import LLM
 
         directory = Path(args.model_dir)
         if not directory.is_dir():
             raise FileNotFoundError(f"{directory}: no such checkpoint directory")
         on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
-        llm = LLM(directory, dtype=args.dtype or ("float32" if on_cpu else None), device=args.device,
-                  max_batch=args.max_batch, max_len=args.max_len, seed=args.seed,
-                  max_prefill_tokens=args.max_prefill_tokens, kv_cache_tokens=args.kv_cache_tokens,
-                  state_dtype=args.state_dtype)
-        model = ServedModel.from_llm(llm, args.served_model_name)
+        options.update(dtype=args.dtype or ("float32" if on_cpu else None), device=args.device)
     else:
         device, dtype = _device_and_dtype(args)
-        model = ServedModel.random(args.config, dtype=dtype, device=device, max_batch=args.max_batch,
-                                   max_len=args.max_len, seed=args.seed, name=args.served_model_name,
-                                   max_prefill_tokens=args.max_prefill_tokens, kv_cache_tokens=args.kv_cache_tokens,
-                                   state_dtype=args.state_dtype)
-    pauses: list[dict] = []
-    if args.step_log is not None:
-        model.engine.step_log = []
-        gc.callbacks.append(_gc_recorder(pauses))
-    stall_dump = None if args.stall_dump is None else open(args.stall_dump, "w")
+        options.update(dtype=dtype, device=device)
+    spec = serve_spec(None if args.model_dir is None else str(args.model_dir), args.config,
+                      max_queue=args.max_queue, admission_wait=args.admission_wait_ms / 1e3, step_log=args.step_log,
+                      stall_dump=args.stall_dump, stall_dump_s=args.stall_dump_ms / 1e3,
+                      stall_dump_wait_s=args.stall_dump_wait_ms and args.stall_dump_wait_ms / 1e3, **options)
     try:
-        if stall_dump is not None:
-            model.engine.watch_host_stalls(stall_dump, args.stall_dump_ms / 1e3,
-                                           args.stall_dump_wait_ms and args.stall_dump_wait_ms / 1e3)
-        run_server(model, args.host, args.port, args.max_queue, args.admission_wait_ms / 1e3)
+        run_server(spec, args.host, args.port)
     except OSError as error:  # the address cannot be listened on
         raise ValueError(f"--host/--port: {error}") from None
-    finally:
-        if stall_dump is not None:
-            model.engine.watch_host_stalls(None, None)
-            stall_dump.close()
-    if args.step_log is not None:
-        with open(args.step_log, "w") as handle:
-            handle.writelines(json.dumps(entry) + "\n" for entry in model.engine.step_log + pauses)
     return 0
-
-
-def _gc_recorder(pauses: list[dict]):
-    """A ``gc.callbacks`` hook appending each garbage collection to ``pauses`` as a step-log entry
-    {"kind": "gc", "generation", "began", "read"} (the step log's clock), so that
-    benchmarks/step_log.py can tell a collection that stalled the engine from other host work."""
-    began = []
-
-    def record(phase: str, info: dict) -> None:
-        if phase == "start":
-            began.append(time.perf_counter())
-        elif began:
-            pauses.append({"kind": "gc", "generation": info["generation"], "began": began.pop(),
-                           "read": time.perf_counter()})
-    return record
 
 
 # ============================================================================ random weights

@@ -1,17 +1,21 @@
 """``fuselm serve``: an OpenAI-compatible HTTP server over the continuous-batching engine.
 
-    protocol.py      request bodies -> prompt ids + SamplingParams (checked, errors naming the
-                     field); OpenAI's answer, chunk and error JSON
-    async_engine.py  AsyncEngine: the Engine on one thread of its own, requests as asyncio streams
-    app.py           the aiohttp app: /health, /v1/models, /v1/completions, /v1/chat/completions;
-                     ServedModel (a checkpoint's LLM, or random weights without a tokenizer)
+    protocol.py        request bodies -> prompt ids + SamplingParams (checked, errors naming the
+                       field); OpenAI's answer, chunk and error JSON
+    async_engine.py    EngineLoop: the Engine stepped on a thread of its own, commands in and
+                       answers out as messages; EngineClient: requests as asyncio streams;
+                       AsyncEngine: the loop on a thread of this process
+    engine_process.py  EngineProcess: the loop in a process of its own (what fuselm serve runs)
+    app.py             the aiohttp app: /health, /v1/models, /v1/completions, /v1/chat/completions;
+                       ServedModel (a checkpoint's LLM, or random weights without a tokenizer)
 
-    from fuselm.engine.llm import LLM
-    from fuselm.serve import ServedModel, run_server
-    run_server(ServedModel.from_llm(LLM("Qwen3.5-9B/")), port=8000)
+    from fuselm.serve import run_server, serve_spec
+    run_server(serve_spec("Qwen3.5-9B/", max_batch=32), port=8000)   # the engine in a child process
 """
 
-from fuselm.serve.app import SERVER, OpenAIServer, ServedModel, build_app, run_server
-from fuselm.serve.async_engine import AsyncEngine, RequestDelta
+from fuselm.serve.app import SERVER, OpenAIServer, ServedModel, build_app, run_server, serve_spec
+from fuselm.serve.async_engine import AsyncEngine, EngineClient, RequestDelta
+from fuselm.serve.engine_process import EngineProcess, EngineSpec
 
-__all__ = ["AsyncEngine", "RequestDelta", "OpenAIServer", "ServedModel", "SERVER", "build_app", "run_server"]
+__all__ = ["AsyncEngine", "EngineClient", "EngineProcess", "EngineSpec", "RequestDelta", "OpenAIServer",
+           "ServedModel", "SERVER", "build_app", "run_server", "serve_spec"]

@@ -1,6 +1,11 @@
-"""The HTTP server: OpenAI's routes over an ``AsyncEngine``, on aiohttp.
+"""The HTTP server: OpenAI's routes over an engine client, on aiohttp.
 
-    GET  /health               200 while the engine thread runs, else 503
+``run_server`` (``fuselm serve``) runs the engine in a process of its own
+(``fuselm.serve.engine_process.EngineProcess``); ``build_app`` over a loaded ``ServedModel`` alone
+runs it on a thread of the server's process (``fuselm.serve.async_engine.AsyncEngine``: tests,
+embedding). The routes see the same ``EngineClient`` either way.
+
+    GET  /health               200 while the engine runs, else 503
     GET  /v1/models            the served model, in OpenAI's list format
     POST /v1/completions       a prompt's completion; "stream": true for server-sent events
     POST /v1/chat/completions  the assistant's reply to "messages"; "stream" likewise
@@ -8,20 +13,22 @@
 Request fields and answer shapes: ``fuselm.serve.protocol``. Every error is OpenAI's error JSON
 with its HTTP status: 400 a bad field (named in ``param``), 404 an unknown model, 503 a full
 queue or an engine that is not running, 500 a bug. A request is checked (prompt tokenized,
-SamplingParams built, ``Engine.add_request`` run on the engine thread) before anything of its
+SamplingParams built, ``Engine.add_request`` run by the engine loop) before anything of its
 answer is sent, so a bad request is a 400 even when streamed.
 
 A client that goes away has its request aborted, which frees its engine slot: the server runs
 with aiohttp's ``handler_cancellation`` (a closed connection cancels its handler) and a failed
-write ends a stream; either way the handler's ``finally`` sends ``AsyncEngine.abort``.
+write ends a stream; either way the handler's ``finally`` sends ``EngineClient.abort``.
 
-Lifecycle: the engine thread starts with the app (``on_startup``); on shutdown (``run_server``:
-SIGINT or SIGTERM) the listening sockets close first, then ``on_shutdown`` aborts every unfinished
-request (streams end with an error event, waiting answers with a 503) and joins the engine thread.
+Lifecycle: the engine takes requests from the app's start (``on_startup``); on shutdown
+(``run_server``: SIGINT or SIGTERM) the listening sockets close first, then ``on_shutdown`` aborts
+every unfinished request (streams end with an error event, waiting answers with a 503) and stops
+the engine (its thread or process).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
@@ -35,7 +42,9 @@ from aiohttp import web
 
 from fuselm.engine.engine import Engine
 from fuselm.engine.request import SamplingParams
-from fuselm.serve.async_engine import ADMISSION_WAIT_S, AsyncEngine, EngineUnavailableError, RequestStream
+from fuselm.serve.async_engine import (ADMISSION_WAIT_S, AsyncEngine, EngineClient, EngineUnavailableError,
+                                       RequestStream)
+from fuselm.serve.engine_process import EngineProcess, EngineSpec
 from fuselm.serve.protocol import (APIError, ChatFormat, CompletionFormat, GenerationRequest, ResponseFormat,
                                    bad_request, check_model, model_list, parse_chat_request,
                                    parse_completion_request, token_usage)
@@ -44,27 +53,51 @@ from fuselm.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 64 * 2**20
-GIL_SWITCH_INTERVAL_S = 0.0005  # how long a thread waiting for the GIL lets the holder run on
 """Largest request body taken (aiohttp's default, 1 MiB, is short for long prompts)."""
 
 
 @dataclass
 class ServedModel:
-    """What a server serves: the ``engine``, its ``name`` (the ``model`` of requests and answers),
-    the ``tokenizer`` (None: token-id prompts only; ``no_tokenizer_reason`` says why in errors)
-    and the sampling defaults of requests (``default_params``: the checkpoint's generation_config)."""
+    """What a server serves: the ``engine`` (None on the HTTP side of an engine process), its
+    ``name`` (the ``model`` of requests and answers), the ``tokenizer`` (None: token-id prompts
+    only; ``no_tokenizer_reason`` says why in errors), the sampling defaults of requests
+    (``default_params``: the checkpoint's generation_config) and the checkpoint directory it
+    came from (``model_dir``; None: random weights)."""
 
     name: str
-    engine: Engine
+    engine: Engine | None
     tokenizer: Tokenizer | None
     default_params: SamplingParams
     no_tokenizer_reason: str = ""
+    model_dir: str | None = None
 
     @classmethod
     def from_llm(cls, llm, name: str | None = None) -> ServedModel:
         """An ``LLM``'s engine and tokenizer; name: default the checkpoint directory's name."""
         return cls(name or Path(llm.model_dir).resolve().name, llm.engine, llm.tokenizer,
-                   llm.get_default_sampling_params())
+                   llm.get_default_sampling_params(), model_dir=str(llm.model_dir))
+
+    @classmethod
+    def load(cls, model_dir: str | None = None, config: str | None = None, *, name: str | None = None,
+             **options) -> ServedModel:
+        """A checkpoint directory (``LLM(model_dir, **options)``: options are LLM's, engine
+        options included) or, with ``config``, ``random(config, **options)``: what ``fuselm
+        serve`` builds (in its engine process)."""
+        if (model_dir is None) == (config is None):
+            raise ValueError("expected exactly one of model_dir (a checkpoint) and config (random weights)")
+        if config is not None:
+            return cls.random(config, name=name, **options)
+        from fuselm.engine.llm import LLM
+
+        return cls.from_llm(LLM(model_dir, **options), name)
+
+    @classmethod
+    def from_engine_info(cls, info: dict) -> ServedModel:
+        """The HTTP side of an engine process's model (``EngineProcess.info``): no engine, the
+        tokenizer loaded again from the checkpoint directory."""
+        tokenizer = None if info["model_dir"] is None else Tokenizer.from_pretrained(info["model_dir"])
+        return cls(info["name"], None, tokenizer, info["default_params"], info["no_tokenizer_reason"],
+                   info["model_dir"])
 
     @classmethod
     def random(cls, config_name: str, *, dtype, device, max_batch: int, max_len: int, seed: int | None = None,
@@ -100,13 +133,12 @@ async def _send_event(response: web.StreamResponse, data: dict | str) -> None:
 
 
 class OpenAIServer:
-    """The routes' handlers over one ``ServedModel``, its ``AsyncEngine`` (``engine``) holding at
-    most ``max_queue`` waiting requests (None: no limit) and waiting ``admission_wait`` seconds for
-    a closed-loop client's next request (``AsyncEngine``)."""
+    """The routes' handlers over one ``ServedModel`` and the ``EngineClient`` (``engine``) that
+    runs its requests."""
 
-    def __init__(self, model: ServedModel, max_queue: int | None = None, admission_wait: float = ADMISSION_WAIT_S):
+    def __init__(self, model: ServedModel, engine: EngineClient):
         self.model = model
-        self.engine = AsyncEngine(model.engine, max_queue, admission_wait)
+        self.engine = engine
         self.created = int(time.time())
 
     # ------------------------------------------------------------------------ lifecycle
@@ -123,20 +155,20 @@ class OpenAIServer:
         raise APIError(503, "the engine is not running")
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(model_list(self.model.name, self.created, self.model.engine.max_len))
+        return web.json_response(model_list(self.model.name, self.created, self.engine.max_len))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
         check_model(body, self.model.name)
         generation = parse_completion_request(body, self.model.tokenizer, self.model.default_params,
-                                              self.model.engine.max_len, self.model.no_tokenizer_reason)
+                                              self.engine.max_len, self.model.no_tokenizer_reason)
         return await self._generate(request, generation, CompletionFormat)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
         check_model(body, self.model.name)
         generation = parse_chat_request(body, self.model.tokenizer, self.model.default_params,
-                                        self.model.engine.max_len, self.model.no_tokenizer_reason)
+                                        self.engine.max_len, self.model.no_tokenizer_reason)
         return await self._generate(request, generation, ChatFormat)
 
     # ------------------------------------------------------------------------ generation
@@ -145,12 +177,9 @@ class OpenAIServer:
         """Submit a checked request to the engine and answer it, whole or streamed. Whatever ends
         the handler early (the client gone, an error) aborts the request."""
         request_id = format_class.id_prefix + uuid.uuid4().hex
-        tokenizer = self.model.tokenizer
-        detokenizer = None if tokenizer is None else tokenizer.detokenizer(
-            generation.prompt_token_ids, skip_special_tokens=True, stop=generation.params.stop)
         try:
             stream = await self.engine.submit(generation.prompt_token_ids, generation.params, request_id=request_id,
-                                              prompt=generation.prompt, detokenizer=detokenizer)
+                                              prompt=generation.prompt)
         except EngineUnavailableError as error:
             raise APIError(503, str(error)) from None
         except (ValueError, TypeError) as error:  # Engine.add_request's checks
@@ -223,12 +252,18 @@ async def _openai_errors(request: web.Request, handler):
         return web.json_response(APIError(500, f"internal error: {error!r}").body, status=500)
 
 
-def build_app(model: ServedModel, max_queue: int | None = None,
+def build_app(model: ServedModel, engine: EngineClient | None = None, max_queue: int | None = None,
               admission_wait: float = ADMISSION_WAIT_S) -> web.Application:
-    """The aiohttp application serving ``model`` (routes: module docstring); ``app[SERVER]`` is
-    its ``OpenAIServer``. Run it with ``handler_cancellation=True`` so that a client that goes
-    away has its request aborted (``run_server`` does)."""
-    server = OpenAIServer(model, max_queue, admission_wait)
+    """The aiohttp application serving ``model`` (routes: module docstring) through ``engine``
+    (default: an ``AsyncEngine`` over ``model.engine`` on a thread of this process, holding at
+    most ``max_queue`` waiting requests and waiting ``admission_wait`` s for a closed-loop
+    client's next request); ``app[SERVER]`` is its ``OpenAIServer``. Run it with
+    ``handler_cancellation=True`` so that a client that goes away has its request aborted
+    (``run_server`` does)."""
+    if engine is None:
+        engine = AsyncEngine(model.engine, tokenizer=model.tokenizer, max_queue=max_queue,
+                             admission_wait=admission_wait)
+    server = OpenAIServer(model, engine)
     app = web.Application(middlewares=[_openai_errors], client_max_size=MAX_REQUEST_BYTES)
     app[SERVER] = server
     app.add_routes([web.get("/health", server.health), web.get("/v1/models", server.models),
@@ -239,26 +274,31 @@ def build_app(model: ServedModel, max_queue: int | None = None,
     return app
 
 
-def run_server(model: ServedModel, host: str = "127.0.0.1", port: int = 8000, max_queue: int | None = None,
-               admission_wait: float = ADMISSION_WAIT_S) -> None:
-    """Serve ``model`` on ``host:port`` until SIGINT or SIGTERM, then shut down cleanly (stop
-    listening, abort unfinished requests, end the engine thread) and return."""
+def run_server(spec: EngineSpec, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serve what ``spec`` builds on ``host:port`` until SIGINT or SIGTERM, then shut down
+    cleanly (stop listening, abort unfinished requests, stop the engine process) and return. The
+    engine runs in a process of its own (``EngineProcess``); this one only speaks HTTP."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = model.engine
-    print(f"fuselm serve: {model.name} (max_batch {engine.max_batch}, max_len {engine.max_len}, "
-          f"{'text and token-id prompts' if model.tokenizer is not None else 'token-id prompts only'})",
-          file=sys.stderr, flush=True)
-    began = time.perf_counter()
-    captured = engine.capture_mixed_graphs()
-    if captured:
-        print(f"fuselm serve: {captured} mixed prefill + decode graphs captured in {time.perf_counter() - began:.1f} s",
-              file=sys.stderr, flush=True)
-    # The engine thread and the event loop share one interpreter: the engine thread must get the
-    # GIL back well within a decode step (the default 5 ms switch interval is half a batch-32
-    # step), and a full garbage collection walking the objects loaded at start-up would stall one:
-    # they are frozen out of it.
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    gc.collect()
-    gc.freeze()
-    web.run_app(build_app(model, max_queue, admission_wait), host=host, port=port, handler_cancellation=True,
-                print=lambda message: print(message, file=sys.stderr, flush=True))
+    engine = EngineProcess(spec)
+    info = engine.launch()
+    try:
+        model = ServedModel.from_engine_info(info)
+        print(f"fuselm serve: {model.name} (max_batch {info['max_batch']}, max_len {info['max_len']}, "
+              f"{'text and token-id prompts' if model.tokenizer is not None else 'token-id prompts only'}; "
+              f"engine process {engine.process.pid})", file=sys.stderr, flush=True)
+        gc.collect()
+        gc.freeze()  # the objects loaded at start-up stay out of the collections
+        web.run_app(build_app(model, engine), host=host, port=port, handler_cancellation=True,
+                    print=lambda message: print(message, file=sys.stderr, flush=True))
+    finally:
+        engine.stop()  # (when serving never began or ended abnormally; after a shutdown, nothing)
+
+
+def serve_spec(model_dir: str | None = None, config: str | None = None, *, max_queue: int | None = None,
+               admission_wait: float = ADMISSION_WAIT_S, step_log: str | None = None, stall_dump: str | None = None,
+               stall_dump_s: float = 0.01, stall_dump_wait_s: float | None = None, **options) -> EngineSpec:
+    """The ``EngineSpec`` of ``ServedModel.load(model_dir, config, **options)`` (``fuselm serve``'s
+    options; the other arguments: ``EngineSpec``'s)."""
+    return EngineSpec(functools.partial(ServedModel.load, model_dir, config, **options), max_queue=max_queue,
+                      admission_wait=admission_wait, step_log=step_log, stall_dump=stall_dump,
+                      stall_dump_s=stall_dump_s, stall_dump_wait_s=stall_dump_wait_s)
