@@ -538,12 +538,16 @@ def _free_port() -> int:
 
 
 def test_fuselm_serve_config_tiny_takes_token_ids_and_exits_0_on_sigterm(tmp_path):
-    """... and writes its step log (--step-log) on the way out, garbage collections included."""
+    """... and writes its step log (--step-log) on the way out, garbage collections included, and
+    its engine process's stall dumps (--stall-dump at 1 ms: the tiny model's host work between
+    two steps takes longer on the CPU) with the engine thread's stack in them (the timer's
+    SIGALRM must reach the engine process's main thread, which the engine thread leaves free)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    step_log = tmp_path / "steps.jsonl"
+    step_log, stall_dump = tmp_path / "steps.jsonl", tmp_path / "stalls.txt"
     command = [sys.executable, "-m", "fuselm", "serve", "--config", "tiny", "--device", "cpu", "--port", str(port),
-               "--max-batch", "1", "--max-len", "32", "--step-log", str(step_log)]
+               "--max-batch", "1", "--max-len", "32", "--step-log", str(step_log), "--stall-dump", str(stall_dump),
+               "--stall-dump-ms", "1"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ))
 
     async def use():
@@ -579,3 +583,5 @@ def test_fuselm_serve_config_tiny_takes_token_ids_and_exits_0_on_sigterm(tmp_pat
     assert steps and steps[0]["kind"] == "prefill+decode" and steps[0]["prompt_tokens"] == 3
     pauses = [entry for entry in entries if entry["kind"] == "gc"]  # the start-up's gc.collect() at least
     assert pauses and all(p["read"] >= p["began"] and p["generation"] in (0, 1, 2) for p in pauses)
+    dumps = stall_dump.read_text().split("\n\n")
+    assert any(" (engine) (most recent call first):\n  File" in dump for dump in dumps), dumps[:3]

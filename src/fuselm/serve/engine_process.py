@@ -109,7 +109,13 @@ class EngineProcess(EngineClient):
         context = multiprocessing.get_context("spawn")
         self._pipe, child_end = context.Pipe(duplex=True)
         self._process = context.Process(target=_child_main, args=(self.spec, child_end), name="fuselm-engine")
-        self._process.start()
+        # The child starts with SIGALRM blocked (a signal mask outlives fork and exec), so that the
+        # threads its imports start block it too (``_child_main``).
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        try:
+            self._process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         child_end.close()  # the child holds the only other end: its exit reads as EOF here
         try:
             while not self._pipe.poll(0.2):
@@ -240,6 +246,12 @@ def _child_main(spec: EngineSpec, pipe) -> None:
     """The engine process: build, report, run the engine loop until Stop or the pipe's end."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops it in order (module docstring)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The stall timer's SIGALRM must land on the main thread, which waits for the engine thread's
+    # end: landing on another thread it would only flag its handler, to run once the main thread
+    # runs bytecode again (after the join). So the process starts with it blocked (``launch``),
+    # every thread (torch's at import, the driver's, the engine's) inherits that, and the main
+    # thread unblocks it once they are up.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     pauses: list[dict] = []
     stall_dump = None
@@ -257,6 +269,9 @@ def _child_main(spec: EngineSpec, pipe) -> None:
         if spec.stall_dump is not None:
             stall_dump = open(spec.stall_dump, "w")
             engine.watch_host_stalls(stall_dump, spec.stall_dump_s, spec.stall_dump_wait_s)
+            # ... and interrupts the main thread's wait for the engine thread (with SA_RESTART the
+            # kernel would resume that wait and the handler would run only after it).
+            signal.siginterrupt(signal.SIGALRM, True)
         # A full garbage collection walking the objects loaded at start-up would stall a step.
         gc.collect()
         gc.freeze()
@@ -280,6 +295,7 @@ def _child_main(spec: EngineSpec, pipe) -> None:
                       admission_wait=spec.admission_wait)
     thread = threading.Thread(target=loop.run, name="fuselm-engine")
     thread.start()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})  # (see the top)
     thread.join()
     if stall_dump is not None:
         engine.watch_host_stalls(None, None)
