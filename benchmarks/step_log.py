@@ -13,13 +13,16 @@ median, p90, p99, max, mean prompt tokens, mean decode rows; and the host's shar
 median ms from the step's start to its last launch, "host launch", and from there to having read
 the step before's ids, "wait": a server's streaming of the tokens read before is in it), the
 decode rows a step and the decode tokens/s they make over the run's time, where the requests were
-(decoding, prefilling, queued: ``occupancy``), each kind's GPU time a step (CUDA events,
+(decoding, prefilling, queued: ``occupancy``), how long closed-loop clients took from a step
+that finished their request to their next submission (``round_trips``), each kind's GPU time a
+step (CUDA events,
 ``gpu_times``), the steps over their kind's median + 1 ms by the part that grew (``slow_steps``),
 and the kinds / sizes of the slowest 1% of gaps, each with its GPU time, the host's span from
 reading the step before to launching the next (longer than the step's GPU time: the GPU waited
 for the host), the engine thread's CPU time, page faults and context switches over it
 (``host_spans`` sets the spans over 10 ms apart from the rest) and the garbage collections within
-it (the log's "gc" entries, which ``fuselm serve --step-log`` records), for each run of steps
+it (the log's "gc" entries, which ``fuselm serve --step-log`` records in the engine process and,
+marked "process": "http", in the HTTP process), for each run of steps
 without a pause of more than --split-gap seconds (a server's benchmarks, one after another, come
 out as separate runs).
 """
@@ -27,6 +30,7 @@ out as separate runs).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 from collections import Counter
 
@@ -136,9 +140,41 @@ def gpu_times(timed: list[tuple[float, dict]]) -> list[str]:
     return ["", "GPU ms a step: " + "; ".join(parts)] if parts else []
 
 
-def summarise(steps: list[dict], pauses: list[dict] = ()) -> str:
+def round_trips(timed: list[tuple[float, dict]]) -> list[str]:
+    """From each step that finished requests to each later submission (logs with ``finished``):
+    with closed-loop clients, how long one took to send its next request after its last token
+    was read. The engine's admission wait catches those that come within it; a later one waits
+    a step more (and, the prompts going in one chunk a step, may push the next ones too)."""
+    if not timed or "finished" not in timed[0][1]:
+        return []
+    finishes = [step["read"] for _, step in timed if step["finished"]]
+    gaps = []
+    for _, step in timed:
+        for waited_ms in step["admission_waits_ms"]:
+            submitted = step["began"] - waited_ms / 1e3
+            last = bisect.bisect_right(finishes, submitted) - 1
+            if last >= 0:
+                gaps.append(1e3 * (submitted - finishes[last]))
+    if not gaps:
+        return []
+    return ["", f"from the last step that finished requests to each submission (closed-loop clients: their round "
+                f"trip): median {percentile(gaps, 0.5):.2f} ms, p90 {percentile(gaps, 0.9):.2f}, p99 "
+                f"{percentile(gaps, 0.99):.2f}, max {max(gaps):.2f}; over 3 ms {sum(gap > 3 for gap in gaps)}, "
+                f"over 5 ms {sum(gap > 5 for gap in gaps)} of {len(gaps)}"]
+
+
+def gc_line(label: str, pauses: list[dict], start: float, end: float) -> list[str]:
+    inside = [p for p in pauses if start <= p["began"] <= end]
+    if not inside:
+        return []
+    longest = max(1e3 * (p["read"] - p["began"]) for p in inside)
+    return ["", f"{label}: {gc_ms(inside, start, end):.1f} ms in all, the longest {longest:.1f} ms"]
+
+
+def summarise(steps: list[dict], pauses: list[dict] = (), http_pauses: list[dict] = ()) -> str:
     """The tables of the module docstring for one run of ``steps``; ``pauses``: the run's garbage
-    collections (``{"kind": "gc", "began", "read"}`` entries of the log)."""
+    collections (``{"kind": "gc", "began", "read"}`` entries of the log) in the engine's process,
+    ``http_pauses`` those of ``fuselm serve``'s HTTP process (``"process": "http"``)."""
     pauses = list(pauses)
     pairs = timed_pairs(steps)
     timed = [(gap, before) for gap, before, _ in pairs]
@@ -170,6 +206,7 @@ def summarise(steps: list[dict], pauses: list[dict] = ()) -> str:
     lines += ["", f"decode rows a step {rows / len(timed):.2f}, mean step {sum(every) / len(every):.2f} ms: "
                   f"{1e3 * rows / sum(every):,.0f} decode tokens/s"]
     lines += occupancy(timed)
+    lines += round_trips(timed)
     lines += gpu_times(timed)
     slowest = sorted(pairs, key=lambda item: -item[0])[:max(1, len(pairs) // 100)]
     lines += ["", f"slowest 1% ({len(slowest)} steps): " + ", ".join(
@@ -177,11 +214,9 @@ def summarise(steps: list[dict], pauses: list[dict] = ()) -> str:
         f"prompt tokens {step['prompt_tokens']}{why(step, after, pauses)})" for gap, step, after in slowest[:20])]
     lines += host_spans(pairs)
     lines += slow_steps(pairs)
-    if pauses:
-        total = gc_ms(pauses, steps[0]["began"], steps[-1]["read"])
-        longest = max((1e3 * (p["read"] - p["began"]) for p in pauses if steps[0]["began"] <= p["began"] <=
-                       steps[-1]["read"]), default=0.0)
-        lines += ["", f"garbage collection in the run: {total:.1f} ms in all, the longest {longest:.1f} ms"]
+    lines += gc_line("garbage collection in the run", pauses, steps[0]["began"], steps[-1]["read"])
+    lines += gc_line("the HTTP process's garbage collection in the run", list(http_pauses), steps[0]["began"],
+                     steps[-1]["read"])
     return "\n".join(lines)
 
 
@@ -260,10 +295,11 @@ def main():
     with open(args.path) as handle:
         entries = [json.loads(line) for line in handle if line.strip()]
     steps = [entry for entry in entries if entry["kind"] != "gc"]
-    pauses = [entry for entry in entries if entry["kind"] == "gc"]
+    pauses = [entry for entry in entries if entry["kind"] == "gc" and entry.get("process") != "http"]
+    http_pauses = [entry for entry in entries if entry["kind"] == "gc" and entry.get("process") == "http"]
     for i, run in enumerate(runs(steps[args.skip_first:], args.split_gap)):
         print(f"### run {i + 1}: {len(run)} steps over {run[-1]['read'] - run[0]['began']:.1f} s\n")
-        print(summarise(run, pauses) + "\n")
+        print(summarise(run, pauses, http_pauses) + "\n")
 
 
 if __name__ == "__main__":

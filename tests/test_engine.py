@@ -321,6 +321,17 @@ def test_the_step_log_records_each_step(model):
     slowest = table.split("slowest 1%")[1]
     assert f"gc {gap / 2:.1f} ms" in slowest and "host " in slowest
     assert f"garbage collection in the run: {gap / 2:.1f} ms in all" in table
+    table = step_log.summarise(steps, [], [pause])  # fuselm serve's HTTP process's, on a line of their own
+    assert f"\n\nthe HTTP process's garbage collection in the run: {gap / 2:.1f} ms in all" in table
+    assert "\n\ngarbage collection in the run" not in table
+    # finished: the requests each read ended (each request once); from the last step that finished
+    # one to each submission (made up: one 2 ms, one 6 ms after a finish):
+    assert sum(step["finished"] for step in steps) == 2
+    loop = [{"read": 1.0, "finished": 1, "began": 0.99, "admission_waits_ms": []},
+            {"read": 1.01, "finished": 0, "began": 1.004, "admission_waits_ms": [2.0]},
+            {"read": 1.02, "finished": 0, "began": 1.016, "admission_waits_ms": [10.0]}]
+    line = step_log.round_trips([(8.0, step) for step in loop])[1]
+    assert "max 6.00; over 3 ms 1, over 5 ms 1 of 2" in line, line
     # The engine thread's use at each launch and read: CPU seconds, faults and context switches
     # never go back; over each host span (a read to the next launch) it is summed
     # apart for the spans over 10 ms and the others.

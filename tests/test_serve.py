@@ -581,7 +581,10 @@ def test_fuselm_serve_config_tiny_takes_token_ids_and_exits_0_on_sigterm(tmp_pat
     entries = [json.loads(line) for line in step_log.read_text().splitlines()]
     steps = [entry for entry in entries if entry["kind"] != "gc"]
     assert steps and steps[0]["kind"] == "prefill+decode" and steps[0]["prompt_tokens"] == 3
-    pauses = [entry for entry in entries if entry["kind"] == "gc"]  # the start-up's gc.collect() at least
+    assert sum(step["finished"] for step in steps) == 1  # the one request the engine ran
+    pauses = [entry for entry in entries if entry["kind"] == "gc"]  # the start-ups' gc.collect() at least
     assert pauses and all(p["read"] >= p["began"] and p["generation"] in (0, 1, 2) for p in pauses)
+    assert {p.get("process", "engine") for p in pauses} == {"engine", "http"}  # both processes'
+
     dumps = stall_dump.read_text().split("\n\n")
     assert any(" (engine) (most recent call first):\n  File" in dump for dump in dumps), dumps[:3]

@@ -404,7 +404,9 @@ class Engine:
         self._in_flight = [launched for launched in pending
                            if any(not request.finished for request in launched.requests.values())]
         if entry is not None:
-            entry.update(read=time.perf_counter(), usage_read=thread_usage())
+            # finished: requests this read ended (a closed-loop client's next request follows each)
+            entry.update(read=time.perf_counter(), usage_read=thread_usage(),
+                         finished=sum(request.finished for request in updated))
             self.step_log.append(entry)
             # gpu_ms: each step's GPU time (CUDA events), once its last launch has run.
             while self._timing and self._timing[0][2].query():

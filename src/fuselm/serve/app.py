@@ -44,7 +44,7 @@ from fuselm.engine.engine import Engine
 from fuselm.engine.request import SamplingParams
 from fuselm.serve.async_engine import (ADMISSION_WAIT_S, AsyncEngine, EngineClient, EngineUnavailableError,
                                        RequestStream)
-from fuselm.serve.engine_process import EngineProcess, EngineSpec
+from fuselm.serve.engine_process import EngineProcess, EngineSpec, gc_recorder
 from fuselm.serve.protocol import (APIError, ChatFormat, CompletionFormat, GenerationRequest, ResponseFormat,
                                    bad_request, check_model, model_list, parse_chat_request,
                                    parse_completion_request, token_usage)
@@ -281,6 +281,9 @@ def run_server(spec: EngineSpec, host: str = "127.0.0.1", port: int = 8000) -> N
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = EngineProcess(spec)
     info = engine.launch()
+    http_pauses: list[dict] = []  # this process's garbage collections, for the step log
+    if spec.step_log is not None:
+        gc.callbacks.append(gc_recorder(http_pauses))
     try:
         model = ServedModel.from_engine_info(info)
         print(f"fuselm serve: {model.name} (max_batch {info['max_batch']}, max_len {info['max_len']}, "
@@ -292,6 +295,9 @@ def run_server(spec: EngineSpec, host: str = "127.0.0.1", port: int = 8000) -> N
                     print=lambda message: print(message, file=sys.stderr, flush=True))
     finally:
         engine.stop()  # (when serving never began or ended abnormally; after a shutdown, nothing)
+        if spec.step_log is not None:  # after the engine process's steps, written on its way out
+            with open(spec.step_log, "a") as handle:
+                handle.writelines(json.dumps({**pause, "process": "http"}) + "\n" for pause in http_pauses)
 
 
 def serve_spec(model_dir: str | None = None, config: str | None = None, *, max_queue: int | None = None,

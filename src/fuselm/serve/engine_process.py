@@ -227,7 +227,7 @@ def _portable(error: BaseException) -> BaseException:
     return RuntimeError(f"{type(error).__name__}: {error}")
 
 
-def _gc_recorder(pauses: list[dict]):
+def gc_recorder(pauses: list[dict]):
     """A ``gc.callbacks`` hook appending each garbage collection to ``pauses`` as a step-log entry
     {"kind": "gc", "generation", "began", "read"} (the step log's clock), so that
     benchmarks/step_log.py can tell a collection that stalled the engine from other host work."""
@@ -265,7 +265,7 @@ def _child_main(spec: EngineSpec, pipe) -> None:
                   f"{time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
         if spec.step_log is not None:
             engine.step_log = []
-            gc.callbacks.append(_gc_recorder(pauses))
+            gc.callbacks.append(gc_recorder(pauses))
         if spec.stall_dump is not None:
             stall_dump = open(spec.stall_dump, "w")
             engine.watch_host_stalls(stall_dump, spec.stall_dump_s, spec.stall_dump_wait_s)
