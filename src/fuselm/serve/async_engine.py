@@ -308,6 +308,20 @@ class EngineClient:
         raise NotImplementedError
 
     @property
+    def max_len(self) -> int:
+        """Tokens a request may hold (prompt + output): the engine's ``max_len``."""
+        raise NotImplementedError
+
+    def start(self) -> None:
+        """Take requests; answers go to the running event loop."""
+        raise NotImplementedError
+
+    async def shutdown(self) -> None:
+        """Abort every unfinished request (their streams end with an error delta) and stop the
+        engine loop."""
+        raise NotImplementedError
+
+    @property
     def alive(self) -> bool:
         """The engine loop runs and takes requests."""
         return self._accepting
@@ -430,8 +444,7 @@ class AsyncEngine(EngineClient):
             pass
 
     async def shutdown(self) -> None:
-        """Abort every unfinished request (their streams end with an error delta), stop the
-        engine thread and wait for it to end."""
+        """``EngineClient.shutdown``: the engine thread ends before it returns."""
         if self._thread.is_alive():
             self._commands.put(Stop())
             await asyncio.to_thread(self._thread.join)  # (its answers, "closed" last, have run by then)
