@@ -124,7 +124,7 @@ class EngineProcess(EngineClient):
                                        f"{self._process.exitcode})")
             kind, payload = self._pipe.recv()
         except BaseException:
-            self._kill()
+            self.stop()
             raise
         if kind == "failed":
             self._process.join(SHUTDOWN_TIMEOUT_S)
@@ -169,12 +169,14 @@ class EngineProcess(EngineClient):
             await asyncio.to_thread(self._process.join, SHUTDOWN_TIMEOUT_S)
         if self._loop is not None and not self._pipe.closed:
             self._read_answers()  # what came with the exit ("closed" last), then EOF
-        self._kill()
+        self.stop()
         self._end("the engine was shut down")
 
-    def _kill(self) -> None:
-        """Stop the child now if it still runs (a start-up that failed, a stop that hung); close
-        the pipe."""
+    def stop(self) -> None:
+        """Stop the child now if it still runs (a start-up that failed, a stop that hung, a server
+        that never served: ``shutdown`` outside an event loop); close the pipe."""
+        if self._process is None:
+            return
         if self._process.is_alive():
             self._send(Stop())
             self._process.join(5.0)
@@ -189,16 +191,11 @@ class EngineProcess(EngineClient):
                 pass
         self._pipe.close()
 
-    def stop(self) -> None:
-        """``shutdown`` outside an event loop (a server that never started serving)."""
-        if self._process is not None:
-            self._kill()
-
 
 # ============================================================================ the child
 class _PipeCommands:
     """The child's end of the pipe as ``EngineLoop``'s command queue; its end (the server gone)
-    reads as one ``Stop``."""
+    reads as ``Stop``."""
 
     def __init__(self, pipe):
         self._pipe = pipe
@@ -206,7 +203,7 @@ class _PipeCommands:
 
     def get(self, timeout: float | None = None):
         if self._ended:
-            raise queue.Empty
+            return Stop()
         if not self._pipe.poll(timeout):
             raise queue.Empty
         try:
