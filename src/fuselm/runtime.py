@@ -13,6 +13,7 @@ import contextlib
 import functools
 import math
 import os
+from typing import Sequence
 
 import torch
 
@@ -160,14 +161,77 @@ def max_shared_memory(device: torch.device) -> int:
     return _max_shared_memory(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A small host tensor on ``device`` without waiting for the GPU: to CUDA through pinned memory,
-    asynchronously. (A copy from pageable memory first waits for all the work queued on the stream,
-    as CUDA documents it; between an engine's graph replays that stall drains the pipeline.)"""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+class PinnedStaging:
+    """Page-locked host memory for an engine's small copies between the host and ``device``,
+    allocated once: ``depth`` buffers of ``nbytes``, one per step in turn (``next_step()``).
+
+    A copy to CUDA from pageable memory first waits for all the work queued on the stream (as
+    CUDA documents it; between an engine's graph replays that drains the pipeline), so the
+    engine's inputs go through pinned memory; and pinning per copy (``pin_memory()``,
+    ``torch.empty(pin_memory=True)``: the caching host allocator and the driver) sometimes held
+    the engine thread 10-25 ms of its own CPU on the H100 VMs (benchmarks/NOTES.md 90). Here a
+    step's copies take consecutive slices of its buffer; a buffer is reused ``depth`` steps
+    later, once an event recorded at the end of its step has completed (no wait when the device
+    is fewer steps behind). A host tensor handed out by ``host()`` (the destination of a
+    device-to-host copy) stays valid for ``depth - 1`` more steps. Off CUDA nothing is pinned:
+    ``to_device`` is a plain copy, ``host`` a fresh tensor."""
+
+    ALIGN = 64  # bytes: every slice starts on a cache line (any dtype's alignment)
+
+    def __init__(self, device: torch.device | str, depth: int = 4, nbytes: int = 1 << 20):
+        self.device = torch.device(device)
+        self.depth = check_positive_int("depth", depth)
+        self.nbytes = check_positive_int("nbytes", nbytes)
+        self.steps = 0  # next_step() calls so far
+        cuda = self.device.type == "cuda"
+        self._buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(depth)] if cuda else []
+        self._done: list[torch.cuda.Event | None] = [None] * depth
+        self._offset = 0
+
+    def next_step(self) -> None:
+        """End this step's use of its buffer (an event queued behind its copies) and take the
+        next buffer, waiting for the event of the step that used it last."""
+        if not self._buffers:
+            self.steps += 1
+            return
+        index = self.steps % self.depth
+        if self._done[index] is None:
+            self._done[index] = torch.cuda.Event()
+        self._done[index].record()
+        self.steps += 1
+        self._offset = 0
+        following = self._done[self.steps % self.depth]
+        if following is not None:
+            following.synchronize()
+
+    def host(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A pinned host tensor from this step's buffer (a fresh pinned one when the buffer is
+        full: a large eager prefill's inputs); off CUDA a fresh tensor."""
+        if not self._buffers:
+            return torch.empty(shape, dtype=dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self._offset + nbytes > self.nbytes:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        buffer = self._buffers[self.steps % self.depth]
+        view = buffer[self._offset:self._offset + nbytes].view(dtype).view(shape)
+        self._offset += -(-max(nbytes, 1) // self.ALIGN) * self.ALIGN
+        return view
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host ``tensor`` on the device, copied without waiting for the queued work."""
+        if not self._buffers:
+            return tensor.to(self.device)
+        return self._staged(tensor).to(self.device, non_blocking=True)
+
+    def copy_(self, target: torch.Tensor, tensor: torch.Tensor) -> None:
+        """Copy a host ``tensor`` into the device tensor ``target`` (a graph's static input) without
+        waiting for the queued work."""
+        target.copy_(self._staged(tensor) if self._buffers else tensor, non_blocking=True)
+
+    def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
+        staged = self.host(tensor.shape, tensor.dtype)
+        staged.copy_(tensor)
+        return staged
 
 
 def copy_bandwidth(device: torch.device | str = "cuda", dtype=torch.bfloat16) -> float:

@@ -46,7 +46,7 @@ from fuselm.engine.sampling import sampler_variant
 from fuselm.engine.scheduler import Scheduler
 from fuselm.models.qwen35 import Qwen35
 from fuselm.models.qwen35.cache import PAGE_SIZE
-from fuselm.runtime import check_positive_int
+from fuselm.runtime import PinnedStaging, check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +67,14 @@ def thread_usage() -> list[float] | None:
 
 class _Launched:
     """Ids on the GPU (a decode step's per slot, or a prefill's first ids per completed request)
-    on their way to pinned host memory, and which request each index belonged to at launch."""
+    on their way to pinned host memory (this step's ``staging`` buffer), and which request each
+    index belonged to at launch."""
 
-    def __init__(self, ids: torch.Tensor, requests: dict[int, Request], timed: bool = False):
+    def __init__(self, ids: torch.Tensor, requests: dict[int, Request], staging: PinnedStaging, timed: bool = False):
         self.requests = dict(requests)
+        self.staging, self.step = staging, staging.steps
         if ids.is_cuda:
-            self.host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            self.host_ids = staging.host(ids.shape, ids.dtype)
             self.host_ids.copy_(ids, non_blocking=True)
             self.done = torch.cuda.Event(enable_timing=timed)  # timed: the step log's GPU time
             self.done.record()
@@ -81,6 +83,9 @@ class _Launched:
 
     def ids(self) -> list[int]:
         if self.done is not None:
+            if self.staging.steps - self.step >= self.staging.depth:  # the engine reads each launch a step later
+                raise RuntimeError(f"ids of step {self.step} read at step {self.staging.steps}: their pinned buffer "
+                                   "was reused")
             self.done.synchronize()
         return self.host_ids.tolist()
 
@@ -337,6 +342,8 @@ class Engine:
         if self._launched is not None:
             raise RuntimeError("launch: the step launched before has not been read (call read())")
         began = time.perf_counter()
+        staging = self.runner.staging
+        staging.next_step()
         decoding = self.scheduler.decoding()
         # The budget less the decode rows this step will run (the decode batch covers the slot a
         # newly admitted request takes: mixed graphs are keyed by it, captured up front).
@@ -355,17 +362,18 @@ class Engine:
             # The prompts this pass completes draw their first ids with its decode rows (at their slots).
             completing = [request for request, start, count in plan if request.completes_prompt(start, count)]
             ids = self.runner.mixed(plan, *self._decode_shape(decoding, completing))
-            pending.append(_Launched(ids, {**decoding, **{request.slot: request for request in completing}}, timed))
+            running = {**decoding, **{request.slot: request for request in completing}}
+            pending.append(_Launched(ids, running, staging, timed))
         elif plan:
             completed, first = self.runner.prefill(plan)
-            prefilled = _Launched(first, dict(enumerate(completed)), timed)
+            prefilled = _Launched(first, dict(enumerate(completed)), staging, timed)
         for request, _, count in plan:
             self.scheduler.prefilled(request, count)
         if not mixed:
             decoding = self.scheduler.decoding()
             if decoding:
                 _, ids = self.runner.decode(*self._decode_shape(decoding))
-                pending.append(_Launched(ids, decoding, timed))
+                pending.append(_Launched(ids, decoding, staging, timed))
         if self._stall_watch is not None:  # the host's span between steps ends at the launches; the wait begins
             self._watch("wait")
         entry = None

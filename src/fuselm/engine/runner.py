@@ -1,9 +1,10 @@
 """ModelRunner: runs the model on the device for the engine (prefill, then decode as CUDA graphs).
 
 State: one ``Qwen35Cache`` of ``max_batch`` slots (DeltaNet conv and recurrent state, a
-block-table row into the shared attention K/V pages), ``SlotSampling`` (each slot's sampling parameters and stop counters) and
-``input_tokens`` [max_batch] (each slot's last token: the next decode step's input), allocated
-once. A request owns one slot from its prefill to its end.
+block-table row into the shared attention K/V pages), ``SlotSampling`` (each slot's sampling
+parameters and stop counters) and ``input_tokens`` [max_batch] (each slot's last token: the next
+decode step's input), allocated once, as is the pinned host memory the steps' small copies go
+through (``staging``). A request owns one slot from its prefill to its end.
 
 Prefill (``model.prefill_step`` over one right-padded group of chunks): writes the requests'
 state into their slots and leaves every other slot alone; first tokens are drawn from its
@@ -42,7 +43,7 @@ from fuselm.engine.request import Request
 from fuselm.engine.sampling import SAMPLER_VARIANTS, SlotSampling, sampler_variant
 from fuselm.models.qwen35 import Qwen35
 from fuselm.models.qwen35.cache import PAGE_SIZE
-from fuselm.runtime import cublaslt_preferred, to_device
+from fuselm.runtime import PinnedStaging, cublaslt_preferred
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,9 @@ class ModelRunner:
         if self.use_graphs and self.device.type != "cuda":
             raise ValueError(f"use_graphs: CUDA graphs need the model on a CUDA device, it is on {self.device}")
         self.sampling = SlotSampling(max_batch, self.device)
+        # Pinned host memory for each step's small copies (admissions' inputs, ids read back):
+        # the engine calls staging.next_step() before each step's launches.
+        self.staging = PinnedStaging(self.device)
         self.input_tokens = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
         # A mixed step's decode logits, for the sampler graphs (the mixed graphs write them here).
         self.decode_logits = torch.zeros(max_batch, model.config.vocab_size, dtype=model.dtype, device=self.device)
@@ -189,8 +193,8 @@ class ModelRunner:
         which writes the same values again). Returns (packed, (rows, tokens, fresh, graphed))."""
         fresh = [request for request, start, _ in plan if start == 0]
         if fresh:
-            self.sampling.assign(fresh, to_device(torch.tensor([r.slot for r in fresh], dtype=torch.int64), self.device))
-            self.cache.assign_pages([r.slot for r in fresh], [r.pages for r in fresh])
+            self.sampling.assign(fresh, [r.slot for r in fresh], self.staging)
+            self.cache.assign_pages([r.slot for r in fresh], [r.pages for r in fresh], self.staging)
         rows, tokens, graphed = self._padded_shape(len(plan), max(count for _, _, count in plan), decode_rows)
         packed = torch.zeros(rows, tokens + 4, dtype=torch.int64)
         for i in range(rows):
@@ -205,11 +209,11 @@ class ModelRunner:
         run that is this call's result and warms its kernels). Prefill and mixed steps run (and
         are captured) with cuBLASLt preferred: its picks for the GEMMs of a mixed step's 288 rows
         (32 decode + 256 prompt) are faster than cuBLAS's (``runtime.cublaslt_preferred``)."""
-        if not key[-1]:  # pinned: a copy from pageable memory would wait for the steps before it
+        if not key[-1]:
             with cublaslt_preferred(self.device):
-                return body(to_device(packed, self.device))
+                return body(self.staging.to_device(packed))
         if key in self._graphs:
-            self._graph_inputs[key].copy_(packed.pin_memory(), non_blocking=True)
+            self.staging.copy_(self._graph_inputs[key], packed)
             self._graphs[key].replay()
             return self._graph_outputs[key]
         began = time.perf_counter()
@@ -233,8 +237,8 @@ class ModelRunner:
         if not ends:
             return [], torch.empty(0, dtype=torch.int64, device=self.device)
         completed = [plan[i][0] for i in ends]
-        slots = to_device(torch.tensor([r.slot for r in completed], dtype=torch.int64), self.device)
-        rows = to_device(torch.tensor(ends, dtype=torch.int64), self.device)
+        slots = self.staging.to_device(torch.tensor([r.slot for r in completed], dtype=torch.int64))
+        rows = self.staging.to_device(torch.tensor(ends, dtype=torch.int64))
         first = self.sampling.sample_and_advance(logits[rows], self.cache.active, sampler_variant(completed), slots,
                                                  self.input_tokens)
         return completed, first

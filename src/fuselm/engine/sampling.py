@@ -15,7 +15,7 @@ import torch
 
 from fuselm.engine.request import Request
 from fuselm.ops.sampling import advance_slots, sample_tokens
-from fuselm.runtime import to_device
+from fuselm.runtime import PinnedStaging
 
 # Stop ids checked on the device per slot (eos ids + the request's stop_token_ids). A request
 # with more is still stopped by the host, one step later (the extra step's state is discarded).
@@ -51,15 +51,15 @@ class SlotSampling:
         self.remaining = torch.zeros(max_batch, dtype=torch.int64, device=device)  # tokens still allowed
         self.stop_ids = torch.full((max_batch, MAX_DEVICE_STOP_IDS), -1, dtype=torch.int64, device=device)
 
-    def assign(self, requests: list[Request], slots: torch.Tensor) -> None:
-        """Write the requests' parameters into their slots (one small host-to-device copy per
-        tensor; between graph replays, never inside one)."""
-        device = slots.device
+    def assign(self, requests: list[Request], slots: list[int], staging: PinnedStaging) -> None:
+        """Write the requests' parameters into their ``slots`` (small host-to-device copies through
+        ``staging``, one per tensor; between graph replays, never inside one)."""
         params = [r.params for r in requests]
 
         def column(values, dtype):
-            return to_device(torch.tensor(values, dtype=dtype), device)
+            return staging.to_device(torch.tensor(values, dtype=dtype))
 
+        slots = column(slots, torch.int64)
         self.temperature.index_copy_(0, slots, column([p.temperature for p in params], torch.float32))
         self.top_k.index_copy_(0, slots, column([p.top_k for p in params], torch.int32))
         self.top_p.index_copy_(0, slots, column([p.top_p for p in params], torch.float32))

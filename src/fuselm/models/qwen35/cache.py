@@ -17,7 +17,7 @@ import torch
 
 from fuselm.models.qwen35.config import FULL_ATTENTION, Qwen35Config
 from fuselm.ops.decode_inputs import kv_write_targets
-from fuselm.runtime import check_positive_int, parse_dtype, to_device
+from fuselm.runtime import PinnedStaging, check_positive_int, parse_dtype
 
 
 PAGE_SIZE = 64  # tokens per K/V page (the decode attention kernel reads one page per block)
@@ -125,16 +125,18 @@ class Qwen35Cache:
     def pages_per_slot(self) -> int:
         return self.block_table.shape[1]
 
-    def assign_pages(self, slots: list[int], pages: list[list[int]]) -> None:
+    def assign_pages(self, slots: list[int], pages: list[list[int]], staging: PinnedStaging | None = None) -> None:
         """Give slot ``slots[i]`` the pages ``pages[i]`` (its positions 0 .. len * page_size - 1;
-        the rest of its row points at the scratch page). One small host-to-device copy, enqueued
-        on the stream (between graph replays)."""
+        the rest of its row points at the scratch page). Small host-to-device copies, enqueued on
+        the stream without waiting for it through ``staging`` (between graph replays); without
+        it, plain copies."""
         rows = torch.full((len(slots), self.pages_per_slot), self.num_pages, dtype=torch.int64)
         for i, owned in enumerate(pages):
             rows[i, :len(owned)] = torch.tensor(owned, dtype=torch.int64)
         index = torch.tensor(slots, dtype=torch.int64)
         device = self.block_table.device
-        self.block_table.index_copy_(0, to_device(index, device), to_device(rows, device))
+        move = staging.to_device if staging is not None else (lambda tensor: tensor.to(device))
+        self.block_table.index_copy_(0, move(index), move(rows))
 
     def kv_write_targets(self, positions: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor):
         """(page, column) of each token's K/V: slot p % P of its row's page p // P (P = page size),
