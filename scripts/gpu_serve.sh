@@ -168,7 +168,7 @@ if want hf; then
   tail -12 "$OUT/hf_anchor.md" 2>/dev/null
 fi
 if want tests; then
-  timeout 240 python3 -m pytest -v -p no:cacheprovider --durations=10 tests/test_engine.py tests/test_serve.py \
+  timeout 330 python3 -m pytest -v -p no:cacheprovider --durations=10 tests/test_engine.py tests/test_serve.py \
     tests/test_attention_decode.py tests/test_attention_prefill.py > "$OUT/serve_tests.log" 2>&1 || status=1
   tail -3 "$OUT/serve_tests.log"
 fi
