@@ -599,7 +599,18 @@ def test_a_served_run_makes_no_host_sync_and_pins_no_memory(model):
 
     serve()
     torch.cuda.synchronize()
-    handed_out = torch.cuda.host_memory_stats()["active_requests.allocated"]
+    # Pinned blocks the caching host allocator hands out inside each launch and read.
+    handouts = []
+
+    def counted(phase):
+        def run():
+            before = torch.cuda.host_memory_stats()["active_requests.allocated"]
+            result = phase()
+            handouts.append(torch.cuda.host_memory_stats()["active_requests.allocated"] - before)
+            return result
+        return run
+
+    engine.launch, engine.read = counted(engine.launch), counted(engine.read)
     torch.cuda.set_sync_debug_mode("error")
     try:
         requests = serve()
@@ -608,9 +619,9 @@ def test_a_served_run_makes_no_host_sync_and_pins_no_memory(model):
     assert [len(r.output_token_ids) for i, r in enumerate(requests) if i != 1] == [6, 8, 9]
     assert not bool(engine.runner.cache.active.any())
     # Its copies between host and device go through the engine's own pinned buffers: not one
-    # block from the caching host allocator (pin_memory() held the engine thread 10-25 ms at
-    # times on the H100 VMs).
-    assert torch.cuda.host_memory_stats()["active_requests.allocated"] == handed_out
+    # block from the caching host allocator in a step (pin_memory() held the engine thread
+    # 10-25 ms at times on the H100 VMs).
+    assert len(handouts) > 2 * len(prompts) and sum(handouts) == 0, handouts
 
 
 @pytest.mark.gpu

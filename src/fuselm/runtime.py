@@ -167,10 +167,10 @@ class PinnedStaging:
 
     A copy to CUDA from pageable memory first waits for all the work queued on the stream (as
     CUDA documents it; between an engine's graph replays that drains the pipeline), so the
-    engine's inputs go through pinned memory; and pinning per copy (``pin_memory()``,
-    ``torch.empty(pin_memory=True)``: the caching host allocator and the driver) sometimes held
-    the engine thread 10-25 ms of its own CPU on the H100 VMs (benchmarks/NOTES.md 90). Here a
-    step's copies take consecutive slices of its buffer; a buffer is reused ``depth`` steps
+    engine's inputs go through pinned memory, and allocated once rather than a step at a time
+    (``pin_memory()``, ``torch.empty(pin_memory=True)``: ~10 calls a step into the caching host
+    allocator, its lock and event queries, and ``cudaHostAlloc`` when no cached block fits;
+    benchmarks/NOTES.md 91). A step's copies take consecutive slices of its buffer; a buffer is reused ``depth`` steps
     later, once an event recorded at the end of its step has completed (no wait when the device
     is fewer steps behind). A host tensor handed out by ``host()`` (the destination of a
     device-to-host copy) stays valid for ``depth - 1`` more steps. Off CUDA nothing is pinned:
