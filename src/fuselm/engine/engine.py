@@ -158,7 +158,8 @@ class Engine:
     def max_batch(self) -> int:
         return self.runner.max_batch
 
-    def watch_host_stalls(self, file, seconds: float | None, wait_seconds: float | None = None) -> None:
+    def watch_host_stalls(self, file, seconds: float | None, wait_seconds: float | None = None, *,
+                          interrupt_system_calls: bool = False) -> None:
         """While requests run, write every thread's Python stack to ``file`` (an open text file)
         whenever the host's work between two steps, from reading one step's ids to the next step's
         launches, takes longer than ``seconds`` (None: stop watching), and, with ``wait_seconds``,
@@ -167,7 +168,10 @@ class Engine:
         and launch (``setitimer`` calls, no extra thread) raises SIGALRM; its handler, on the main
         thread, writes the stacks: where the stalled engine thread is, and what the other threads
         were doing (``fuselm serve --stall-dump``; benchmarks/stall_dump.py groups them). Call it
-        from the main thread (it installs the SIGALRM handler; stopping restores the one before)."""
+        from the main thread (it installs the SIGALRM handler; stopping restores the one before).
+        ``interrupt_system_calls``: a system call the signal lands in fails with EINTR instead of
+        resuming, so that the handler runs at once where the main thread only waits (a thread's
+        join: with SA_RESTART the kernel would resume the wait and the handler run after it)."""
         for name, value in (("seconds", seconds), ("wait_seconds", wait_seconds)):
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0):
                 raise ValueError(f"{name}: expected None or a positive number, got {value!r}")
@@ -179,7 +183,7 @@ class Engine:
             self._stall_watch = None
         if seconds is not None:
             previous = signal.signal(signal.SIGALRM, self._dump_stacks)  # ValueError off the main thread
-            signal.siginterrupt(signal.SIGALRM, False)  # system calls the signal lands in resume
+            signal.siginterrupt(signal.SIGALRM, interrupt_system_calls)
             self._stall_watch = (file, float(seconds), None if wait_seconds is None else float(wait_seconds),
                                  signal.SIG_DFL if previous is None else previous)
 

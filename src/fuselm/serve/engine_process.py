@@ -265,10 +265,9 @@ def _child_main(spec: EngineSpec, pipe) -> None:
             gc.callbacks.append(gc_recorder(pauses))
         if spec.stall_dump is not None:
             stall_dump = open(spec.stall_dump, "w")
-            engine.watch_host_stalls(stall_dump, spec.stall_dump_s, spec.stall_dump_wait_s)
-            # ... and interrupts the main thread's wait for the engine thread (with SA_RESTART the
-            # kernel would resume that wait and the handler would run only after it).
-            signal.siginterrupt(signal.SIGALRM, True)
+            # (interrupting the main thread's wait for the engine thread: the dumps are written there)
+            engine.watch_host_stalls(stall_dump, spec.stall_dump_s, spec.stall_dump_wait_s,
+                                     interrupt_system_calls=True)
         # A full garbage collection walking the objects loaded at start-up would stall a step.
         gc.collect()
         gc.freeze()
