@@ -61,9 +61,8 @@ def test_pinned_staging_copies_host_tensors_to_the_device(device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pinned_staging_reuses_a_buffer_only_after_its_copies_ran():
-    """A buffer comes back ``depth`` steps later: the same host memory, no new pinned allocation;
-    a copy still queued behind slow work when its buffer comes back is waited for, not
-    overwritten."""
+    """A buffer comes back ``depth`` steps later (the same host memory); a copy still queued
+    behind slow work when its buffer comes back is waited for, not overwritten."""
     staging = PinnedStaging("cuda", depth=3, nbytes=1024)
     staging.next_step()
     first = staging.host((4,), torch.int64).data_ptr()
