@@ -1,7 +1,8 @@
 """A mixed prefill + decode step against the two apart (GPU only; 9B config, random bf16 weights).
 
-    python benchmarks/mixed_step.py [--decode-rows 31] [--chunks 480 224 96 224@256 512 256] [--profile [--profile-rows 15]]
-        [--decode-block-v 16 32 64] [--qkv-split] [--prologue-tiles 8x512x4 16x512x4 ...] [--blas cublas cublaslt]
+    python benchmarks/mixed_step.py [--decode-rows 31] [--chunks 480 224 96 224@256 512 256]
+        [--profile [--profile-rows 15]] [--timeline] [--decode-block-v 16 32 64] [--qkv-split]
+        [--prologue-tiles 8x512x4 16x512x4 ...] [--blas cublas cublaslt]
 
 Cache of 32 slots x 1024 tokens; rows 0 .. decode_rows-1 decode (active, 512 tokens cached; their
 state is random-free zeros, which costs the same), the prompt chunks go into the slots after them.
@@ -11,26 +12,32 @@ both; also the time to capture the mixed graph (what a server pays on a bucket's
 A chunk spec is [ROWSx]TOKENS[@START]: START > 0 is a continued chunk (its rows already hold START
 tokens: the second chunk of a longer prompt).
 ``--profile``: per kernel, the GPU time of one eager decode step and one eager mixed step
-(torch.profiler), ordered by what the mixed step adds. ``--decode-block-v``: the table once per
-value columns a program of the mixed step's Gated DeltaNet decode kernel (its decode half runs
-without the fused norm: ``fused_recurrent.BLOCK_V``; the decode step alone keeps its whole-head
-programs), to see whether smaller, shorter-lived programs let the side stream's chunk kernels in
-sooner (NOTES.md 83). ``--qkv-split``: the table again with the attention layers' qkv projection
-as two products (q/gate rows, k/v rows of the weight) written into one output, past 64 rows
-(cuBLAS's pick for the whole product at 320 rows is slow, NOTES.md 84). ``--prologue-tiles``: the
-table once per tile (rows x columns x warps a program) of the standalone prologue kernel that
-gates all rows before the output projections (``decode_linear``'s ``_prologue_kernel``; NOTES.md 86).
-``--blas``: the table once per BLAS library PyTorch's matmuls prefer
-(``torch.backends.cuda.preferred_blas_library``: cuBLAS and cuBLASLt pick different tiles for the same
-GEMM at some row counts; the engine captures its mixed steps with cuBLASLt, NOTES.md 87). Note that the
-graphs here put the 32 cache rows beside the chunk: a chunk of T tokens makes GEMMs of 32 + T rows.
+(torch.profiler), ordered by what the mixed step adds. ``--timeline``: one graph replay of the
+decode and the mixed step, kernel by kernel (``timing.graph_timeline``): bubbles, and each layer's
+token-mixing window with the decode half's and the chunk's kernel time in it and the time only the
+chunk's kernels run (``timeline_summary``; ``--timeline-out DIR`` keeps the kernels as JSON).
+``--decode-block-v``: the table once per value columns a program of the mixed step's Gated DeltaNet
+decode kernel (its decode half runs without the fused norm: ``fused_recurrent.BLOCK_V``; the decode
+step alone keeps its whole-head programs), to see whether smaller, shorter-lived programs let the
+side stream's chunk kernels in sooner (NOTES.md 83). ``--qkv-split``: the table again with the
+attention layers' qkv projection as two products (q/gate rows, k/v rows of the weight) written into
+one output, past 64 rows (cuBLAS's pick for the whole product at 320 rows is slow, NOTES.md 84).
+``--prologue-tiles``: the table once per tile (rows x columns x warps a program) of the standalone
+prologue kernel that gates all rows before the output projections (``decode_linear``'s
+``_prologue_kernel``; NOTES.md 86). ``--blas``: the table once per BLAS library PyTorch's matmuls
+prefer (``torch.backends.cuda.preferred_blas_library``: cuBLAS and cuBLASLt pick different tiles for
+the same GEMM at some row counts; the engine captures its mixed steps with cuBLASLt, NOTES.md 87).
+Note that the graphs here put the 32 cache rows beside the chunk: a chunk of T tokens makes GEMMs of
+32 + T rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +46,7 @@ from fuselm.models.qwen35.layers import GatedAttention
 from fuselm.models.qwen35.presets import config_9b, random_qwen35
 from fuselm.ops.decode_linear import kernels as decode_linear_kernels
 from fuselm.ops.gated_delta_rule import fused_recurrent
-from timing import graph_bench, kernel_breakdown
+from timing import busy_us, graph_bench, graph_timeline, kernel_breakdown
 
 ROWS, MAX_LEN, CACHED = 32, 1024, 512
 
@@ -92,12 +99,76 @@ def kernel_difference(decode: dict, mixed: dict, count: int = 15) -> str:
     return "\n".join(lines)
 
 
+GEMM_NAMES = ("nvjet", "gemm", "cutlass", "splitKreduce", "_decode_gemv_kernel", "_decode_linear_kernel")
+# the prompt chunk's token mixing (the side stream's kernels; names no decode-half kernel has)
+CHUNK_NAMES = ("_chunk_prepare_kernel", "_chunk_recurrence_kernel", "_chunk_output_kernel", "_conv_kernel",
+               "_gates_kernel", "_state_kernel", "sdpa", "_prefill_attention_kernel")
+# the decode rows' token mixing
+DECODE_NAMES = ("_decode_step_kernel", "_split_kernel", "_combine_kernel")
+
+
+def timeline_summary(timelines: dict, count: int = 15) -> str:
+    """Markdown: per graph replay, the wall time, the time no kernel runs (bubbles: launch and
+    cross-stream waits), and the token-mixing windows: a layer's span between the end of its input
+    projection and the start of its output projection (consecutive GEMMs around a decode-half
+    kernel), with the decode half's and the chunk's kernel time in it (each the union of its
+    kernels' intervals) and the time only the chunk's kernels run (the chunk half's share of the
+    critical path). Then the kernels by GPU time (a graph's streams are the replay's, not the
+    capture's, so the table does not split them)."""
+    lines = ["| graph | wall us | bubbles us | kernel time us (sum) | overlapped us | windows (kind x n) | "
+             "window us, mean | decode half us, mean | chunk half us, mean | chunk alone us, mean |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    per_kernel = {}
+    for label, events in timelines.items():
+        if not events:
+            lines.append(f"| {label} | (no kernels in the trace) | | | | | | | | |")
+            continue
+        wall = max(e for _, _, _, e in events)
+        busy = busy_us([(b, e) for _, _, b, e in events])
+        total = sum(e - b for _, _, b, e in events)
+        first = f"| {label} | {wall:.0f} | {wall - busy:.0f} | {total:.0f} | {total - busy:.0f} |"
+        gemms = sorted((b, e) for n, _, b, e in events if any(g in n for g in GEMM_NAMES))
+        windows = {"GDN": [], "attention": []}
+        for (_, open_), (close, _) in zip(gemms, gemms[1:]):
+            inside = [(n, b, e) for n, _, b, e in events if b >= open_ and e <= close]
+            names = {n for n, _, _ in inside}
+            kind = "GDN" if "_decode_step_kernel" in names else "attention" if "_split_kernel" in names else None
+            if kind is None:
+                continue
+            decode = busy_us([(b, e) for n, b, e in inside if any(d in n for d in DECODE_NAMES)])
+            chunk_iv = [(b, e) for n, b, e in inside if any(c in n for c in CHUNK_NAMES)]
+            rest = [(b, e) for n, b, e in inside if not any(c in n for c in CHUNK_NAMES)]
+            chunk = busy_us(chunk_iv)
+            alone = busy_us(chunk_iv + rest) - busy_us(rest)
+            windows[kind].append((close - open_, decode, chunk, alone))
+        for kind, rows in windows.items():
+            if rows:
+                means = [sum(r[i] for r in rows) / len(rows) for i in range(4)]
+                lines.append(first + f" {kind} x {len(rows)} | " + " | ".join(f"{m:.1f}" for m in means) + " |")
+                first = "| | | | | |"
+        if first.startswith(f"| {label}"):
+            lines.append(first + " | | | | |")
+        for name, _, b, e in events:
+            us, n = per_kernel.get((label, name[:60]), (0.0, 0))
+            per_kernel[(label, name[:60])] = (us + e - b, n + 1)
+    lines += ["", "| graph | kernel | us (launches) |", "|---|---|---|"]
+    for label in timelines:
+        keys = sorted((k for k in per_kernel if k[0] == label), key=lambda k: -per_kernel[k][0])
+        for key in keys[:count]:
+            us, n = per_kernel[key]
+            lines.append(f"| {label} | {key[1]} | {us:.0f} ({n}) |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decode-rows", type=int, default=31)
     parser.add_argument("--chunks", nargs="+", default=["480", "224", "96", "224@256", "512", "256"])
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-rows", type=int, default=15, help="kernels listed per profile table")
+    parser.add_argument("--timeline", action="store_true",
+                        help="where a graph replay's time goes: bubbles, each layer's token-mixing window")
+    parser.add_argument("--timeline-out", help="a directory for each replay's kernels as JSON (with --timeline)")
     parser.add_argument("--decode-block-v", type=int, nargs="+", default=[None],
                         help="value columns a program of the mixed step's GDN decode kernel (default: its choice)")
     parser.add_argument("--qkv-split", action="store_true",
@@ -191,6 +262,8 @@ def run_chunks(model, cache, decoding: int, args) -> None:
             graph, seconds = capture(fn)
             results[name] = replay_ms(graph)
             results[name + "_capture"] = seconds
+            if args.timeline and name != "prefill":
+                results[name + "_timeline"] = graph_timeline(graph)
             del graph
         d, p, m = results["decode"], results["prefill"], results["mixed"]
         print(f"| {rows} x {tokens}{f' after {start}' if start else ''} | {d:.2f} ms | {p:.2f} ms | {d + p:.2f} ms | {m:.2f} ms | {m - d:.2f} ms | "
@@ -200,6 +273,14 @@ def run_chunks(model, cache, decoding: int, args) -> None:
                   "call (torch.profiler)\n")
             print(kernel_difference(kernel_breakdown(decode, 1, launches=True), kernel_breakdown(mixed, 1, launches=True),
                                     args.profile_rows))
+        if args.timeline:
+            print(f"\n### one graph replay's timeline, {rows} x {tokens}{f' after {start}' if start else ''}\n")
+            timelines = {"decode": results["decode_timeline"], "mixed": results["mixed_timeline"]}
+            print(timeline_summary(timelines, args.profile_rows))
+            if args.timeline_out:
+                name = f"timeline_{rows}x{tokens}{f'@{start}' if start else ''}.json"
+                (Path(args.timeline_out) / name).write_text(json.dumps(timelines))
+            print()
 
 
 if __name__ == "__main__":

@@ -116,3 +116,45 @@ def results_dir(out: Path | None) -> Path:
     out = out or Path(__file__).parent / "results" / torch.cuda.get_device_name().replace(" ", "_")
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def graph_timeline(graph: torch.cuda.CUDAGraph, replays: int = 3) -> list[tuple[str, int, float, float]]:
+    """The kernels (and memcpy / memset nodes) of the last of ``replays`` replays of ``graph``
+    as (name, stream, start us, end us), start 0 at the replay's first node, from torch.profiler's
+    trace (CUPTI records a graph's nodes with their streams)."""
+    import json
+    import tempfile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+            torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    events = sorted((e["ts"], e["ts"] + e["dur"], e["name"], int(e["args"].get("stream", e.get("tid", 0))))
+                    for e in trace["traceEvents"]
+                    if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not events:
+        return []
+    # replays are separated by a host synchronize: split at the largest gaps, keep the last replay
+    reach, gap = [], events[0][1]
+    for start, end, _, _ in events:
+        reach.append(gap)
+        gap = max(gap, end)
+    largest = sorted(range(1, len(events)), key=lambda i: events[i][0] - reach[i])[-(replays - 1):]
+    last = events[max(largest) if replays > 1 and largest else 0:]
+    t0 = last[0][0]
+    return [(name, stream, start - t0, end - t0) for start, end, name, stream in last]
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total

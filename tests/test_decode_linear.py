@@ -11,7 +11,7 @@ from fuselm.models.qwen35.layers import GatedAttention, GatedDeltaNet
 from fuselm.models.qwen35.presets import tiny_config
 from fuselm.ops.decode_linear import (
     DecodeLinearConfig, DecodeVectorConfig, decode_linear, decode_linear_config, decode_linear_ref,
-    decode_vector_config, gated_rms_norm_ref, sigmoid_gate_ref,
+    decode_vector_config, gated_rms_norm_ref, linear_prologue, prologue_ref, sigmoid_gate_ref,
 )
 from fuselm.ops.rms_norm import rms_norm, rms_norm_ref
 from fuselm.testing import assert_close, poisoned_like
@@ -288,6 +288,41 @@ def test_bad_input(name, error, kwargs):
     x, weight = kwargs.pop("x"), kwargs.pop("weight")
     with pytest.raises(error, match=name):
         decode_linear(x, weight, **kwargs)
+
+
+@pytest.mark.parametrize("case", CASES[1:], ids=CASE_IDS[1:])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [3, 45])  # odd rows: tiles of PROLOGUE_BLOCK_M with a tail
+def test_linear_prologue_alone_and_in_place(m, dtype, case):
+    """``linear_prologue``: the prologue ``decode_linear`` applies (``prologue_ref``, bit for bit in
+    fp16 up to the kernel's fp32 ops: the contract's tolerance), into a poisoned ``out`` and in
+    place on x (a mixed step gates each half's rows where they lie)."""
+    prologue, K, head_dim = case
+    x, _, kwargs = make_inputs(m, K, dtype, prologue, head_dim)
+    expect = prologue_ref(x, **kwargs)
+    out = poisoned_like(torch.empty(m, K, dtype=dtype, device=DEVICE))
+    a = linear_prologue(x, out=out, **kwargs)
+    assert a is out
+    assert_close(a, expect, TOL_VS_CONTRACT[dtype], "a")
+    rows = x.clone()
+    assert linear_prologue(rows, out=rows, **kwargs) is rows
+    assert torch.equal(rows, a)
+
+
+def test_linear_prologue_gate_in_strided_heads_and_bad_input():
+    heads, head = 5, 16
+    proj = randn(7, heads, 2, head, dtype=torch.float16)
+    x = randn(7, heads * head, dtype=torch.float16)
+    a = linear_prologue(x, "sigmoid_gate", proj[:, :, 1, :])
+    assert_close(a, sigmoid_gate_ref(x, proj[:, :, 1, :].reshape(7, -1)), TOL_VS_CONTRACT[torch.float16], "a")
+    with pytest.raises(ValueError, match="prologue"):
+        linear_prologue(x, None, proj[:, :, 1, :])
+    with pytest.raises(ValueError, match="out"):
+        linear_prologue(x, "sigmoid_gate", proj[:, :, 1, :], out=torch.empty(7, 81, device=DEVICE))
+    with pytest.raises(ValueError, match="out"):
+        linear_prologue(x, "sigmoid_gate", proj[:, :, 1, :], out=torch.empty(80, 7, device=DEVICE).half().t())
+    with pytest.raises(ValueError, match="head_dim"):
+        linear_prologue(x, "gated_rms_norm", x, norm_weight=randn(16))
 
 
 def test_fp32_norm_weight_is_accepted():

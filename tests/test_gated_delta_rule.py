@@ -8,6 +8,7 @@ from fuselm.ops.gated_delta_rule import (
     chunk_gated_delta_rule, chunk_gated_delta_rule_ref, fused_recurrent_gated_delta_rule, gates_from_projections,
     recurrent_gated_delta_rule_ref,
 )
+from fuselm.ops.decode_linear import gated_rms_norm_ref
 from fuselm.runtime import use_triton
 from fuselm.testing import rel_err
 
@@ -393,9 +394,60 @@ def test_chunked_pool_and_out_bad_input(change, match):
 def test_chunked_pool_refuses_autograd():
     q, k, v, g, beta = inputs(1, 5, 1, 2, 64, 64)
     q.requires_grad_(True)
-    with pytest.raises(ValueError, match="state_indices, out: inference only"):
+    with pytest.raises(ValueError, match="state_indices, out, norm_weight: inference only"):
         chunk_gated_delta_rule(q, k, v, g, beta, initial_state=torch.zeros(2, 2, 64, 64, device=DEVICE),
                                state_indices=torch.tensor([1], device=DEVICE))
+
+
+@pytest.mark.parametrize("impl", ["reference", "kernels"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else []))
+@pytest.mark.parametrize("B, T, HV, V, norm_dtype", [(2, 37, 4, 64, "model"), (1, 70, 2, 64, "fp32"),
+                                                     (2, 9, 2, 48, "model")])
+def test_chunked_output_norm_is_decode_linears_prologue(impl, B, T, HV, V, norm_dtype, dtype, monkeypatch):
+    """With norm_weight / norm_gate, o is the plain call's o through ``gated_rms_norm_ref`` (the
+    prologue ``decode_linear`` applies, HF's ``Qwen3_5RMSNormGated``): applied by the output kernel
+    as it stores (a power-of-two V), or in PyTorch after the kernels (V 48), into a poisoned out;
+    z a strided slice of a wider projection, as the model passes it."""
+    device = "cpu" if impl == "reference" else DEVICE
+    if impl == "reference" and ON_GPU:
+        pytest.skip("the plain-PyTorch path is the CPU's")
+    if impl == "reference":
+        import fuselm.ops.gated_delta_rule.chunk as chunk_module
+
+        monkeypatch.setattr(chunk_module, "use_triton", lambda t: False)
+    q, k, v, g, beta = (t.to(device=device, dtype=dtype) if t.is_floating_point() else t
+                        for t in inputs(B, T, 1, HV, 64, V))
+    g, beta = g.float(), beta.float()
+    wide = torch.randn(B, T, HV * V + 5, device=device).to(dtype)
+    z = wide[..., 3:3 + HV * V]
+    norm_weight = (torch.randn(V, device=device) * 0.3 + 1).to(dtype if norm_dtype == "model" else torch.float32)
+    plain, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    out = torch.full_like(v, float("nan"))
+    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, out=out, norm_weight=norm_weight,
+                                  norm_gate=z, norm_eps=1e-6)
+    assert o is out and not o.isnan().any()
+    expect = gated_rms_norm_ref(plain.flatten(-2), z, norm_weight, 1e-6, V).view(o.shape)
+    assert rel_err(o, expect) <= (1e-5 if dtype == torch.float32 else 2e-3)
+    o4, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, norm_weight=norm_weight,
+                                   norm_gate=z.unflatten(-1, (HV, V)))  # z as [B, T, HV, V]
+    assert torch.equal(o4, o)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(norm_weight=torch.ones(64)), "norm_weight, norm_gate: the output norm needs both"),
+    (dict(norm_gate=torch.ones(2, 5, 128)), "norm_weight, norm_gate: the output norm needs both"),
+    (dict(norm_weight=torch.ones(63), norm_gate=torch.ones(2, 5, 128)), "norm_weight: expected"),
+    (dict(norm_weight=torch.ones(64, dtype=torch.float64), norm_gate=torch.ones(2, 5, 128)), "norm_weight"),
+    (dict(norm_weight=torch.ones(64), norm_gate=torch.ones(2, 5, 127)), "norm_gate: expected"),
+    (dict(norm_weight=torch.ones(64), norm_gate=torch.ones(2, 5, 128, dtype=torch.float16)), "norm_gate: expected"),
+    (dict(norm_weight=torch.ones(64), norm_gate=torch.ones(2, 5, 128), norm_eps=-1.0), "norm_eps"),
+    (dict(norm_weight=torch.ones(64, requires_grad=True), norm_gate=torch.ones(2, 5, 128)), "inference only"),
+])
+def test_chunked_output_norm_bad_input(change, match):
+    q, k, v, g, beta = inputs(2, 5, 1, 2, 64, 64)
+    args = {name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value for name, value in change.items()}
+    with pytest.raises((ValueError, TypeError), match=match):
+        chunk_gated_delta_rule(q, k, v, g, beta, **args)
 
 
 # ----------------------------------------------------------------------------- the model's decode step

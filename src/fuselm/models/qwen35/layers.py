@@ -25,7 +25,7 @@ from fuselm.models.qwen35.config import LINEAR_ATTENTION, Qwen35Config
 from fuselm.ops.attention_decode import decode_attention, qk_norm_rope_kv_write
 from fuselm.ops.attention_prefill import prefill_attention
 from fuselm.ops.causal_conv1d import causal_conv1d_silu
-from fuselm.ops.decode_linear import decode_linear
+from fuselm.ops.decode_linear import decode_linear, linear_prologue
 from fuselm.ops.gated_delta_rule import chunk_gated_delta_rule, gated_delta_gates, gated_delta_rule_decode_step
 from fuselm.ops.moe import SwiGLUMoE
 from fuselm.ops.swiglu_mlp import SwiGLUMLP, interleave_gate_up
@@ -181,16 +181,29 @@ class GatedDeltaNet(nn.Module):
         return decode_linear(heads, self.out_proj, prologue="gated_rms_norm", gate=z, norm_weight=self.norm,
                              eps=self.eps, head_dim=self.head_v_dim)
 
+    def project_out(self, heads: torch.Tensor) -> torch.Tensor:
+        """out_proj of heads already through the gated RMSNorm (``*_heads(..., gated=True)``) -> [..., D]."""
+        return decode_linear(heads, self.out_proj)
+
+    def gate_heads(self, heads: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
+        """The gated RMSNorm of ``output`` on ``heads`` [..., value_dim] in place (z from
+        ``projected`` [..., P]): one launch (``linear_prologue``), ``output``'s roundings."""
+        z = projected[..., self.conv_dim:self.conv_dim + self.value_dim]
+        return linear_prologue(heads, "gated_rms_norm", z, norm_weight=self.norm, eps=self.eps,
+                               head_dim=self.head_v_dim, out=heads)
+
     def prefill(self, x: torch.Tensor, cache: DeltaNetCache, step: PrefillStep,
                 projected: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D] (or ``projected`` = ``project(x)`` [B, T, P]) -> [B, T, D]."""
         projected = self.project(x) if projected is None else projected
-        return self.output(self.prefill_heads(projected, cache, step), projected)
+        return self.project_out(self.prefill_heads(projected, cache, step, gated=True))
 
     def prefill_heads(self, projected: torch.Tensor, cache: DeltaNetCache, step: PrefillStep,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
         """``project(x)`` [B, T, P] -> the delta rule's output [B, T, value_dim] (before ``output``;
-        into ``out`` when given, a contiguous buffer of that shape)."""
+        into ``out`` when given, a contiguous buffer of that shape); with ``gated``, through the
+        gated RMSNorm too (``output``'s prologue; the chunk output kernel applies it as it stores,
+        so ``project_out`` follows plain)."""
         qkv, b, a = self._split_projection(projected)
         # Causal depthwise conv + SiLU over each row's tokens after the inputs before the chunk
         # (the slot's conv state; zeros before position 0), as HF's causal_conv1d_fn rounds it;
@@ -211,12 +224,15 @@ class GatedDeltaNet(nn.Module):
         B, T = projected.shape[:2]
         out = None if out is None else out.view(B, T, self.num_v_heads, self.head_v_dim)
         scale = self.head_k_dim ** -0.5
+        norm = dict(norm_weight=self.norm, norm_gate=projected[..., self.conv_dim:self.conv_dim + self.value_dim],
+                    norm_eps=self.eps) if gated else {}
         if step.fresh or B == 1:
             o = chunk_gated_delta_rule(q, k, v, g, beta, scale, cache.recurrent, True, True,
-                                       state_indices=step.state_slots, has_initial_state=step.continues, out=out)[0]
+                                       state_indices=step.state_slots, has_initial_state=step.continues, out=out,
+                                       **norm)[0]
         else:
             initial = torch.where(step.continues[:, None, None, None], cache.recurrent[step.slots], 0)
-            o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale, initial, True, True, out=out)
+            o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale, initial, True, True, out=out, **norm)
             cache.recurrent.index_copy_(0, step.slots, final.to(cache.recurrent.dtype))
         return o.flatten(-2)
 
@@ -232,13 +248,16 @@ class GatedDeltaNet(nn.Module):
         projected = self.project(x) if projected is None else projected
         if projected.shape[0] == 1 or self.head_v_dim & (self.head_v_dim - 1):
             return self.output(self.decode_heads(projected, cache, step), projected)
-        return decode_linear(self.decode_heads(projected, cache, step, normed=True), self.out_proj)
+        return self.project_out(self.decode_heads(projected, cache, step, normed=True))
 
     def decode_heads(self, projected: torch.Tensor, cache: DeltaNetCache, step: DecodeStep,
-                     out: torch.Tensor | None = None, normed: bool = False) -> torch.Tensor:
+                     out: torch.Tensor | None = None, normed: bool = False, gated: bool = False) -> torch.Tensor:
         """``project(x)`` [max_batch, 1, P] -> the delta rule's output [max_batch, 1, value_dim]
-        (into ``out`` when given, a contiguous buffer of that shape); with ``normed``, already
-        through the gated RMSNorm (``output``'s prologue; a power-of-two head_v_dim)."""
+        (into ``out`` when given, a contiguous buffer of that shape), through the gated RMSNorm
+        (``output``'s prologue) with ``normed`` (the step kernel applies it, one program a whole
+        head; a power-of-two head_v_dim: the decode step's way) or ``gated`` (``gate_heads`` after
+        the kernel, whose programs stay short: a mixed step's way, where long programs would hold
+        the multiprocessors the prompt chunk's kernels wait for, NOTES.md 83)."""
         N = projected.shape[0]
         o = gated_delta_rule_decode_step(
             projected[:, 0], cache.conv, self.conv_weight, self.A_log, self.dt_bias, cache.recurrent,
@@ -246,7 +265,8 @@ class GatedDeltaNet(nn.Module):
             num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim,
             norm_weight=self.norm if normed else None, eps=self.eps,
             out=None if out is None else out.view(N, self.num_v_heads, self.head_v_dim))
-        return o.flatten(1)[:, None]
+        o = o.flatten(1)[:, None]
+        return self.gate_heads(o, projected) if gated and not normed else o
 
 
 # ============================================================================ gated full attention
@@ -310,6 +330,11 @@ class GatedAttention(nn.Module):
         y = decode_linear(heads, self.o_proj, prologue="sigmoid_gate", gate=self._gate(projected))
         return y if self.o_bias is None else y + self.o_bias
 
+    def project_out(self, heads: torch.Tensor) -> torch.Tensor:
+        """o_proj (+ bias) of heads already gated (``*_heads(..., gated=True)``) -> [..., D]."""
+        y = decode_linear(heads, self.o_proj)
+        return y if self.o_bias is None else y + self.o_bias
+
     def _gate(self, projected: torch.Tensor) -> torch.Tensor:
         """The output gate [..., nH, hd] in place in ``projected`` [..., P] (heads strided: each
         head's query then its gate)."""
@@ -319,12 +344,13 @@ class GatedAttention(nn.Module):
                 projected: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D] (or ``projected`` = ``project(x)`` [B, T, P]) -> [B, T, D]."""
         projected = self.project(x) if projected is None else projected
-        return self.output(self.prefill_heads(projected, cache, step), projected)
+        return self.project_out(self.prefill_heads(projected, cache, step, gated=True))
 
     def prefill_heads(self, projected: torch.Tensor, cache: AttentionCache, step: PrefillStep,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
         """``project(x)`` [B, T, P] -> attention's output [B, T, nH hd] (before ``output``; copied
-        into ``out`` when given)."""
+        into ``out`` when given); with ``gated``, times its sigmoid gate (``output``'s prologue,
+        in place on the rows: ``linear_prologue``)."""
         # q/k norm + RoPE + the K/V write, each token a row of ``qk_norm_rope_kv_write`` (HF's
         # roundings: zero-centered RMSNorm per head, fp32 statistics, one rounding; RoPE's products
         # and sum rounded as PyTorch's eager ops round them). K/V of position p go into slot p % P
@@ -350,8 +376,11 @@ class GatedAttention(nn.Module):
         else:
             attn = prefill_attention(q, cache.key, cache.value, step.pages, step.starts, step.lengths, self.scale)
         if out is None:
-            return attn.transpose(1, 2).flatten(2)
-        out.view(B, T, self.num_heads, self.head_dim).copy_(attn.transpose(1, 2))
+            out = attn.transpose(1, 2).reshape(B, T, -1)
+        else:
+            out.view(B, T, self.num_heads, self.head_dim).copy_(attn.transpose(1, 2))
+        if gated:
+            linear_prologue(out, "sigmoid_gate", self._gate(projected), out=out)
         return out
 
     def decode(self, x: torch.Tensor, cache: AttentionCache, step: DecodeStep,
@@ -366,8 +395,7 @@ class GatedAttention(nn.Module):
         projected = self.project(x) if projected is None else projected
         if projected.shape[0] == 1:
             return self.output(self.decode_heads(projected, cache, step), projected)
-        y = decode_linear(self.decode_heads(projected, cache, step, gated=True), self.o_proj)
-        return y if self.o_bias is None else y + self.o_bias
+        return self.project_out(self.decode_heads(projected, cache, step, gated=True))
 
     def decode_heads(self, projected: torch.Tensor, cache: AttentionCache, step: DecodeStep,
                      out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:

@@ -337,16 +337,18 @@ class Qwen35(nn.Module):
             # into the scratch page, never read; an inactive decode row's read of its slot while the
             # chunk fills it gives logits nobody reads): on CUDA the prompt chunk's (short,
             # latency-bound kernels: a few programs a head) runs on a side stream beside the decode
-            # rows' (bandwidth-bound: the recurrent states), joined before out_proj.
+            # rows' (bandwidth-bound: the recurrent states), joined before out_proj. Each half gates
+            # its own rows (the chunk's output kernel or attention's copy, the decode rows after
+            # their kernel), so only the plain GEMM follows the join.
             if side is not None:
                 side.wait_stream(main)
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 mixer.prefill_heads(projected[b:].view(R, T, -1), cache.layers[i], prefill,
-                                    out=heads[b:].view(R, T, -1))
-            mixer.decode_heads(projected[:b], rows.layers[i], decode, out=heads[:b])
+                                    out=heads[b:].view(R, T, -1), gated=True)
+            mixer.decode_heads(projected[:b], rows.layers[i], decode, out=heads[:b], gated=True)
             if side is not None:
                 main.wait_stream(side)
-            return mixer.output(heads, projected)  # one GEMM
+            return mixer.project_out(heads)  # one GEMM
 
         hidden = self._layers(torch.cat([decode_x, prefill_x.view(R * T, 1, -1)]), mix)
         rows.lengths.add_(rows.active)

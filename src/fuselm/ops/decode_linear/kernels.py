@@ -386,12 +386,14 @@ def decode_linear_vector_kernel(x, weight, out, prologue: str | None = None, gat
     return out
 
 
-def prologue_kernel(x, prologue: str, gate, norm_weight=None, eps: float = 1e-6, head_dim: int | None = None):
-    """a [M, K] = prologue(x) for x and gate [M, K] (unit column stride), in x's dtype: one launch,
-    the roundings of ``naive.py``. No checks (``op.py`` does them); the caller makes sure
-    ``prologue_kernel_ok(prologue, head_dim)``."""
+def prologue_kernel(x, prologue: str, gate, norm_weight=None, eps: float = 1e-6, head_dim: int | None = None,
+                    out=None):
+    """a [M, K] = prologue(x) for x and gate [M, K] (unit column stride), in x's dtype (into ``out``
+    when given: [M, K], unit column stride, x itself allowed: each program reads its tile before it
+    writes it): one launch, the roundings of ``naive.py``. No checks (``op.py`` does them); the
+    caller makes sure ``prologue_kernel_ok(prologue, head_dim)``."""
     M, K = x.shape
-    a = torch.empty((M, K), dtype=x.dtype, device=x.device)
+    a = torch.empty((M, K), dtype=x.dtype, device=x.device) if out is None else out
     code = PROLOGUE_CODES[prologue]
     head = head_dim if code == PROLOGUE_GATED_RMS_NORM else 1
     block_k = max(INTERPRET_PROLOGUE_BLOCK_K if arch_major(x.device) == 0 else PROLOGUE_BLOCK_K, head)

@@ -13,6 +13,8 @@ Paths (M = prod(x.shape[:-1]) rows), on a Triton device:
   of two, or not dividing an overriding ``config``'s BLOCK_K), then the plain kernel.
 - M > 32: this is a decode-only op; the prologue as above, then ``torch.mm`` (cuBLAS).
 - CPU without the Triton interpreter: the reference ``decode_linear_ref``.
+``linear_prologue`` is the prologue alone (into ``out`` or in place), for callers that gate rows
+where they are made and then run the projection plain (a mixed step's two halves).
 
 On Hopper the one-row kernel is a programmatic dependent launch (``fuselm.runtime.use_pdl``): it
 reads ``weight`` (and ``norm_weight``) before it waits for the kernel ahead of it, so a weight must
@@ -48,22 +50,8 @@ from fuselm.runtime import (
 )
 
 
-def _check(x, weight, prologue, gate, norm_weight, eps, head_dim, out, config):
-    """All argument checks (metadata only); returns (eps, out shape)."""
-    check_tensor("x", x)
-    check_tensor("weight", weight)
-    if x.dim() == 0:
-        raise ValueError("x: must have at least one dimension, [..., K]")
-    if x.stride(-1) != 1 and x.shape[-1] > 1:
-        raise ValueError(f"x: the last dim must be contiguous (stride 1), got strides {tuple(x.stride())}")
-    if weight.dim() != 2:
-        raise ValueError(f"weight: expected [N, K] (nn.Linear layout), got shape {tuple(weight.shape)}")
-    if weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"weight: in-features {weight.shape[1]} do not match x's last dim {x.shape[-1]}")
-    if weight.stride(-1) != 1 and weight.shape[1] > 1:
-        raise ValueError("weight: rows must be contiguous (last-dim stride 1); pass weight.contiguous() once at load")
-    if weight.dtype != x.dtype:
-        raise TypeError(f"weight: dtype {weight.dtype} does not match x {x.dtype}")
+def _check_prologue(x, prologue, gate, norm_weight, eps, head_dim) -> float:
+    """The prologue's argument checks (metadata only); returns eps (0 unless gated_rms_norm)."""
     if prologue not in PROLOGUE_CODES:
         raise ValueError(f"prologue: expected None, 'sigmoid_gate' or 'gated_rms_norm', got {prologue!r}")
 
@@ -105,6 +93,26 @@ def _check(x, weight, prologue, gate, norm_weight, eps, head_dim, out, config):
         if head_dim is not None:
             raise ValueError(f"head_dim: only used with prologue='gated_rms_norm', got prologue={prologue!r}")
         eps = 0.0
+    return eps
+
+
+def _check(x, weight, prologue, gate, norm_weight, eps, head_dim, out, config):
+    """All argument checks (metadata only); returns (eps, out shape)."""
+    check_tensor("x", x)
+    check_tensor("weight", weight)
+    if x.dim() == 0:
+        raise ValueError("x: must have at least one dimension, [..., K]")
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        raise ValueError(f"x: the last dim must be contiguous (stride 1), got strides {tuple(x.stride())}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight: expected [N, K] (nn.Linear layout), got shape {tuple(weight.shape)}")
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"weight: in-features {weight.shape[1]} do not match x's last dim {x.shape[-1]}")
+    if weight.stride(-1) != 1 and weight.shape[1] > 1:
+        raise ValueError("weight: rows must be contiguous (last-dim stride 1); pass weight.contiguous() once at load")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight: dtype {weight.dtype} does not match x {x.dtype}")
+    eps = _check_prologue(x, prologue, gate, norm_weight, eps, head_dim)
 
     out_shape = (*x.shape[:-1], weight.shape[0])
     if out is not None:
@@ -211,4 +219,50 @@ def decode_linear(
         torch.mm(x2, weight.T, out=out2)
     else:
         decode_linear_kernel(x2, weight, out2, prologue, gate2, norm_weight, eps, head_dim, config=cfg)
+    return out
+
+
+def linear_prologue(
+    x: torch.Tensor,
+    prologue: str,
+    gate: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    head_dim: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``prologue(x)`` alone: the input ``decode_linear`` multiplies with its weight (arguments as
+    there), for a caller that gates its rows where they are made and runs the projection plain
+    (a mixed step gates each half's heads before the halves join). ``out``: a contiguous tensor of
+    x's shape and dtype, x itself allowed (in place). One launch on a Triton device (PyTorch's
+    ``naive.py`` for a head_dim the kernel cannot tile); the roundings of ``naive.py``. Metadata
+    checks only, no host sync; inference only."""
+    check_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x: must have at least one dimension, [..., K]")
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        raise ValueError(f"x: the last dim must be contiguous (stride 1), got strides {tuple(x.stride())}")
+    if prologue is None:
+        raise ValueError("prologue: expected 'sigmoid_gate' or 'gated_rms_norm', got None")
+    eps = _check_prologue(x, prologue, gate, norm_weight, eps, head_dim)
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    elif tuple(out.shape) != tuple(x.shape) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous {x.dtype} tensor of x's shape {tuple(x.shape)}, got "
+                         f"{tuple(out.shape)} {out.dtype}{'' if out.is_contiguous() else ' (not contiguous)'}")
+    check_same_device(x=x, gate=gate, norm_weight=norm_weight, out=out)
+    for name, t in (("x", x), ("gate", gate), ("norm_weight", norm_weight)):
+        if t is not None and needs_autograd(t):
+            raise ValueError(f"{name}: requires grad, but linear_prologue is inference-only (no autograd); "
+                             "call it under torch.no_grad()")
+    if out.numel() == 0:
+        return out
+    if gate.dim() == x.dim() + 1:  # heads of columns, strided: into rows
+        gate = gate.flatten(-2)
+    if not use_triton(x) or not prologue_kernel_ok(prologue, head_dim):
+        return out.copy_(prologue_ref(x, prologue, gate, norm_weight, eps, head_dim))
+    K = x.shape[-1]
+    prologue_kernel(as_rows("x", x), prologue, as_rows("gate", gate), norm_weight, eps, head_dim,
+                    out=out.view(-1, K))
     return out

@@ -36,10 +36,13 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselm.ops.common.prologue import PROLOGUE_GATED_RMS_NORM, PROLOGUE_NONE, prologue_tile
 from fuselm.ops.gated_delta_rule.fused_recurrent import (_check, check_state_pool_layout, fla_input_options,
                                                         fla_state_layout)
 from fuselm.ops.gated_delta_rule.naive import chunk_gated_delta_rule_ref, run_on_state_pool
-from fuselm.runtime import check_same_device, cdiv, needs_autograd, next_power_of_2, num_sms, use_triton
+from fuselm.ops.decode_linear.naive import gated_rms_norm_ref
+from fuselm.runtime import (as_rows, cdiv, check_finite_float, check_same_device, check_tensor, needs_autograd,
+                             next_power_of_2, num_sms, use_triton)
 
 CHUNK = 64  # tokens per chunk (BT): four 16-row blocks of the inverse, one wgmma-sized M
 SUB = 16  # rows per diagonal block of the inverse (the smallest tensor-core tile)
@@ -300,11 +303,15 @@ def _chunk_recurrence_kernel(
 
 @triton.jit
 def _chunk_output_kernel(
-    q_ptr, G_ptr, aqk_ptr, h_ptr, new_v_ptr, o_ptr, chunk_start_ptr, chunk_len_ptr, seq_len, scale, stride_q,
+    q_ptr, G_ptr, aqk_ptr, h_ptr, new_v_ptr, o_ptr, z_ptr, norm_w_ptr, chunk_start_ptr, chunk_len_ptr, seq_len, scale,
+    stride_q, stride_z, eps,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, P: tl.constexpr, EQUAL: tl.constexpr,
+    PROLOGUE: tl.constexpr,
 ):
-    """O = (Q e^G scale) h[c] + Aqk N, every chunk in parallel."""
+    """O = (Q e^G scale) h[c] + Aqk N, every chunk in parallel; with PROLOGUE (a whole head a
+    program, BV = V) HF's gated RMSNorm of each token's head with z (``prologue_tile``, the
+    function ``decode_linear`` applies: the same roundings, o rounded to its dtype first)."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     v0 = tl.program_id(2) * BV
@@ -321,6 +328,12 @@ def _chunk_output_kernel(
         aqk = _load_rows(aqk_ptr, t0, n, HV * BT, i_hv * BT, BT, BT, BT)
         new_v = _load_rows(new_v_ptr, t0, n, HV * V, i_hv * V + v0, V - v0, BT, BV)
         o = _mm((q * (tl.exp(G) * scale)[:, None]).to(dt), h, P) + _mm(aqk, new_v, P)
+        if PROLOGUE:
+            r = tl.arange(0, BT)
+            ok = (r < n)[:, None] & (cv < V)[None, :]
+            z_ptrs = z_ptr + (t0 + r).to(tl.int64)[:, None] * stride_z + i_hv * V + cv[None, :]
+            norm_w = tl.load(norm_w_ptr + cv, mask=cv < V, other=0.0).to(tl.float32)[None, :]
+            o = prologue_tile(o.to(o_ptr.dtype.element_ty), z_ptrs, ok, norm_w, eps, PROLOGUE, V, BT, BV)
         _store_block(o_ptr, o, t0, n, HV * V, i_hv * V + v0, V - v0, BV, BT)
 
 
@@ -399,7 +412,7 @@ def recurrence_keys(k: torch.Tensor, l2: bool) -> tuple[torch.Tensor, int]:
 
 def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, output_final_state, l2,
                                    cu_seqlens=None, seq_len=None, block_v=None, for_backward=False,
-                                   state_indices=None, has_initial_state=None, out=None):
+                                   state_indices=None, has_initial_state=None, out=None, norm=None):
     """The three kernels on packed inputs q [1, T, H, K] ...: N sequences given by ``cu_seqlens``,
     or T / seq_len sequences of ``seq_len`` tokens each. q, k, v may have any token stride (their
     heads dense: a wider projection's slices); g, beta contiguous. Returns (o, final or None,
@@ -407,7 +420,8 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
     chunk-start states h [slots, HV, K, V], all in the input dtype) for
     ``chunk_gated_delta_rule_backward_kernels``, else None. With ``state_indices`` [N],
     ``initial_state`` is the pool (``chunk_gated_delta_rule``) and final is it; ``out``: a
-    contiguous [1, T, HV, V] buffer for o."""
+    contiguous [1, T, HV, V] buffer for o; ``norm``: (norm_weight [V], z [T, HV V] with unit column
+    stride, eps): o is then the gated RMSNorm of its heads (V a power of two)."""
     _, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if cu_seqlens is None and seq_len == 1:  # never launch with seq_len == 1 (see above)
@@ -457,10 +471,14 @@ def chunk_gated_delta_rule_kernels(q, k, v, g, beta, scale, initial_state, outpu
     )
     o = torch.empty(v.shape, dtype=v.dtype, device=device) if out is None else out
     out_v = min(OUTPUT_BLOCK_V, BV_full)
+    norm_weight, z, eps = norm if norm is not None else (G, G, 0.0)
+    if norm is not None and out_v != V:
+        raise ValueError(f"norm_weight: the fused norm needs a power-of-two head_v_dim <= {OUTPUT_BLOCK_V}, got {V}")
     _chunk_output_kernel[(slots, HV, cdiv(V, out_v))](
-        q, G, aqk, h, new_v, o, start, length, seq_len, float(scale), q.stride(1),
+        q, G, aqk, h, new_v, o, z, norm_weight, start, length, seq_len, float(scale), q.stride(1),
+        z.stride(0) if norm is not None else 0, float(eps),
         H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=BK, BV=out_v, L2NORM=l2, P=precision, EQUAL=equal,
-        num_warps=OUTPUT_WARPS,
+        PROLOGUE=PROLOGUE_GATED_RMS_NORM if norm is not None else PROLOGUE_NONE, num_warps=OUTPUT_WARPS,
     )
     return o, final, ((aqk, inverse, h) if for_backward else None)
 
@@ -477,6 +495,7 @@ def chunk_gated_delta_rule(
     A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, chunk_size: int = 64,
     transpose_state_layout: bool | None = None, state_indices: torch.Tensor | None = None,
     has_initial_state: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None, norm_gate: torch.Tensor | None = None, norm_eps: float = 1e-6,
 ):
     """Gated delta rule over whole sequences, chunk by chunk (prefill): flash-linear-attention's
     ``chunk_gated_delta_rule`` signature (fla-core 0.6), a drop-in replacement.
@@ -510,6 +529,13 @@ def chunk_gated_delta_rule(
         has_initial_state: bool [N], with ``state_indices``: sequence n reads its pool row only
             where True (False: starts from zeros, e.g. a fresh request in a reused slot).
         out: a contiguous [B, T, HV, V] buffer in v's dtype for o (inference only).
+        norm_weight, norm_gate, norm_eps: o through HF's ``Qwen3_5RMSNormGated`` per head (the
+            Gated DeltaNet's output norm, gated by SiLU of z = ``norm_gate`` [B, T, HV V] or [B, T,
+            HV, V] in v's dtype, unit last stride; ``norm_weight`` [V] in v's dtype or fp32), applied
+            by the output kernel before it stores (one program a whole head: a power-of-two V <= 128;
+            other V: PyTorch after the kernels), with the roundings of
+            ``fuselm.ops.decode_linear.naive.gated_rms_norm_ref``, so the out projection after it
+            runs plain. Inference only.
     The FLA options are computed with PyTorch ops before the kernels (differentiable: gradients
     reach the raw g, A_log, dt_bias and beta logits). Returns:
         (o [B, T, HV, V] in v's dtype, final_state or None). Differentiable in q, k, v, g, beta and
@@ -523,21 +549,51 @@ def chunk_gated_delta_rule(
     if not use_gate_in_kernel and (A_log is not None or dt_bias is not None):
         raise ValueError("A_log, dt_bias: only used with use_gate_in_kernel=True (g is then the raw gate input)")
     check_state_pool_layout(state_indices, initial_state, state_v_first)
+    norm = _check_norm(v, norm_weight, norm_gate, norm_eps)
     g, beta, initial_state = fla_input_options(v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias,
                                                use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
                                                pool=state_indices is not None)
     o, final = _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
                                        use_qk_l2norm_in_kernel, cu_seqlens, state_indices, has_initial_state,
-                                       out)
+                                       out, norm)
     if final is not None and state_v_first:
         final = final.transpose(-1, -2).contiguous()
     return o, final
 
 
+def _check_norm(v, norm_weight, norm_gate, eps):
+    """``chunk_gated_delta_rule``'s output norm as (norm_weight, z [B, T, HV V], eps), or None."""
+    if norm_weight is None and norm_gate is None:
+        return None
+    if norm_weight is None or norm_gate is None:
+        raise ValueError("norm_weight, norm_gate: the output norm needs both (or neither)")
+    B, T, HV, V = v.shape
+    check_tensor("norm_weight", norm_weight)
+    check_tensor("norm_gate", norm_gate)
+    if norm_weight.shape != (V,) or norm_weight.dtype not in (v.dtype, torch.float32) or norm_weight.stride(0) != 1:
+        raise ValueError(f"norm_weight: expected a contiguous [V] = ({V},) tensor in {v.dtype} or float32, got "
+                         f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
+    if norm_gate.dim() == 4:
+        norm_gate = norm_gate.flatten(-2)
+    if norm_gate.shape != (B, T, HV * V) or norm_gate.dtype != v.dtype or norm_gate.stride(-1) != 1:
+        raise ValueError(f"norm_gate: expected [B, T, HV V] = ({B}, {T}, {HV * V}) in {v.dtype} with unit last "
+                         f"stride, got {tuple(norm_gate.shape)} {norm_gate.dtype}")
+    check_same_device(v=v, norm_weight=norm_weight, norm_gate=norm_gate)
+    if needs_autograd(norm_weight, norm_gate):
+        raise ValueError("norm_weight, norm_gate: the output norm is inference only (no autograd)")
+    return norm_weight, norm_gate, check_finite_float("norm_eps", eps, nonnegative=True)
+
+
+def _gated_norm_ref(o: torch.Tensor, norm) -> torch.Tensor:
+    """o [B, T, HV, V] through the output norm (PyTorch, the kernel's roundings)."""
+    norm_weight, z, eps = norm
+    return gated_rms_norm_ref(o.flatten(-2), z, norm_weight, eps, o.shape[-1]).view(o.shape)
+
+
 def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                            cu_seqlens, state_indices=None, has_initial_state=None, out=None):
+                            cu_seqlens, state_indices=None, has_initial_state=None, out=None, norm=None):
     """``chunk_gated_delta_rule`` on fuselm's own arguments (fp32 [N, HV, K, V] states or pool, g
-    and beta as the recurrence takes them)."""
+    and beta as the recurrence takes them; ``norm`` as ``_check_norm`` returns it)."""
     N = _check(q, k, v, g, beta, None, initial_state, cu_seqlens, state_indices)
     _check_pool_and_out(v, N, state_indices, has_initial_state, out)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -548,12 +604,13 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final
         o, final = _chunk_gated_delta_rule(q.float(), k.float(), v.float(), g.float(), beta.float(), scale,
                                            initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
                                            state_indices, has_initial_state)
-        return (o.to(v.dtype) if out is None else out.copy_(o)), final
+        o = o.to(v.dtype) if norm is None else _gated_norm_ref(o.to(v.dtype), norm)
+        return (o if out is None else out.copy_(o)), final
     args = (q, k, v, g, beta)
     if needs_autograd(*args, *(() if initial_state is None else (initial_state,))):
-        if state_indices is not None or out is not None:
-            raise ValueError("state_indices, out: inference only (no autograd through a state pool or an out "
-                             "buffer); call under torch.no_grad() or without them")
+        if state_indices is not None or out is not None or norm is not None:
+            raise ValueError("state_indices, out, norm_weight: inference only (no autograd through a state pool, an "
+                             "out buffer or the output norm); call under torch.no_grad() or without them")
         if use_triton(q):
             from fuselm.ops.gated_delta_rule.chunk_backward import ChunkGatedDeltaRuleFunction  # imports this module
 
@@ -567,6 +624,7 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final
 
         o, final = (reference(initial_state) if state_indices is None else
                     run_on_state_pool(reference, initial_state, state_indices, has_initial_state))
+        o = o if norm is None else _gated_norm_ref(o, norm)
         return (o if out is None else out.copy_(o)), final
     B, T = q.shape[:2]
     if N == 0 or B * T == 0:
@@ -576,12 +634,18 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final
         return o, (initial_state.clone() if output_final_state and initial_state is not None else None)
     # B rows of T tokens = B sequences; q, k, v read in place where their rows allow it
     packed = [_token_rows(t, B, T) for t in (q, k, v)] + [t.reshape(1, B * T, -1).contiguous() for t in (g, beta)]
+    V = v.shape[-1]
+    fused_norm = norm is not None and V & (V - 1) == 0 and V <= OUTPUT_BLOCK_V  # whole heads a program
     o, final, _ = chunk_gated_delta_rule_kernels(
         *packed, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, seq_len=T,
         state_indices=None if state_indices is None else state_indices.contiguous(),
         has_initial_state=None if has_initial_state is None else has_initial_state.contiguous(),
-        out=None if out is None else out.view(1, B * T, *v.shape[2:]))
-    return (o.view(v.shape) if out is None else out), final
+        out=None if out is None else out.view(1, B * T, *v.shape[2:]),
+        norm=(norm[0], as_rows("norm_gate", norm[1]), norm[2]) if fused_norm else None)
+    o = o.view(v.shape) if out is None else out
+    if norm is not None and not fused_norm:
+        o.copy_(_gated_norm_ref(o, norm))
+    return o, final
 
 
 def _token_rows(t: torch.Tensor, B: int, T: int) -> torch.Tensor:
