@@ -3,6 +3,7 @@
     python benchmarks/mixed_step.py [--decode-rows 31] [--chunks 480 224 96 224@256 512 256]
         [--profile [--profile-rows 15]] [--timeline] [--decode-block-v 16 32 64] [--qkv-split]
         [--prologue-tiles 8x512x4 16x512x4 ...] [--blas cublas cublaslt]
+        [--set - MODULE.NAME=VALUE[,...] ...]
 
 Cache of 32 slots x 1024 tokens; rows 0 .. decode_rows-1 decode (active, 512 tokens cached; their
 state is random-free zeros, which costs the same), the prompt chunks go into the slots after them.
@@ -23,17 +24,22 @@ side stream's chunk kernels in sooner (NOTES.md 83). ``--qkv-split``: the table 
 attention layers' qkv projection as two products (q/gate rows, k/v rows of the weight) written into
 one output, past 64 rows (cuBLAS's pick for the whole product at 320 rows is slow, NOTES.md 84).
 ``--prologue-tiles``: the table once per tile (rows x columns x warps a program) of the standalone
-prologue kernel that gates all rows before the output projections (``decode_linear``'s
-``_prologue_kernel``; NOTES.md 86). ``--blas``: the table once per BLAS library PyTorch's matmuls
-prefer (``torch.backends.cuda.preferred_blas_library``: cuBLAS and cuBLASLt pick different tiles for
-the same GEMM at some row counts; the engine captures its mixed steps with cuBLASLt, NOTES.md 87).
-Note that the graphs here put the 32 cache rows beside the chunk: a chunk of T tokens makes GEMMs of
-32 + T rows.
+prologue kernel (``decode_linear``'s ``_prologue_kernel``; it gated all rows after the join until
+NOTES.md 92, now the decode rows and attention's chunk rows in each half; NOTES.md 86). ``--blas``:
+the table once per BLAS library PyTorch's matmuls prefer
+(``torch.backends.cuda.preferred_blas_library``: cuBLAS and cuBLASLt pick different tiles for the
+same GEMM at some row counts; the engine captures its mixed steps with cuBLASLt, NOTES.md 87).
+``--set``: the table once per group of module constants under ``fuselm.ops`` (a kernel's warps,
+stages or tiles read at launch; ``-`` for none), e.g. ``--set -
+gated_delta_rule.decode_step.MIN_NUM_WARPS=4`` (the default, then 4 warps). Note that the graphs
+here put the 32 cache rows beside the chunk: a chunk of T tokens makes GEMMs of 32 + T rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import itertools
 import json
 import time
@@ -180,6 +186,9 @@ def main():
                         help="the standalone prologue kernel's rows x columns x warps a program")
     parser.add_argument("--blas", nargs="+", default=[None], choices=["cublas", "cublaslt"],
                         help="the table once per BLAS library PyTorch's matmuls prefer (default: as the process has it)")
+    parser.add_argument("--set", nargs="+", default=[None], metavar="MODULE.NAME=VALUE[,...]",
+                        help="the table once per group of module constants under fuselm.ops set for it (e.g. "
+                             "gated_delta_rule.chunk.PREPARE_WARPS=8,causal_conv1d.kernels.CONV_WARPS=4; - : none)")
     args = parser.parse_args()
     model = random_qwen35(config_9b(), dtype=torch.bfloat16, device="cuda", seed=0)
     cache = model.new_cache(ROWS, MAX_LEN)
@@ -188,8 +197,10 @@ def main():
     k = decode_linear_kernels
     default_tile = (k.PROLOGUE_BLOCK_M, k.PROLOGUE_BLOCK_K, k.PROLOGUE_NUM_WARPS)
     default_blas = torch.backends.cuda.preferred_blas_library()
-    for blas, tile, block_v, split in itertools.product(args.blas, args.prologue_tiles, args.decode_block_v,
-                                                        (False, True) if args.qkv_split else (False,)):
+    for blas, tile, block_v, split, constants in itertools.product(
+            args.blas, args.prologue_tiles, args.decode_block_v, (False, True) if args.qkv_split else (False,),
+            args.set):
+        restore = set_constants(constants)
         torch.backends.cuda.preferred_blas_library(blas or default_blas)
         k.PROLOGUE_BLOCK_M, k.PROLOGUE_BLOCK_K, k.PROLOGUE_NUM_WARPS = (
             tuple(int(n) for n in tile.split("x")) if tile else default_tile)
@@ -198,13 +209,35 @@ def main():
         print(f"## mixed step: {decoding} decode rows (of {ROWS}) + prompt chunks, 9B bf16, "
               f"{torch.cuda.get_device_name()}" + (f", decode kernel BLOCK_V {block_v}" if block_v else "")
               + (", qkv as two products" if split else "") + (f", prologue tile {tile}" if tile else "")
-              + (f", {blas} preferred" if blas else ""))
+              + (f", {blas} preferred" if blas else "")
+              + (f", set {constants}" if constants and constants != "-" else ""))
         if tile:
             print(prologue_alone())
         run_chunks(model, cache, decoding, args)
+        restore()
     torch.backends.cuda.preferred_blas_library(default_blas)
     GatedAttention.project = whole_project
     k.PROLOGUE_BLOCK_M, k.PROLOGUE_BLOCK_K, k.PROLOGUE_NUM_WARPS = default_tile
+
+
+def set_constants(group: str | None):
+    """Set ``module.NAME=VALUE`` (comma-separated; modules under fuselm.ops, values Python
+    literals; "-": nothing) for one table, e.g. a kernel's warps or stages read at launch; returns
+    the undo."""
+    before = []
+    for item in (group.split(",") if group and group != "-" else []):
+        target, _, value = item.partition("=")
+        module_name, _, name = target.strip().rpartition(".")
+        module = importlib.import_module(f"fuselm.ops.{module_name}")
+        if not hasattr(module, name):
+            raise SystemExit(f"--set: fuselm.ops.{module_name} has no {name}")
+        before.append((module, name, getattr(module, name)))
+        setattr(module, name, ast.literal_eval(value.strip()))
+
+    def restore():
+        for module, name, value in reversed(before):
+            setattr(module, name, value)
+    return restore
 
 
 def prologue_alone(rows: int = 320, K: int = 4096, head_dim: int = 128) -> str:
