@@ -133,7 +133,8 @@ def graph_timeline(graph: torch.cuda.CUDAGraph, replays: int = 3) -> list[tuple[
             torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+        with open(f.name) as trace_file:
+            trace = json.load(trace_file)
     events = sorted((e["ts"], e["ts"] + e["dur"], e["name"], int(e["args"].get("stream", e.get("tid", 0))))
                     for e in trace["traceEvents"]
                     if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))

@@ -290,13 +290,14 @@ def test_bad_input(name, error, kwargs):
         decode_linear(x, weight, **kwargs)
 
 
-@pytest.mark.parametrize("case", CASES[1:], ids=CASE_IDS[1:])
+@pytest.mark.parametrize("case", CASES[1:] + [("gated_rms_norm", 96, 24)],
+                         ids=CASE_IDS[1:] + ["gated_rms_norm_hd24"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [3, 45])  # odd rows: tiles of PROLOGUE_BLOCK_M with a tail
 def test_linear_prologue_alone_and_in_place(m, dtype, case):
-    """``linear_prologue``: the prologue ``decode_linear`` applies (``prologue_ref``, bit for bit in
-    fp16 up to the kernel's fp32 ops: the contract's tolerance), into a poisoned ``out`` and in
-    place on x (a mixed step gates each half's rows where they lie)."""
+    """``linear_prologue``: the prologue ``decode_linear`` applies (``prologue_ref`` within the
+    contract's rounding; a head_dim that is not a power of two runs the reference itself), into a
+    poisoned ``out`` and in place on x (a mixed step gates each half's rows where they lie)."""
     prologue, K, head_dim = case
     x, _, kwargs = make_inputs(m, K, dtype, prologue, head_dim)
     expect = prologue_ref(x, **kwargs)

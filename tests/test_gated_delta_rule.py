@@ -8,9 +8,10 @@ from fuselm.ops.gated_delta_rule import (
     chunk_gated_delta_rule, chunk_gated_delta_rule_ref, fused_recurrent_gated_delta_rule, gates_from_projections,
     recurrent_gated_delta_rule_ref,
 )
-from fuselm.ops.decode_linear import gated_rms_norm_ref
+from fuselm.ops.decode_linear import gated_rms_norm_ref, linear_prologue
 from fuselm.runtime import use_triton
-from fuselm.testing import rel_err
+from fuselm.testing import assert_close, rel_err
+from helpers import TOL_VS_CONTRACT
 
 # RMSE(out - ref) / RMS(ref), the issue's measure: rel_err's ||out - ref|| / ||ref||.
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 5e-3}
@@ -402,12 +403,15 @@ def test_chunked_pool_refuses_autograd():
 @pytest.mark.parametrize("impl", ["reference", "kernels"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else []))
 @pytest.mark.parametrize("B, T, HV, V, norm_dtype", [(2, 37, 4, 64, "model"), (1, 70, 2, 64, "fp32"),
+                                                     (1, 65, 2, 128, "model"), (2, 9, 1, 256, "model"),
                                                      (2, 9, 2, 48, "model")])
 def test_chunked_output_norm_is_decode_linears_prologue(impl, B, T, HV, V, norm_dtype, dtype, monkeypatch):
-    """With norm_weight / norm_gate, o is the plain call's o through ``gated_rms_norm_ref`` (the
-    prologue ``decode_linear`` applies, HF's ``Qwen3_5RMSNormGated``): applied by the output kernel
-    as it stores (a power-of-two V), or in PyTorch after the kernels (V 48), into a poisoned out;
-    z a strided slice of a wider projection, as the model passes it."""
+    """With norm_weight / norm_gate, o is the plain call's o through the prologue ``decode_linear``
+    applies (``linear_prologue``: HF's ``Qwen3_5RMSNormGated``, the roundings of
+    ``gated_rms_norm_ref``), bit for bit where the operations run in one order (the interpreter,
+    PyTorch), within the contract's rounding on a GPU (another reduction order): applied by the
+    output kernel as it stores (power-of-two V <= 128), else by ``linear_prologue`` after the
+    kernels (V 256, 48), into a poisoned out; z a strided slice of a wider projection."""
     device = "cpu" if impl == "reference" else DEVICE
     if impl == "reference" and ON_GPU:
         pytest.skip("the plain-PyTorch path is the CPU's")
@@ -426,8 +430,14 @@ def test_chunked_output_norm_is_decode_linears_prologue(impl, B, T, HV, V, norm_
     o, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, out=out, norm_weight=norm_weight,
                                   norm_gate=z, norm_eps=1e-6)
     assert o is out and not o.isnan().any()
-    expect = gated_rms_norm_ref(plain.flatten(-2), z, norm_weight, 1e-6, V).view(o.shape)
-    assert rel_err(o, expect) <= (1e-5 if dtype == torch.float32 else 2e-3)
+    expect = linear_prologue(plain.flatten(-2), "gated_rms_norm", z, norm_weight=norm_weight, eps=1e-6,
+                             head_dim=V).view(o.shape)
+    if ON_GPU:
+        assert_close(o, expect, TOL_VS_CONTRACT[dtype], "o")
+    else:
+        assert torch.equal(o, expect)
+    assert rel_err(o, gated_rms_norm_ref(plain.flatten(-2), z, norm_weight, 1e-6, V).view(o.shape)) <= (
+        1e-5 if dtype == torch.float32 else 2e-3)
     o4, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, norm_weight=norm_weight,
                                    norm_gate=z.unflatten(-1, (HV, V)))  # z as [B, T, HV, V]
     assert torch.equal(o4, o)
@@ -439,6 +449,7 @@ def test_chunked_output_norm_is_decode_linears_prologue(impl, B, T, HV, V, norm_
     (dict(norm_weight=torch.ones(63), norm_gate=torch.ones(2, 5, 128)), "norm_weight: expected"),
     (dict(norm_weight=torch.ones(64, dtype=torch.float64), norm_gate=torch.ones(2, 5, 128)), "norm_weight"),
     (dict(norm_weight=torch.ones(64), norm_gate=torch.ones(2, 5, 127)), "norm_gate: expected"),
+    (dict(norm_weight=torch.ones(64), norm_gate=torch.ones(2, 5, 4, 32)), "norm_gate: expected"),
     (dict(norm_weight=torch.ones(64), norm_gate=torch.ones(2, 5, 128, dtype=torch.float16)), "norm_gate: expected"),
     (dict(norm_weight=torch.ones(64), norm_gate=torch.ones(2, 5, 128), norm_eps=-1.0), "norm_eps"),
     (dict(norm_weight=torch.ones(64, requires_grad=True), norm_gate=torch.ones(2, 5, 128)), "inference only"),

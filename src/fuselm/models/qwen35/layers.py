@@ -160,7 +160,7 @@ class GatedDeltaNet(nn.Module):
         return linear(x, self.in_proj)
 
     def _split_projection(self, proj):
-        """proj [B, T, P] -> (qkv [B, T, conv_dim], b, a [B, T, HV]), model dtype (z: ``output``)."""
+        """proj [B, T, P] -> (qkv [B, T, conv_dim], b, a [B, T, HV]), model dtype (z: the gated RMSNorm's, ``gate_heads``)."""
         qkv, _, b, a = proj.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
         return qkv, b, a
 
@@ -174,20 +174,22 @@ class GatedDeltaNet(nn.Module):
         """The delta rule's output ``heads`` [..., value_dim] -> [..., D]: HF ``Qwen3_5RMSNormGated``
         with z from ``projected`` [..., P] (``w * rms_norm(o).to(dtype)``, Llama rounding, times
         silu(z) in fp32, one rounding to the model dtype), then out_proj: ``decode_linear``'s
-        gated_rms_norm prologue (fused into the GEMV at one row; else its own kernel, then the GEMV
-        or past 32 rows cuBLAS), any number of rows (a mixed step's decode rows and prompt tokens
-        in one GEMM)."""
+        gated_rms_norm prologue, fused into the GEMV (the decode step at one row, or a head_v_dim
+        the decode kernel cannot norm). Elsewhere the heads come normed (``gate_heads``, the
+        kernels' fused norms) and ``project_out`` runs the plain projection."""
         z = projected[..., self.conv_dim:self.conv_dim + self.value_dim]
         return decode_linear(heads, self.out_proj, prologue="gated_rms_norm", gate=z, norm_weight=self.norm,
                              eps=self.eps, head_dim=self.head_v_dim)
 
     def project_out(self, heads: torch.Tensor) -> torch.Tensor:
-        """out_proj of heads already through the gated RMSNorm (``*_heads(..., gated=True)``) -> [..., D]."""
+        """out_proj of heads already through the gated RMSNorm (``prefill_heads``,
+        ``decode_heads(..., normed=True or gated=True)``) -> [..., D]."""
         return decode_linear(heads, self.out_proj)
 
     def gate_heads(self, heads: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
         """The gated RMSNorm of ``output`` on ``heads`` [..., value_dim] in place (z from
-        ``projected`` [..., P]): one launch (``linear_prologue``), ``output``'s roundings."""
+        ``projected`` [..., P]): ``linear_prologue`` (one launch for a power-of-two head_v_dim),
+        ``output``'s roundings."""
         z = projected[..., self.conv_dim:self.conv_dim + self.value_dim]
         return linear_prologue(heads, "gated_rms_norm", z, norm_weight=self.norm, eps=self.eps,
                                head_dim=self.head_v_dim, out=heads)
@@ -196,14 +198,13 @@ class GatedDeltaNet(nn.Module):
                 projected: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D] (or ``projected`` = ``project(x)`` [B, T, P]) -> [B, T, D]."""
         projected = self.project(x) if projected is None else projected
-        return self.project_out(self.prefill_heads(projected, cache, step, gated=True))
+        return self.project_out(self.prefill_heads(projected, cache, step))
 
     def prefill_heads(self, projected: torch.Tensor, cache: DeltaNetCache, step: PrefillStep,
-                      out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
-        """``project(x)`` [B, T, P] -> the delta rule's output [B, T, value_dim] (before ``output``;
-        into ``out`` when given, a contiguous buffer of that shape); with ``gated``, through the
-        gated RMSNorm too (``output``'s prologue; the chunk output kernel applies it as it stores,
-        so ``project_out`` follows plain)."""
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """``project(x)`` [B, T, P] -> the delta rule's output through the gated RMSNorm (``output``'s
+        prologue, which the chunk output kernel applies as it stores) [B, T, value_dim], into ``out``
+        when given (a contiguous buffer of that shape): ``project_out`` follows plain."""
         qkv, b, a = self._split_projection(projected)
         # Causal depthwise conv + SiLU over each row's tokens after the inputs before the chunk
         # (the slot's conv state; zeros before position 0), as HF's causal_conv1d_fn rounds it;
@@ -225,7 +226,7 @@ class GatedDeltaNet(nn.Module):
         out = None if out is None else out.view(B, T, self.num_v_heads, self.head_v_dim)
         scale = self.head_k_dim ** -0.5
         norm = dict(norm_weight=self.norm, norm_gate=projected[..., self.conv_dim:self.conv_dim + self.value_dim],
-                    norm_eps=self.eps) if gated else {}
+                    norm_eps=self.eps)
         if step.fresh or B == 1:
             o = chunk_gated_delta_rule(q, k, v, g, beta, scale, cache.recurrent, True, True,
                                        state_indices=step.state_slots, has_initial_state=step.continues, out=out,
@@ -331,7 +332,8 @@ class GatedAttention(nn.Module):
         return y if self.o_bias is None else y + self.o_bias
 
     def project_out(self, heads: torch.Tensor) -> torch.Tensor:
-        """o_proj (+ bias) of heads already gated (``*_heads(..., gated=True)``) -> [..., D]."""
+        """o_proj (+ bias) of heads already gated (``prefill_heads``, ``decode_heads(..., gated=True)``)
+        -> [..., D]."""
         y = decode_linear(heads, self.o_proj)
         return y if self.o_bias is None else y + self.o_bias
 
@@ -344,13 +346,13 @@ class GatedAttention(nn.Module):
                 projected: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D] (or ``projected`` = ``project(x)`` [B, T, P]) -> [B, T, D]."""
         projected = self.project(x) if projected is None else projected
-        return self.project_out(self.prefill_heads(projected, cache, step, gated=True))
+        return self.project_out(self.prefill_heads(projected, cache, step))
 
     def prefill_heads(self, projected: torch.Tensor, cache: AttentionCache, step: PrefillStep,
-                      out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
-        """``project(x)`` [B, T, P] -> attention's output [B, T, nH hd] (before ``output``; copied
-        into ``out`` when given); with ``gated``, times its sigmoid gate (``output``'s prologue,
-        in place on the rows: ``linear_prologue``)."""
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """``project(x)`` [B, T, P] -> attention's output times its sigmoid gate (``output``'s
+        prologue, in place on the rows: ``linear_prologue``) [B, T, nH hd], copied into ``out``
+        when given: ``project_out`` follows plain."""
         # q/k norm + RoPE + the K/V write, each token a row of ``qk_norm_rope_kv_write`` (HF's
         # roundings: zero-centered RMSNorm per head, fp32 statistics, one rounding; RoPE's products
         # and sum rounded as PyTorch's eager ops round them). K/V of position p go into slot p % P
@@ -379,9 +381,7 @@ class GatedAttention(nn.Module):
             out = attn.transpose(1, 2).reshape(B, T, -1)
         else:
             out.view(B, T, self.num_heads, self.head_dim).copy_(attn.transpose(1, 2))
-        if gated:
-            linear_prologue(out, "sigmoid_gate", self._gate(projected), out=out)
-        return out
+        return linear_prologue(out, "sigmoid_gate", self._gate(projected), out=out)
 
     def decode(self, x: torch.Tensor, cache: AttentionCache, step: DecodeStep,
                projected: torch.Tensor | None = None) -> torch.Tensor:

@@ -338,13 +338,14 @@ class Qwen35(nn.Module):
             # chunk fills it gives logits nobody reads): on CUDA the prompt chunk's (short,
             # latency-bound kernels: a few programs a head) runs on a side stream beside the decode
             # rows' (bandwidth-bound: the recurrent states), joined before out_proj. Each half gates
-            # its own rows (the chunk's output kernel or attention's copy, the decode rows after
-            # their kernel), so only the plain GEMM follows the join.
+            # its own rows (the chunk's: its GDN output kernel, or a prologue launch after its
+            # attention; the decode rows': a prologue launch after the GDN step kernel, or
+            # attention's split-K combine), so only the plain GEMM follows the join.
             if side is not None:
                 side.wait_stream(main)
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 mixer.prefill_heads(projected[b:].view(R, T, -1), cache.layers[i], prefill,
-                                    out=heads[b:].view(R, T, -1), gated=True)
+                                    out=heads[b:].view(R, T, -1))
             mixer.decode_heads(projected[:b], rows.layers[i], decode, out=heads[:b], gated=True)
             if side is not None:
                 main.wait_stream(side)

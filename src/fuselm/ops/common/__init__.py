@@ -10,7 +10,7 @@ their module; this package re-exports nothing.
   decode GEMVs' token padding). Used by swiglu_mlp, decode_linear, swap_ffn.
 - ``prologue.py``: ``prologue_tile``, the output projections' elementwise prologues (Qwen3.5
   attention's sigmoid gate, the Gated DeltaNet's gated RMSNorm) on a tile, with their codes. Used by
-  decode_linear (on its input tiles), attention_decode and gated_delta_rule (on their decode outputs).
+  decode_linear (on its input tiles), attention_decode and gated_delta_rule (on their outputs).
 - ``rows.py``: ``MAX_COLS`` and ``row_block_geometry``, the tile of the kernels that hold whole
   rows in registers. Used by rms_norm and attention_decode (whose q/k norm must reduce a head in
   rms_norm's order).

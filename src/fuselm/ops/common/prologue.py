@@ -1,8 +1,8 @@
 """The elementwise prologues of Qwen3.5's output projections, as Triton tile functions: the
 attention output's sigmoid gate and the Gated DeltaNet output's gated RMSNorm. ``decode_linear``
-applies them to its input tiles; the kernels that produce those outputs at decode (attention's
-split-K combine, the Gated DeltaNet decode step) apply them before they store, so the projection
-after them runs plain. One function each, so every place rounds as ``decode_linear/naive.py``
+applies them to its input tiles; the kernels that produce those outputs (attention's split-K
+decode combine, the Gated DeltaNet decode step and chunk output kernels) apply them before they
+store, so the projection after them runs plain. One function each, so every place rounds as ``decode_linear/naive.py``
 says, in the same operations.
 
 Prologue codes (a kernel's constexpr argument: a jit function cannot read these module globals on a

@@ -236,15 +236,15 @@ def linear_prologue(
     there), for a caller that gates its rows where they are made and runs the projection plain
     (a mixed step gates each half's heads before the halves join). ``out``: a contiguous tensor of
     x's shape and dtype, x itself allowed (in place). One launch on a Triton device (PyTorch's
-    ``naive.py`` for a head_dim the kernel cannot tile); the roundings of ``naive.py``. Metadata
-    checks only, no host sync; inference only."""
+    ``naive.py`` for a head_dim the kernel cannot tile; a gate in strided heads is first copied
+    into rows); the roundings of ``naive.py``. Metadata checks only, no host sync; inference only."""
     check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x: must have at least one dimension, [..., K]")
     if x.stride(-1) != 1 and x.shape[-1] > 1:
         raise ValueError(f"x: the last dim must be contiguous (stride 1), got strides {tuple(x.stride())}")
-    if prologue is None:
-        raise ValueError("prologue: expected 'sigmoid_gate' or 'gated_rms_norm', got None")
+    if prologue not in ("sigmoid_gate", "gated_rms_norm"):
+        raise ValueError(f"prologue: expected 'sigmoid_gate' or 'gated_rms_norm', got {prologue!r}")
     eps = _check_prologue(x, prologue, gate, norm_weight, eps, head_dim)
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)

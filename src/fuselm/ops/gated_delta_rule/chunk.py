@@ -19,7 +19,8 @@ Per chunk of BT = 64 tokens, with G = cumsum(g) from the chunk start, Gamma_ij =
    it reads the keys of the key head (shared by its value heads, as flash-linear-attention's
    kernel) and not a decayed copy per value head.
 3. ``_chunk_output_kernel``, one program per (chunk, value head, value block), in parallel:
-   O = (Q e^G scale) h[c] + Aqk N.
+   O = (Q e^G scale) h[c] + Aqk N; optionally (a whole head a program) Qwen3.5's gated RMSNorm of
+   each token's head as it stores (``prologue_tile``, the roundings of ``decode_linear``'s prologue).
 
 Numerics (as flash-linear-attention's chunk kernels): products with K, V, W, U, Q, h and N take
 operands in the input dtype (h, N, N e^{G_C - G} and the normalised keys rounded to it) and
@@ -37,10 +38,10 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.common.prologue import PROLOGUE_GATED_RMS_NORM, PROLOGUE_NONE, prologue_tile
+from fuselm.ops.decode_linear import linear_prologue
 from fuselm.ops.gated_delta_rule.fused_recurrent import (_check, check_state_pool_layout, fla_input_options,
                                                         fla_state_layout)
 from fuselm.ops.gated_delta_rule.naive import chunk_gated_delta_rule_ref, run_on_state_pool
-from fuselm.ops.decode_linear.naive import gated_rms_norm_ref
 from fuselm.runtime import (as_rows, cdiv, check_finite_float, check_same_device, check_tensor, needs_autograd,
                              next_power_of_2, num_sms, use_triton)
 
@@ -533,7 +534,7 @@ def chunk_gated_delta_rule(
             Gated DeltaNet's output norm, gated by SiLU of z = ``norm_gate`` [B, T, HV V] or [B, T,
             HV, V] in v's dtype, unit last stride; ``norm_weight`` [V] in v's dtype or fp32), applied
             by the output kernel before it stores (one program a whole head: a power-of-two V <= 128;
-            other V: PyTorch after the kernels), with the roundings of
+            other V: ``linear_prologue`` after the kernels), with the roundings of
             ``fuselm.ops.decode_linear.naive.gated_rms_norm_ref``, so the out projection after it
             runs plain. Inference only.
     The FLA options are computed with PyTorch ops before the kernels (differentiable: gradients
@@ -567,13 +568,16 @@ def _check_norm(v, norm_weight, norm_gate, eps):
         return None
     if norm_weight is None or norm_gate is None:
         raise ValueError("norm_weight, norm_gate: the output norm needs both (or neither)")
+    check_tensor("v", v)
+    if v.dim() != 4:
+        raise ValueError(f"v: expected [B, T, heads, dim], got shape {tuple(v.shape)}")
     B, T, HV, V = v.shape
     check_tensor("norm_weight", norm_weight)
     check_tensor("norm_gate", norm_gate)
     if norm_weight.shape != (V,) or norm_weight.dtype not in (v.dtype, torch.float32) or norm_weight.stride(0) != 1:
         raise ValueError(f"norm_weight: expected a contiguous [V] = ({V},) tensor in {v.dtype} or float32, got "
                          f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
-    if norm_gate.dim() == 4:
+    if norm_gate.dim() == 4 and norm_gate.shape[-2:] == (HV, V):
         norm_gate = norm_gate.flatten(-2)
     if norm_gate.shape != (B, T, HV * V) or norm_gate.dtype != v.dtype or norm_gate.stride(-1) != 1:
         raise ValueError(f"norm_gate: expected [B, T, HV V] = ({B}, {T}, {HV * V}) in {v.dtype} with unit last "
@@ -584,10 +588,14 @@ def _check_norm(v, norm_weight, norm_gate, eps):
     return norm_weight, norm_gate, check_finite_float("norm_eps", eps, nonnegative=True)
 
 
-def _gated_norm_ref(o: torch.Tensor, norm) -> torch.Tensor:
-    """o [B, T, HV, V] through the output norm (PyTorch, the kernel's roundings)."""
+def _gated_norm_in_place(o: torch.Tensor, norm) -> torch.Tensor:
+    """o [B, T, HV, V] (contiguous) through the output norm in place, where the output kernel does
+    not apply it: ``linear_prologue``, the prologue ``decode_linear`` runs (its kernel on a Triton
+    device, else PyTorch's reference)."""
     norm_weight, z, eps = norm
-    return gated_rms_norm_ref(o.flatten(-2), z, norm_weight, eps, o.shape[-1]).view(o.shape)
+    linear_prologue(o.flatten(-2), "gated_rms_norm", z, norm_weight=norm_weight, eps=eps, head_dim=o.shape[-1],
+                    out=o.flatten(-2))
+    return o
 
 
 def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -604,8 +612,8 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final
         o, final = _chunk_gated_delta_rule(q.float(), k.float(), v.float(), g.float(), beta.float(), scale,
                                            initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
                                            state_indices, has_initial_state)
-        o = o.to(v.dtype) if norm is None else _gated_norm_ref(o.to(v.dtype), norm)
-        return (o if out is None else out.copy_(o)), final
+        o = o.to(v.dtype) if out is None else out.copy_(o)
+        return (o if norm is None else _gated_norm_in_place(o, norm)), final
     args = (q, k, v, g, beta)
     if needs_autograd(*args, *(() if initial_state is None else (initial_state,))):
         if state_indices is not None or out is not None or norm is not None:
@@ -624,8 +632,8 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final
 
         o, final = (reference(initial_state) if state_indices is None else
                     run_on_state_pool(reference, initial_state, state_indices, has_initial_state))
-        o = o if norm is None else _gated_norm_ref(o, norm)
-        return (o if out is None else out.copy_(o)), final
+        o = o if out is None else out.copy_(o)
+        return (o if norm is None else _gated_norm_in_place(o.contiguous(), norm)), final
     B, T = q.shape[:2]
     if N == 0 or B * T == 0:
         o = torch.empty_like(v) if out is None else out
@@ -644,7 +652,7 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final
         norm=(norm[0], as_rows("norm_gate", norm[1]), norm[2]) if fused_norm else None)
     o = o.view(v.shape) if out is None else out
     if norm is not None and not fused_norm:
-        o.copy_(_gated_norm_ref(o, norm))
+        _gated_norm_in_place(o, norm)
     return o, final
 
 
