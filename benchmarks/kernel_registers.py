@@ -69,6 +69,17 @@ def constexpr(*names):
     return {name: "constexpr" for name in names}
 
 
+def prepare_signature() -> dict:
+    """``_chunk_prepare_kernel``'s arguments and their types (bf16 inputs, fp32 g and G)."""
+    names = ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "G_ptr", "u_ptr", "w_ptr", "kn_ptr", "kd_ptr", "aqk_ptr",
+             "t_ptr", "h_ptr", "chunk_start_ptr", "chunk_len_ptr")
+    types = ("*bf16", "*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16",
+             "*bf16", "*i64", "*i32")
+    return dict(zip(names, types)) | {"seq_len": "i32", "scale": "fp32", "stride_q": "i32", "stride_k": "i32",
+                                      "stride_v": "i32"} | constexpr(
+        "H", "HV", "K", "V", "BT", "SUB", "BK", "BV", "L2NORM", "P", "EQUAL", "STORE_T", "LOAD_T")
+
+
 def mixed() -> None:
     """The mixed step's token-mixing kernels at the 9B serving shape (H 16, HV 32, K = V = 128, conv
     width 4, 8192 conv channels; bf16, fp32 states; one 256-token chunk, 32 decode rows), with the
@@ -95,15 +106,8 @@ def mixed() -> None:
         conv_kernels._conv_kernel, sig | constexpr("K", "BLOCK_T", "BLOCK_C"),
         dict(K=4, BLOCK_T=conv_kernels.CONV_BLOCK_T, BLOCK_C=conv_kernels.CONV_BLOCK_C),
         num_warps=conv_kernels.CONV_WARPS, occupancy=True))
-    names = ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "G_ptr", "u_ptr", "w_ptr", "kn_ptr", "kd_ptr", "aqk_ptr",
-             "t_ptr", "h_ptr", "chunk_start_ptr", "chunk_len_ptr")
-    types = ("*bf16", "*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16",
-             "*bf16", "*bf16", "*bf16")
-    sig = dict(zip(names, types)) | {"seq_len": "i32", "scale": "fp32", "stride_q": "i32", "stride_k": "i32",
-                                     "stride_v": "i32"} | constexpr(
-        "H", "HV", "K", "V", "BT", "SUB", "BK", "BV", "L2NORM", "P", "EQUAL", "STORE_T", "LOAD_T")
     print("chunk: _chunk_prepare_kernel (160 programs):", usage(
-        chunk._chunk_prepare_kernel, sig,
+        chunk._chunk_prepare_kernel, prepare_signature(),
         gdn | dict(SUB=chunk.SUB, BK=128, BV=128, L2NORM=True, P="tf32", EQUAL=True, STORE_T=False, LOAD_T=False),
         num_warps=chunk.PREPARE_WARPS, occupancy=True))
     sig = {"u_ptr": "*bf16", "w_ptr": "*bf16", "k_ptr": "*bf16", "G_ptr": "*fp32", "h_ptr": "*bf16",
@@ -150,13 +154,7 @@ def main() -> None:
         rms._rms_norm_bwd_kernel, sig | constexpr("HAS_DRES", "ZERO_CENTERED", "BLOCK_N"),
         dict(HAS_DRES=True, ZERO_CENTERED=True, BLOCK_N=1024), num_warps=4))
     gdn = dict(H=16, HV=32, K=128, V=128, BT=chunk.CHUNK)
-    names = ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "G_ptr", "u_ptr", "w_ptr", "kn_ptr", "kd_ptr", "aqk_ptr",
-             "t_ptr", "h_ptr", "chunk_start_ptr", "chunk_len_ptr")
-    types = ("*bf16", "*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16",
-             "*bf16", "*i64", "*i32")
-    sig = dict(zip(names, types)) | {"seq_len": "i32", "scale": "fp32", "stride_q": "i32", "stride_k": "i32",
-                                     "stride_v": "i32"} | constexpr(
-        "H", "HV", "K", "V", "BT", "SUB", "BK", "BV", "L2NORM", "P", "EQUAL", "STORE_T", "LOAD_T")
+    sig = prepare_signature()
     for store, load in ((True, False), (False, True)):
         tiles = dict(SUB=chunk.SUB, BK=128, BV=128, L2NORM=True, P="tf32", EQUAL=True)
         print(f"GDN _chunk_prepare_kernel {'forward (STORE_T)' if store else 'backward (LOAD_T)'}:", usage(
