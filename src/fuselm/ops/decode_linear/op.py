@@ -50,6 +50,31 @@ from fuselm.runtime import (
 )
 
 
+def _check_x(x) -> None:
+    """x: a tensor [..., K] with a unit last stride."""
+    check_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x: must have at least one dimension, [..., K]")
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        raise ValueError(f"x: the last dim must be contiguous (stride 1), got strides {tuple(x.stride())}")
+
+
+def _refuse_autograd(op: str, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and needs_autograd(t):
+            raise ValueError(f"{name}: requires grad, but {op} is inference-only (no autograd); "
+                             "call it under torch.no_grad()")
+
+
+def _prologue_rows(x2, prologue, gate2, norm_weight, eps, head_dim, out=None) -> torch.Tensor:
+    """prologue(x2) for rows x2 and gate2 [M, K] (unit column stride), into ``out`` [M, K] when
+    given: one launch of the prologue kernel, PyTorch's ``naive.py`` for heads it cannot tile."""
+    if prologue_kernel_ok(prologue, head_dim):
+        return prologue_kernel(x2, prologue, gate2, norm_weight, eps, head_dim, out=out)
+    a = prologue_ref(x2, prologue, gate2, norm_weight, eps, head_dim)
+    return a if out is None else out.copy_(a)
+
+
 def _check_prologue(x, prologue, gate, norm_weight, eps, head_dim) -> float:
     """The prologue's argument checks (metadata only); returns eps (0 unless gated_rms_norm)."""
     if prologue not in PROLOGUE_CODES:
@@ -98,12 +123,8 @@ def _check_prologue(x, prologue, gate, norm_weight, eps, head_dim) -> float:
 
 def _check(x, weight, prologue, gate, norm_weight, eps, head_dim, out, config):
     """All argument checks (metadata only); returns (eps, out shape)."""
-    check_tensor("x", x)
+    _check_x(x)
     check_tensor("weight", weight)
-    if x.dim() == 0:
-        raise ValueError("x: must have at least one dimension, [..., K]")
-    if x.stride(-1) != 1 and x.shape[-1] > 1:
-        raise ValueError(f"x: the last dim must be contiguous (stride 1), got strides {tuple(x.stride())}")
     if weight.dim() != 2:
         raise ValueError(f"weight: expected [N, K] (nn.Linear layout), got shape {tuple(weight.shape)}")
     if weight.shape[1] != x.shape[-1]:
@@ -124,10 +145,7 @@ def _check(x, weight, prologue, gate, norm_weight, eps, head_dim, out, config):
         if not out.is_contiguous():
             raise ValueError("out: must be contiguous")
     check_same_device(x=x, weight=weight, gate=gate, norm_weight=norm_weight, out=out)
-    for name, t in (("x", x), ("weight", weight), ("gate", gate), ("norm_weight", norm_weight)):
-        if t is not None and needs_autograd(t):
-            raise ValueError(f"{name}: requires grad, but decode_linear is inference-only (no autograd); "
-                             "call it under torch.no_grad()")
+    _refuse_autograd("decode_linear", x=x, weight=weight, gate=gate, norm_weight=norm_weight)
     if config is not None:
         check_config(config)
         rows = math.prod(out_shape[:-1])
@@ -206,10 +224,7 @@ def decode_linear(
         # then the plain product: a fused GEMV's every program would recompute it over all rows.
         if gate2.dim() == 3:
             gate2 = as_rows("gate", gate2.flatten(-2))
-        if prologue_kernel_ok(prologue, head_dim):
-            x2 = prologue_kernel(x2, prologue, gate2, norm_weight, eps, head_dim)
-        else:
-            x2 = prologue_ref(x2, prologue, gate2, norm_weight, eps, head_dim)
+        x2 = _prologue_rows(x2, prologue, gate2, norm_weight, eps, head_dim)
         prologue, gate2, norm_weight, head_dim = None, None, None, None
         if config is None and not vector:
             cfg = decode_linear_config(arch, x.dtype)
@@ -238,11 +253,7 @@ def linear_prologue(
     x's shape and dtype, x itself allowed (in place). One launch on a Triton device (PyTorch's
     ``naive.py`` for a head_dim the kernel cannot tile; a gate in strided heads is first copied
     into rows); the roundings of ``naive.py``. Metadata checks only, no host sync; inference only."""
-    check_tensor("x", x)
-    if x.dim() == 0:
-        raise ValueError("x: must have at least one dimension, [..., K]")
-    if x.stride(-1) != 1 and x.shape[-1] > 1:
-        raise ValueError(f"x: the last dim must be contiguous (stride 1), got strides {tuple(x.stride())}")
+    _check_x(x)
     if prologue not in ("sigmoid_gate", "gated_rms_norm"):
         raise ValueError(f"prologue: expected 'sigmoid_gate' or 'gated_rms_norm', got {prologue!r}")
     eps = _check_prologue(x, prologue, gate, norm_weight, eps, head_dim)
@@ -252,17 +263,13 @@ def linear_prologue(
         raise ValueError(f"out: expected a contiguous {x.dtype} tensor of x's shape {tuple(x.shape)}, got "
                          f"{tuple(out.shape)} {out.dtype}{'' if out.is_contiguous() else ' (not contiguous)'}")
     check_same_device(x=x, gate=gate, norm_weight=norm_weight, out=out)
-    for name, t in (("x", x), ("gate", gate), ("norm_weight", norm_weight)):
-        if t is not None and needs_autograd(t):
-            raise ValueError(f"{name}: requires grad, but linear_prologue is inference-only (no autograd); "
-                             "call it under torch.no_grad()")
+    _refuse_autograd("linear_prologue", x=x, gate=gate, norm_weight=norm_weight)
     if out.numel() == 0:
         return out
     if gate.dim() == x.dim() + 1:  # heads of columns, strided: into rows
         gate = gate.flatten(-2)
-    if not use_triton(x) or not prologue_kernel_ok(prologue, head_dim):
+    if not use_triton(x):
         return out.copy_(prologue_ref(x, prologue, gate, norm_weight, eps, head_dim))
-    K = x.shape[-1]
-    prologue_kernel(as_rows("x", x), prologue, as_rows("gate", gate), norm_weight, eps, head_dim,
-                    out=out.view(-1, K))
+    _prologue_rows(as_rows("x", x), prologue, as_rows("gate", gate), norm_weight, eps, head_dim,
+                   out=out.view(-1, x.shape[-1]))
     return out
