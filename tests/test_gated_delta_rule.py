@@ -434,10 +434,15 @@ def test_chunked_output_norm_is_decode_linears_prologue(impl, B, T, HV, V, norm_
                              head_dim=V).view(o.shape)
     if ON_GPU:
         assert_close(o, expect, TOL_VS_CONTRACT[dtype], "o")
-    else:
+    elif impl == "kernels":
         assert torch.equal(o, expect)
+    else:
+        # The PyTorch reference is not bit-reproducible from call to call here: its first call in a
+        # process and the later ones differed by 1.7e-5 relative in fp32 (CPU BLAS). So the two
+        # calls (plain, o) are held to the file's tolerance; the kernel path above to the bit.
+        assert rel_err(o, expect) <= TOL[dtype]
     assert rel_err(o, gated_rms_norm_ref(plain.flatten(-2), z, norm_weight, 1e-6, V).view(o.shape)) <= (
-        1e-5 if dtype == torch.float32 else 2e-3)
+        TOL[dtype] if impl == "reference" else 1e-5 if dtype == torch.float32 else 2e-3)
     o4, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, norm_weight=norm_weight,
                                    norm_gate=z.unflatten(-1, (HV, V)))  # z as [B, T, HV, V]
     assert torch.equal(o4, o)
