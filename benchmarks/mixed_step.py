@@ -228,11 +228,9 @@ def set_constants(group: str | None):
     for item in (group.split(",") if group and group != "-" else []):
         target, _, value = item.partition("=")
         module_name, _, name = target.strip().rpartition(".")
-        if not module_name.startswith("fuselm."):
-            module_name = f"fuselm.ops.{module_name}"
-        module = importlib.import_module(module_name)
+        module = importlib.import_module(f"fuselm.ops.{module_name}")
         if not hasattr(module, name):
-            raise SystemExit(f"--set: {module_name} has no {name}")
+            raise SystemExit(f"--set: fuselm.ops.{module_name} has no {name}")
         before.append((module, name, getattr(module, name)))
         setattr(module, name, ast.literal_eval(value.strip()))
 

@@ -108,7 +108,6 @@ def rotary_inv_freq(config: Qwen35Config) -> torch.Tensor:
 
 
 # ============================================================================ Gated DeltaNet
-DECODE_PROGRAMS_PER_SM_BESIDE_CHUNK: int | None = None  # NOTES.md 95 (an experiment, reverted)
 class GatedDeltaNet(nn.Module):
     """HF ``Qwen3_5GatedDeltaNet``: projections -> causal depthwise conv + SiLU over (q, k, v) ->
     gated delta rule with q/k l2-norm -> gated RMSNorm with z -> out_proj.
@@ -266,8 +265,7 @@ class GatedDeltaNet(nn.Module):
             step.state_slots, step.positions, num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim,
             num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim,
             norm_weight=self.norm if normed else None, eps=self.eps,
-            out=None if out is None else out.view(N, self.num_v_heads, self.head_v_dim),
-            programs_per_sm=DECODE_PROGRAMS_PER_SM_BESIDE_CHUNK if gated else None)
+            out=None if out is None else out.view(N, self.num_v_heads, self.head_v_dim))
         o = o.flatten(1)[:, None]
         return self.gate_heads(o, projected) if gated and not normed else o
 

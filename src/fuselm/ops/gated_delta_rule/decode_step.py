@@ -47,8 +47,8 @@ from fuselm.ops.gated_delta_rule.naive import gated_delta_rule_decode_step_ref
 from fuselm.ops.common.pdl import allow_next_kernel, wait_for_previous_kernel
 from fuselm.ops.common.prologue import PROLOGUE_GATED_RMS_NORM, PROLOGUE_NONE, prologue_tile
 from fuselm.ops.decode_linear.naive import gated_rms_norm_ref
-from fuselm.runtime import (cdiv, check_finite_float, check_same_device, check_tensor, next_power_of_2, num_sms,
-                            use_pdl, use_triton)
+from fuselm.runtime import (cdiv, check_finite_float, check_same_device, check_tensor, next_power_of_2, use_pdl,
+                            use_triton)
 
 
 @triton.jit
@@ -75,14 +75,15 @@ def _causal_conv_silu(proj, ch, mask, history):
 
 
 @triton.jit
-def _decode_tile(
-    i_v, i_nh, proj_ptr, conv_ptr, conv_w_ptr, A_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, positions_ptr,
-    norm_w_ptr, o_ptr, stride_proj, stride_conv, scale, eps,
+def _decode_step_kernel(
+    proj_ptr, conv_ptr, conv_w_ptr, A_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, positions_ptr, norm_w_ptr, o_ptr,
+    stride_proj, stride_conv, scale, eps,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KW: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PROLOGUE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    i_n = i_nh // HV
-    i_hv = i_nh % HV
+    i_v = tl.program_id(0)
+    i_n = tl.program_id(1) // HV
+    i_hv = tl.program_id(1) % HV
     i_h = i_hv // (HV // H)
     KEY_DIM: tl.constexpr = H * K
     CONV_DIM: tl.constexpr = 2 * H * K + HV * V
@@ -142,27 +143,6 @@ def _decode_tile(
     tl.store(conv + k_ch * KW + column, x_k, mask=kk < tl.where(writes_qk, K, 0))
 
 
-@triton.jit
-def _decode_step_kernel(
-    proj_ptr, conv_ptr, conv_w_ptr, A_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, positions_ptr, norm_w_ptr, o_ptr,
-    stride_proj, stride_conv, scale, eps, tiles,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KW: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PROLOGUE: tl.constexpr, USE_PDL: tl.constexpr,
-    PERSISTENT: tl.constexpr,
-):
-    NV: tl.constexpr = (V + BLOCK_V - 1) // BLOCK_V
-    if PERSISTENT:
-        wait_for_previous_kernel(USE_PDL)
-        for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
-            _decode_tile(tile % NV, tile // NV, proj_ptr, conv_ptr, conv_w_ptr, A_log_ptr, dt_bias_ptr, state_ptr,
-                         slots_ptr, positions_ptr, norm_w_ptr, o_ptr, stride_proj, stride_conv, scale, eps,
-                         H, HV, K, V, KW, BLOCK_K, BLOCK_V, PROLOGUE, False)
-    else:
-        _decode_tile(tl.program_id(0), tl.program_id(1), proj_ptr, conv_ptr, conv_w_ptr, A_log_ptr, dt_bias_ptr,
-                     state_ptr, slots_ptr, positions_ptr, norm_w_ptr, o_ptr, stride_proj, stride_conv, scale, eps,
-                     H, HV, K, V, KW, BLOCK_K, BLOCK_V, PROLOGUE, USE_PDL)
-
-
 # At least 2 warps a program (fused_recurrent's 1 is its best alone): in the 35B-A3B decode step at
 # batch 1 (16 value columns a program), 2.849 -> 2.830 ms a step, before the dependent launch (NOTES 73).
 MIN_NUM_WARPS = 2
@@ -207,7 +187,6 @@ def gated_delta_rule_decode_step(
     dt_bias: torch.Tensor, state: torch.Tensor, state_slots: torch.Tensor, positions: torch.Tensor, *,
     num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int, scale: float | None = None,
     norm_weight: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None,
-    programs_per_sm: int | None = None,
 ) -> torch.Tensor:
     """One token per row through the conv, the gates and the gated delta rule (see the module doc).
 
@@ -258,14 +237,11 @@ def gated_delta_rule_decode_step(
     block_v = V if norm_weight is not None else decode_block_v(N * HV, V, proj.device)
     pdl = use_pdl(proj.device)
     KW = conv_weight.shape[2]
-    tiles = cdiv(V, block_v) * N * HV
-    programs = tiles if programs_per_sm is None else min(tiles, programs_per_sm * num_sms(proj.device))
-    _decode_step_kernel[(cdiv(V, block_v), N * HV) if programs == tiles else (programs,)](
+    _decode_step_kernel[(cdiv(V, block_v), N * HV)](
         proj, conv_state, conv_weight, A_log, dt_bias, state, state_slots, positions,
         proj if norm_weight is None else norm_weight, out, proj.stride(0), conv_state.stride(0), scale, float(eps),
-        tiles, H=H, HV=HV, K=K, V=V, KW=KW, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
-        PROLOGUE=PROLOGUE_NONE if norm_weight is None else PROLOGUE_GATED_RMS_NORM, USE_PDL=pdl,
-        PERSISTENT=programs < tiles,
-        num_warps=max(MIN_NUM_WARPS, decode_num_warps(next_power_of_2(K), block_v)), launch_pdl=pdl,
+        H=H, HV=HV, K=K, V=V, KW=KW, BLOCK_K=next_power_of_2(K), BLOCK_V=block_v,
+        PROLOGUE=PROLOGUE_NONE if norm_weight is None else PROLOGUE_GATED_RMS_NORM,
+        USE_PDL=pdl, num_warps=max(MIN_NUM_WARPS, decode_num_warps(next_power_of_2(K), block_v)), launch_pdl=pdl,
     )
     return out
