@@ -242,11 +242,14 @@ def test_completions_timings_tokens_throughput_and_concurrency(server, tmp_path)
     assert fake.peak_in_flight == 4 and results["max_concurrent_requests"] == 4
 
     expected_e2el = FIRST_TOKEN_DELAY + (output_len - 1) * TOKEN_DELAY
-    assert all(FIRST_TOKEN_DELAY * 0.95 <= t <= FIRST_TOKEN_DELAY + SLACK for t in results["ttfts"])
+    # (the measured values in each message: on the lent GPU's machine this test failed on the TTFTs)
+    ttfts = results["ttfts"]
+    assert all(FIRST_TOKEN_DELAY * 0.95 <= t <= FIRST_TOKEN_DELAY + SLACK for t in ttfts), ttfts
     assert all(len(gaps) == output_len - 1 for gaps in results["itls"])
-    assert TOKEN_DELAY * 0.9 <= results["median_itl_ms"] / 1e3 <= TOKEN_DELAY + SLACK / 4
-    assert TOKEN_DELAY * 0.9 <= results["mean_tpot_ms"] / 1e3 <= TOKEN_DELAY + SLACK / 4
-    assert all(expected_e2el * 0.95 <= t <= expected_e2el + 2 * SLACK for t in results["latencies"])
+    assert TOKEN_DELAY * 0.9 <= results["median_itl_ms"] / 1e3 <= TOKEN_DELAY + SLACK / 4, results["median_itl_ms"]
+    assert TOKEN_DELAY * 0.9 <= results["mean_tpot_ms"] / 1e3 <= TOKEN_DELAY + SLACK / 4, results["mean_tpot_ms"]
+    latencies = results["latencies"]
+    assert all(expected_e2el * 0.95 <= t <= expected_e2el + 2 * SLACK for t in latencies), latencies
     assert results["output_lens"] == [output_len] * prompts and results["input_lens"] == [16] * prompts
 
     duration = results["duration"]
