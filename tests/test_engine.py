@@ -469,6 +469,7 @@ def test_requests_wait_for_kv_pages_and_get_their_solo_output(model):
     has is refused, naming max_tokens."""
     engine = Engine(model, max_batch=4, max_len=32, kv_cache_tokens=48, page_size=16, seed=0)
     assert (engine.runner.cache.num_pages, engine.runner.cache.page_size) == (3, 16)
+    assert engine.max_request_tokens == 32  # max_len; the cache's 48 tokens hold more
     prompts = [prompt(12, 20), prompt(5, 21), prompt(9, 22), prompt(3, 23)]
     params = [greedy(8), greedy(4), greedy(10), greedy(6)]  # pages: 2, 1, 2, 1
     requests = [engine.add_request(p, q) for p, q in zip(prompts, params)]
@@ -482,8 +483,10 @@ def test_requests_wait_for_kv_pages_and_get_their_solo_output(model):
     for request, p, q in zip(requests, prompts, params):
         assert request.output().outputs[0].token_ids == token_ids(solo.generate([p], q))[0]
     assert engine.scheduler.free_pages == 3
+    small = Engine(model, max_batch=2, max_len=64, kv_cache_tokens=48, page_size=16)
+    assert small.max_request_tokens == 48  # the cache's 3 pages, under max_len
     with pytest.raises(ValueError, match="max_tokens: 20 prompt tokens .* need 4 K/V pages of 16 tokens; the cache has 3"):
-        Engine(model, max_batch=2, max_len=64, kv_cache_tokens=48, page_size=16).add_request(prompt(20, 1), greedy(30))
+        small.add_request(prompt(20, 1), greedy(30))
 
 
 def test_bad_input_raises_and_the_engine_stays_usable(model, engine):

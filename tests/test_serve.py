@@ -205,6 +205,17 @@ USER = [{"role": "user", "content": "Hi"}]
     (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens", "max_tokens"),
     (CHAT, {"messages": USER, "logprobs": True}, 400, "logprobs", "not supported"),
     (CHAT, {"messages": USER, "chat_template_kwargs": "x"}, 400, "chat_template_kwargs", "object"),
+    # a lone surrogate: JSON's \\u escapes carry it, UTF-8 and the tokenizer cannot
+    (COMPLETIONS, {"prompt": "a\ud800b"}, 400, "prompt", "cannot be tokenized"),
+    (CHAT, {"messages": [{"role": "user", "content": "a\ud800b"}]}, 400, "messages", ""),
+    # vLLM's own fields that would change the answer
+    (COMPLETIONS, {"prompt": "Hi", "include_stop_str_in_output": True}, 400, "include_stop_str_in_output",
+     "not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "guided_choice": ["a", "b"]}, 400, "guided_choice", "not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "response_format": {"type": "json_object"}}, 400, "response_format",
+     "not supported"),
+    (CHAT, {"messages": USER, "skip_special_tokens": False}, 400, "skip_special_tokens", "not supported"),
+    (CHAT, {"messages": USER, "chat_template": "{{ messages }}"}, 400, "chat_template", "not supported"),
 ])
 def test_bad_requests_get_openai_error_json_naming_the_field(server, path, body, status, param, message):
     code, answer = post(server, path, raw=body) if isinstance(body, bytes) else post(server, path, body)
@@ -214,6 +225,50 @@ def test_bad_requests_get_openai_error_json_naming_the_field(server, path, body,
     assert error["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
 
 
+def test_unknown_routes_methods_and_large_bodies_get_openai_error_json(server, monkeypatch):
+    """aiohttp's own refusals come as OpenAI's error JSON too: no such route (404), a wrong
+    method (405, with its Allow header), a body over the size limit (413)."""
+    async def send(method: str, path: str, data: bytes = b"{}"):
+        async with aiohttp.ClientSession() as session:
+            async with session.request(method, server.url + path, data=data) as response:
+                return response.status, response.headers.get("Allow"), await response.json(content_type=None)
+
+    status, _, answer = asyncio.run(send("POST", "/v1/embeddings"))
+    assert status == 404 and answer["error"]["code"] == 404 and "/v1/embeddings" in answer["error"]["message"]
+    status, allow, answer = asyncio.run(send("GET", COMPLETIONS))
+    assert status == 405 and allow == "POST" and answer["error"]["type"] == "MethodNotAllowedError"
+    status, _, answer = asyncio.run(send("POST", COMPLETIONS, b" " * (server.app._client_max_size + 1)))
+    assert status == 413 and answer["error"]["code"] == 413
+
+
+def test_prompts_are_tokenized_off_the_event_loop(server, client, monkeypatch):
+    """A request's tokenizing and chat template run on an executor thread, not the event loop's
+    (a long prompt there would stall every stream), for both endpoints; the answer is the same."""
+    import fuselm.serve.app as app_module
+
+    threads = []
+    for name in ("parse_completion_request", "parse_chat_request"):
+        def recorded(*args, _parse=getattr(app_module, name)):
+            threads.append(threading.current_thread().name)
+            return _parse(*args)
+        monkeypatch.setattr(app_module, name, recorded)
+    client.completions.create(model=model_name(server), prompt="Hi", max_tokens=1, temperature=0)
+    client.chat.completions.create(model=model_name(server), messages=USER, max_tokens=1, temperature=0)
+    assert len(threads) == 2 and "test-server-loop" not in threads
+    wait_until_idle(server)
+
+
+def test_a_negative_seed_is_taken_and_reproducible(server, client):
+    """OpenAI's seeds are any int64: a negative one samples, the same tokens each time."""
+    body = dict(model=model_name(server), prompt="Once", max_tokens=4, temperature=1.0, seed=-7,
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+    first, second = (client.completions.create(**body).choices[0].model_extra["token_ids"] for _ in range(2))
+    assert first == second and len(first) == 4
+    code, answer = post(server, COMPLETIONS, {"prompt": "Hi", "seed": -2**63 - 1})
+    assert code == 400 and answer["error"]["param"] == "seed"
+    wait_until_idle(server)
+
+
 def test_the_server_answers_after_bad_requests(server, client):
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model=model_name(server), prompt="Hi", max_tokens=2, temperature=-1)
@@ -221,6 +276,29 @@ def test_the_server_answers_after_bad_requests(server, client):
     answer = client.completions.create(model=model_name(server), prompt="Hi", max_tokens=2, temperature=0)
     assert answer.choices[0].finish_reason in ("stop", "length") and answer.usage.completion_tokens >= 1
     wait_until_idle(server)
+
+
+def test_a_chat_without_max_tokens_gets_what_the_kv_cache_holds(checkpoint):
+    """With kv_cache_tokens under max_len a request holds at most the cache's capacity: that is
+    the server's max_len (/v1/models' max_model_len), and a chat without max_tokens (default: the
+    rest of the context) runs to it, instead of a 400 about K/V pages naming a field it never sent."""
+    llm = LLM(checkpoint, dtype="float32", device="cpu", max_batch=1, max_len=MAX_LEN, seed=0, progress=False,
+              kv_cache_tokens=32, page_size=16)
+    assert llm.engine.max_request_tokens == 32
+    server = ServerThread(ServedModel.from_llm(llm))
+    try:
+        async def model_card():
+            async with aiohttp.ClientSession() as session:
+                async with session.get(server.url + "/v1/models") as response:
+                    return (await response.json())["data"][0]
+        assert asyncio.run(model_card())["max_model_len"] == 32
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        answer = client.chat.completions.create(model=model_name(server), messages=USER, temperature=0,
+                                                extra_body={"ignore_eos": True})
+        assert answer.choices[0].finish_reason == "length"
+        assert answer.usage.prompt_tokens + answer.usage.completion_tokens == 32
+    finally:
+        server.stop()
 
 
 # ==================================================================================== concurrency

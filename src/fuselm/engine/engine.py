@@ -236,6 +236,13 @@ class Engine:
     def max_len(self) -> int:
         return self.runner.max_len
 
+    @property
+    def max_request_tokens(self) -> int:
+        """Tokens one request may hold (prompt + output): ``max_len``, or the K/V cache's whole
+        capacity where ``kv_cache_tokens`` holds fewer (a request takes its pages when it starts)."""
+        cache = self.runner.cache
+        return min(self.max_len, cache.num_pages * cache.page_size)
+
     # ------------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, prompt: str | None = None, detokenizer=None) -> Request:

@@ -309,7 +309,9 @@ class EngineClient:
 
     @property
     def max_len(self) -> int:
-        """Tokens a request may hold (prompt + output): the engine's ``max_len``."""
+        """Tokens a request may hold (prompt + output): the engine's ``max_request_tokens``
+        (its max_len, or fewer where its K/V cache holds fewer: a chat request without max_tokens
+        then gets what fits, not a 400 about pages)."""
         raise NotImplementedError
 
     def start(self) -> None:
@@ -412,7 +414,7 @@ class AsyncEngine(EngineClient):
 
     @property
     def max_len(self) -> int:
-        return self.engine.max_len
+        return self.engine.max_request_tokens
 
     @property
     def failure(self) -> BaseException | None:

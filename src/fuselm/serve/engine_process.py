@@ -275,7 +275,7 @@ def _child_main(spec: EngineSpec, pipe) -> None:
         pipe.send(("failed", _portable(error)))
         pipe.close()
         return
-    pipe.send(("ready", {"name": model.name, "max_batch": engine.max_batch, "max_len": engine.max_len,
+    pipe.send(("ready", {"name": model.name, "max_batch": engine.max_batch, "max_len": engine.max_request_tokens,
                          "default_params": model.default_params, "no_tokenizer_reason": model.no_tokenizer_reason,
                          "model_dir": model.model_dir}))
 

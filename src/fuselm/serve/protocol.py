@@ -5,7 +5,8 @@ Requests: ``parse_completion_request`` (``POST /v1/completions``) and ``parse_ch
 prompt's token ids, the ``SamplingParams`` (built in one place, ``sampling_params_from_request``)
 and how to answer (streamed or not). Anything wrong is an ``APIError`` naming the field.
 
-Fields read (``null`` is the same as absent; other fields are ignored, as vLLM does):
+Fields read (``null`` is the same as absent; other fields, which do not change the answer,
+are ignored, as vLLM does):
     model                 must be the served name when given (404 otherwise)
     prompt                completions: a string, a list of one string, a list of token ids (or a
                           list of one such list)
@@ -19,8 +20,9 @@ Fields read (``null`` is the same as absent; other fields are ignored, as vLLM d
     stream, stream_options.include_usage
     return_token_ids      (vLLM's) each choice carries its generated "token_ids"
 Fields that would change the answer but are not implemented (``UNSUPPORTED_FIELDS``: logprobs,
-echo, best_of > 1, penalties, tools ...) are refused with a 400 naming them unless they hold
-their neutral value.
+echo, best_of > 1, penalties, tools, response_format, and vLLM's own: beam search, guided
+decoding, include_stop_str_in_output, skip_special_tokens ...) are refused with a 400 naming
+them unless they hold their neutral value.
 
 Responses: ``CompletionFormat`` and ``ChatFormat`` write OpenAI's answer and stream-chunk JSON
 for their endpoint; ``token_usage``, ``model_list`` and ``APIError.body`` the rest.
@@ -46,8 +48,8 @@ class APIError(Exception):
     """A request that gets an error answer: HTTP ``status`` and OpenAI's error JSON
     ``{"error": {"message", "type", "param", "code"}}`` (``body``)."""
 
-    TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
-             503: "ServiceUnavailableError"}
+    TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+             500: "InternalServerError", 503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
@@ -106,15 +108,36 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "logit_bias": _absent_or({}),
     "min_p": _absent_or(0),
     "min_tokens": _absent_or(0),
+    # vLLM's own (its extra_body): users of a vLLM server send them
+    "use_beam_search": _absent_or(False),
+    "length_penalty": _absent_or(1),
+    "include_stop_str_in_output": _absent_or(False),
+    "skip_special_tokens": _absent_or(True),
+    "spaces_between_special_tokens": _absent_or(True),
+    "allowed_token_ids": _absent_or(),
+    "bad_words": _absent_or([]),
+    "truncate_prompt_tokens": _absent_or(),
+    "prompt_logprobs": _absent_or(),
+    "logits_processors": _absent_or(),
+    "structured_outputs": _absent_or(),
+    "guided_json": _absent_or(),
+    "guided_regex": _absent_or(),
+    "guided_choice": _absent_or(),
+    "guided_grammar": _absent_or(),
+    "response_format": _absent_or({"type": "text"}),
 }
 COMPLETION_UNSUPPORTED_FIELDS = {**UNSUPPORTED_FIELDS, "echo": _absent_or(False), "suffix": _absent_or("")}
 CHAT_UNSUPPORTED_FIELDS = {
     **UNSUPPORTED_FIELDS,
+    "echo": _absent_or(False),
+    "continue_final_message": _absent_or(False),
+    "chat_template": _absent_or(),
+    "documents": _absent_or([]),
+    "reasoning_effort": _absent_or(),
     "tools": _absent_or([]),
     "tool_choice": _absent_or("none", "auto"),
     "functions": _absent_or([]),
     "function_call": _absent_or("none", "auto"),
-    "response_format": _absent_or({"type": "text"}),
     "modalities": _absent_or(["text"]),
     "audio": _absent_or({}),
     "prediction": _absent_or({}),
@@ -180,7 +203,8 @@ def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, pro
       None. ``prompt_tokens + max_tokens`` must fit in ``max_len``; errors name the field that
       set it (the last of ``max_tokens_fields`` when none did).
     - ``SAMPLING_FIELDS`` (temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos): the
-      body's value when set, else ``defaults``' (the checkpoint's generation_config sampling).
+      body's value when set, else ``defaults``' (the checkpoint's generation_config sampling). A
+      negative seed (OpenAI's are any int64) is taken modulo 2**63, the engine's seeds.
     SamplingParams checks every value; a bad one is an APIError 400 naming the request field."""
     room = max_len - prompt_tokens
     max_tokens_field = _max_tokens_field(body, max_tokens_fields)
@@ -189,6 +213,9 @@ def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, pro
     else:
         max_tokens = body[max_tokens_field]
     overrides = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    seed = overrides.get("seed")
+    if _is_int(seed) and -2**63 <= seed < 0:  # OpenAI's seeds are int64; the engine's 63-bit
+        overrides["seed"] = seed % 2**63
     try:
         params = dataclasses.replace(defaults, max_tokens=max_tokens, **overrides)
     except (ValueError, TypeError) as error:
@@ -233,6 +260,15 @@ def check_model(body: Mapping, served_name: str) -> None:
                        "model")
 
 
+def _encode(tokenizer, text: str, field: str) -> list[int]:
+    """``tokenizer.encode(text)``; text it cannot take (a lone surrogate, which JSON's \\u escapes
+    can carry but UTF-8 cannot) is a 400 naming ``field``."""
+    try:
+        return tokenizer.encode(text)
+    except (TypeError, ValueError, UnicodeError) as error:
+        raise bad_request(f"{field}: the text cannot be tokenized ({error})", field) from None
+
+
 def _completion_prompt(prompt, tokenizer, no_tokenizer_reason: str) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of a completion request's ``prompt``."""
     if prompt is None:
@@ -245,7 +281,7 @@ def _completion_prompt(prompt, tokenizer, no_tokenizer_reason: str) -> tuple[str
         if tokenizer is None:
             raise bad_request(f"this server has no tokenizer ({no_tokenizer_reason}): send the prompt as a list "
                               f"of token ids", "prompt")
-        return prompt, tokenizer.encode(prompt)
+        return prompt, _encode(tokenizer, prompt, "prompt")
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise bad_request(f"a batch of {len(prompt)} prompts is not supported: send one prompt per request",
                           "prompt")
@@ -334,7 +370,7 @@ def parse_chat_request(body: Mapping, tokenizer, defaults: SamplingParams, max_l
         raise bad_request(f"chat needs a tokenizer and a chat template, and this server has none "
                           f"({no_tokenizer_reason}): use /v1/completions with a list of token ids", "messages")
     text = _chat_prompt(body, tokenizer)
-    ids = tokenizer.encode(text)
+    ids = _encode(tokenizer, text, "messages")
     _check_prompt_length(len(ids), max_len, "messages")
     max_tokens_fields = ("max_completion_tokens", "max_tokens")
     params = sampling_params_from_request(body, defaults, prompt_tokens=len(ids), max_len=max_len,
