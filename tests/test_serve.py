@@ -177,6 +177,26 @@ def test_chat_streamed_equals_whole(server, client, llm):
     assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
 
 
+def test_stop_strings_and_stop_token_ids_end_answers_whole_and_streamed(server, client):
+    """A stop string ends the text before it (finish_reason "stop"), whole and streamed alike; a
+    stop token id ends the ids after it."""
+    name = model_name(server)
+    options = dict(model=name, prompt="Once upon a time", max_tokens=12, temperature=0)
+    free = client.completions.create(**options, extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
+    text, ids = free.text, free.model_extra["token_ids"]
+    assert len(text) > 4 and len(ids) == 12
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = client.completions.create(**options, stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    assert cut.text == text[: text.index(stop)] and cut.finish_reason == "stop"
+    streamed = list(client.completions.create(**options, stop=stop, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(chunk.choices[0].text for chunk in streamed) == cut.text
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    stopped = client.completions.create(**options, extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                               "stop_token_ids": [ids[5]]}).choices[0]
+    assert stopped.model_extra["token_ids"] == ids[: ids.index(ids[5]) + 1] and stopped.finish_reason == "stop"
+    wait_until_idle(server)
+
+
 # ==================================================================================== bad requests
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "Hi"}]
@@ -525,9 +545,9 @@ def process_server(checkpoint):
 
 
 def test_an_engine_process_serves_what_the_engine_thread_serves(server, process_server):
-    """Text, token ids, stop strings and streams come back from the engine process as from the
+    """Text, token ids, streams and chat answers come back from the engine process as from the
     engine thread (the same checkpoint and seed); a request the engine refuses is a 400 naming
-    the field (the error crosses the pipe), a bad stop string too."""
+    the field (the error crosses the pipe)."""
     def answers(served):
         client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         name = model_name(served)
