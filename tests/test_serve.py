@@ -225,6 +225,7 @@ USER = [{"role": "user", "content": "Hi"}]
     (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens", "max_tokens"),
     (CHAT, {"messages": USER, "logprobs": True}, 400, "logprobs", "not supported"),
     (CHAT, {"messages": USER, "chat_template_kwargs": "x"}, 400, "chat_template_kwargs", "object"),
+    (CHAT, {"messages": USER, "model": "gpt-5"}, 404, "model", "does not exist"),
     # a lone surrogate: JSON's \\u escapes carry it, UTF-8 and the tokenizer cannot
     (COMPLETIONS, {"prompt": "a\ud800b"}, 400, "prompt", "cannot be tokenized"),
     (CHAT, {"messages": [{"role": "user", "content": "a\ud800b"}]}, 400, "messages", ""),
@@ -339,6 +340,32 @@ def test_more_requests_than_slots_get_their_solo_output(server):
     concurrent = asyncio.run(together())
     assert [(c["text"], c["token_ids"]) for c in concurrent] == [(c["text"], c["token_ids"]) for c in alone]
     assert all(len(c["token_ids"]) == 2 for c in alone)
+
+
+def test_bad_requests_beside_a_running_stream_leave_it_whole(server, client):
+    """Bad requests of every kind (invalid JSON, a bad field, an unknown model, an unknown route)
+    sent while a stream runs get their errors; the stream ends as it would alone."""
+    body = {"prompt": "Once upon a time", **greedy(12, ignore_eos=True)}
+    alone = post(server, COMPLETIONS, body)[1]["choices"][0]["text"]
+
+    async def stream_and_interrupt():
+        async with aiohttp.ClientSession() as session:
+            async with session.post(server.url + COMPLETIONS, json={**body, "stream": True}) as response:
+                lines = [await response.content.readline()]
+                statuses = []
+                for method, path, data in (("POST", COMPLETIONS, b"{oops"), ("POST", COMPLETIONS, b'{"prompt": 5}'),
+                                           ("POST", CHAT, b'{"messages": [], "model": "x"}'), ("GET", "/v2", b"")):
+                    async with session.request(method, server.url + path, data=data) as bad:
+                        statuses.append((bad.status, "error" in await bad.json(content_type=None)))
+                lines += [line async for line in response.content if line.strip()]
+        return lines, statuses
+
+    lines, statuses = asyncio.run(stream_and_interrupt())
+    assert statuses == [(400, True), (400, True), (404, True), (404, True)]
+    events = [json.loads(line.removeprefix(b"data: ")) for line in lines if line.strip() != b"data: [DONE]"]
+    assert lines[-1].strip() == b"data: [DONE]"
+    assert "".join(event["choices"][0]["text"] for event in events) == alone
+    wait_until_idle(server)
 
 
 def test_a_streaming_client_that_goes_away_frees_its_slot(server, client):
