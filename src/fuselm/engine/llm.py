@@ -14,6 +14,7 @@ UTF-8 character), stop strings are cut from it, special tokens are left out of i
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -27,6 +28,9 @@ from fuselm.tokenizer import Tokenizer
 
 # generation_config.json fields that become the default SamplingParams (as vLLM does).
 _GENERATION_DEFAULTS = ("temperature", "top_p", "top_k")
+# generation_config.json fields vLLM also applies and fuselm's sampler does not, with their neutral
+# values: another value gets a warning (the answers differ from vLLM's on the same checkpoint).
+_GENERATION_NOT_APPLIED = {"repetition_penalty": 1, "presence_penalty": 0, "frequency_penalty": 0, "min_p": 0}
 
 
 class LLM:
@@ -54,6 +58,10 @@ class LLM:
         generation_file = directory / "generation_config.json"
         generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
         self._defaults = {k: generation[k] for k in _GENERATION_DEFAULTS if generation.get(k) is not None}
+        for name, neutral in _GENERATION_NOT_APPLIED.items():
+            if generation.get(name) not in (None, neutral):
+                warnings.warn(f"{generation_file}: {name} = {generation[name]!r} is not applied (fuselm's sampler "
+                              f"has no {name}); vLLM would apply it", stacklevel=2)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config.json sampling defaults."""
