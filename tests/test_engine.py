@@ -513,7 +513,9 @@ def test_bad_input_raises_and_the_engine_stays_usable(model, engine):
 @pytest.mark.parametrize("field, value, message", [
     ("max_tokens", 0, "max_tokens"), ("temperature", -0.1, "temperature"), ("top_p", 0.0, "top_p"),
     ("top_p", 1.5, "top_p"), ("top_k", -2, "top_k"), ("seed", -1, "seed"), ("stop", [""], "stop"),
-    ("stop_token_ids", [-1], "stop_token_ids"), ("temperature", float("nan"), "temperature")])
+    ("stop_token_ids", [-1], "stop_token_ids"), ("temperature", float("nan"), "temperature"),
+    ("ignore_eos", 1, "ignore_eos"), ("include_stop_str_in_output", "yes", "include_stop_str_in_output"),
+    ("skip_special_tokens", None, "skip_special_tokens")])
 def test_sampling_params_name_the_bad_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**{field: value})

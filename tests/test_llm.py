@@ -112,6 +112,23 @@ def test_stop_strings_are_cut_and_streams_equal_the_text(llm):
     assert "".join(llm.stream(prompt, greedy(ignore_eos=True, stop=stop))) == cut.text
 
 
+def test_a_stop_ids_text_is_left_out_unless_include_stop_str_in_output(llm):
+    """A stop token id ends the ids after it; its text is left out (as vLLM's), or kept with
+    include_stop_str_in_output, which keeps a stop string too."""
+    prompt = "Once upon a time"
+    free = llm.generate(prompt, greedy(ignore_eos=True))[0].outputs[0]
+    ids = free.token_ids
+    end = ids.index(ids[3]) + 1
+    stopped = llm.generate(prompt, greedy(ignore_eos=True, stop_token_ids=[ids[3]]))[0].outputs[0]
+    assert stopped.token_ids == ids[:end] and stopped.finish_reason == "stop" and stopped.stop_reason == ids[3]
+    assert stopped.text == llm.tokenizer.decode(ids[:end - 1], skip_special_tokens=True)
+    kept = llm.generate(prompt, greedy(ignore_eos=True, stop_token_ids=[ids[3]], include_stop_str_in_output=True))
+    assert kept[0].outputs[0].text == llm.tokenizer.decode(ids[:end], skip_special_tokens=True)
+    stop = free.text[len(free.text) // 2: len(free.text) // 2 + 2]
+    kept = llm.generate(prompt, greedy(ignore_eos=True, stop=[stop], include_stop_str_in_output=True))
+    assert kept[0].outputs[0].text == free.text[: free.text.index(stop) + len(stop)]
+
+
 def test_seeded_requests_repeat_and_defaults_come_from_generation_config(llm):
     params = SamplingParams(max_tokens=4, temperature=1.0, seed=11, ignore_eos=True)
     first = llm.generate(["Hello", "Bonjour"], params)

@@ -178,8 +178,8 @@ def test_chat_streamed_equals_whole(server, client, llm):
 
 
 def test_stop_strings_and_stop_token_ids_end_answers_whole_and_streamed(server, client):
-    """A stop string ends the text before it (finish_reason "stop"), whole and streamed alike; a
-    stop token id ends the ids after it."""
+    """A stop string ends the text before it (finish_reason "stop"), whole and streamed alike, or
+    after it with vLLM's include_stop_str_in_output; a stop token id ends the ids after it."""
     name = model_name(server)
     options = dict(model=name, prompt="Once upon a time", max_tokens=12, temperature=0)
     free = client.completions.create(**options, extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
@@ -191,6 +191,9 @@ def test_stop_strings_and_stop_token_ids_end_answers_whole_and_streamed(server, 
     streamed = list(client.completions.create(**options, stop=stop, stream=True, extra_body={"ignore_eos": True}))
     assert "".join(chunk.choices[0].text for chunk in streamed) == cut.text
     assert streamed[-1].choices[0].finish_reason == "stop"
+    kept = client.completions.create(**options, stop=[stop], extra_body={"ignore_eos": True,
+                                                                         "include_stop_str_in_output": True})
+    assert kept.choices[0].text == text[: text.index(stop) + len(stop)]
     stopped = client.completions.create(**options, extra_body={"ignore_eos": True, "return_token_ids": True,
                                                                "stop_token_ids": [ids[5]]}).choices[0]
     assert stopped.model_extra["token_ids"] == ids[: ids.index(ids[5]) + 1] and stopped.finish_reason == "stop"
@@ -230,12 +233,12 @@ USER = [{"role": "user", "content": "Hi"}]
     (COMPLETIONS, {"prompt": "a\ud800b"}, 400, "prompt", "cannot be tokenized"),
     (CHAT, {"messages": [{"role": "user", "content": "a\ud800b"}]}, 400, "messages", ""),
     # vLLM's own fields that would change the answer
-    (COMPLETIONS, {"prompt": "Hi", "include_stop_str_in_output": True}, 400, "include_stop_str_in_output",
-     "not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "use_beam_search": True}, 400, "use_beam_search", "not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "skip_special_tokens": "no"}, 400, "skip_special_tokens", "a bool"),
     (COMPLETIONS, {"prompt": "Hi", "guided_choice": ["a", "b"]}, 400, "guided_choice", "not supported"),
     (COMPLETIONS, {"prompt": "Hi", "response_format": {"type": "json_object"}}, 400, "response_format",
      "not supported"),
-    (CHAT, {"messages": USER, "skip_special_tokens": False}, 400, "skip_special_tokens", "not supported"),
+    (CHAT, {"messages": USER, "allowed_token_ids": [1, 2]}, 400, "allowed_token_ids", "not supported"),
     (CHAT, {"messages": USER, "chat_template": "{{ messages }}"}, 400, "chat_template", "not supported"),
 ])
 def test_bad_requests_get_openai_error_json_naming_the_field(server, path, body, status, param, message):

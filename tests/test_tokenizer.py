@@ -717,6 +717,17 @@ def test_stop_string_in_one_token_and_multibyte(tokenizer):
     assert pieces == ["", "", ""] and detokenizer.text == "" and detokenizer.stopped
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(tokenizer):
+    """include_stop_str_in_output: the text ends with the stop string that ended it, split across
+    tokens or inside one, the first completed winning as without it."""
+    for ids in (_char_ids(tokenizer, "Hello STOP world"), tokenizer.encode("Hello STOP world")):
+        pieces, detokenizer = _stream(tokenizer, ids, stop=["STOP"], include_stop_str_in_output=True)
+        assert "".join(pieces) == detokenizer.text == "Hello STOP" and detokenizer.stop_reason == "STOP"
+    pieces, detokenizer = _stream(tokenizer, _char_ids(tokenizer, "xabcd"), stop=["abcd", "bc"],
+                                  include_stop_str_in_output=True)
+    assert "".join(pieces) == detokenizer.text == "xabc" and detokenizer.stop_reason == "bc"
+
+
 def test_first_completed_stop_wins(tokenizer):
     # "bc" is complete after "abc", before "abcd" is: the outcome does not depend on tokenization
     for ids in (_char_ids(tokenizer, "xabcd"), tokenizer.encode("xabcd")):

@@ -454,9 +454,10 @@ class Tokenizer:
     # -- streaming ---------------------------------------------------------------------------
 
     def detokenizer(self, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = False,
-                    stop: Sequence[str] | None = None) -> IncrementalDetokenizer:
+                    stop: Sequence[str] | None = None,
+                    include_stop_str_in_output: bool = False) -> IncrementalDetokenizer:
         """A new ``IncrementalDetokenizer`` for one request's generated ids (see there)."""
-        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens, stop)
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens, stop, include_stop_str_in_output)
 
 
 class IncrementalDetokenizer:
@@ -469,8 +470,9 @@ class IncrementalDetokenizer:
     returned by ``feed`` and ``flush`` concatenate to ``.text``; without stop strings ``.text``
     after ``flush`` is ``decode(generated ids)``.
 
-    Stop strings: once the generated text contains one of ``stop``, the text is cut before it,
-    ``.stopped`` is True, ``.stop_reason`` is that string, and later ``feed`` calls return "".
+    Stop strings: once the generated text contains one of ``stop``, the text is cut before it
+    (after it with ``include_stop_str_in_output``), ``.stopped`` is True, ``.stop_reason`` is
+    that string, and later ``feed`` calls return "".
     When several could end the text, the one that is complete first (earliest end) wins, so the
     result does not depend on how the text was split into tokens.
 
@@ -481,7 +483,8 @@ class IncrementalDetokenizer:
     """How many of the prompt's last ids prefill the decode stream (context for the first token)."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None,
-                 skip_special_tokens: bool = False, stop: Sequence[str] | None = None):
+                 skip_special_tokens: bool = False, stop: Sequence[str] | None = None,
+                 include_stop_str_in_output: bool = False):
         if stop is None:
             stop = ()
         elif isinstance(stop, str) or not all(isinstance(string, str) and string for string in stop):
@@ -489,6 +492,7 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stop = tuple(stop)
+        self._include_stop = include_stop_str_in_output
         prefill = [] if prompt_ids is None else [int(token_id) for token_id in prompt_ids[-self._PREFILL_TOKENS:]]
         if prefill and tokenizer.decode(prefill, skip_special_tokens).endswith("\ufffd"):
             prefill = []  # the prompt ends inside a character: the generated text starts on its own
@@ -540,7 +544,7 @@ class IncrementalDetokenizer:
                 if first_end is None or (end, -len(string)) < (first_end, -len(first_stop)):
                     first_end, first_stop = end, string
         if first_stop is not None:
-            cut = first_end - len(first_stop)
+            cut = first_end if self._include_stop else first_end - len(first_stop)
             self.text = self.text[:self._released + cut]
             self.stopped, self.stop_reason = True, first_stop
             self._released = len(self.text)

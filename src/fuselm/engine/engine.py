@@ -304,12 +304,15 @@ class Engine:
 
     def _append(self, request: Request, token: int, now: float) -> None:
         """One new token of a running request: record it, detokenize, check stop conditions in
-        vLLM's order (stop ids, stop strings, length) and end the request when one holds."""
+        vLLM's order (stop ids, stop strings, length) and end the request when one holds. A stop
+        id's text is left out, as vLLM leaves it, unless ``include_stop_str_in_output``."""
         request.output_token_ids.append(token)
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         if token in request.stop_ids:
             request.finish_reason, request.stop_reason = FinishReason.STOP, token
+            if request.detokenizer is not None and request.params.include_stop_str_in_output:
+                request._new_text.append(request.detokenizer.feed(token))  # (its text; none when special and skipped)
         else:
             detokenizer = request.detokenizer
             if detokenizer is not None:

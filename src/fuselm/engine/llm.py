@@ -8,7 +8,8 @@
 It loads the model (``Qwen35.from_pretrained``: sharded safetensors straight to the device) and
 the tokenizer (``fuselm.tokenizer.Tokenizer``: the directory's tokenizer.json and chat template),
 and runs every request through one ``Engine``. Text is detokenized as tokens come (never half a
-UTF-8 character), stop strings are cut from it, special tokens are left out of it.
+UTF-8 character), stop strings are cut from it, special tokens are left out of it (as
+``SamplingParams`` asks: include_stop_str_in_output, skip_special_tokens).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class LLM:
             else:
                 raise TypeError(f"prompts[{index}]: expected a string or a list of token ids, got "
                                 f"{type(prompt).__name__}")
-            detokenizer = self.tokenizer.detokenizer(ids, skip_special_tokens=True, stop=request_params.stop)
+            detokenizer = self.tokenizer.detokenizer(ids, **request_params.detokenizer_options)
             requests.append({"prompt_token_ids": ids, "params": request_params, "prompt": text,
                              "detokenizer": detokenizer})
         return self.engine.add_requests(requests)

@@ -36,6 +36,9 @@ class SamplingParams:
     strings that end the request, cut from the text. stop_token_ids: ids that end it beside the
     model's eos ids (kept in the token ids, left out of the text when they are special tokens).
     ignore_eos: do not stop at the model's eos ids (stop_token_ids still stop).
+    include_stop_str_in_output: the stop string (or the stop id's text) that ended the request
+    stays at the end of the text. skip_special_tokens: special tokens are left out of the text
+    (vLLM's default; off, they are decoded like any other). These two only shape the text.
     Every field is checked on construction: ValueError naming the field.
     """
 
@@ -47,6 +50,8 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -71,8 +76,15 @@ class SamplingParams:
                                                 or any(not _is_int(t) or t < 0 for t in self.stop_token_ids)):
             raise ValueError(f"stop_token_ids: expected a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+
+    @property
+    def detokenizer_options(self) -> dict:
+        """``Tokenizer.detokenizer``'s keyword options for a request with these params."""
+        return {"skip_special_tokens": self.skip_special_tokens, "stop": self.stop,
+                "include_stop_str_in_output": self.include_stop_str_in_output}
 
     @property
     def greedy(self) -> bool:

@@ -244,7 +244,7 @@ class EngineLoop:
             return
         try:
             detokenizer = None if self.tokenizer is None else self.tokenizer.detokenizer(
-                submit.prompt_token_ids, skip_special_tokens=True, stop=submit.params.stop)
+                submit.prompt_token_ids, **submit.params.detokenizer_options)
             request = self.engine.add_request(submit.prompt_token_ids, submit.params, request_id=submit.request_id,
                                               prompt=submit.prompt, detokenizer=detokenizer)
         except Exception as error:  # ValueError / TypeError: a bad request; anything else fails it alone

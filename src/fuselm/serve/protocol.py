@@ -15,13 +15,14 @@ are ignored, as vLLM does):
     add_generation_prompt chat: default true
     max_tokens            (chat: max_completion_tokens wins) default: completions 16, chat the
                           rest of the context; either way at most max_len - prompt tokens
-    temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos   -> SamplingParams
+    temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos,
+    include_stop_str_in_output, skip_special_tokens (vLLM's)            -> SamplingParams
     n                     1 only
     stream, stream_options.include_usage
     return_token_ids      (vLLM's) each choice carries its generated "token_ids"
 Fields that would change the answer but are not implemented (``UNSUPPORTED_FIELDS``: logprobs,
 echo, best_of > 1, penalties, tools, response_format, and vLLM's own: beam search, guided
-decoding, include_stop_str_in_output, skip_special_tokens ...) are refused with a 400 naming
+decoding, allowed_token_ids ...) are refused with a 400 naming
 them unless they hold their neutral value.
 
 Responses: ``CompletionFormat`` and ``ChatFormat`` write OpenAI's answer and stream-chunk JSON
@@ -111,8 +112,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     # vLLM's own (its extra_body): users of a vLLM server send them
     "use_beam_search": _absent_or(False),
     "length_penalty": _absent_or(1),
-    "include_stop_str_in_output": _absent_or(False),
-    "skip_special_tokens": _absent_or(True),
     "spaces_between_special_tokens": _absent_or(True),
     "allowed_token_ids": _absent_or(),
     "bad_words": _absent_or([]),
@@ -190,7 +189,8 @@ def _max_tokens_field(body: Mapping, max_tokens_fields: tuple[str, ...]) -> str:
 
 
 # Request fields that go to the SamplingParams field of the same name as they are.
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
+                   "include_stop_str_in_output", "skip_special_tokens")
 
 
 def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, prompt_tokens: int, max_len: int,
@@ -202,7 +202,8 @@ def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, pro
       left in the context (``max_len - prompt_tokens``), or all of that room when the default is
       None. ``prompt_tokens + max_tokens`` must fit in ``max_len``; errors name the field that
       set it (the last of ``max_tokens_fields`` when none did).
-    - ``SAMPLING_FIELDS`` (temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos): the
+    - ``SAMPLING_FIELDS`` (temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos,
+      include_stop_str_in_output, skip_special_tokens): the
       body's value when set, else ``defaults``' (the checkpoint's generation_config sampling). A
       negative seed (OpenAI's are any int64) is taken modulo 2**63, the engine's seeds.
     SamplingParams checks every value; a bad one is an APIError 400 naming the request field."""
