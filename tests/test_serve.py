@@ -188,15 +188,19 @@ def test_stop_strings_and_stop_token_ids_end_answers_whole_and_streamed(server, 
     stop = text[len(text) // 2: len(text) // 2 + 2]
     cut = client.completions.create(**options, stop=[stop], extra_body={"ignore_eos": True}).choices[0]
     assert cut.text == text[: text.index(stop)] and cut.finish_reason == "stop"
+    assert cut.model_extra["stop_reason"] == stop
+    assert free.model_extra["stop_reason"] is None  # (finish_reason "length")
     streamed = list(client.completions.create(**options, stop=stop, stream=True, extra_body={"ignore_eos": True}))
     assert "".join(chunk.choices[0].text for chunk in streamed) == cut.text
-    assert streamed[-1].choices[0].finish_reason == "stop"
+    last = streamed[-1].choices[0]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == stop
     kept = client.completions.create(**options, stop=[stop], extra_body={"ignore_eos": True,
                                                                          "include_stop_str_in_output": True})
     assert kept.choices[0].text == text[: text.index(stop) + len(stop)]
     stopped = client.completions.create(**options, extra_body={"ignore_eos": True, "return_token_ids": True,
                                                                "stop_token_ids": [ids[5]]}).choices[0]
     assert stopped.model_extra["token_ids"] == ids[: ids.index(ids[5]) + 1] and stopped.finish_reason == "stop"
+    assert stopped.model_extra["stop_reason"] == ids[5]
     wait_until_idle(server)
 
 

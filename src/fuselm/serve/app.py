@@ -211,7 +211,7 @@ class OpenAIServer:
         completion = last.output.outputs[0]
         usage = token_usage(len(generation.prompt_token_ids), len(completion.token_ids))
         return web.json_response(answer.response(completion.text or "", completion.token_ids,
-                                                 completion.finish_reason, usage))
+                                                 completion.finish_reason, usage, completion.stop_reason))
 
     async def _stream(self, request: web.Request, stream: RequestStream, answer: ResponseFormat,
                       generation: GenerationRequest) -> web.StreamResponse:
@@ -230,7 +230,9 @@ class OpenAIServer:
                     break
                 completion_tokens += len(delta.token_ids)
                 if delta.text or delta.last or answer.return_token_ids:
-                    await _send_event(response, answer.chunk(delta.text, delta.token_ids, delta.finish_reason))
+                    stop_reason = None if delta.output is None else delta.output.outputs[0].stop_reason
+                    await _send_event(response, answer.chunk(delta.text, delta.token_ids, delta.finish_reason,
+                                                             stop_reason))
             if generation.include_usage:
                 await _send_event(response, answer.usage_chunk(token_usage(len(generation.prompt_token_ids),
                                                                            completion_tokens)))

@@ -397,7 +397,8 @@ def model_list(name: str, created: int, max_len: int) -> dict:
 class ResponseFormat:
     """OpenAI's answer JSON for one request of an endpoint: ``response`` (the whole answer),
     ``first_chunks`` + ``chunk`` per new text + ``usage_chunk`` (a streamed answer). Choices
-    carry ``token_ids`` when ``return_token_ids``."""
+    carry ``token_ids`` when ``return_token_ids``, and vLLM's ``stop_reason`` (the stop string or
+    stop id that ended the request; null otherwise)."""
 
     id_prefix: str  # of the request id, as OpenAI's ("cmpl-", "chatcmpl-")
     object_name: str  # of the whole answer
@@ -414,13 +415,15 @@ class ResponseFormat:
     def _with_token_ids(self, choice: dict, token_ids: list[int]) -> dict:
         return {**choice, "token_ids": token_ids} if self.return_token_ids else choice
 
-    def response(self, text: str, token_ids: list[int], finish_reason: str, usage: dict) -> dict:
+    def response(self, text: str, token_ids: list[int], finish_reason: str, usage: dict,
+                 stop_reason: str | int | None = None) -> dict:
         raise NotImplementedError
 
     def first_chunks(self) -> list[dict]:
         return []
 
-    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None,
+              stop_reason: str | int | None = None) -> dict:
         raise NotImplementedError
 
     def usage_chunk(self, usage: dict) -> dict:
@@ -433,15 +436,18 @@ class CompletionFormat(ResponseFormat):
 
     id_prefix, object_name, chunk_object_name = "cmpl-", "text_completion", "text_completion"
 
-    def _choice(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
-        return self._with_token_ids({"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason},
-                                    token_ids)
+    def _choice(self, text: str, token_ids: list[int], finish_reason: str | None, stop_reason) -> dict:
+        return self._with_token_ids({"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                                     "stop_reason": stop_reason}, token_ids)
 
-    def response(self, text: str, token_ids: list[int], finish_reason: str, usage: dict) -> dict:
-        return self._answer(self.object_name, [self._choice(text, token_ids, finish_reason)], usage=usage)
+    def response(self, text: str, token_ids: list[int], finish_reason: str, usage: dict,
+                 stop_reason: str | int | None = None) -> dict:
+        return self._answer(self.object_name, [self._choice(text, token_ids, finish_reason, stop_reason)],
+                            usage=usage)
 
-    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
-        return self._answer(self.chunk_object_name, [self._choice(text, token_ids, finish_reason)])
+    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None,
+              stop_reason: str | int | None = None) -> dict:
+        return self._answer(self.chunk_object_name, [self._choice(text, token_ids, finish_reason, stop_reason)])
 
 
 class ChatFormat(ResponseFormat):
@@ -451,16 +457,18 @@ class ChatFormat(ResponseFormat):
 
     id_prefix, object_name, chunk_object_name = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
-    def response(self, text: str, token_ids: list[int], finish_reason: str, usage: dict) -> dict:
+    def response(self, text: str, token_ids: list[int], finish_reason: str, usage: dict,
+                 stop_reason: str | int | None = None) -> dict:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
+                  "finish_reason": finish_reason, "stop_reason": stop_reason}
         return self._answer(self.object_name, [self._with_token_ids(choice, token_ids)], usage=usage)
 
     def first_chunks(self) -> list[dict]:
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return [self._answer(self.chunk_object_name, [choice])]
 
-    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None,
+              stop_reason: str | int | None = None) -> dict:
         choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
-                  "finish_reason": finish_reason}
+                  "finish_reason": finish_reason, "stop_reason": stop_reason}
         return self._answer(self.chunk_object_name, [self._with_token_ids(choice, token_ids)])
