@@ -34,7 +34,7 @@ class SamplingParams:
     (1: off). top_k: 0 or -1 is off, else >= 1. seed: a request with a seed gives the same tokens
     every time, whatever else runs beside it (None: a fresh random seed per request). stop:
     strings that end the request, cut from the text. stop_token_ids: ids that end it beside the
-    model's eos ids (kept in the token ids, left out of the text when they are special tokens).
+    model's eos ids (kept in the token ids, their text left out as vLLM leaves it).
     ignore_eos: do not stop at the model's eos ids (stop_token_ids still stop).
     include_stop_str_in_output: the stop string (or the stop id's text) that ended the request
     stays at the end of the text. skip_special_tokens: special tokens are left out of the text
