@@ -8,10 +8,14 @@
 # default 540) still names what failed before; a finished one ends with the failures' tracebacks and
 # its 15 slowest tests.
 set -uo pipefail
-source "$(dirname "$0")/gpu_env.sh"
-shard=${1:?usage: gpu_tests.sh K N [pytest args]} shards=${2:?usage: gpu_tests.sh K N [pytest args]}
+usage="usage: gpu_tests.sh K N [pytest args] (K = 0 .. N-1)"
+shard=${1:-} shards=${2:-}
+[[ $shard =~ ^[0-9]+$ && $shards =~ ^[1-9][0-9]*$ ]] && (( shard < shards )) || { echo "$usage" >&2; exit 2; }
 shift 2
-mapfile -t files < <(find tests -maxdepth 1 -name 'test_*.py' | sort | awk -v k="$shard" -v n="$shards" '(NR - 1) % n == k')
+source "$(dirname "$0")/gpu_env.sh"
+mapfile -t files < <(find tests -maxdepth 1 -name 'test_*.py' | LC_ALL=C sort \
+                     | awk -v k="$shard" -v n="$shards" '(NR - 1) % n == k')
+(( ${#files[@]} )) || { echo "no test files in shard $shard of $shards" >&2; exit 2; }
 log="$OUT/gpu_tests_${shard}_of_${shards}.log"
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -19,7 +23,10 @@ log="$OUT/gpu_tests_${shard}_of_${shards}.log"
 timeout "${LIMIT:-540}" python3 -m pytest -v -rfE --tb=short -p no:cacheprovider --durations=15 "$@" "${files[@]}" \
   >> "$log" 2>&1
 status=$?
-[ $status = 124 ] && echo "cut short after ${LIMIT:-540} s" >> "$log"
-grep -E "^(FAILED|ERROR) |(PASSED|FAILED|ERROR|SKIPPED) +\[|^=+ .*(passed|failed)|cut short" "$log" \
-  | grep -vE " PASSED +\[| SKIPPED +\[" | tail -25
+if [ $status = 124 ]; then  # (exit 3, not timeout's 124: the device would read 124 as its own limit)
+  printf "\ncut short after %s s\n" "${LIMIT:-540}" >> "$log"
+  status=3
+fi
+grep -E "^(FAILED|ERROR) |(FAILED|ERROR) +\[|^=+ .*(passed|failed|error|skipped|no tests ran)|cut short" "$log" \
+  | tail -25
 exit $status

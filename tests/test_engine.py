@@ -451,6 +451,7 @@ def test_model_eos_stops_unless_ignore_eos(model):
     engine = Engine(eos_model, max_batch=2, max_len=32)
     stopped = engine.generate([p], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
     assert stopped.token_ids == free[: free.index(free[3]) + 1] and stopped.finish_reason == "stop"
+    assert stopped.stop_reason is None  # the model's eos (vLLM's); an asked-for stop id is named
     assert token_ids(engine.generate([p], greedy(8)))[0] == free
 
 

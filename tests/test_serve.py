@@ -253,7 +253,7 @@ def test_bad_requests_get_openai_error_json_naming_the_field(server, path, body,
     assert error["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
 
 
-def test_unknown_routes_methods_and_large_bodies_get_openai_error_json(server, monkeypatch):
+def test_unknown_routes_methods_and_large_bodies_get_openai_error_json(server):
     """aiohttp's own refusals come as OpenAI's error JSON too: no such route (404), a wrong
     method (405, with its Allow header), a body over the size limit (413)."""
     async def send(method: str, path: str, data: bytes = b"{}"):
@@ -265,7 +265,9 @@ def test_unknown_routes_methods_and_large_bodies_get_openai_error_json(server, m
     assert status == 404 and answer["error"]["code"] == 404 and "/v1/embeddings" in answer["error"]["message"]
     status, allow, answer = asyncio.run(send("GET", COMPLETIONS))
     assert status == 405 and allow == "POST" and answer["error"]["type"] == "MethodNotAllowedError"
-    status, _, answer = asyncio.run(send("POST", COMPLETIONS, b" " * (server.app._client_max_size + 1)))
+    from fuselm.serve.app import MAX_REQUEST_BYTES
+
+    status, _, answer = asyncio.run(send("POST", COMPLETIONS, b" " * (MAX_REQUEST_BYTES + 1)))
     assert status == 413 and answer["error"]["code"] == 413
 
 
@@ -283,6 +285,28 @@ def test_prompts_are_tokenized_off_the_event_loop(server, client, monkeypatch):
     client.completions.create(model=model_name(server), prompt="Hi", max_tokens=1, temperature=0)
     client.chat.completions.create(model=model_name(server), messages=USER, max_tokens=1, temperature=0)
     assert len(threads) == 2 and "test-server-loop" not in threads
+    wait_until_idle(server)
+
+
+def test_detokenizer_options_reach_the_engine(server, client, monkeypatch):
+    """include_stop_str_in_output and skip_special_tokens (vLLM's, default False / True) reach the
+    request's detokenizer; reasoning_effort reaches the chat template (as vLLM passes it)."""
+    from fuselm.tokenizer import Tokenizer
+
+    seen, rendered = [], []
+    detokenizer, render = Tokenizer.detokenizer, Tokenizer.apply_chat_template
+    monkeypatch.setattr(Tokenizer, "detokenizer", lambda self, ids, **options: seen.append(options)
+                        or detokenizer(self, ids, **options))
+    monkeypatch.setattr(Tokenizer, "apply_chat_template", lambda self, messages, **variables: rendered.append(variables)
+                        or render(self, messages, **variables))
+    name = model_name(server)
+    client.completions.create(model=name, prompt="Hi", max_tokens=1, temperature=0)
+    client.completions.create(model=name, prompt="Hi", max_tokens=1, temperature=0,
+                              extra_body={"skip_special_tokens": False, "include_stop_str_in_output": True})
+    client.chat.completions.create(model=name, messages=USER, max_tokens=1, temperature=0, reasoning_effort="low")
+    assert [(o["skip_special_tokens"], o["include_stop_str_in_output"]) for o in seen] == [
+        (True, False), (False, True), (True, False)]
+    assert rendered[-1]["reasoning_effort"] == "low"
     wait_until_idle(server)
 
 
@@ -351,8 +375,9 @@ def test_more_requests_than_slots_get_their_solo_output(server):
 
 def test_bad_requests_beside_a_running_stream_leave_it_whole(server, client):
     """Bad requests of every kind (invalid JSON, a bad field, an unknown model, an unknown route)
-    sent while a stream runs get their errors; the stream ends as it would alone."""
-    body = {"prompt": "Once upon a time", **greedy(12, ignore_eos=True)}
+    sent while a stream runs (LONG tokens: still running after them) get their errors; the stream
+    ends as it would alone."""
+    body = {"prompt": "Once upon a time", **greedy(LONG, ignore_eos=True)}
     alone = post(server, COMPLETIONS, body)[1]["choices"][0]["text"]
 
     async def stream_and_interrupt():
@@ -364,7 +389,9 @@ def test_bad_requests_beside_a_running_stream_leave_it_whole(server, client):
                                            ("POST", CHAT, b'{"messages": [], "model": "x"}'), ("GET", "/v2", b"")):
                     async with session.request(method, server.url + path, data=data) as bad:
                         statuses.append((bad.status, "error" in await bad.json(content_type=None)))
+                running = server.engine.engine.has_unfinished_requests()
                 lines += [line async for line in response.content if line.strip()]
+        assert running, "the stream ended before the bad requests: they did not run beside it"
         return lines, statuses
 
     lines, statuses = asyncio.run(stream_and_interrupt())

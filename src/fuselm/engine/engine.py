@@ -309,8 +309,9 @@ class Engine:
         request.output_token_ids.append(token)
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
-        if token in request.stop_ids:
-            request.finish_reason, request.stop_reason = FinishReason.STOP, token
+        if token in request.stop_ids:  # stop_reason: the id when the request asked for it (vLLM: None at eos)
+            request.finish_reason = FinishReason.STOP
+            request.stop_reason = token if token in request.params.stop_token_ids else None
             if request.detokenizer is not None and request.params.include_stop_str_in_output:
                 request._new_text.append(request.detokenizer.feed(token))  # (its text; none when special and skipped)
         else:

@@ -29,9 +29,10 @@ from fuselm.tokenizer import Tokenizer
 
 # generation_config.json fields that become the default SamplingParams (as vLLM does).
 _GENERATION_DEFAULTS = ("temperature", "top_p", "top_k")
-# generation_config.json fields vLLM also applies and fuselm's sampler does not, with their neutral
-# values: another value gets a warning (the answers differ from vLLM's on the same checkpoint).
-_GENERATION_NOT_APPLIED = {"repetition_penalty": 1, "presence_penalty": 0, "frequency_penalty": 0, "min_p": 0}
+# generation_config.json fields vLLM also applies (ModelConfig.get_diff_sampling_param) and fuselm
+# does not, with their neutral values: another value gets a warning (the answers, or max_new_tokens'
+# default length, differ from vLLM's on the same checkpoint).
+_GENERATION_NOT_APPLIED = {"repetition_penalty": 1, "min_p": 0, "max_new_tokens": None}
 
 
 class LLM:
@@ -61,8 +62,8 @@ class LLM:
         self._defaults = {k: generation[k] for k in _GENERATION_DEFAULTS if generation.get(k) is not None}
         for name, neutral in _GENERATION_NOT_APPLIED.items():
             if generation.get(name) not in (None, neutral):
-                warnings.warn(f"{generation_file}: {name} = {generation[name]!r} is not applied (fuselm's sampler "
-                              f"has no {name}); vLLM would apply it", stacklevel=2)
+                warnings.warn(f"{generation_file}: {name} = {generation[name]!r} is not applied by fuselm (vLLM "
+                              f"would apply it)", stacklevel=2)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config.json sampling defaults."""

@@ -113,7 +113,8 @@ def params_per_prompt(params: "SamplingParams | Sequence[SamplingParams] | None"
 class CompletionOutput:
     """One generated sequence: ``text`` (stop strings cut), ``token_ids``, ``finish_reason``
     ("stop": an eos / stop id / stop string; "length": max_tokens or the context; None while
-    running) and ``stop_reason`` (the stop string or id that ended it)."""
+    running) and ``stop_reason`` (the stop string or stop_token_ids id that ended it; None at the
+    model's eos, as vLLM has it)."""
 
     index: int
     text: str | None

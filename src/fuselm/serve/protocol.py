@@ -12,6 +12,7 @@ are ignored, as vLLM does):
                           list of one such list)
     messages              chat: a list of {"role", "content"} (content: a string or text parts)
     chat_template_kwargs  chat: extra template variables, e.g. {"enable_thinking": false}
+    reasoning_effort      chat: a template variable too, as vLLM passes it
     add_generation_prompt chat: default true
     max_tokens            (chat: max_completion_tokens wins) default: completions 16, chat the
                           rest of the context; either way at most max_len - prompt tokens
@@ -132,7 +133,6 @@ CHAT_UNSUPPORTED_FIELDS = {
     "continue_final_message": _absent_or(False),
     "chat_template": _absent_or(),
     "documents": _absent_or([]),
-    "reasoning_effort": _absent_or(),
     "tools": _absent_or([]),
     "tool_choice": _absent_or("none", "auto"),
     "functions": _absent_or([]),
@@ -348,6 +348,11 @@ def _chat_prompt(body: Mapping, tokenizer) -> str:
     if not isinstance(template_kwargs, Mapping):
         raise bad_request(f"chat_template_kwargs: expected an object, got {template_kwargs!r:.100}",
                           "chat_template_kwargs")
+    effort = body.get("reasoning_effort")  # vLLM hands it to the template (Qwen3.5's ignores it)
+    if effort is not None:
+        if not isinstance(effort, str):
+            raise bad_request(f"reasoning_effort: expected a string, got {effort!r:.100}", "reasoning_effort")
+        template_kwargs = {"reasoning_effort": effort, **template_kwargs}
     reserved = [name for name in _RESERVED_TEMPLATE_VARIABLES if name in template_kwargs]
     if reserved:
         raise bad_request(f"chat_template_kwargs: {reserved} are set by the request itself", "chat_template_kwargs")
@@ -398,7 +403,7 @@ class ResponseFormat:
     """OpenAI's answer JSON for one request of an endpoint: ``response`` (the whole answer),
     ``first_chunks`` + ``chunk`` per new text + ``usage_chunk`` (a streamed answer). Choices
     carry ``token_ids`` when ``return_token_ids``, and vLLM's ``stop_reason`` (the stop string or
-    stop id that ended the request; null otherwise)."""
+    stop_token_ids id that ended the request; null otherwise, the model's eos included)."""
 
     id_prefix: str  # of the request id, as OpenAI's ("cmpl-", "chatcmpl-")
     object_name: str  # of the whole answer
