@@ -119,8 +119,8 @@ def timeline_summary(timelines: dict, count: int = 15) -> str:
     projection and the start of its output projection (consecutive GEMMs around a decode-half
     kernel), with the decode half's and the chunk's token-mixing kernel time in it (each the union
     of its kernels' intervals; the prologue kernel, wherever it runs, in neither) and the time only
-    the chunk's kernels run (the chunk half's share of the critical path). Then the kernels by GPU time (a graph's streams are the replay's, not the
-    capture's, so the table does not split them)."""
+    the chunk's kernels run (the chunk half's share of the critical path). Then the kernels by GPU
+    time (a graph's streams are the replay's, not the capture's, so the table does not split them)."""
     lines = ["| graph | wall us | bubbles us | kernel time us (sum) | overlapped us | windows (kind x n) | "
              "window us, mean | decode half us, mean | chunk half us, mean | chunk alone us, mean |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -160,7 +160,7 @@ class GatedDeltaNet(nn.Module):
         return linear(x, self.in_proj)
 
     def _split_projection(self, proj):
-        """proj [B, T, P] -> (qkv [B, T, conv_dim], b, a [B, T, HV]), model dtype (z: the gated RMSNorm's, ``gate_heads``)."""
+        """proj [B, T, P] -> (qkv [B, T, conv_dim], b, a [B, T, HV]), model dtype (z: ``_z``)."""
         qkv, _, b, a = proj.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
         return qkv, b, a
 
@@ -170,6 +170,10 @@ class GatedDeltaNet(nn.Module):
         return (q.unflatten(-1, (self.num_k_heads, self.head_k_dim)), k.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
                 v.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
 
+    def _z(self, projected: torch.Tensor) -> torch.Tensor:
+        """The gated RMSNorm's gate z [..., value_dim], a view of ``projected`` [..., P]."""
+        return projected[..., self.conv_dim:self.conv_dim + self.value_dim]
+
     def output(self, heads: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
         """The delta rule's output ``heads`` [..., value_dim] -> [..., D]: HF ``Qwen3_5RMSNormGated``
         with z from ``projected`` [..., P] (``w * rms_norm(o).to(dtype)``, Llama rounding, times
@@ -177,9 +181,8 @@ class GatedDeltaNet(nn.Module):
         gated_rms_norm prologue, fused into the GEMV (the decode step at one row, or a head_v_dim
         the decode kernel cannot norm). Elsewhere the heads come normed (``gate_heads``, the
         kernels' fused norms) and ``project_out`` runs the plain projection."""
-        z = projected[..., self.conv_dim:self.conv_dim + self.value_dim]
-        return decode_linear(heads, self.out_proj, prologue="gated_rms_norm", gate=z, norm_weight=self.norm,
-                             eps=self.eps, head_dim=self.head_v_dim)
+        return decode_linear(heads, self.out_proj, prologue="gated_rms_norm", gate=self._z(projected),
+                             norm_weight=self.norm, eps=self.eps, head_dim=self.head_v_dim)
 
     def project_out(self, heads: torch.Tensor) -> torch.Tensor:
         """out_proj of heads already through the gated RMSNorm (``prefill_heads``,
@@ -190,8 +193,7 @@ class GatedDeltaNet(nn.Module):
         """The gated RMSNorm of ``output`` on ``heads`` [..., value_dim] in place (z from
         ``projected`` [..., P]): ``linear_prologue`` (one launch for a power-of-two head_v_dim),
         ``output``'s roundings."""
-        z = projected[..., self.conv_dim:self.conv_dim + self.value_dim]
-        return linear_prologue(heads, "gated_rms_norm", z, norm_weight=self.norm, eps=self.eps,
+        return linear_prologue(heads, "gated_rms_norm", self._z(projected), norm_weight=self.norm, eps=self.eps,
                                head_dim=self.head_v_dim, out=heads)
 
     def prefill(self, x: torch.Tensor, cache: DeltaNetCache, step: PrefillStep,
@@ -225,8 +227,7 @@ class GatedDeltaNet(nn.Module):
         B, T = projected.shape[:2]
         out = None if out is None else out.view(B, T, self.num_v_heads, self.head_v_dim)
         scale = self.head_k_dim ** -0.5
-        norm = dict(norm_weight=self.norm, norm_gate=projected[..., self.conv_dim:self.conv_dim + self.value_dim],
-                    norm_eps=self.eps)
+        norm = dict(norm_weight=self.norm, norm_gate=self._z(projected), norm_eps=self.eps)
         if step.fresh or B == 1:
             o = chunk_gated_delta_rule(q, k, v, g, beta, scale, cache.recurrent, True, True,
                                        state_indices=step.state_slots, has_initial_state=step.continues, out=out,
