@@ -42,7 +42,17 @@ def llm(checkpoint):
 
 @pytest.fixture(scope="module")
 def hf_model(checkpoint):
-    return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    """HF's model on the CPU, on its own PyTorch paths: where fla-core is installed (the GPU machine),
+    transformers sends its Gated DeltaNet and short convolution to fla's Triton kernels whatever the
+    tensors' device, and those cannot take CPU tensors."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                     "causal_conv1d_update"):
+            function = getattr(modeling_qwen3_5, name)
+            patch.setattr(modeling_qwen3_5, name, getattr(function, "__wrapped__", function))
+        yield transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
 
 def greedy(max_tokens=GREEDY_TOKENS, **kwargs):
