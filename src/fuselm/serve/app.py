@@ -29,6 +29,7 @@ the engine (its thread or process).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gc
 import json
@@ -182,57 +183,78 @@ class OpenAIServer:
     # ------------------------------------------------------------------------ generation
     async def _generate(self, request: web.Request, generation: GenerationRequest,
                         format_class: type[ResponseFormat]) -> web.StreamResponse:
-        """Submit a checked request to the engine and answer it, whole or streamed. Whatever ends
-        the handler early (the client gone, an error) aborts the request."""
+        """Submit a checked request to the engine, one engine request per sequence (n), and
+        answer it, whole or streamed. Whatever ends the handler early (the client gone, an error,
+        one sequence refused) aborts every sequence."""
         request_id = format_class.id_prefix + uuid.uuid4().hex
+        samples = generation.params.samples()
+        ids = [request_id] if len(samples) == 1 else [f"{request_id}-{index}" for index in range(len(samples))]
+        # All at once: the engine loop takes commands in order, so the n sequences start together.
+        submissions = [asyncio.ensure_future(self.engine.submit(generation.prompt_token_ids, params,
+                                                                request_id=sample_id, prompt=generation.prompt))
+                       for params, sample_id in zip(samples, ids)]
         try:
-            stream = await self.engine.submit(generation.prompt_token_ids, generation.params, request_id=request_id,
-                                              prompt=generation.prompt)
-        except EngineUnavailableError as error:
-            raise APIError(503, str(error)) from None
-        except (ValueError, TypeError) as error:  # Engine.add_request's checks
-            raise bad_request(str(error), generation.param_of(error)) from None
-        answer = format_class(request_id, self.model.name, generation.return_token_ids)
+            submitted = await asyncio.gather(*submissions, return_exceptions=True)
+        except asyncio.CancelledError:  # the client went away: the pending ones abort themselves
+            for submission in submissions:
+                if submission.done() and not submission.cancelled() and submission.exception() is None:
+                    self.engine.abort(submission.result())
+            raise
+        streams = [stream for stream in submitted if isinstance(stream, RequestStream)]
         try:
+            error = next((error for error in submitted if isinstance(error, BaseException)), None)
+            if isinstance(error, EngineUnavailableError):
+                raise APIError(503, str(error)) from None
+            if isinstance(error, (ValueError, TypeError)):  # Engine.add_request's checks
+                raise bad_request(str(error), generation.param_of(error)) from None
+            if error is not None:
+                raise error
+            answer = format_class(request_id, self.model.name, generation.return_token_ids)
             if generation.stream:
-                return await self._stream(request, stream, answer, generation)
-            return await self._collect(stream, answer, generation)
+                return await self._stream(request, streams, answer, generation)
+            return await self._collect(streams, answer, generation)
         finally:
-            self.engine.abort(stream)  # nothing to do when it finished
+            for stream in streams:
+                self.engine.abort(stream)  # nothing to do when it finished
 
-    async def _collect(self, stream: RequestStream, answer: ResponseFormat,
+    async def _collect(self, streams: list[RequestStream], answer: ResponseFormat,
                        generation: GenerationRequest) -> web.Response:
-        """The whole answer, once the request has finished."""
-        last = None
-        async for delta in stream:
-            last = delta
-        if last.error is not None:
-            raise APIError(503, f"the request was cut short: {last.error}")
-        completion = last.output.outputs[0]
-        usage = token_usage(len(generation.prompt_token_ids), len(completion.token_ids))
-        return web.json_response(answer.response(completion.text or "", completion.token_ids,
-                                                 completion.finish_reason, usage, completion.stop_reason))
+        """The whole answer, once every sequence has finished."""
+        last = [None] * len(streams)
+        async with contextlib.aclosing(_deltas(streams)) as deltas:
+            async for index, delta in deltas:
+                last[index] = delta
+        cut = next((delta.error for delta in last if delta.error is not None), None)
+        if cut is not None:
+            raise APIError(503, f"the request was cut short: {cut}")
+        completions = [delta.output.outputs[0] for delta in last]
+        choices = [answer.choice(index, completion.text or "", completion.token_ids, completion.finish_reason,
+                                 completion.stop_reason) for index, completion in enumerate(completions)]
+        usage = token_usage(len(generation.prompt_token_ids), sum(len(c.token_ids) for c in completions))
+        return web.json_response(answer.response(choices, usage))
 
-    async def _stream(self, request: web.Request, stream: RequestStream, answer: ResponseFormat,
+    async def _stream(self, request: web.Request, streams: list[RequestStream], answer: ResponseFormat,
                       generation: GenerationRequest) -> web.StreamResponse:
-        """Server-sent events: a chunk per step that made text final (and the last one with the
-        finish_reason), the usage chunk when asked for, then ``[DONE]``. A request cut short
-        ends with an error event (OpenAI's error JSON) before ``[DONE]``."""
+        """Server-sent events: a chunk per step that made a sequence's text final (and its last one
+        with the finish_reason), chunks of the n sequences interleaved as they come, each with its
+        index; the usage chunk when asked for, then ``[DONE]``. A request cut short ends with an
+        error event (OpenAI's error JSON) before ``[DONE]``."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         completion_tokens = 0
         try:
-            for chunk in answer.first_chunks():
+            for chunk in answer.first_chunks(len(streams)):
                 await _send_event(response, chunk)
-            async for delta in stream:
-                if delta.error is not None:
-                    await _send_event(response, APIError(503, f"the request was cut short: {delta.error}").body)
-                    break
-                completion_tokens += len(delta.token_ids)
-                if delta.text or delta.last or answer.return_token_ids:
-                    stop_reason = None if delta.output is None else delta.output.outputs[0].stop_reason
-                    await _send_event(response, answer.chunk(delta.text, delta.token_ids, delta.finish_reason,
-                                                             stop_reason))
+            async with contextlib.aclosing(_deltas(streams)) as deltas:
+                async for index, delta in deltas:
+                    if delta.error is not None:
+                        await _send_event(response, APIError(503, f"the request was cut short: {delta.error}").body)
+                        break
+                    completion_tokens += len(delta.token_ids)
+                    if delta.text or delta.last or answer.return_token_ids:
+                        stop_reason = None if delta.output is None else delta.output.outputs[0].stop_reason
+                        await _send_event(response, answer.chunk(index, delta.text, delta.token_ids,
+                                                                 delta.finish_reason, stop_reason))
             if generation.include_usage:
                 await _send_event(response, answer.usage_chunk(token_usage(len(generation.prompt_token_ids),
                                                                            completion_tokens)))
@@ -241,6 +263,31 @@ class OpenAIServer:
         except ConnectionResetError:  # the client went away; _generate aborts the request
             pass
         return response
+
+
+async def _deltas(streams: list[RequestStream]):
+    """(index, delta) for the deltas of ``streams`` (a request's sequences) as they come, each
+    stream's in order, until every stream has given its last."""
+    if len(streams) == 1:  # (the common case: no task per request)
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def forward(index: int, stream: RequestStream) -> None:
+        async for delta in stream:
+            merged.put_nowait((index, delta))
+
+    tasks = [asyncio.create_task(forward(index, stream)) for index, stream in enumerate(streams)]
+    try:
+        unfinished = len(streams)
+        while unfinished:
+            index, delta = await merged.get()
+            unfinished -= delta.last
+            yield index, delta
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 SERVER = web.AppKey("fuselm_server", OpenAIServer)

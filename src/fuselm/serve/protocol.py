@@ -18,7 +18,8 @@ are ignored, as vLLM does):
                           rest of the context; either way at most max_len - prompt tokens
     temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos,
     include_stop_str_in_output, skip_special_tokens (vLLM's)            -> SamplingParams
-    n                     1 only
+    n                     sequences for the prompt, 1 .. MAX_N: n engine requests (seeds seed,
+                          seed + 1, ... when seeded, as vLLM's), choices[i] / chunks of index i
     stream, stream_options.include_usage
     return_token_ids      (vLLM's) each choice carries its generated "token_ids"
 Fields that would change the answer but are not implemented (``UNSUPPORTED_FIELDS``: logprobs,
@@ -40,6 +41,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from fuselm.engine.request import SamplingParams, is_token_ids
+
+MAX_N = 128
+"""Largest ``n`` (sequences a request asks for) taken: OpenAI's limit."""
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """``max_tokens`` of a completion request that gives none (OpenAI's default); chat requests
@@ -148,11 +152,8 @@ def _reject_unsupported(body: Mapping, unsupported: Mapping[str, Callable[[Any],
         if name in body and not is_neutral(body[name]):
             raise bad_request(f"{name} is not supported by this server (got {body[name]!r:.100})", name)
     n = body.get("n")
-    if n is not None:
-        if _is_int(n) and n > 1:
-            raise bad_request("n > 1 is not supported", "n")
-        if n != 1 or not _is_int(n):
-            raise bad_request(f"n: expected 1, got {n!r:.100}", "n")
+    if n is not None and (not _is_int(n) or not 1 <= n <= MAX_N):
+        raise bad_request(f"n: expected an int in [1, {MAX_N}], got {n!r:.100}", "n")
 
 
 def _optional_bool(body: Mapping, name: str, default: bool) -> bool:
@@ -190,7 +191,7 @@ def _max_tokens_field(body: Mapping, max_tokens_fields: tuple[str, ...]) -> str:
 
 # Request fields that go to the SamplingParams field of the same name as they are.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-                   "include_stop_str_in_output", "skip_special_tokens")
+                   "include_stop_str_in_output", "skip_special_tokens", "n")
 
 
 def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, prompt_tokens: int, max_len: int,
@@ -203,7 +204,7 @@ def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, pro
       None. ``prompt_tokens + max_tokens`` must fit in ``max_len``; errors name the field that
       set it (the last of ``max_tokens_fields`` when none did).
     - ``SAMPLING_FIELDS`` (temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos,
-      include_stop_str_in_output, skip_special_tokens): the
+      include_stop_str_in_output, skip_special_tokens, n): the
       body's value when set, else ``defaults``' (the checkpoint's generation_config sampling). A
       negative seed (OpenAI's are any int64) is taken modulo 2**63, the engine's seeds.
     SamplingParams checks every value; a bad one is an APIError 400 naming the request field."""
@@ -400,10 +401,11 @@ def model_list(name: str, created: int, max_len: int) -> dict:
 
 
 class ResponseFormat:
-    """OpenAI's answer JSON for one request of an endpoint: ``response`` (the whole answer),
-    ``first_chunks`` + ``chunk`` per new text + ``usage_chunk`` (a streamed answer). Choices
-    carry ``token_ids`` when ``return_token_ids``, and vLLM's ``stop_reason`` (the stop string or
-    stop_token_ids id that ended the request; null otherwise, the model's eos included)."""
+    """OpenAI's answer JSON for one request of an endpoint: ``response`` (the whole answer, one
+    ``choice`` per sequence), ``first_chunks`` + ``chunk`` per new text of a sequence +
+    ``usage_chunk`` (a streamed answer). Choices carry their sequence's ``index``, ``token_ids``
+    when ``return_token_ids``, and vLLM's ``stop_reason`` (the stop string or stop_token_ids id
+    that ended the sequence; null otherwise, the model's eos included)."""
 
     id_prefix: str  # of the request id, as OpenAI's ("cmpl-", "chatcmpl-")
     object_name: str  # of the whole answer
@@ -420,14 +422,18 @@ class ResponseFormat:
     def _with_token_ids(self, choice: dict, token_ids: list[int]) -> dict:
         return {**choice, "token_ids": token_ids} if self.return_token_ids else choice
 
-    def response(self, text: str, token_ids: list[int], finish_reason: str, usage: dict,
-                 stop_reason: str | int | None = None) -> dict:
+    def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str,
+               stop_reason: str | int | None = None) -> dict:
+        """Sequence ``index`` of the whole answer."""
         raise NotImplementedError
 
-    def first_chunks(self) -> list[dict]:
+    def response(self, choices: list[dict], usage: dict) -> dict:
+        return self._answer(self.object_name, choices, usage=usage)
+
+    def first_chunks(self, n: int = 1) -> list[dict]:
         return []
 
-    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None,
+    def chunk(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
               stop_reason: str | int | None = None) -> dict:
         raise NotImplementedError
 
@@ -437,43 +443,40 @@ class ResponseFormat:
 
 
 class CompletionFormat(ResponseFormat):
-    """``/v1/completions``: ``text_completion`` objects, the (new) text in ``choices[0].text``."""
+    """``/v1/completions``: ``text_completion`` objects, the (new) text in ``choices[i].text``."""
 
     id_prefix, object_name, chunk_object_name = "cmpl-", "text_completion", "text_completion"
 
-    def _choice(self, text: str, token_ids: list[int], finish_reason: str | None, stop_reason) -> dict:
-        return self._with_token_ids({"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+    def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
+               stop_reason: str | int | None = None) -> dict:
+        return self._with_token_ids({"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason,
                                      "stop_reason": stop_reason}, token_ids)
 
-    def response(self, text: str, token_ids: list[int], finish_reason: str, usage: dict,
-                 stop_reason: str | int | None = None) -> dict:
-        return self._answer(self.object_name, [self._choice(text, token_ids, finish_reason, stop_reason)],
-                            usage=usage)
-
-    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None,
+    def chunk(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
               stop_reason: str | int | None = None) -> dict:
-        return self._answer(self.chunk_object_name, [self._choice(text, token_ids, finish_reason, stop_reason)])
+        return self._answer(self.chunk_object_name, [self.choice(index, text, token_ids, finish_reason, stop_reason)])
 
 
 class ChatFormat(ResponseFormat):
-    """``/v1/chat/completions``: a ``chat.completion`` with the assistant's ``message``, or
-    ``chat.completion.chunk`` s: first ``delta: {"role": "assistant", "content": ""}``, then
-    ``delta: {"content": ...}``."""
+    """``/v1/chat/completions``: a ``chat.completion`` with the assistant's ``message`` per choice,
+    or ``chat.completion.chunk`` s: first ``delta: {"role": "assistant", "content": ""}`` per
+    choice, then ``delta: {"content": ...}``."""
 
     id_prefix, object_name, chunk_object_name = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
-    def response(self, text: str, token_ids: list[int], finish_reason: str, usage: dict,
-                 stop_reason: str | int | None = None) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+    def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str,
+               stop_reason: str | int | None = None) -> dict:
+        choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
                   "finish_reason": finish_reason, "stop_reason": stop_reason}
-        return self._answer(self.object_name, [self._with_token_ids(choice, token_ids)], usage=usage)
+        return self._with_token_ids(choice, token_ids)
 
-    def first_chunks(self) -> list[dict]:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return [self._answer(self.chunk_object_name, [choice])]
+    def first_chunks(self, n: int = 1) -> list[dict]:
+        return [self._answer(self.chunk_object_name, [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                       "logprobs": None, "finish_reason": None}])
+                for index in range(n)]
 
-    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None,
+    def chunk(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
               stop_reason: str | int | None = None) -> dict:
-        choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
+        choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
                   "finish_reason": finish_reason, "stop_reason": stop_reason}
         return self._answer(self.chunk_object_name, [self._with_token_ids(choice, token_ids)])
