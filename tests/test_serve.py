@@ -31,7 +31,7 @@ openai = pytest.importorskip("openai")
 from fuselm.engine.llm import LLM  # noqa: E402
 from fuselm.serve import SERVER, ServedModel, build_app  # noqa: E402
 
-MAX_BATCH, MAX_LEN, MAX_QUEUE = 2, 64, 1
+MAX_BATCH, MAX_LEN, MAX_QUEUE = 2, 64, 2
 LONG = 50  # max_tokens of a request that is still running when the test acts on it
 
 
@@ -226,7 +226,10 @@ USER = [{"role": "user", "content": "Hi"}]
     (COMPLETIONS, {"prompt": "Hi", "echo": True}, 400, "echo", "not supported"),
     (COMPLETIONS, {"prompt": "Hi", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
     (COMPLETIONS, {"prompt": "Hi", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
-    (COMPLETIONS, {"prompt": ["Hi", "Ho"]}, 400, "prompt", "one prompt per request"),
+    (COMPLETIONS, {"prompt": []}, 400, "prompt", "a non-empty list of either"),
+    (COMPLETIONS, {"prompt": ["Hi", 3]}, 400, "prompt", "prompt[1]: expected a string or a list of token ids"),
+    (COMPLETIONS, {"prompt": ["Hi", "Hi " * MAX_LEN]}, 400, "prompt", "maximum context length"),
+    (COMPLETIONS, {"prompt": ["Hi", [10**9]]}, 400, "prompt", "vocab_size"),
     (COMPLETIONS, {"prompt": [10**9]}, 400, "prompt", "vocab_size"),  # Engine.add_request's check
     (COMPLETIONS, {"prompt": "Hi", "stop_token_ids": [10**9]}, 400, "stop_token_ids", "vocab_size"),
     (COMPLETIONS, {"prompt": "Hi", "model": "gpt-5"}, 404, "model", "does not exist"),
@@ -357,6 +360,29 @@ def test_n_sequences_are_the_requests_of_seeds_seed_plus_i_whole_and_streamed(se
     wait_until_idle(server)
 
 
+def test_a_batch_of_prompts_answers_choice_p_n_plus_i_whole_and_streamed(server, client):
+    """prompt: a list of prompts (text and token ids), n = 2: choice p n + i is what prompt p alone
+    gives with seed 3 + i; usage counts each prompt once."""
+    tokenizer = server.app[SERVER].model.tokenizer
+    prompts = ["Once upon", tokenizer.encode("The capital of")]
+    body = dict(model=model_name(server), max_tokens=3, temperature=1.0, seed=3,
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+    alone = [client.completions.create(**{**body, "seed": 3 + i}, prompt=p).choices[0] for p in prompts for i in (0, 1)]
+    whole = client.completions.create(**body, prompt=prompts, n=2)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert [(c.text, c.model_extra["token_ids"]) for c in whole.choices] == [(c.text, c.model_extra["token_ids"])
+                                                                             for c in alone]
+    assert whole.usage.prompt_tokens == len(tokenizer.encode("Once upon")) + len(prompts[1])
+    assert whole.usage.completion_tokens == 12
+
+    texts = {}
+    for chunk in client.completions.create(**body, prompt=prompts, n=2, stream=True):
+        (choice,) = chunk.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert [texts[i] for i in range(4)] == [c.text for c in alone]
+    wait_until_idle(server)
+
+
 def test_n_past_the_queue_is_refused_whole(server, client):
     """n sequences are n engine requests: more than the slots and the queue hold is a 503, and
     the sequences taken before the refusal are aborted (the engine is idle after it)."""
@@ -404,8 +430,8 @@ def test_a_chat_without_max_tokens_gets_what_the_kv_cache_holds(checkpoint):
 # ==================================================================================== concurrency
 def test_more_requests_than_slots_get_their_solo_output(server):
     bodies = [{"prompt": prompt, **greedy(2, ignore_eos=True, return_token_ids=True)}
-              for prompt in ("One", "Two plus two is", "Hello, world")]
-    assert len(bodies) == MAX_BATCH + MAX_QUEUE  # two run, one waits
+              for prompt in ("One", "Two plus two is", "Hello, world", "Seven")]
+    assert len(bodies) == MAX_BATCH + MAX_QUEUE  # two run, two wait
     alone = [post(server, COMPLETIONS, body)[1]["choices"][0] for body in bodies]
 
     async def together():

@@ -183,16 +183,17 @@ class OpenAIServer:
     # ------------------------------------------------------------------------ generation
     async def _generate(self, request: web.Request, generation: GenerationRequest,
                         format_class: type[ResponseFormat]) -> web.StreamResponse:
-        """Submit a checked request to the engine, one engine request per sequence (n), and
-        answer it, whole or streamed. Whatever ends the handler early (the client gone, an error,
-        one sequence refused) aborts every sequence."""
+        """Submit a checked request to the engine, one engine request per sequence (n for each
+        prompt; choice p n + i is prompt p's sequence i), and answer it, whole or streamed.
+        Whatever ends the handler early (the client gone, an error, one sequence refused) aborts
+        every sequence."""
         request_id = format_class.id_prefix + uuid.uuid4().hex
-        samples = generation.params.samples()
-        ids = [request_id] if len(samples) == 1 else [f"{request_id}-{index}" for index in range(len(samples))]
-        # All at once: the engine loop takes commands in order, so the n sequences start together.
-        submissions = [asyncio.ensure_future(self.engine.submit(generation.prompt_token_ids, params,
-                                                                request_id=sample_id, prompt=generation.prompt))
-                       for params, sample_id in zip(samples, ids)]
+        sequences = [(prompt, params) for prompt in generation.prompts for params in prompt.params.samples()]
+        ids = [request_id] if len(sequences) == 1 else [f"{request_id}-{index}" for index in range(len(sequences))]
+        # All at once: the engine loop takes commands in order, so the sequences start together.
+        submissions = [asyncio.ensure_future(self.engine.submit(prompt.token_ids, params, request_id=sequence_id,
+                                                                prompt=prompt.text))
+                       for (prompt, params), sequence_id in zip(sequences, ids)]
         try:
             submitted = await asyncio.gather(*submissions, return_exceptions=True)
         except asyncio.CancelledError:  # the client went away: the pending ones abort themselves
@@ -230,14 +231,14 @@ class OpenAIServer:
         completions = [delta.output.outputs[0] for delta in last]
         choices = [answer.choice(index, completion.text or "", completion.token_ids, completion.finish_reason,
                                  completion.stop_reason) for index, completion in enumerate(completions)]
-        usage = token_usage(len(generation.prompt_token_ids), sum(len(c.token_ids) for c in completions))
+        usage = token_usage(generation.prompt_tokens, sum(len(c.token_ids) for c in completions))
         return web.json_response(answer.response(choices, usage))
 
     async def _stream(self, request: web.Request, streams: list[RequestStream], answer: ResponseFormat,
                       generation: GenerationRequest) -> web.StreamResponse:
         """Server-sent events: a chunk per step that made a sequence's text final (and its last one
-        with the finish_reason), chunks of the n sequences interleaved as they come, each with its
-        index; the usage chunk when asked for, then ``[DONE]``. A request cut short ends with an
+        with the finish_reason), the sequences' chunks interleaved as they come, each with its
+        choice index; the usage chunk when asked for, then ``[DONE]``. A request cut short ends with an
         error event (OpenAI's error JSON) before ``[DONE]``."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -256,7 +257,7 @@ class OpenAIServer:
                         await _send_event(response, answer.chunk(index, delta.text, delta.token_ids,
                                                                  delta.finish_reason, stop_reason))
             if generation.include_usage:
-                await _send_event(response, answer.usage_chunk(token_usage(len(generation.prompt_token_ids),
+                await _send_event(response, answer.usage_chunk(token_usage(generation.prompt_tokens,
                                                                            completion_tokens)))
             await _send_event(response, "[DONE]")
             await response.write_eof()

@@ -8,8 +8,8 @@ and how to answer (streamed or not). Anything wrong is an ``APIError`` naming th
 Fields read (``null`` is the same as absent; other fields, which do not change the answer,
 are ignored, as vLLM does):
     model                 must be the served name when given (404 otherwise)
-    prompt                completions: a string, a list of one string, a list of token ids (or a
-                          list of one such list)
+    prompt                completions: a string or a list of token ids, or a list of either (a
+                          batch: choices[p n + i] is prompt p's sequence i)
     messages              chat: a list of {"role", "content"} (content: a string or text parts)
     chat_template_kwargs  chat: extra template variables, e.g. {"enable_thinking": false}
     reasoning_effort      chat: a template variable too, as vLLM passes it
@@ -232,21 +232,35 @@ def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, pro
 
 # ================================================================================== requests
 @dataclass
-class GenerationRequest:
-    """A checked completion or chat request: what the engine runs (``prompt`` text when there is
-    one, ``prompt_token_ids``, ``params``) and how to answer (``stream``, ``include_usage``: a
-    last streamed chunk with the usage, ``return_token_ids``: choices carry their token ids).
-    ``prompt_field`` and ``max_tokens_field``: the request fields that set the prompt ("prompt"
-    or "messages") and max_tokens, named by errors the engine raises later."""
+class Prompt:
+    """One prompt of a request: its ``text`` when it came as text, its ``token_ids`` and the
+    ``params`` it runs with (max_tokens depends on the prompt's length)."""
 
-    prompt: str | None
-    prompt_token_ids: list[int]
+    text: str | None
+    token_ids: list[int]
     params: SamplingParams
+
+
+@dataclass
+class GenerationRequest:
+    """A checked completion or chat request: what the engine runs (``prompts``: a completion
+    request may send several, a chat request has one; each asks for ``params.n`` sequences) and
+    how to answer (``stream``, ``include_usage``: a last streamed chunk with the usage,
+    ``return_token_ids``: choices carry their token ids). ``prompt_field`` and
+    ``max_tokens_field``: the request fields that set the prompt ("prompt" or "messages") and
+    max_tokens, named by errors the engine raises later."""
+
+    prompts: list[Prompt]
     stream: bool
     include_usage: bool
     return_token_ids: bool
     prompt_field: str
     max_tokens_field: str
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The usage's prompt_tokens: every prompt's, each counted once whatever its n."""
+        return sum(len(prompt.token_ids) for prompt in self.prompts)
 
     def param_of(self, error: Exception) -> str | None:
         """The request field an ``Engine.add_request`` error names."""
@@ -271,23 +285,34 @@ def _encode(tokenizer, text: str, field: str) -> list[int]:
         raise bad_request(f"{field}: the text cannot be tokenized ({error})", field) from None
 
 
-def _completion_prompt(prompt, tokenizer, no_tokenizer_reason: str) -> tuple[str | None, list[int]]:
-    """(text or None, token ids) of a completion request's ``prompt``."""
+def _completion_prompts(prompt, tokenizer, no_tokenizer_reason: str) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) of each prompt of a completion request's ``prompt``: a string, a
+    list of token ids, or a list of either (a batch)."""
     if prompt is None:
-        raise bad_request("prompt is required: a string or a list of token ids", "prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one prompt
+        raise bad_request("prompt is required: a string or a list of token ids, or a list of either", "prompt")
     if isinstance(prompt, list) and is_token_ids(prompt):
-        return None, list(prompt)
+        return [(None, list(prompt))]
     if isinstance(prompt, str):
-        if tokenizer is None:
-            raise bad_request(f"this server has no tokenizer ({no_tokenizer_reason}): send the prompt as a list "
-                              f"of token ids", "prompt")
-        return prompt, _encode(tokenizer, prompt, "prompt")
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad_request(f"a batch of {len(prompt)} prompts is not supported: send one prompt per request",
-                          "prompt")
-    raise bad_request(f"prompt: expected a string or a list of token ids (ints), got {prompt!r:.100}", "prompt")
+        batch = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        batch = prompt
+    else:
+        raise bad_request(f"prompt: expected a string or a list of token ids (ints), or a non-empty list of "
+                          f"either, got {prompt!r:.100}", "prompt")
+    prompts = []
+    for index, item in enumerate(batch):
+        where = "prompt" if len(batch) == 1 and isinstance(prompt, str) else f"prompt[{index}]"
+        if isinstance(item, list) and is_token_ids(item):
+            prompts.append((None, list(item)))
+        elif isinstance(item, str):
+            if tokenizer is None:
+                raise bad_request(f"this server has no tokenizer ({no_tokenizer_reason}): send the prompt as a "
+                                  f"list of token ids", "prompt")
+            prompts.append((item, _encode(tokenizer, item, "prompt")))
+        else:
+            raise bad_request(f"{where}: expected a string or a list of token ids (ints), got {item!r:.100}",
+                              "prompt")
+    return prompts
 
 
 def _check_prompt_length(prompt_tokens: int, max_len: int, field: str) -> None:
@@ -303,17 +328,19 @@ def parse_completion_request(body: Mapping, tokenizer, defaults: SamplingParams,
     """Check a ``/v1/completions`` body (the module docstring lists the fields) and tokenize its
     prompt (``tokenizer`` None: token-id prompts only, ``no_tokenizer_reason`` says why)."""
     _reject_unsupported(body, COMPLETION_UNSUPPORTED_FIELDS)
-    text, ids = _completion_prompt(body.get("prompt"), tokenizer, no_tokenizer_reason)
-    _check_prompt_length(len(ids), max_len, "prompt")
-    params = sampling_params_from_request(body, defaults, prompt_tokens=len(ids), max_len=max_len,
-                                          default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
-                                          max_tokens_fields=("max_tokens",))
-    if tokenizer is None and params.stop:
+    prompts = []
+    for text, ids in _completion_prompts(body.get("prompt"), tokenizer, no_tokenizer_reason):
+        _check_prompt_length(len(ids), max_len, "prompt")
+        params = sampling_params_from_request(body, defaults, prompt_tokens=len(ids), max_len=max_len,
+                                              default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
+                                              max_tokens_fields=("max_tokens",))
+        prompts.append(Prompt(text, ids, params))
+    if tokenizer is None and prompts[0].params.stop:
         raise bad_request(f"stop strings need a tokenizer and this server has none ({no_tokenizer_reason}): use "
                           f"stop_token_ids", "stop")
     stream, include_usage = _stream_options(body)
-    return GenerationRequest(text, ids, params, stream, include_usage,
-                             _optional_bool(body, "return_token_ids", tokenizer is None), "prompt", "max_tokens")
+    return_token_ids = _optional_bool(body, "return_token_ids", tokenizer is None)
+    return GenerationRequest(prompts, stream, include_usage, return_token_ids, "prompt", "max_tokens")
 
 
 # Names apply_chat_template takes itself: a chat_template_kwargs entry may not set them.
@@ -383,8 +410,9 @@ def parse_chat_request(body: Mapping, tokenizer, defaults: SamplingParams, max_l
     params = sampling_params_from_request(body, defaults, prompt_tokens=len(ids), max_len=max_len,
                                           default_max_tokens=None, max_tokens_fields=max_tokens_fields)
     stream, include_usage = _stream_options(body)
-    return GenerationRequest(text, ids, params, stream, include_usage, _optional_bool(body, "return_token_ids", False),
-                             "messages", _max_tokens_field(body, max_tokens_fields))
+    return GenerationRequest([Prompt(text, ids, params)], stream, include_usage,
+                             _optional_bool(body, "return_token_ids", False), "messages",
+                             _max_tokens_field(body, max_tokens_fields))
 
 
 # ================================================================================== responses
