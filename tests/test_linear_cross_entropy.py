@@ -16,7 +16,7 @@ from fuselm.ops.linear_cross_entropy import (
     op as lce_op,
 )
 from fuselm.ops.linear_cross_entropy.kernels import chunk_grad_kernel, chunk_stats_kernel
-from fuselm.testing import assert_close, poisoned_like
+from fuselm.testing import assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 REDUCTIONS = ["mean", "sum", "none"]

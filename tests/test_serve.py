@@ -395,6 +395,29 @@ def test_n_past_the_queue_is_refused_whole(server, client):
     wait_until_idle(server)
 
 
+def test_tokenize_and_detokenize_are_what_completions_and_chat_send(server, llm):
+    """vLLM's /tokenize: a prompt's ids as completions tokenize it, messages' as chat renders them;
+    /detokenize their text back; bad bodies are 400s naming the field."""
+    code, answer = post(server, "/tokenize", {"prompt": "Hello, world", "return_token_strs": True})
+    ids = llm.tokenizer.encode("Hello, world")
+    assert code == 200 and answer == {"count": len(ids), "max_model_len": MAX_LEN, "tokens": ids,
+                                      "token_strs": [llm.tokenizer.id_to_token(i) for i in ids]}
+    chat = {"messages": USER, "chat_template_kwargs": {"enable_thinking": False}}
+    code, answer = post(server, "/tokenize", chat)
+    rendered = llm.tokenizer.apply_chat_template(USER, add_generation_prompt=True, enable_thinking=False)
+    assert code == 200 and answer["tokens"] == llm.tokenizer.encode(rendered)
+    code, answer = post(server, "/detokenize", {"tokens": answer["tokens"]})
+    assert code == 200 and answer == {"prompt": rendered}
+    for path, body, param in [("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "messages": USER}, "prompt"),
+                              ("/tokenize", {"messages": "Hi"}, "messages"),
+                              ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+                              ("/detokenize", {"tokens": [10**9]}, "tokens"), ("/detokenize", {}, "tokens"),
+                              ("/tokenize", {"prompt": "a", "model": "other"}, "model")]:
+        code, answer = post(server, path, body)
+        assert code == (404 if param == "model" else 400) and answer["error"]["param"] == param, (path, body)
+
+
 def test_the_server_answers_after_bad_requests(server, client):
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model=model_name(server), prompt="Hi", max_tokens=2, temperature=-1)

@@ -9,6 +9,8 @@ embedding). The routes see the same ``EngineClient`` either way.
     GET  /v1/models            the served model, in OpenAI's list format
     POST /v1/completions       a prompt's completion; "stream": true for server-sent events
     POST /v1/chat/completions  the assistant's reply to "messages"; "stream" likewise
+    POST /tokenize             vLLM's: the token ids of a prompt, or of messages as chat renders them
+    POST /detokenize           vLLM's: the text of token ids
 
 Request fields and answer shapes: ``fuselm.serve.protocol``. Every error is OpenAI's error JSON
 with its HTTP status: 400 a bad field (named in ``param``), 404 an unknown model, 503 a full
@@ -48,8 +50,8 @@ from fuselm.serve.async_engine import (ADMISSION_WAIT_S, AsyncEngine, EngineClie
                                        RequestStream)
 from fuselm.serve.engine_process import EngineProcess, EngineSpec, gc_recorder
 from fuselm.serve.protocol import (APIError, ChatFormat, CompletionFormat, GenerationRequest, ResponseFormat,
-                                   bad_request, check_model, model_list, parse_chat_request,
-                                   parse_completion_request, token_usage)
+                                   bad_request, check_model, detokenize_response, model_list,
+                                   parse_chat_request, parse_completion_request, token_usage, tokenize_response)
 from fuselm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -165,6 +167,18 @@ class OpenAIServer:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(model_list(self.model.name, self.created, self.engine.max_len))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        check_model(body, self.model.name)
+        return web.json_response(await _off_loop(tokenize_response, body, self.model.tokenizer,
+                                                 self.engine.max_len, self.model.no_tokenizer_reason))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        check_model(body, self.model.name)
+        return web.json_response(await _off_loop(detokenize_response, body, self.model.tokenizer,
+                                                 self.model.no_tokenizer_reason))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
@@ -331,7 +345,8 @@ def build_app(model: ServedModel, engine: EngineClient | None = None, max_queue:
     app[SERVER] = server
     app.add_routes([web.get("/health", server.health), web.get("/v1/models", server.models),
                     web.post("/v1/completions", server.completions),
-                    web.post("/v1/chat/completions", server.chat_completions)])
+                    web.post("/v1/chat/completions", server.chat_completions),
+                    web.post("/tokenize", server.tokenize), web.post("/detokenize", server.detokenize)])
     app.on_startup.append(server.on_startup)
     app.on_shutdown.append(server.on_shutdown)
     return app

@@ -276,11 +276,11 @@ def check_model(body: Mapping, served_name: str) -> None:
                        "model")
 
 
-def _encode(tokenizer, text: str, field: str) -> list[int]:
+def _encode(tokenizer, text: str, field: str, add_special_tokens: bool = False) -> list[int]:
     """``tokenizer.encode(text)``; text it cannot take (a lone surrogate, which JSON's \\u escapes
     can carry but UTF-8 cannot) is a 400 naming ``field``."""
     try:
-        return tokenizer.encode(text)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
     except (TypeError, ValueError, UnicodeError) as error:
         raise bad_request(f"{field}: the text cannot be tokenized ({error})", field) from None
 
@@ -413,6 +413,47 @@ def parse_chat_request(body: Mapping, tokenizer, defaults: SamplingParams, max_l
     return GenerationRequest([Prompt(text, ids, params)], stream, include_usage,
                              _optional_bool(body, "return_token_ids", False), "messages",
                              _max_tokens_field(body, max_tokens_fields))
+
+
+# ================================================================================== tokenizer routes
+def _need_tokenizer(tokenizer, no_tokenizer_reason: str, field: str) -> None:
+    if tokenizer is None:
+        raise bad_request(f"this server has no tokenizer ({no_tokenizer_reason})", field)
+
+
+def tokenize_response(body: Mapping, tokenizer, max_len: int, no_tokenizer_reason: str = "") -> dict:
+    """``POST /tokenize`` (vLLM's): the token ids of ``prompt`` (a string), or of ``messages``
+    rendered by the chat template (with the chat fields: chat_template_kwargs,
+    add_generation_prompt, reasoning_effort), as a completion or chat request would send them:
+    ``{"count", "max_model_len", "tokens"}``, and ``token_strs`` (the vocabulary strings) with
+    ``return_token_strs``."""
+    field = "messages" if body.get("messages") is not None else "prompt"
+    _need_tokenizer(tokenizer, no_tokenizer_reason, field)
+    if body.get("messages") is not None and body.get("prompt") is not None:
+        raise bad_request("expected one of prompt and messages, got both", "prompt")
+    if field == "messages":
+        text = _chat_prompt(body, tokenizer)
+    else:
+        text = body.get("prompt")
+        if not isinstance(text, str):
+            raise bad_request(f"prompt: expected a string (or send messages), got {text!r:.100}", "prompt")
+    add_special_tokens = _optional_bool(body, "add_special_tokens", True)  # tokenizer.json's post-processor
+    ids = _encode(tokenizer, text, field, add_special_tokens)
+    answer = {"count": len(ids), "max_model_len": max_len, "tokens": ids}
+    if _optional_bool(body, "return_token_strs", False):
+        answer["token_strs"] = [tokenizer.id_to_token(i) for i in ids]
+    return answer
+
+
+def detokenize_response(body: Mapping, tokenizer, no_tokenizer_reason: str = "") -> dict:
+    """``POST /detokenize`` (vLLM's): ``{"tokens": [ids]}`` -> ``{"prompt": text}`` (special tokens
+    kept, as vLLM's)."""
+    _need_tokenizer(tokenizer, no_tokenizer_reason, "tokens")
+    ids = body.get("tokens")
+    vocab = tokenizer.vocab_size
+    if not isinstance(ids, list) or not all(_is_int(i) and 0 <= i < vocab for i in ids):
+        raise bad_request(f"tokens: expected a list of token ids in [0, {vocab}), got {ids!r:.100}", "tokens")
+    return {"prompt": tokenizer.decode(ids)}
 
 
 # ================================================================================== responses
