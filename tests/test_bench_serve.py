@@ -32,6 +32,7 @@ from fuselm.bench.serve import (  # noqa: E402
     parse_percentiles,
     random_requests,
     run_bench_serve,
+    sharegpt_requests,
 )
 
 MODEL = "fake-model"
@@ -59,7 +60,8 @@ class FakeServer:
         if self.fail_every and number % self.fail_every == 0:
             return web.json_response({"error": {"message": f"request {number} refused", "code": 400}}, status=400)
         chat = request.path.endswith("/chat/completions")
-        prompt_tokens = len(payload["messages"][0]["content"].split()) + 3 if chat else len(payload["prompt"])
+        prompt = payload["messages"][0]["content"] if chat else payload["prompt"]
+        prompt_tokens = len(prompt.split()) + 3 * chat if isinstance(prompt, str) else len(prompt)
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         try:
@@ -187,6 +189,67 @@ def test_random_requests_lengths_ids_and_seed(tmp_path):
         random_requests(2, 4, 4, as_text=True)
 
 
+def sharegpt_file(path, conversations):
+    path.write_text(json.dumps([{"id": str(i), "conversations": [{"from": who, "value": text}
+                                                                 for who, text in zip(("human", "gpt", "human"), turns)]}
+                                for i, turns in enumerate(conversations)]))
+    return path
+
+
+def words(n, start=0):
+    return " ".join(f"w{(start + i) % 50}" for i in range(n))
+
+
+def test_sharegpt_requests_follow_vllms_filter_and_shuffle(tmp_path):
+    """vLLM's ShareGPT sampling: two turns or more; prompt >= 4 and <= 1024 tokens, reply >= 4 (unless
+    the output length is fixed), both <= 2048; the order of random.seed(seed) + random.shuffle."""
+    from fuselm.bench.serve import load_tokenizer
+
+    tokenizer = load_tokenizer(write_word_tokenizer(tmp_path / "tokenizer.json"))
+    valid = [(words(5 + i, i), words(4 + i)) for i in range(6)]
+    invalid = [(words(3), words(10)), (words(10), words(3)), (words(1025), words(10)), (words(1000), words(1049))]
+    conversations = valid + invalid + [(words(8),)]  # the last: one turn
+    path = sharegpt_file(tmp_path / "sharegpt.json", conversations)
+    requests = sharegpt_requests(path, 6, tokenizer, seed=7)
+    order = [c for c in conversations if len(c) >= 2]
+    import random
+    random.seed(7)
+    random.shuffle(order)
+    expected = [c for c in order if c in valid]
+    assert [(r.prompt, r.prompt_len, r.output_len) for r in requests] == [
+        (p, len(p.split()), len(c.split())) for p, c in expected]
+    # output 2 tokens: the reply's minimum is not applied ((10, 3) passes) and 1000 + 2 fit in 2048
+    fixed = sharegpt_requests(path, 8, tokenizer, seed=7, output_len=2)
+    passing = valid + [(words(10), words(3)), (words(1000), words(1049))]
+    assert [(r.prompt, r.prompt_len, r.output_len) for r in fixed] == [
+        (p, len(p.split()), 2) for p, *_ in (c for c in order if c in passing)]
+    more = sharegpt_requests(path, 20, tokenizer, seed=7)  # 6 pass: 14 drawn again
+    assert len(more) == 20 and set(r.prompt for r in more) == {p for p, _ in valid}
+    for call, message in [(lambda: sharegpt_requests(path, 2, None), "--tokenizer"),
+                          (lambda: sharegpt_requests(tmp_path / "none.json", 2, tokenizer), "--dataset-path"),
+                          (lambda: sharegpt_requests(sharegpt_file(tmp_path / "bad.json", invalid), 2, tokenizer),
+                           "no conversation passes"),
+                          (lambda: sharegpt_requests(path, 0, tokenizer), "--num-prompts"),
+                          (lambda: sharegpt_requests(path, 2, tokenizer, output_len=0), "--sharegpt-output-len")]:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_sharegpt_prompts_go_as_text_with_their_reply_lengths(server, tmp_path):
+    fake, url = server
+    write_word_tokenizer(tmp_path / "tokenizer.json")
+    path = sharegpt_file(tmp_path / "sharegpt.json", [(words(6 + i), words(4 + i)) for i in range(3)])
+    results, printed = bench(url, model=MODEL, tokenizer=tmp_path, dataset_name="sharegpt", dataset_path=path,
+                             num_prompts=3)
+    assert results["completed"] == 3 and results["dataset"] == "sharegpt" and "ShareGPT prompts" in printed
+    sent = sorted((len(body["prompt"].split()), body["max_tokens"]) for body in fake.payloads)
+    assert sent == [(6, 4), (7, 5), (8, 6)] and sorted(results["input_lens"]) == [6, 7, 8]
+    with pytest.raises(ValueError, match="--dataset-path"):
+        bench(url, model=MODEL, tokenizer=tmp_path, dataset_name="sharegpt", num_prompts=1)
+    with pytest.raises(ValueError, match="--dataset-name"):
+        bench(url, model=MODEL, dataset_name="sonnet", num_prompts=1)
+
+
 # ============================================================================ metrics
 def finished(ttft, latency, output_tokens, itl=()):
     return RequestResult(10, success=True, start_time=0.0, queue_time=0.0, ttft=ttft,
@@ -262,7 +325,8 @@ def test_completions_timings_tokens_throughput_and_concurrency(server, tmp_path)
 
     assert "Serving Benchmark Result" in printed and "P90 TTFT (ms):" in printed and "P99 ITL (ms):" in printed
     written = json.loads((tmp_path / "run.json").read_text())
-    documented = ["backend", "base_url", "endpoint", "model", "dataset", "num_prompts", "random_input_len",
+    documented = ["backend", "base_url", "endpoint", "model", "dataset", "dataset_path", "sharegpt_output_len",
+                  "num_prompts", "random_input_len",
                   "random_output_len", "random_range_ratio", "seed", "request_rate", "burstiness", "max_concurrency",
                   "warmup_requests", "request_timeout", "goodput_slos_ms", "percentiles", "date", "duration",
                   "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",

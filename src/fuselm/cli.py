@@ -240,7 +240,8 @@ def _bench_serve(args) -> int:
         raise ValueError(f"URL {args.url} and --base-url {args.base_url} differ: give one")
     results = run_bench_serve(
         args.url or args.base_url or DEFAULT_BASE_URL, backend=args.backend, endpoint=args.endpoint,
-        model=args.model, tokenizer=args.tokenizer, num_prompts=args.num_prompts,
+        model=args.model, tokenizer=args.tokenizer, dataset_name=args.dataset_name, dataset_path=args.dataset_path,
+        sharegpt_output_len=args.sharegpt_output_len, num_prompts=args.num_prompts,
         random_input_len=args.random_input_len, random_output_len=args.random_output_len,
         random_range_ratio=args.random_range_ratio, random_vocab_size=args.random_vocab_size, seed=args.seed,
         request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
@@ -428,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_serve = commands.add_parser(
         "bench-serve", help="load generator for an OpenAI-compatible server: TTFT, TPOT, ITL, throughput, goodput",
-        description="Like vllm bench serve: random-token prompts streamed to URL's /v1/completions (or "
+        description="Like vllm bench serve: random-token (or ShareGPT) prompts streamed to URL's /v1/completions (or "
                     "/v1/chat/completions) at --request-rate, at most --max-concurrency at once; reports TTFT, TPOT, "
                     "ITL and E2EL (mean, median, percentiles), request and token throughput, goodput under SLOs "
                     "(fuselm.bench.serve). Contacts URL only.")
@@ -443,6 +444,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
                              help="tokenizer.json or its directory: prompts of its ordinary token ids; openai-chat "
                                   "needs it (the prompt is the text it decodes)")
+    bench_serve.add_argument("--dataset-name", default="random", choices=("random", "sharegpt"),
+                             help="random: random-token prompts (default); sharegpt: the first turns of a ShareGPT "
+                                  "JSON file (--dataset-path) as text prompts, sampled as vLLM samples them (needs "
+                                  "--tokenizer)")
+    bench_serve.add_argument("--dataset-path", type=Path, default=None, metavar="FILE",
+                             help="the ShareGPT JSON file, e.g. ShareGPT_V3_unfiltered_cleaned_split.json")
+    bench_serve.add_argument("--sharegpt-output-len", type=int, default=None,
+                             help="tokens generated per ShareGPT request (default: its reply's length)")
     bench_serve.add_argument("--num-prompts", type=int, default=200, help="requests measured (200)")
     bench_serve.add_argument("--random-input-len", type=int, default=512, help="prompt tokens (512)")
     bench_serve.add_argument("--random-output-len", type=int, default=256, help="tokens generated per request (256)")

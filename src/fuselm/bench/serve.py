@@ -1,10 +1,11 @@
 """``fuselm bench-serve URL``: a load generator for an OpenAI-compatible server, in the shape of
-vLLM's ``vllm bench serve`` (random dataset, arrival process, client-side metrics, report).
+vLLM's ``vllm bench serve`` (random or ShareGPT dataset, arrival process, client-side metrics, report).
 
     fuselm bench-serve http://127.0.0.1:8000 --num-prompts 200 --random-input-len 512 \\
         --random-output-len 256 --request-rate 8 --max-concurrency 32 --goodput ttft:500 tpot:50 --out DIR
 
-What is sent. ``num_prompts`` requests of the random dataset (``random_requests``): prompt and
+What is sent. ``num_prompts`` requests of the random dataset (``random_requests``; or of a ShareGPT
+file, ``sharegpt_requests``: text prompts, vLLM's sample of them): prompt and
 output lengths drawn uniformly among the integers in [len * (1 - r), len * (1 + r)], prompts of
 random ordinary token ids (``seed``). ``backend='openai'`` posts each to /v1/completions with the
 prompt as a list of ids (its length is exact and the server needs no tokenizer);
@@ -43,7 +44,8 @@ proxy settings of the environment are ignored.
 
 Results: the vLLM-style table on stdout; with ``out``, ``<label>.json`` and ``<label>.md``
 (``fuselm.bench.write_results``) and ``<label>.png`` (``plot_results``; needs matplotlib). The
-JSON holds the run's settings (backend, base_url, endpoint, model, dataset, num_prompts,
+JSON holds the run's settings (backend, base_url, endpoint, model, dataset, dataset_path,
+sharegpt_output_len, num_prompts,
 random_input_len, random_output_len, random_range_ratio, seed, request_rate ("inf" for inf),
 burstiness, max_concurrency, warmup_requests, request_timeout, goodput_slos_ms, percentiles,
 date), the metrics (duration [s], completed, failed, total_input_tokens, total_output_tokens,
@@ -63,6 +65,7 @@ import collections
 import contextlib
 import json
 import math
+import random
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -163,6 +166,58 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, range_rat
             requests.append(BenchRequest(text, len(tokenizer.encode(text, add_special_tokens=False).ids), new_tokens))
         else:
             requests.append(BenchRequest(ids, prompt_len, new_tokens))
+    return requests
+
+
+# ============================================================================ the ShareGPT dataset
+# vLLM's filter of ShareGPT sequences (benchmarks' is_valid_sequence): prompt and output at least
+# this many tokens, the prompt at most SHAREGPT_MAX_PROMPT_LEN, both at most SHAREGPT_MAX_TOTAL_LEN.
+SHAREGPT_MIN_LEN, SHAREGPT_MAX_PROMPT_LEN, SHAREGPT_MAX_TOTAL_LEN = 4, 1024, 2048
+
+
+def sharegpt_requests(path: str | Path, num_prompts: int, tokenizer, *, seed: int = 0,
+                      output_len: int | None = None) -> list[BenchRequest]:
+    """vLLM's ShareGPT dataset: of a ShareGPT JSON file (a list of {"conversations": [{"from",
+    "value"}, ...]}, e.g. ShareGPT_V3_unfiltered_cleaned_split.json), the conversations of two
+    turns or more, shuffled as vLLM shuffles them (``random.seed(seed)``, ``random.shuffle``);
+    each gives a text prompt (its first turn; its length: the ``tokenizer``'s token count) and an
+    output length (the second turn's token count, or ``output_len``); sequences outside vLLM's
+    filter (``SHAREGPT_*``; the output's minimum not applied with ``output_len``) are skipped, the
+    first ``num_prompts`` kept. With fewer, some are drawn again (vLLM's oversampling, seeded).
+    ValueError names a bad file or size."""
+    if num_prompts < 1:
+        raise ValueError(f"--num-prompts: expected >= 1, got {num_prompts}")
+    if output_len is not None and output_len < 1:
+        raise ValueError(f"--sharegpt-output-len: expected >= 1, got {output_len}")
+    if tokenizer is None:
+        raise ValueError("--dataset-name sharegpt needs --tokenizer (the prompts' and outputs' token counts)")
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--dataset-path {path}: cannot read a ShareGPT JSON file ({error})") from None
+    if not isinstance(data, list):
+        raise ValueError(f"--dataset-path {path}: expected a JSON list of conversations")
+    conversations = [entry["conversations"] for entry in data
+                     if isinstance(entry, dict) and isinstance(entry.get("conversations"), list)
+                     and len(entry["conversations"]) >= 2]
+    random.Random(seed).shuffle(conversations)
+    requests = []
+    for turns in conversations:
+        if len(requests) == num_prompts:
+            break
+        prompt, completion = turns[0].get("value"), turns[1].get("value")
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            continue
+        prompt_len = len(tokenizer.encode(prompt).ids)
+        new_tokens = len(tokenizer.encode(completion).ids) if output_len is None else output_len
+        if (prompt_len < SHAREGPT_MIN_LEN or (output_len is None and new_tokens < SHAREGPT_MIN_LEN)
+                or prompt_len > SHAREGPT_MAX_PROMPT_LEN or prompt_len + new_tokens > SHAREGPT_MAX_TOTAL_LEN):
+            continue
+        requests.append(BenchRequest(prompt, prompt_len, new_tokens))
+    if not requests:
+        raise ValueError(f"--dataset-path {path}: no conversation passes vLLM's ShareGPT filter")
+    if len(requests) < num_prompts:
+        requests += random.Random(seed).choices(requests, k=num_prompts - len(requests))
     return requests
 
 
@@ -598,8 +653,10 @@ def api_url_of(base_url: str, endpoint: str) -> str:
 
 
 def run_bench_serve(base_url: str = DEFAULT_BASE_URL, *, backend: str = "openai", endpoint: str | None = None,
-                    model: str | None = None, tokenizer: str | Path | None = None, num_prompts: int = 200,
-                    random_input_len: int = 512, random_output_len: int = 256, random_range_ratio: float = 0.0,
+                    model: str | None = None, tokenizer: str | Path | None = None, dataset_name: str = "random",
+                    dataset_path: str | Path | None = None, sharegpt_output_len: int | None = None,
+                    num_prompts: int = 200, random_input_len: int = 512, random_output_len: int = 256,
+                    random_range_ratio: float = 0.0,
                     random_vocab_size: int | None = None, seed: int = 0, request_rate: float = math.inf,
                     burstiness: float = 1.0, max_concurrency: int | None = None, warmup_requests: int = 0,
                     request_timeout: float = 600.0, goodput=(), percentiles: str = "50,90,99",
@@ -622,23 +679,37 @@ def run_bench_serve(base_url: str = DEFAULT_BASE_URL, *, backend: str = "openai"
         raise ValueError(f"--request-timeout: expected > 0 seconds, got {request_timeout}")
     slos_ms = parse_goodput(goodput)
     percentile_list = parse_percentiles(percentiles)
-    requests = random_requests(num_prompts, random_input_len, random_output_len, random_range_ratio, seed=seed,
-                               tokenizer=load_tokenizer(tokenizer) if tokenizer is not None else None,
-                               vocab_size=random_vocab_size, as_text=backend == "openai-chat")
+    loaded_tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
+    if dataset_name == "random":
+        requests = random_requests(num_prompts, random_input_len, random_output_len, random_range_ratio, seed=seed,
+                                   tokenizer=loaded_tokenizer, vocab_size=random_vocab_size,
+                                   as_text=backend == "openai-chat")
+        dataset = (f"{num_prompts} random prompts, input {random_input_len}, output {random_output_len}, range ratio "
+                   f"{random_range_ratio:g}, seed {seed}")
+    elif dataset_name == "sharegpt":
+        if dataset_path is None:
+            raise ValueError("--dataset-name sharegpt needs --dataset-path (a ShareGPT JSON file)")
+        requests = sharegpt_requests(dataset_path, num_prompts, loaded_tokenizer, seed=seed,
+                                     output_len=sharegpt_output_len)
+        outputs = "the replies' lengths" if sharegpt_output_len is None else sharegpt_output_len
+        dataset = f"{num_prompts} ShareGPT prompts of {Path(dataset_path).name}, seed {seed}, output {outputs}"
+    else:
+        raise ValueError(f"--dataset-name {dataset_name!r}: expected random or sharegpt")
     due_times = arrival_times(num_prompts, request_rate, burstiness, seed)
     model = model or asyncio.run(first_served_model(base_url, request_timeout))
 
     arrival = "all at once" if math.isinf(request_rate) else \
         f"{request_rate:g} req/s ({'Poisson' if burstiness == 1 else f'gamma, burstiness {burstiness:g}'})"
-    print(f"fuselm bench-serve: {backend} at {api_url}, model {model}; {num_prompts} random prompts (input "
-          f"{random_input_len}, output {random_output_len}, range ratio {random_range_ratio:g}, seed {seed}), "
-          f"{arrival}, max concurrency {max_concurrency or 'unlimited'}, {warmup_requests} warm-up", flush=True)
+    print(f"fuselm bench-serve: {backend} at {api_url}, model {model}; {dataset}, {arrival}, max concurrency "
+          f"{max_concurrency or 'unlimited'}, {warmup_requests} warm-up", flush=True)
     request_results, duration, peak = asyncio.run(run_load(
         requests, due_times, api_url=api_url, backend=backend, model=model, max_concurrency=max_concurrency,
         warmup_requests=warmup_requests, request_timeout=request_timeout, progress=progress))
 
-    results = {"backend": backend, "base_url": base_url, "endpoint": endpoint, "model": model, "dataset": "random",
-               "num_prompts": num_prompts, "random_input_len": random_input_len,
+    results = {"backend": backend, "base_url": base_url, "endpoint": endpoint, "model": model, "dataset": dataset_name,
+               "dataset_path": None if dataset_path is None else str(dataset_path),
+               "sharegpt_output_len": sharegpt_output_len, "num_prompts": num_prompts,
+               "random_input_len": random_input_len,
                "random_output_len": random_output_len, "random_range_ratio": random_range_ratio, "seed": seed,
                "request_rate": "inf" if math.isinf(request_rate) else request_rate,
                "burstiness": "inf" if math.isinf(burstiness) else burstiness, "max_concurrency": max_concurrency,
@@ -649,8 +720,7 @@ def run_bench_serve(base_url: str = DEFAULT_BASE_URL, *, backend: str = "openai"
     report = format_report(results)
     print(report, flush=True)
     if out is not None:
-        markdown = (f"## fuselm bench-serve: {model} ({backend}, {api_url})\n\n{num_prompts} random prompts, input "
-                    f"{random_input_len}, output {random_output_len}, range ratio {random_range_ratio:g}; {arrival}; "
+        markdown = (f"## fuselm bench-serve: {model} ({backend}, {api_url})\n\n{dataset}; {arrival}; "
                     f"max concurrency {max_concurrency or 'unlimited'}\n\n```\n{report}\n```\n")
         write_results(out, label, results, markdown)
         plot = Path(out) / f"{label}.png"
