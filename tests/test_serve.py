@@ -3,7 +3,7 @@
 The server runs in-process: ``build_app`` over an ``LLM`` of a tiny checkpoint with the real
 Qwen3.5 tokenizer (``init_checkpoint``), on a free port of 127.0.0.1, in a thread with its own
 event loop (``ServerThread``, set up as ``run_server`` sets up aiohttp), with max_batch 2, max_len
-64 and max_queue 1. It is driven by the official ``openai`` client (answers, streams, usage,
+64 and max_queue 2. It is driven by the official ``openai`` client (answers, streams, usage,
 models) and by raw HTTP through aiohttp's client (error JSON, concurrency, clients that go away,
 a full queue). Shutdown is checked in-process (the path SIGTERM takes: ``runner.cleanup()``) and
 through the real command (``fuselm serve --config tiny`` gets SIGTERM and exits 0).
@@ -228,8 +228,15 @@ USER = [{"role": "user", "content": "Hi"}]
     (COMPLETIONS, {"prompt": "Hi", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     (COMPLETIONS, {"prompt": []}, 400, "prompt", "a non-empty list of either"),
     (COMPLETIONS, {"prompt": ["Hi", 3]}, 400, "prompt", "prompt[1]: expected a string or a list of token ids"),
-    (COMPLETIONS, {"prompt": ["Hi", "Hi " * MAX_LEN]}, 400, "prompt", "maximum context length"),
-    (COMPLETIONS, {"prompt": ["Hi", [10**9]]}, 400, "prompt", "vocab_size"),
+    (COMPLETIONS, {"prompt": ["Hi", "Hi " * MAX_LEN]}, 400, "prompt", "prompt[1]: This model's maximum context"),
+    (COMPLETIONS, {"prompt": ["Hi", [10**9]]}, 400, "prompt", "prompt[1]: prompt_token_ids: token ids must be"),
+    (COMPLETIONS, {"prompt": ["Hi", "Hi"], "max_tokens": MAX_LEN}, 400, "max_tokens", "prompt[0]: This model's"),
+    (COMPLETIONS, {"prompt": ["Hi", ""]}, 400, "prompt", "prompt[1]: the prompt is empty"),
+    (COMPLETIONS, {"prompt": [[1, 2], []]}, 400, "prompt", "prompt[1]: the prompt is empty"),
+    (COMPLETIONS, {"prompt": [1, 2.5]}, 400, "prompt", "prompt[1]: expected a token id (an int), got 2.5"),
+    (COMPLETIONS, {"prompt": [[1, 2], [3, True]]}, 400, "prompt", "prompt[1][1]: expected a token id"),
+    (COMPLETIONS, {"prompt": [[1]] * 33, "n": 128}, 400, "prompt", "a request may ask for 4096 at most"),
+    (COMPLETIONS, {"prompt": "Hi", "n": 5}, 400, "n", "this server holds 4 at most"),
     (COMPLETIONS, {"prompt": [10**9]}, 400, "prompt", "vocab_size"),  # Engine.add_request's check
     (COMPLETIONS, {"prompt": "Hi", "stop_token_ids": [10**9]}, 400, "stop_token_ids", "vocab_size"),
     (COMPLETIONS, {"prompt": "Hi", "model": "gpt-5"}, 404, "model", "does not exist"),
@@ -383,12 +390,22 @@ def test_a_batch_of_prompts_answers_choice_p_n_plus_i_whole_and_streamed(server,
     wait_until_idle(server)
 
 
-def test_n_past_the_queue_is_refused_whole(server, client):
-    """n sequences are n engine requests: more than the slots and the queue hold is a 503, and
-    the sequences taken before the refusal are aborted (the engine is idle after it)."""
-    code, answer = post(server, COMPLETIONS, {"prompt": "Hi", "n": MAX_BATCH + MAX_QUEUE + 1,
-                                              **greedy(LONG, ignore_eos=True)})
-    assert code == 503 and answer["error"]["type"] == "ServiceUnavailableError"
+def test_n_past_the_room_left_is_refused_whole(server, client):
+    """n sequences are n engine requests: more than the server holds at all is a 400 naming n (the
+    bad-request table); more than the room left beside a running request, a 503 with the sequences
+    taken before the refusal aborted (the engine is idle once the running one is gone)."""
+    async def overflow():
+        async with aiohttp.ClientSession() as session:
+            held = await session.post(server.url + COMPLETIONS,
+                                      json={"prompt": "Hi", "stream": True, **greedy(LONG, ignore_eos=True)})
+            assert held.status == 200
+            body = {"prompt": "Hi", "n": MAX_BATCH + MAX_QUEUE, **greedy(LONG, ignore_eos=True)}
+            async with session.post(server.url + COMPLETIONS, json=body) as refused:
+                answer = await refused.json()
+            held.close()
+            return refused.status, answer
+    status, answer = asyncio.run(overflow())
+    assert status == 503 and answer["error"]["type"] == "ServiceUnavailableError"
     wait_until_idle(server)
     answer = client.completions.create(model=model_name(server), prompt="Hi", max_tokens=2, temperature=0, n=2)
     assert len(answer.choices) == 2
@@ -413,6 +430,7 @@ def test_tokenize_and_detokenize_are_what_completions_and_chat_send(server, llm)
                               ("/tokenize", {"messages": "Hi"}, "messages"),
                               ("/detokenize", {"tokens": [1, -1]}, "tokens"),
                               ("/detokenize", {"tokens": [10**9]}, "tokens"), ("/detokenize", {}, "tokens"),
+                              ("/tokenize", {"messages": USER, "tools": [{"type": "function"}]}, "tools"),
                               ("/tokenize", {"prompt": "a", "model": "other"}, "model")]:
         code, answer = post(server, path, body)
         assert code == (404 if param == "model" else 400) and answer["error"]["param"] == param, (path, body)

@@ -50,7 +50,7 @@ from fuselm.serve.async_engine import (ADMISSION_WAIT_S, AsyncEngine, EngineClie
                                        RequestStream)
 from fuselm.serve.engine_process import EngineProcess, EngineSpec, gc_recorder
 from fuselm.serve.protocol import (APIError, ChatFormat, CompletionFormat, GenerationRequest, ResponseFormat,
-                                   bad_request, check_model, detokenize_response, model_list,
+                                   bad_request, check_model, detokenize_response, in_batch, model_list,
                                    parse_chat_request, parse_completion_request, token_usage, tokenize_response)
 from fuselm.tokenizer import Tokenizer
 
@@ -202,12 +202,19 @@ class OpenAIServer:
         Whatever ends the handler early (the client gone, an error, one sequence refused) aborts
         every sequence."""
         request_id = format_class.id_prefix + uuid.uuid4().hex
-        sequences = [(prompt, params) for prompt in generation.prompts for params in prompt.params.samples()]
+        sequences = [(index, prompt, params) for index, prompt in enumerate(generation.prompts)
+                     for params in prompt.params.samples()]
+        capacity = self.engine.max_requests
+        if capacity is not None and len(sequences) > capacity:
+            n = generation.prompts[0].params.n
+            raise bad_request(f"{len(generation.prompts)} prompt(s) x n = {n} are {len(sequences)} sequences, each an "
+                              f"engine request, and this server holds {capacity} at most (max batch + max queue)",
+                              "n" if n > 1 else generation.prompt_field)
         ids = [request_id] if len(sequences) == 1 else [f"{request_id}-{index}" for index in range(len(sequences))]
         # All at once: the engine loop takes commands in order, so the sequences start together.
         submissions = [asyncio.ensure_future(self.engine.submit(prompt.token_ids, params, request_id=sequence_id,
                                                                 prompt=prompt.text))
-                       for (prompt, params), sequence_id in zip(sequences, ids)]
+                       for (_, prompt, params), sequence_id in zip(sequences, ids)]
         try:
             submitted = await asyncio.gather(*submissions, return_exceptions=True)
         except asyncio.CancelledError:  # the client went away: the pending ones abort themselves
@@ -217,11 +224,13 @@ class OpenAIServer:
             raise
         streams = [stream for stream in submitted if isinstance(stream, RequestStream)]
         try:
-            error = next((error for error in submitted if isinstance(error, BaseException)), None)
+            failed = next((k for k, outcome in enumerate(submitted) if isinstance(outcome, BaseException)), None)
+            error = None if failed is None else submitted[failed]
             if isinstance(error, EngineUnavailableError):
                 raise APIError(503, str(error)) from None
             if isinstance(error, (ValueError, TypeError)):  # Engine.add_request's checks
-                raise bad_request(str(error), generation.param_of(error)) from None
+                raise in_batch(bad_request(str(error), generation.param_of(error)), sequences[failed][0],
+                               len(generation.prompts)) from None
             if error is not None:
                 raise error
             answer = format_class(request_id, self.model.name, generation.return_token_ids)

@@ -314,6 +314,12 @@ class EngineClient:
         then gets what fits, not a 400 about pages)."""
         raise NotImplementedError
 
+    @property
+    def max_requests(self) -> int | None:
+        """Requests it holds at once, running and waiting (max_batch + max_queue); None when
+        the queue has no limit."""
+        raise NotImplementedError
+
     def start(self) -> None:
         """Take requests; answers go to the running event loop."""
         raise NotImplementedError
@@ -415,6 +421,11 @@ class AsyncEngine(EngineClient):
     @property
     def max_len(self) -> int:
         return self.engine.max_request_tokens
+
+    @property
+    def max_requests(self) -> int | None:
+        max_queue = self._engine_loop.max_queue
+        return None if max_queue is None else self.engine.max_batch + max_queue
 
     @property
     def failure(self) -> BaseException | None:

@@ -93,6 +93,10 @@ class EngineProcess(EngineClient):
         return self.info["max_len"]
 
     @property
+    def max_requests(self) -> int | None:
+        return None if self.spec.max_queue is None else self.info["max_batch"] + self.spec.max_queue
+
+    @property
     def process(self) -> multiprocessing.process.BaseProcess | None:
         return self._process
 

@@ -40,10 +40,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from fuselm.engine.request import SamplingParams, is_token_ids
+from fuselm.engine.request import SamplingParams
 
 MAX_N = 128
-"""Largest ``n`` (sequences a request asks for) taken: OpenAI's limit."""
+"""Largest ``n`` (sequences a request asks for per prompt) taken: OpenAI's limit."""
+MAX_REQUEST_SEQUENCES = 4096
+"""Most sequences (prompts x n) one request may ask for."""
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """``max_tokens`` of a completion request that gives none (OpenAI's default); chat requests
@@ -276,43 +278,63 @@ def check_model(body: Mapping, served_name: str) -> None:
                        "model")
 
 
-def _encode(tokenizer, text: str, field: str, add_special_tokens: bool = False) -> list[int]:
+def _encode(tokenizer, text: str, field: str, add_special_tokens: bool = False, param: str | None = None) -> list[int]:
     """``tokenizer.encode(text)``; text it cannot take (a lone surrogate, which JSON's \\u escapes
-    can carry but UTF-8 cannot) is a 400 naming ``field``."""
+    can carry but UTF-8 cannot) is a 400 naming ``field`` (the request field ``param``, default
+    ``field``)."""
     try:
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
     except (TypeError, ValueError, UnicodeError) as error:
-        raise bad_request(f"{field}: the text cannot be tokenized ({error})", field) from None
+        raise bad_request(f"{field}: the text cannot be tokenized ({error})", param or field) from None
+
+
+def _token_ids(value: list, where: str) -> list[int]:
+    """``value`` as a prompt of token ids: a 400 naming ``where`` (and the element) otherwise."""
+    if not value:
+        raise bad_request(f"{where}: the prompt is empty (0 tokens)", "prompt")
+    bad = next((i for i, token in enumerate(value) if not _is_int(token)), None)
+    if bad is not None:
+        raise bad_request(f"{where}[{bad}]: expected a token id (an int), got {value[bad]!r:.100}", "prompt")
+    return list(value)
 
 
 def _completion_prompts(prompt, tokenizer, no_tokenizer_reason: str) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) of each prompt of a completion request's ``prompt``: a string, a
-    list of token ids, or a list of either (a batch)."""
+    list of token ids, or a list of either (a batch). Errors name the prompt (``prompt[i]`` in a
+    batch)."""
     if prompt is None:
         raise bad_request("prompt is required: a string or a list of token ids, or a list of either", "prompt")
-    if isinstance(prompt, list) and is_token_ids(prompt):
-        return [(None, list(prompt))]
     if isinstance(prompt, str):
-        batch = [prompt]
+        items, names = [prompt], ["prompt"]
+    elif isinstance(prompt, list) and prompt and all(isinstance(token, (int, float)) for token in prompt):
+        return [(None, _token_ids(prompt, "prompt"))]  # one prompt of ids (or numbers that are not)
     elif isinstance(prompt, list) and prompt:
-        batch = prompt
+        items, names = prompt, [f"prompt[{index}]" for index in range(len(prompt))]
     else:
         raise bad_request(f"prompt: expected a string or a list of token ids (ints), or a non-empty list of "
                           f"either, got {prompt!r:.100}", "prompt")
     prompts = []
-    for index, item in enumerate(batch):
-        where = "prompt" if len(batch) == 1 and isinstance(prompt, str) else f"prompt[{index}]"
-        if isinstance(item, list) and is_token_ids(item):
-            prompts.append((None, list(item)))
+    for item, where in zip(items, names):
+        if isinstance(item, list):
+            prompts.append((None, _token_ids(item, where)))
         elif isinstance(item, str):
             if tokenizer is None:
-                raise bad_request(f"this server has no tokenizer ({no_tokenizer_reason}): send the prompt as a "
-                                  f"list of token ids", "prompt")
-            prompts.append((item, _encode(tokenizer, item, "prompt")))
+                raise bad_request(f"{where}: this server has no tokenizer ({no_tokenizer_reason}): send the prompt "
+                                  f"as a list of token ids", "prompt")
+            prompts.append((item, _encode(tokenizer, item, where, param="prompt")))
         else:
             raise bad_request(f"{where}: expected a string or a list of token ids (ints), got {item!r:.100}",
                               "prompt")
     return prompts
+
+
+def in_batch(error: APIError, index: int, count: int) -> APIError:
+    """``error`` about prompt ``index`` of a batch of ``count``: its message starts with
+    ``prompt[index]`` (unchanged for a batch of one)."""
+    if count == 1 or error.message.startswith(f"prompt[{index}]"):
+        return error
+    message = error.message.removeprefix("prompt: ")
+    return APIError(error.status, f"prompt[{index}]: {message}", error.param)
 
 
 def _check_prompt_length(prompt_tokens: int, max_len: int, field: str) -> None:
@@ -328,12 +350,19 @@ def parse_completion_request(body: Mapping, tokenizer, defaults: SamplingParams,
     """Check a ``/v1/completions`` body (the module docstring lists the fields) and tokenize its
     prompt (``tokenizer`` None: token-id prompts only, ``no_tokenizer_reason`` says why)."""
     _reject_unsupported(body, COMPLETION_UNSUPPORTED_FIELDS)
-    prompts = []
-    for text, ids in _completion_prompts(body.get("prompt"), tokenizer, no_tokenizer_reason):
-        _check_prompt_length(len(ids), max_len, "prompt")
-        params = sampling_params_from_request(body, defaults, prompt_tokens=len(ids), max_len=max_len,
-                                              default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
-                                              max_tokens_fields=("max_tokens",))
+    items, prompts = _completion_prompts(body.get("prompt"), tokenizer, no_tokenizer_reason), []
+    sequences = len(items) * (body.get("n") or 1)
+    if sequences > MAX_REQUEST_SEQUENCES:
+        raise bad_request(f"{len(items)} prompts x n = {body.get('n') or 1} are {sequences} sequences; a request may "
+                          f"ask for {MAX_REQUEST_SEQUENCES} at most", "prompt" if len(items) > 1 else "n")
+    for index, (text, ids) in enumerate(items):
+        try:
+            _check_prompt_length(len(ids), max_len, "prompt")
+            params = sampling_params_from_request(body, defaults, prompt_tokens=len(ids), max_len=max_len,
+                                                  default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
+                                                  max_tokens_fields=("max_tokens",))
+        except APIError as error:
+            raise in_batch(error, index, len(items)) from None
         prompts.append(Prompt(text, ids, params))
     if tokenizer is None and prompts[0].params.stop:
         raise bad_request(f"stop strings need a tokenizer and this server has none ({no_tokenizer_reason}): use "
@@ -432,12 +461,14 @@ def tokenize_response(body: Mapping, tokenizer, max_len: int, no_tokenizer_reaso
     if body.get("messages") is not None and body.get("prompt") is not None:
         raise bad_request("expected one of prompt and messages, got both", "prompt")
     if field == "messages":
+        _reject_unsupported(body, CHAT_UNSUPPORTED_FIELDS)  # (tools, chat_template ...: as chat refuses them)
         text = _chat_prompt(body, tokenizer)
     else:
         text = body.get("prompt")
         if not isinstance(text, str):
             raise bad_request(f"prompt: expected a string (or send messages), got {text!r:.100}", "prompt")
-    add_special_tokens = _optional_bool(body, "add_special_tokens", True)  # tokenizer.json's post-processor
+    # tokenizer.json's post-processor (Qwen's adds nothing); vLLM's defaults: on for a prompt, off for messages
+    add_special_tokens = _optional_bool(body, "add_special_tokens", field == "prompt")
     ids = _encode(tokenizer, text, field, add_special_tokens)
     answer = {"count": len(ids), "max_model_len": max_len, "tokens": ids}
     if _optional_bool(body, "return_token_strs", False):
