@@ -155,3 +155,11 @@ def test_bad_command_lines_are_usage_errors(argv, message, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_serve_takes_vllms_flag_names():
+    """vLLM's --max-num-seqs and --max-model-len are --max-batch and --max-len."""
+    from fuselm.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--config", "tiny", "--max-num-seqs", "4", "--max-model-len", "128"])
+    assert (args.max_batch, args.max_len) == (4, 128)

@@ -389,9 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="random weights of a built-in config instead of MODEL_DIR (weights from --seed)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--max-batch", type=int, default=8, help="requests decoded together (8)")
-    serve.add_argument("--max-len", type=int, default=TEXT_MAX_LEN,
-                       help=f"prompt + completion tokens per request ({TEXT_MAX_LEN})")
+    serve.add_argument("--max-batch", "--max-num-seqs", type=int, default=8,
+                       help="requests decoded together (8; --max-num-seqs: vLLM's name)")
+    serve.add_argument("--max-len", "--max-model-len", type=int, default=TEXT_MAX_LEN,
+                       help=f"prompt + completion tokens per request ({TEXT_MAX_LEN}; --max-model-len: vLLM's name)")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name of requests and answers (default: MODEL_DIR's name, or the --config)")
     serve.add_argument("--kv-cache-tokens", type=int, default=None,
