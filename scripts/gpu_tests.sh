@@ -5,9 +5,10 @@
 #   bash scripts/gpu_tests.sh all N [PYTEST ARGS]  all N shards at once, shard K on GPU K modulo the
 #                                                  GPUs there (one call of a multi-GPU kind)
 # (`--large` adds the real model shapes). Shard K runs the test files whose place in the sorted list
-# is K modulo N (BY_TEST=1: the tests, below). Each test's result goes to $OUT/gpu_tests_K_of_N.log as it ends (-v), so a shard cut
-# short by LIMIT seconds (default 540) still names what failed before; a finished one ends with the
-# failures' tracebacks and its 15 slowest tests. Exit 3 when a shard was cut short.
+# is K modulo N (BY_TEST=1: the tests, below). Each test's result goes to $OUT/gpu_tests_K_of_N.log
+# as it ends (-v), so a shard cut short by LIMIT seconds (default 540) still names what failed
+# before; a finished one ends with the failures' tracebacks and its 15 slowest tests. Exit 3 when
+# a shard was cut short.
 set -uo pipefail
 usage="usage: gpu_tests.sh K|all N [pytest args] (K = 0 .. N-1)"
 shard=${1:-} shards=${2:-}

@@ -190,8 +190,9 @@ def test_random_requests_lengths_ids_and_seed(tmp_path):
 
 
 def sharegpt_file(path, conversations):
+    roles = ("human", "gpt", "human")
     path.write_text(json.dumps([{"id": str(i), "conversations": [{"from": who, "value": text}
-                                                                 for who, text in zip(("human", "gpt", "human"), turns)]}
+                                                                 for who, text in zip(roles, turns)]}
                                 for i, turns in enumerate(conversations)]))
     return path
 

@@ -470,10 +470,9 @@ class Engine:
         try:
             for arguments in prompts:
                 added.append([])
-                params = SamplingParams() if arguments.get("params") is None else arguments["params"]
-                if not isinstance(params, SamplingParams):
-                    raise TypeError(f"params: expected a SamplingParams, got {type(params).__name__}")
-                request_id, samples = arguments.get("request_id"), params.samples()
+                params = arguments.get("params")  # (add_request checks its type)
+                samples = params.samples() if isinstance(params, SamplingParams) else [params]
+                request_id = arguments.get("request_id")
                 for index, sample in enumerate(samples):
                     sample_id = request_id if request_id is None or len(samples) == 1 else f"{request_id}-{index}"
                     made = {} if detokenizer is None else {

@@ -219,17 +219,17 @@ class Request:
                              self.metrics)
 
 
-def samples_output(samples: Sequence[Request], request_id: str | None = None) -> RequestOutput:
+def samples_output(samples: Sequence[Request]) -> RequestOutput:
     """One prompt's ``RequestOutput`` from the requests of its samples (``SamplingParams.samples``):
-    ``outputs[i]`` is sample i's; finished when all are; metrics from the first arrival to the
-    last finish. ``request_id``: default the first sample's."""
+    the first sample's request id, ``outputs[i]`` sample i's; finished when all are; metrics from
+    the first arrival to the last finish."""
     outputs = [request.output(index) for index, request in enumerate(samples)]
-    if len(outputs) == 1 and request_id is None:
+    if len(outputs) == 1:
         return outputs[0]
     times = [o.metrics for o in outputs]
     first_tokens = [m.first_token_time for m in times if m.first_token_time is not None]
     finished = all(o.finished for o in outputs)
     metrics = RequestMetrics(min(m.arrival_time for m in times), min(first_tokens, default=None),
                              max(m.finished_time for m in times) if finished else None)
-    return RequestOutput(request_id or outputs[0].request_id, outputs[0].prompt, outputs[0].prompt_token_ids,
+    return RequestOutput(outputs[0].request_id, outputs[0].prompt, outputs[0].prompt_token_ids,
                          [o.outputs[0] for o in outputs], finished, metrics)
