@@ -130,7 +130,7 @@ def test_strided_layouts(qkv_layout, cos_layout, dtype):
     B, nH, nKV, hd, rot = 3, 4, 2, 16, 4
     inputs = make_inputs(B, nH, nKV, hd, rot, dtype, max_batch=4, L=6, qkv_layout=qkv_layout, cos_layout=cos_layout,
                          seed=1)
-    # A cache that is a leading-rows view of a bigger one (as Qwen35Cache.first_rows) with a padded L.
+    # A cache that is a leading-rows view of a bigger one with a padded L.
     inputs["key_cache"] = torch.randn(6, nKV, 8, hd, device=DEVICE).to(dtype)[:4, :, 1:7]
     inputs["value_cache"] = torch.randn(6, nKV, 8, hd, device=DEVICE).to(dtype)[:4, :, 1:7]
     q, q_ref, out, ref = run_both(inputs, nH, nKV, hd)

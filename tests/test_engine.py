@@ -96,6 +96,26 @@ def test_requests_joining_and_leaving_at_random_steps_get_their_solo_output(mode
     assert len(mixed_steps) >= 3
 
 
+def test_a_request_left_in_a_high_slot_decodes_in_the_smallest_batch(model, monkeypatch):
+    """Four requests in slots 0-3; once the three short ones end, the long one (slot 3) takes row 0
+    and decodes in the one-row graph (its state read where it lies, through the row -> slot
+    table), with the tokens it gets alone; seeded sampling too."""
+    engine = Engine(model, max_batch=4, max_len=32, graph_batch_sizes=(1, 2, 4), seed=0)
+    batches, decode = [], engine.runner.decode
+    monkeypatch.setattr(engine.runner, "decode", lambda batch, variant: batches.append(batch) or decode(batch, variant))
+    prompts = [prompt(5 + i, 130 + i) for i in range(4)]
+    params = [greedy(2), greedy(3), greedy(2),
+              SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=11, ignore_eos=True)]
+    requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    engine.step()
+    assert [r.slot for r in requests] == [0, 1, 2, 3]
+    engine.run()
+    alone = Engine(model, max_batch=4, max_len=32, seed=0).generate([prompts[3]], params[3])
+    assert requests[3].output_token_ids == token_ids(alone)[0]
+    assert batches[0] == 4 and batches[-1] == 1 and batches.count(1) >= 8
+    assert engine.runner._row_slots[0] == 3 and engine.runner.row_slots.tolist()[0] == 3
+
+
 def test_long_prompts_are_prefilled_in_chunks_beside_decode_steps(model, monkeypatch):
     """A prefill budget of 5 tokens a step: a 17-token prompt arriving while another request
     decodes takes 4 mixed steps to prefill, the running request gets a token in each of them, and
@@ -168,7 +188,8 @@ def test_a_mixed_chunk_fills_whole_gemm_tiles(model):
     requests = [Request(f"r{i}", prompt(n, i), greedy(4), 0, (), slot=i, pages=[i]) for i, n in enumerate((20, 9))]
     packed, (rows, tokens, fresh, graphed) = runner._admit([(requests[0], 0, 20)], decode_rows=3)
     assert (rows, (3 + tokens) % GEMM_TILE_M, tokens >= 20, fresh, graphed) == (1, 0, True, True, False)
-    assert packed.shape == (1, tokens + 4) and packed[0, :20].tolist() == requests[0].prompt_token_ids
+    assert packed.shape == (1, tokens + 5) and packed[0, :20].tolist() == requests[0].prompt_token_ids
+    assert packed[0, tokens:].tolist() == [0, 0, 20, 1, -1]  # slot, start, length, completes, row (none)
     runner.use_graphs = True  # the padding rules only (nothing is captured here)
     two = [(requests[0], 0, 20), (requests[1], 0, 9)]
     assert runner._admit(two, decode_rows=3)[1] == (2, 24, True, True)  # row and token buckets
@@ -176,18 +197,30 @@ def test_a_mixed_chunk_fills_whole_gemm_tiles(model):
     assert runner._admit(many)[1] == (len(many), 20, True, False)  # eager: no padding
 
 
-def test_the_decode_rows_of_a_step_cover_the_slot_it_admits_into():
+def test_the_decode_rows_stay_packed_and_cover_the_row_a_step_admits_into():
+    """Running requests hold rows 0 .. n-1 whatever their slots: one that ends gives its row to the
+    last row's request (its slot stays), and the next admitted request takes the next row."""
     from fuselm.engine.request import Request
     from fuselm.engine.scheduler import Scheduler
 
     scheduler = Scheduler(max_batch=8, max_prefill_tokens=64, num_pages=64, page_size=16)
-    assert scheduler.slots_in_use_after_admission() == 0
+    assert scheduler.rows_in_use_after_admission() == 0
     for i in range(3):
         scheduler.add(Request(f"r{i}", list(range(10)), greedy(4), 0, ()))
-    scheduler.schedule_prefill()  # slots 0, 1, 2
-    assert scheduler.slots_in_use() == scheduler.slots_in_use_after_admission() == 3
+    first = [request for request, _, _ in scheduler.schedule_prefill()]  # slots and rows 0, 1, 2
+    assert [(r.slot, r.row) for r in first] == [(0, 0), (1, 1), (2, 2)]
+    assert scheduler.rows_in_use() == scheduler.rows_in_use_after_admission() == 3
     scheduler.add(Request("late", list(range(10)), greedy(4), 0, ()))
-    assert scheduler.slots_in_use_after_admission() == 4
+    assert scheduler.rows_in_use_after_admission() == 4
+    scheduler.finish(first[0])
+    assert first[0].row is None and (first[2].slot, first[2].row) == (2, 0) and scheduler.row_slots() == [2, 1]
+    late = scheduler.schedule_prefill()[-1][0]  # (after the two prompts still in progress)
+    assert (late.slot, late.row) == (0, 2) and scheduler.row_slots() == [2, 1, 0]
+    scheduler.finish(late)  # the last row: nobody moves
+    assert scheduler.row_slots() == [2, 1] and (first[1].row, first[2].row) == (1, 0)
+    for request in first[1:]:
+        request.num_prompt_computed = 10
+    assert scheduler.decoding() == {0: first[2], 1: first[1]}
 
 
 def test_a_plan_counts_its_rows_padded_to_the_longest():

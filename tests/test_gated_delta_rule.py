@@ -471,7 +471,7 @@ def decode_step_inputs(N, H, HV, K, V, KW, pool, dtype, seed=0, pool_dtype=torch
     torch.manual_seed(seed)
     conv_dim = 2 * H * K + HV * V
     proj = torch.randn(N, conv_dim + HV * V + 2 * HV + 5, device=DEVICE).to(dtype)[:, 3:-2]  # strided rows
-    conv_state = torch.randn(N, conv_dim, KW, device=DEVICE).to(dtype)
+    conv_state = torch.randn(pool, conv_dim, KW, device=DEVICE).to(dtype)  # a pool, as the state
     conv_weight = (torch.randn(conv_dim, 1, KW, device=DEVICE) * 0.5).to(dtype)
     A_log, dt_bias = torch.randn(HV, device=DEVICE).to(dtype), torch.randn(HV, device=DEVICE).to(dtype)
     state = torch.randn(pool, HV, K, V, device=DEVICE).to(pool_dtype)
@@ -484,15 +484,17 @@ def decode_step_inputs(N, H, HV, K, V, KW, pool, dtype, seed=0, pool_dtype=torch
 @pytest.mark.parametrize("H, HV, K, V", [(2, 4, 16, 32), (1, 2, 24, 40)])
 def test_decode_step_matches_reference_over_steps(H, HV, K, V, dtype, pool_dtype):
     """Conv (circular state) + gates + l2-norm + recurrence, three tokens: o, the state pool and the
-    conv state equal the reference's; the inactive row (slot -1) writes nothing. A 16-bit pool is
-    read into fp32 and each new state rounded once into it, by the kernel as by the reference."""
+    conv state pool equal the reference's; each row reads and writes both pools at its slot (rows
+    in another order than the slots), the inactive row (slot -1) and the unused slots are left as
+    they were. A 16-bit pool is read into fp32 and each new state rounded once into it, by the
+    kernel as by the reference."""
     from fuselm.ops.gated_delta_rule import gated_delta_rule_decode_step, gated_delta_rule_decode_step_ref
     proj, conv_state, conv_weight, A_log, dt_bias, state = decode_step_inputs(3, H, HV, K, V, 4, 5, dtype,
                                                                               pool_dtype=pool_dtype)
     slots = torch.tensor([3, -1, 0], device=DEVICE, dtype=torch.int32)
     positions = torch.tensor([0, 5, 2], device=DEVICE)
     ref_conv, ref_state = conv_state.clone(), state.clone()
-    untouched_conv, untouched_pool = conv_state[1].clone(), state[[1, 2, 4]].clone()
+    untouched_conv, untouched_pool = conv_state[[1, 2, 4]].clone(), state[[1, 2, 4]].clone()
     out = torch.full((3, HV, V), float("nan"), device=DEVICE, dtype=dtype)
     # 16 bits anywhere: roundings that may fall to neighbours (a pool's state then one ulp apart; the
     # interpreter's casts to bf16 truncate, the reference's round to nearest: 2^-7 a step at worst)
@@ -509,7 +511,7 @@ def test_decode_step_matches_reference_over_steps(H, HV, K, V, dtype, pool_dtype
         assert state.dtype == pool_dtype and rel_err(state, ref_state) <= tol, step
         assert torch.equal(conv_state, ref_conv), step
         positions += 1
-    assert torch.equal(conv_state[1], untouched_conv) and torch.equal(state[[1, 2, 4]], untouched_pool)
+    assert torch.equal(conv_state[[1, 2, 4]], untouched_conv) and torch.equal(state[[1, 2, 4]], untouched_pool)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else []))
@@ -635,6 +637,7 @@ def test_decode_step_dependent_launches_equal_plain_launches_in_a_graph(monkeypa
 @pytest.mark.parametrize("change, error, match", [
     (lambda a: a.update(proj=a["proj"][:, :-1]), ValueError, "proj"),
     (lambda a: a.update(conv_state=a["conv_state"][..., :3]), ValueError, "conv_state"),
+    (lambda a: a.update(conv_state=a["conv_state"][:4]), ValueError, "conv_state: expected a pool of state's slots"),
     (lambda a: a.update(state=a["state"].double()), TypeError, "state"),
     (lambda a: a.update(state=a["state"][..., :-1]), ValueError, "state"),
     (lambda a: a.update(positions=a["positions"].float()), TypeError, "positions"),

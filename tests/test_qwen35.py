@@ -169,6 +169,29 @@ def test_inactive_rows_write_no_state(models):
     assert (model.decode_step(torch.tensor([7], device=DEVICE), alone)[0] - logits[0]).abs().max() <= 1e-5
 
 
+def test_decode_step_reads_the_slots_of_its_row_table(models):
+    """A decode step over some slots in another order (``slots``, the engine's row -> slot table)
+    gives those slots' logits of a step over every slot, advances only them, and leaves the other
+    slots' state as it was; a later step over all of them goes on as if every step had run all."""
+    _, model = models
+    ids = prompt(3, 6, seed=31)
+    every, some = (model.new_cache(max_batch=4, max_len=16) for _ in range(2))
+    for cache in (every, some):
+        model.prefill(ids, cache, slots=[0, 1, 3])
+    tokens = torch.tensor([4, 9, 0, 13], device=DEVICE)
+    want = model.decode_step(tokens, every)
+    before = [[t.clone() for t in (layer.conv[1], layer.recurrent[1])] for layer in some.layers if hasattr(layer, "conv")]
+    got = model.decode_step(tokens, some, torch.tensor([3, 2, 0], device=DEVICE))  # slot 2: inactive
+    assert got.shape[0] == 3 and (got[[0, 2]] - want[[3, 0]]).abs().max() <= 1e-5
+    assert some.lengths.tolist() == [7, 6, 0, 7] and every.lengths.tolist() == [7, 7, 0, 7]
+    after = [[layer.conv[1], layer.recurrent[1]] for layer in some.layers if hasattr(layer, "conv")]
+    assert all(torch.equal(a, b) for pair_a, pair_b in zip(before, after) for a, b in zip(pair_a, pair_b))
+    model.decode_step(tokens, some, torch.tensor([1], device=DEVICE))  # slot 1 catches up alone
+    assert some.lengths.tolist() == every.lengths.tolist()
+    tokens = want.argmax(-1)
+    assert (model.decode_step(tokens, some) - model.decode_step(tokens, every))[[0, 1, 3]].abs().max() <= 1e-5
+
+
 def test_eos_stops_a_row_and_leaves_the_others(models, greedy_run):
     _, model = models
     ids, greedy = greedy_run["ids"], greedy_run["tokens"]
@@ -400,7 +423,7 @@ def test_paged_cache_with_shuffled_pages_equals_the_default_one(models):
         model.new_cache(max_batch=1, max_len=8, page_size=24)
     with pytest.raises(ValueError, match="max_len"):
         model.new_cache(max_batch=1, max_len=-1)
-    assert default.rotary.shape == (40, 2, model.config.rotary_dim) and default.first_rows(2).rotary is default.rotary
+    assert default.rotary.shape == (40, 2, model.config.rotary_dim)
     with pytest.raises(ValueError, match="rotary: expected"):  # a table shorter than max_len
         Qwen35Cache.allocate(model.config, 1, 41, model.dtype, model.device, default.rotary)
 
@@ -442,8 +465,9 @@ def test_prefill_step_padding_rows_and_tokens_change_nothing():
 
 def mixed_step_case(model):
     """Two equal caches of 4 slots (3 and 1 prompts prefilled, slot 1 idle: its prompt goes on) and
-    a mixed step's inputs: decode tokens for rows 0-2, prompt chunks into slots 3 (fresh) and 1
-    (continued from 6 cached tokens, inside the decode rows: inactive there)."""
+    a mixed step's inputs: each slot's decode token, prompt chunks into slots 3 (fresh) and 1
+    (continued from 6 cached tokens, among the decode rows: inactive there), the decode rows' slots
+    (2, 0, 1: rows 0 and 1 decode)."""
     ids = prompt(3, 14, seed=42)
     as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=DEVICE)  # noqa: E731
     caches = [model.new_cache(max_batch=4, max_len=40, num_pages=12, page_size=16) for _ in range(2)]
@@ -454,7 +478,8 @@ def mixed_step_case(model):
         cache.active[1] = False  # slot 1's prompt goes on below: not decoding
     chunk = torch.zeros(2, 8, dtype=torch.int64, device=DEVICE)
     chunk[0, :8], chunk[1, :5] = ids[0, :8], ids[2, 6:11]
-    return caches, as_tensor([5, 0, 17]), chunk, as_tensor([3, 1]), as_tensor([0, 6]), as_tensor([8, 5])
+    return (caches, as_tensor([5, 0, 17, 0]), chunk, as_tensor([3, 1]), as_tensor([0, 6]), as_tensor([8, 5]),
+            as_tensor([2, 0, 1]))
 
 
 def assert_same_cache_state(a: Qwen35Cache, b: Qwen35Cache, tol: float) -> None:
@@ -470,16 +495,17 @@ def assert_same_cache_state(a: Qwen35Cache, b: Qwen35Cache, tol: float) -> None:
 
 def test_mixed_step_equals_a_decode_step_then_a_prefill_step():
     """One pass of a decode step and two prompt chunks (``mixed_step_case``) gives the two calls'
-    logits and cache state within 1e-5; the chunks' slots keep their active flags. Row 1's decode
+    logits and cache state within 1e-5; the chunks' slots keep their active flags. Row 2's decode
     logits are meaningless (an inactive row reads its slot while the chunk writes it: on CUDA the
     halves run on two streams), as is the scratch page both write: neither is compared."""
     model = random_qwen35(tiny_config(), dtype=torch.float32, device=DEVICE, seed=8)
-    (apart, mixed), tokens, chunk, slots, starts, lengths = mixed_step_case(model)
-    decode_logits = model.decode_step(tokens, apart.first_rows(3))
+    (apart, mixed), tokens, chunk, slots, starts, lengths, decode_slots = mixed_step_case(model)
+    decode_logits = model.decode_step(tokens, apart, decode_slots)
     prefill_logits = model.prefill_step(chunk, apart, slots, starts, lengths)
     apart.active[[3, 1]] = False  # prefill_step activates its slots; mixed_step leaves that to the caller
-    got_decode, got_prefill = model.mixed_step(tokens, mixed, chunk, slots, starts, lengths)
-    assert (got_decode[[0, 2]] - decode_logits[[0, 2]]).abs().max() <= 1e-5
+    got_decode, got_prefill = model.mixed_step(tokens, mixed, chunk, slots, starts, lengths, decode_slots=decode_slots)
+    assert got_decode.shape[0] == 3
+    assert (got_decode[:2] - decode_logits[:2]).abs().max() <= 1e-5
     assert (got_prefill - prefill_logits).abs().max() <= 1e-5
     assert mixed.lengths.tolist() == apart.lengths.tolist() == [10, 11, 10, 8]
     assert mixed.active.tolist() == [True, False, True, False]
@@ -536,19 +562,19 @@ def test_mixed_step_on_a_side_stream_equals_one_stream(monkeypatch):
 
     model = random_qwen35(tiny_config(), dtype=torch.float32, device=DEVICE, seed=8)
     assert runtime.side_stream(model.device) is not None
-    (side, graphed), tokens, chunk, slots, starts, lengths = mixed_step_case(model)
+    (side, graphed), tokens, chunk, slots, starts, lengths, decode_slots = mixed_step_case(model)
     (single, scratch), *_ = mixed_step_case(model)
-    got = model.mixed_step(tokens, side, chunk, slots, starts, lengths)
+    got = model.mixed_step(tokens, side, chunk, slots, starts, lengths, decode_slots=decode_slots)
     caches = iter([scratch, graphed])  # capture_graph's warm-up call takes the scratch cache
     graph, graph_out = runtime.capture_graph(
-        lambda: model.mixed_step(tokens, next(caches), chunk, slots, starts, lengths))
+        lambda: model.mixed_step(tokens, next(caches), chunk, slots, starts, lengths, decode_slots=decode_slots))
     graph.replay()
     monkeypatch.setattr(runtime, "SIDE_STREAM", False)
     assert runtime.side_stream(model.device) is None
-    want = model.mixed_step(tokens, single, chunk, slots, starts, lengths)
+    want = model.mixed_step(tokens, single, chunk, slots, starts, lengths, decode_slots=decode_slots)
     torch.cuda.synchronize()
     for out, cache in ((got, side), (graph_out, graphed)):
-        assert (out[0][[0, 2]] - want[0][[0, 2]]).abs().max() <= 1e-5
+        assert (out[0][:2] - want[0][:2]).abs().max() <= 1e-5
         assert (out[1] - want[1]).abs().max() <= 1e-5
         assert_same_cache_state(cache, single, 1e-5)
 

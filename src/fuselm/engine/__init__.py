@@ -2,8 +2,9 @@
 
     request.py    SamplingParams, Request, RequestOutput (vLLM's offline API shapes)
     sampling.py   per-slot sampling parameters and stop counters on the device (graph inputs)
-    runner.py     ModelRunner: cache slots, prefill, decode as one CUDA graph per batch size
-    scheduler.py  Scheduler: waiting queue, slot per running request
+    runner.py     ModelRunner: cache slots, prefill, decode as one CUDA graph per batch size over
+                  a row -> slot table
+    scheduler.py  Scheduler: waiting queue, slot and decode row per running request
     engine.py     Engine: the loop (add_request, step, generate), pipelined one step deep
     llm.py        LLM: a checkpoint directory, text in and out, chat
     reference.py  the eager reference loop behind Qwen35.generate (tests)

@@ -99,7 +99,7 @@ def launch_audit(engine_or_runner: Engine | ModelRunner, requests: int, steps: i
             raise RuntimeError("launch_audit needs an idle engine (no request queued or running)")
         started = [engine.add_request([0], params) for _ in range(requests)]
         engine.step()  # prefill + one decode step: slots active, kernels warm
-        batch = runner.batch_size_for(engine.scheduler.slots_in_use())
+        batch = runner.batch_size_for(engine.scheduler.rows_in_use())
     else:
         if bool(runner.cache.active.any()):
             raise RuntimeError("launch_audit needs an idle runner (no active slot)")

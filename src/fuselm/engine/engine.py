@@ -21,7 +21,9 @@ writes only its own slot and is discarded. Stop ids and max_tokens also end a sl
 inside the step.
 
 Requests join and leave between steps: each owns a cache slot for its life, a finished request's
-slot is freed for the next waiting one, and requests already decoding go on untouched.
+slot is freed for the next waiting one, and requests already decoding go on untouched. The
+running requests hold the decode batch's first rows (the runner's row -> slot table, rewritten
+between steps when one leaves), so the step runs the smallest graph that covers them.
 """
 
 from __future__ import annotations
@@ -66,9 +68,9 @@ def thread_usage() -> list[float] | None:
 
 
 class _Launched:
-    """Ids on the GPU (a decode step's per slot, or a prefill's first ids per completed request)
+    """Ids on the GPU (a decode step's per row, or a prefill's first ids per completed request)
     on their way to pinned host memory (this step's ``staging`` buffer), and which request each
-    index belonged to at launch."""
+    index belonged to at launch (a request's row may change before they are read)."""
 
     def __init__(self, ids: torch.Tensor, requests: dict[int, Request], staging: PinnedStaging, timed: bool = False):
         self.requests = dict(requests)
@@ -303,7 +305,7 @@ class Engine:
         request.metrics.finished_time = time.perf_counter()
         if request.slot is not None and self.scheduler.running.get(request.slot) is request:
             self.runner.release([request.slot])
-        self.scheduler.finish(request)
+        self.scheduler.finish(request)  # (the next launch gives the runner the rows it leaves)
 
     def _append(self, request: Request, token: int, now: float) -> None:
         """One new token of a running request: record it, detokenize, check stop conditions in
@@ -334,9 +336,9 @@ class Engine:
         """Append a finished decode step's ids to the requests that were running in it."""
         ids, now = launched.ids(), time.perf_counter()
         updated = []
-        for slot, request in launched.requests.items():
+        for index, request in launched.requests.items():
             if not request.finished:
-                self._append(request, ids[slot], now)
+                self._append(request, ids[index], now)
                 updated.append(request)
         return updated
 
@@ -363,10 +365,11 @@ class Engine:
         staging = self.runner.staging
         staging.next_step()
         decoding = self.scheduler.decoding()
-        # The budget less the decode rows this step will run (the decode batch covers the slot a
+        # The budget less the decode rows this step will run (the decode batch covers the row a
         # newly admitted request takes: mixed graphs are keyed by it, captured up front).
-        decode_rows = self.runner.batch_size_for(self.scheduler.slots_in_use_after_admission()) if decoding else 0
+        decode_rows = self.runner.batch_size_for(self.scheduler.rows_in_use_after_admission()) if decoding else 0
         plan = self.scheduler.schedule_prefill(decode_rows)
+        self.runner.set_rows(self.scheduler.row_slots())  # rows left and taken since the last launch
         mixed = bool(plan and decoding)
         pending, prefilled = [], None
         # The step log's GPU time of a step: from an event queued just before its launches to its
@@ -377,10 +380,10 @@ class Engine:
             started = torch.cuda.Event(enable_timing=True)
             started.record()
         if mixed:
-            # The prompts this pass completes draw their first ids with its decode rows (at their slots).
+            # The prompts this pass completes draw their first ids with its decode rows (in their rows).
             completing = [request for request, start, count in plan if request.completes_prompt(start, count)]
             ids = self.runner.mixed(plan, *self._decode_shape(decoding, completing))
-            running = {**decoding, **{request.slot: request for request in completing}}
+            running = {**decoding, **{request.row: request for request in completing}}
             pending.append(_Launched(ids, running, staging, timed))
         elif plan:
             completed, first = self.runner.prefill(plan)
@@ -454,9 +457,9 @@ class Engine:
 
     def _decode_shape(self, decoding: dict[int, Request], drawing: Sequence[Request] = ()) -> tuple[int, str]:
         """(decode batch size, sampler variant) of a step over the ``decoding`` requests (and
-        ``drawing``: requests drawing their first id in it): the smallest graph covering the slots
+        ``drawing``: requests drawing their first id in it): the smallest graph covering the rows
         in use, the variant their sampling settings allow."""
-        return (self.runner.batch_size_for(self.scheduler.slots_in_use()),
+        return (self.runner.batch_size_for(self.scheduler.rows_in_use()),
                 sampler_variant(list(decoding.values()) + list(drawing)))
 
     def add_requests(self, prompts: Sequence[dict],

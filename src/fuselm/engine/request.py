@@ -170,8 +170,10 @@ class FinishReason(str, Enum):
 @dataclass
 class Request:
     """A request inside the engine: its prompt, parameters, resolved seed and stop ids, the cache
-    slot and K/V pages it owns while it runs, and what it has generated. ``detokenizer`` (optional) turns ids
-    into text incrementally and finds stop strings."""
+    slot and K/V pages it owns while it runs (and its row in the decode batch, which may change
+    as others leave: the batch reads the slot through a row -> slot table), and what it has
+    generated. ``detokenizer`` (optional) turns ids into text incrementally and finds stop
+    strings."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -181,6 +183,7 @@ class Request:
     prompt: str | None = None
     detokenizer: object | None = None
     slot: int | None = None
+    row: int | None = None
     pages: list[int] = field(default_factory=list)  # its K/V pages, for prompt + max_tokens positions
     num_prompt_computed: int = 0  # prompt tokens in the cache (a long prompt is prefilled over several steps)
     output_token_ids: list[int] = field(default_factory=list)

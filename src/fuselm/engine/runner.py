@@ -2,33 +2,36 @@
 
 State: one ``Qwen35Cache`` of ``max_batch`` slots (DeltaNet conv and recurrent state, a
 block-table row into the shared attention K/V pages), ``SlotSampling`` (each slot's sampling
-parameters and stop counters) and ``input_tokens`` [max_batch] (each slot's last token: the next
-decode step's input), allocated once, as is the pinned host memory the steps' small copies go
-through (``staging``). A request owns one slot from its prefill to its end.
+parameters and stop counters), ``input_tokens`` [max_batch] (each slot's last token: the next
+decode step's input) and ``row_slots`` [max_batch] (the decode batch's row -> slot table),
+allocated once, as is the pinned host memory the steps' small copies go through (``staging``). A
+request owns one slot from its prefill to its end; its row in the decode batch is the caller's
+(``set_rows``) and may change between steps: nothing but the table moves.
 
 Prefill (``model.prefill_step`` over one right-padded group of chunks): writes the requests'
 state into their slots and leaves every other slot alone; first tokens are drawn from its
 logits. A prompt may come in chunks over several steps (each continues from the state its
 earlier chunks left); its slot decodes only once the whole prompt is in. ``mixed`` runs such a
 group and a decode step as one ``model.mixed_step`` (the chunks share the decode step's read of
-the weights). With CUDA, prefill and mixed steps are graphs too: rows and tokens padded up to
+the weights; a chunk that completes its prompt draws its first id in its request's row). With CUDA, prefill and mixed steps are graphs too: rows and tokens padded up to
 buckets (``ROW_BUCKETS``, ``TOKEN_BUCKETS``), one graph per (rows, tokens, fresh) and, mixed, per
 decode (batch, variant), captured the first time it is needed, so a 512-token prompt is one
 replay instead of ~1,200 launches. A mixed step of one chunk pads its tokens so that the decode
 rows and the chunk make a multiple of ``GEMM_TILE_M`` rows (32 decode rows + 250 prompt tokens: 256
 tokens, one 288-row GEMM).
 
-Decode step (what a graph holds), for batch size b, on the cache's first b slots
-(``Qwen35Cache.first_rows``: views, same addresses):
-    logits = model.decode_step(input_tokens[:b], cache_b)   # advances the active slots
-    ids    = sample_and_advance(logits)                     # per-slot params; stop ids and
+Decode step (what a graph holds), for batch size b, on the slots of rows 0 .. b-1:
+    slots  = row_slots[:b]                                  # a static view: the table's first b rows
+    logits = model.decode_step(input_tokens, cache, slots)  # advances the active slots
+    ids    = sample_and_advance(logits, slots)              # per-slot params; stop ids and
                                                             # max_tokens clear cache.active;
-                                                            # input_tokens[:b] = ids, the next input
+                                                            # input_tokens[slots] = ids, the next input
 Every input and output is a static device buffer, so a step is one ``graph.replay()``. One graph
 is captured per batch size in ``graph_batch_sizes`` (clipped to max_batch, which is always
 added) and per sampler variant (``engine.sampling.SAMPLER_VARIANTS``), all in one memory
-pool; inactive slots inside b write no DeltaNet state and put their K/V in the cache's scratch
-page. Without CUDA (or ``use_graphs=False``) the same step runs eagerly.
+pool; the table is a permutation of the slots, so rows past the running requests hold idle
+slots: inactive, they write no DeltaNet state and put their K/V in the cache's scratch page.
+Without CUDA (or ``use_graphs=False``) the same step runs eagerly.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ GEMM_TILE_M = 32
 # would each cost a capture on first use, a stall of the running requests (measured on the H100:
 # up to 2 s between two tokens of a request at 32 clients).
 GRAPH_MAX_TOKENS = 512
+PACKED_COLUMNS = 5  # a prefill or mixed step's packed inputs per chunk past its ids (``_admit``)
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:
@@ -92,9 +96,12 @@ class ModelRunner:
         # the engine calls staging.next_step() before each step's launches.
         self.staging = PinnedStaging(self.device)
         self.input_tokens = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
+        # The decode batch's row -> slot table, a permutation of the slots (graphs read its first b
+        # rows); ``set_rows`` rewrites it between steps, from this host copy.
+        self.row_slots = torch.arange(max_batch, device=self.device)
+        self._row_slots = list(range(max_batch))
         # A mixed step's decode logits, for the sampler graphs (the mixed graphs write them here).
         self.decode_logits = torch.zeros(max_batch, model.config.vocab_size, dtype=model.dtype, device=self.device)
-        self._views = {b: self.cache.first_rows(b) for b in self.batch_sizes}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # decode (batch, variant); prefill, mixed: see _run_graph
         self._graph_outputs: dict[tuple, object] = {}
         self._graph_inputs: dict[tuple, torch.Tensor] = {}  # a prefill or mixed graph's packed inputs
@@ -110,9 +117,22 @@ class ModelRunner:
     def max_len(self) -> int:
         return self.cache.max_len
 
-    def batch_size_for(self, slots_in_use: int) -> int:
-        """The smallest decode batch size that covers slots 0 .. slots_in_use - 1."""
-        return next(b for b in self.batch_sizes if b >= slots_in_use)
+    def batch_size_for(self, rows: int) -> int:
+        """The smallest decode batch size that covers rows 0 .. rows - 1."""
+        return next(b for b in self.batch_sizes if b >= rows)
+
+    def set_rows(self, slots: Sequence[int]) -> None:
+        """Rows 0 .. len(slots) - 1 of the decode batch decode ``slots`` (distinct), from the next
+        step on; the other slots fill the rows after them (idle rows). One small host-to-device
+        copy through ``staging``, enqueued behind the steps already launched, when the table
+        changes; nothing when it does not. The state stays where it is."""
+        held = set(slots)
+        if len(held) != len(slots) or not held <= set(range(self.max_batch)):
+            raise ValueError(f"slots: expected distinct slots in [0, {self.max_batch}), got {list(slots)}")
+        table = list(slots) + [slot for slot in self._row_slots if slot not in held]
+        if table != self._row_slots:
+            self._row_slots = table
+            self.staging.copy_(self.row_slots, torch.tensor(table, dtype=torch.int64))
 
     # ------------------------------------------------------------------------ prefill
     @torch.no_grad()
@@ -129,14 +149,15 @@ class ModelRunner:
 
     @torch.no_grad()
     def mixed(self, plan: list[tuple[Request, int, int]], batch: int, variant: str) -> torch.Tensor:
-        """A decode step over slots 0 .. batch-1 (as :meth:`decode`) and ``plan``'s prompt chunks
+        """A decode step over rows 0 .. batch-1 (as :meth:`decode`) and ``plan``'s prompt chunks
         (as :meth:`prefill`) in one ``model.mixed_step``: the chunks ride on the decode step's
         read of the weights instead of taking a step of their own between decode steps. The
-        chunks' slots must be inactive (a prompt not yet wholly in) and below ``batch``. A prompt
-        that this chunk completes draws its first id with the decode rows, in the same draw: its
-        last token's logits go into its slot's row of the decode logits and the slot turns
-        active before the draw (``variant`` must cover its request too). Returns the ids [batch]
-        on the device (a completed prompt's first id at its slot)."""
+        chunks' slots must be inactive (a prompt not yet wholly in); a chunk that completes its
+        prompt needs its request's row (``request.row``, below ``batch``, the row whose table
+        entry is its slot): it draws its first id with the decode rows, in the same draw (its
+        last token's logits go into that row of the decode logits and the slot turns active
+        before the draw; ``variant`` must cover its request too). Returns the ids [batch] on the
+        device (a completed prompt's first id in its row)."""
         packed, key = self._admit(plan, batch)
         body = lambda inputs: self._mixed_body(inputs, batch, key[2])  # noqa: E731
         self._run_graph(("mixed", batch) + key, packed, body)
@@ -162,8 +183,8 @@ class ModelRunner:
                 for start in (0, 1) if graphed else ():  # fresh, continued
                     key = ("mixed", batch, rows, tokens, start == 0, graphed)
                     if key not in self._graphs:
-                        packed = torch.zeros(1, tokens + 4, dtype=torch.int64)
-                        packed[0, tokens:] = torch.tensor([slot, start, tokens, 0])
+                        packed = torch.zeros(1, tokens + PACKED_COLUMNS, dtype=torch.int64)
+                        packed[0, tokens:] = torch.tensor([slot, start, tokens, 0, slot])
                         self._run_graph(key, packed, lambda inputs, b=batch, f=start == 0: self._mixed_body(inputs, b, f))
                         captured += 1
         self.cache.lengths.zero_()
@@ -188,19 +209,22 @@ class ModelRunner:
     def _admit(self, plan: list[tuple[Request, int, int]],
                decode_rows: int = 0) -> tuple[torch.Tensor, tuple[int, int, bool, bool]]:
         """Give the fresh requests (position 0) their sampling parameters and block-table row, and
-        pack the chunks' inputs for one host-to-device copy: [rows, tokens + 4] = ids, slot,
-        start, length, completes, padded as ``_padded_shape`` says (padding rows repeat row 0,
-        which writes the same values again). Returns (packed, (rows, tokens, fresh, graphed))."""
+        pack the chunks' inputs for one host-to-device copy: [rows, tokens + 5] = ids, slot,
+        start, length, completes, decode row (where a completed prompt's logits go in a mixed
+        step), padded as ``_padded_shape`` says (padding rows repeat row 0, which writes the same
+        values again). Returns (packed, (rows, tokens, fresh, graphed))."""
         fresh = [request for request, start, _ in plan if start == 0]
         if fresh:
             self.sampling.assign(fresh, [r.slot for r in fresh], self.staging)
             self.cache.assign_pages([r.slot for r in fresh], [r.pages for r in fresh], self.staging)
         rows, tokens, graphed = self._padded_shape(len(plan), max(count for _, _, count in plan), decode_rows)
-        packed = torch.zeros(rows, tokens + 4, dtype=torch.int64)
+        packed = torch.zeros(rows, tokens + PACKED_COLUMNS, dtype=torch.int64)
         for i in range(rows):
             request, start, count = plan[i if i < len(plan) else 0]
             packed[i, :count] = torch.tensor(request.prompt_token_ids[start:start + count])
-            packed[i, tokens:] = torch.tensor([request.slot, start, count, request.completes_prompt(start, count)])
+            completes = request.completes_prompt(start, count)
+            row = -1 if request.row is None else request.row  # (a prefill step reads no row)
+            packed[i, tokens:] = torch.tensor([request.slot, start, count, completes, row])
         return packed, (rows, tokens, len(fresh) == len(plan), graphed)
 
     def _run_graph(self, key: tuple, packed: torch.Tensor, body):
@@ -245,13 +269,13 @@ class ModelRunner:
 
     @staticmethod
     def _unpack(inputs: torch.Tensor):
-        tokens = inputs.shape[1] - 4
+        tokens = inputs.shape[1] - PACKED_COLUMNS
         return (inputs[:, :tokens],) + tuple(inputs[:, tokens:].unbind(1))
 
     def _prefill_body(self, inputs: torch.Tensor, fresh: bool) -> torch.Tensor:
         """What a prefill graph holds: packed ``inputs`` (see ``_admit``) -> last-token logits
         [rows, V]; the slots that complete their prompt become active."""
-        ids, slots, starts, lengths, completes = self._unpack(inputs)
+        ids, slots, starts, lengths, completes, _ = self._unpack(inputs)
         logits = self.model.prefill_step(ids, self.cache, slots, starts, lengths, fresh)
         self.cache.active.index_copy_(0, slots, completes.bool())  # mid-prompt slots stay out of decode
         return logits
@@ -259,19 +283,20 @@ class ModelRunner:
     def _mixed_body(self, inputs: torch.Tensor, batch: int, fresh: bool) -> None:
         """What a mixed graph holds: the model pass, its decode logits into the static
         ``decode_logits`` buffer (drawn from by the (batch, variant) sampler graph after it: one
-        mixed graph serves every sampler), each chunk's last-token logits into its slot's row
+        mixed graph serves every sampler), each chunk's last-token logits into its request's row
         there, and the slots whose prompt completes turned active: their first ids come from
         that draw. (A chunk that does not complete its prompt leaves its slot inactive: its row
         draws nothing that counts.)"""
-        ids, slots, starts, lengths, completes = self._unpack(inputs)
-        decode_logits, logits = self.model.mixed_step(self.input_tokens[:batch], self.cache, ids, slots, starts,
-                                                      lengths, fresh)
+        ids, slots, starts, lengths, completes, rows = self._unpack(inputs)
+        decode_logits, logits = self.model.mixed_step(self.input_tokens, self.cache, ids, slots, starts, lengths,
+                                                      fresh, decode_slots=self.row_slots[:batch])
         self.decode_logits[:batch].copy_(decode_logits)
-        self.decode_logits.index_copy_(0, slots, logits)
+        self.decode_logits.index_copy_(0, rows, logits)
         self.cache.active.index_copy_(0, slots, completes.bool())
 
     def _sample_decode_logits(self, batch: int, variant: str) -> torch.Tensor:
-        """The next ids [batch] drawn from ``decode_logits[:batch]``: a graph replay, or eager."""
+        """The next ids [batch] (by row) drawn from ``decode_logits[:batch]``: a graph replay, or
+        eager."""
         if self.use_graphs:
             self._graphs["sample", batch, variant].replay()
             return self._graph_outputs["sample", batch, variant]
@@ -288,14 +313,16 @@ class ModelRunner:
     # ------------------------------------------------------------------------ decode
     @torch.no_grad()
     def _step_body(self, batch: int, variant: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step over slots 0 .. batch-1: (logits [batch, V], ids [batch])."""
-        logits = self.model.decode_step(self.input_tokens[:batch], self._views[batch])
+        """One decode step over rows 0 .. batch-1: (logits [batch, V], ids [batch])."""
+        logits = self.model.decode_step(self.input_tokens, self.cache, self.row_slots[:batch])
         return logits, self._next_inputs(logits, batch, variant)
 
     def _next_inputs(self, logits: torch.Tensor, batch: int, variant: str) -> torch.Tensor:
-        """A decode step's ids [batch] from its logits (per-slot sampling; stops clear the slots'
-        active flags), written as slots 0 .. batch-1's next inputs."""
-        return self.sampling.sample_and_advance(logits, self.cache.active, variant, next_inputs=self.input_tokens)
+        """A decode step's ids [batch] from its logits [batch, V], row n's drawn with slot
+        ``row_slots[n]``'s parameters (stops clear the slots' active flags) and written as that
+        slot's next input."""
+        return self.sampling.sample_and_advance(logits, self.cache.active, variant, self.row_slots[:batch],
+                                                self.input_tokens)
 
     def _capture_graphs(self) -> None:
         """Warm up every (batch size, sampler) on a side stream (Triton JIT, cuBLAS workspaces,
@@ -326,9 +353,9 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     def decode(self, batch: int, variant: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step over slots 0 .. batch-1 (``batch`` one of ``batch_sizes``): a graph
-        replay, or eager. Returns (logits [batch, V], ids [batch]): in a graph, its static
-        buffers (valid until the next step)."""
+        """One decode step over rows 0 .. batch-1 (``batch`` one of ``batch_sizes``; row n decodes
+        the slot ``set_rows`` gave it): a graph replay, or eager. Returns (logits [batch, V],
+        ids [batch]) by row: in a graph, its static buffers (valid until the next step)."""
         if self.use_graphs:
             self._graphs[batch, variant].replay()
             return self._graph_outputs[batch, variant]

@@ -1,20 +1,23 @@
-"""Scheduler: which requests wait, which run, which cache slot and K/V pages each one owns, and
-which prompt tokens are prefilled in the next step.
+"""Scheduler: which requests wait, which run, which cache slot and K/V pages each one owns, which
+row of the decode batch each takes, and which prompt tokens are prefilled in the next step.
 
 Requests wait in arrival order. Each step, ``schedule_prefill`` spends a budget of
 ``max_prefill_tokens`` tokens, the step's decode rows included (as vLLM's
 max_num_batched_tokens: a mixed step's GEMMs then have at most that many rows, its time stays
 bounded, and a budget that is a multiple of the GEMM tile keeps them whole), at least
 ``MIN_PREFILL_TOKENS`` of them prompt tokens: first on the prompts already admitted but not yet
-wholly in the cache, then on waiting requests, which get the lowest free slots (so the running slots
-stay packed at the bottom and the decode graph stays small) and the K/V pages for their prompt +
-max_tokens positions, taken at admission for the request's life (so a running request never
-waits for memory and nothing is preempted); the head of the queue waits while either is short.
+wholly in the cache, then on waiting requests, which get a free slot, the next row of the decode batch
+and the K/V pages for their prompt + max_tokens positions, taken at admission for the request's
+life (so a running request never waits for memory and nothing is preempted); the head of the
+queue waits while either is short.
 A long prompt is so prefilled over several steps, each chunk in one pass with a decode step of
 the requests already decoding; such a mixed step takes one prompt's chunk (a step with nothing
 decoding prefills several prompts at once).
 ``finish`` frees a request's slot for the next one. A running request keeps its slot for its
-whole life: its state never moves.
+whole life: its state never moves. Its row may: the running requests (prefilling ones too: a
+prompt's first id is drawn in its row) hold rows 0 .. n-1, so the decode batch is the smallest
+graph that covers n rows whichever slots they own; when one ends, the last row's request takes
+its row (``row_slots``, the row -> slot table the runner's graphs read).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ MIXED_MAX_CHUNKS = 1  # prompt chunks beside a decode step (a step with nothing 
 
 
 class Scheduler:
-    """Slots 0 .. max_batch-1, K/V pages 0 .. num_pages-1 of ``page_size`` tokens; at most
+    """Slots and decode rows 0 .. max_batch-1, K/V pages 0 .. num_pages-1 of ``page_size`` tokens; at most
     ``max_prefill_tokens`` (>= 1) tokens per step, decode rows and prompt tokens together (but
     min(max_prefill_tokens, MIN_PREFILL_TOKENS) prompt tokens whatever decodes)."""
 
@@ -38,6 +41,7 @@ class Scheduler:
             raise ValueError(f"max_prefill_tokens: expected an int >= 1, got {max_prefill_tokens!r}")
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request (prefilling or decoding)
+        self.rows: list[Request] = []  # the running requests by row: request.row is its index
         self.prefilling: deque[Request] = deque()  # admitted, prompt not yet wholly in the cache
         self._free_slots = list(range(max_batch))
         self._free_pages = list(range(num_pages))
@@ -98,6 +102,8 @@ class Scheduler:
             request.slot = heapq.heappop(self._free_slots)
             request.pages = [heapq.heappop(self._free_pages) for _ in range(pages)]
             self.running[request.slot] = request
+            request.row = len(self.rows)
+            self.rows.append(request)
             self.prefilling.append(request)
             plan.append((request, 0, count))
             longest = max(longest, count)
@@ -110,24 +116,32 @@ class Scheduler:
             self.prefilling.remove(request)
 
     def decoding(self) -> dict[int, Request]:
-        """slot -> request of the running requests whose prompt is wholly in the cache."""
-        return {slot: request for slot, request in self.running.items() if request.prompt_computed}
+        """row -> request of the running requests whose prompt is wholly in the cache."""
+        return {request.row: request for request in self.rows if request.prompt_computed}
 
-    def slots_in_use(self) -> int:
-        """1 + the highest running slot (0 when none runs): the decode step must cover these."""
-        return max(self.running) + 1 if self.running else 0
+    def row_slots(self) -> list[int]:
+        """Each row's slot: the running requests' slots in row order (the decode batch's table)."""
+        return [request.slot for request in self.rows]
 
-    def slots_in_use_after_admission(self) -> int:
-        """``slots_in_use`` once the next waiting request takes the lowest free slot (what a step
-        that admits it covers; the same when nothing waits or no slot is free)."""
-        if self.waiting and self._free_slots:
-            return max(self.slots_in_use(), self._free_slots[0] + 1)
-        return self.slots_in_use()
+    def rows_in_use(self) -> int:
+        """Rows the running requests hold, 0 .. n-1: the decode step must cover these."""
+        return len(self.rows)
+
+    def rows_in_use_after_admission(self) -> int:
+        """``rows_in_use`` once the next waiting request takes the next row (what a step that
+        admits it covers; the same when nothing waits or no slot is free)."""
+        return len(self.rows) + bool(self.waiting and self._free_slots)
 
     def finish(self, request: Request) -> None:
-        """Free a finished (or aborted) request's slot and pages."""
+        """Free a finished (or aborted) request's slot, row and pages (the last row's request
+        moves into its row)."""
         if request.slot is not None and self.running.get(request.slot) is request:
             del self.running[request.slot]
+            last = self.rows.pop()
+            if last is not request:
+                self.rows[request.row] = last
+                last.row = request.row
+            request.row = None
             heapq.heappush(self._free_slots, request.slot)
             for page in request.pages:
                 heapq.heappush(self._free_pages, page)

@@ -6,7 +6,9 @@ the attention K/V pages that hold its positions (position p in page ``block_tabl
 slot p % P, P = ``page_size``). Pages are shared by all slots, so the K/V memory follows the
 tokens requests can hold (``num_pages``), not max_batch x max_len. Every tensor keeps its
 address for the cache's life, so a CUDA graph may capture them; a request joining rewrites its
-slot's block-table row, never a tensor's address.
+slot's block-table row, never a tensor's address. A decode step reads any set of slots through a
+row -> slot table (``Qwen35.decode_step``'s ``slots``), so which requests decode together never
+moves their state.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class AttentionCache:
 
 @dataclass
 class DeltaNetCache:
-    """State of one Gated DeltaNet layer: the conv inputs per row [max_batch, conv_dim, kernel]
+    """State of one Gated DeltaNet layer: the conv inputs per slot [max_batch, conv_dim, kernel]
     (model dtype), circular: column j holds the input at the latest position p with p % kernel == j
     (zeros for positions before the prompt), so a decode step reads the previous kernel - 1 inputs
     and writes one column (``gated_delta_rule_decode_step``); and the delta-rule state pool
@@ -51,7 +53,7 @@ class DeltaNetCache:
 @dataclass
 class Qwen35Cache:
     """All decode state, preallocated: ``lengths`` [max_batch] int64 (tokens in the cache per
-    row = the next token's position), ``active`` [max_batch] bool (rows that take part in decode),
+    slot = the next token's position), ``active`` [max_batch] bool (slots that take part in decode),
     ``block_table`` [max_batch, pages_per_slot] int64 (each slot's K/V pages), ``rotary``
     [max_len, 2, rotary_dim] (each position's cos and sin, read by prefill and decode steps), and
     per layer an ``AttentionCache`` or a ``DeltaNetCache``. Every tensor keeps its address for the
@@ -64,7 +66,8 @@ class Qwen35Cache:
     lengths: torch.Tensor
     active: torch.Tensor
     layers: list
-    slots: torch.Tensor = field(repr=False)  # arange(max_batch), int32: each row's state-pool slot
+    # arange(max_batch) int64: the decode table of every slot in order (row = slot), a decode step's default
+    slots: torch.Tensor = field(repr=False)
     block_table: torch.Tensor = field(repr=False)
     # [max_len, 2, rotary_dim] in the model dtype: the cos and sin of each position (``rotary_table``,
     # made by ``Qwen35.new_cache``); held here so that graphs captured on the cache can read it as long
@@ -115,7 +118,7 @@ class Qwen35Cache:
             table = torch.full((max_batch, pages_per_slot), num_pages, device=device)
         return cls(config, max_len, page_size, num_pages, torch.zeros(max_batch, dtype=torch.int64, device=device),
                    torch.zeros(max_batch, dtype=torch.bool, device=device), layers,
-                   torch.arange(max_batch, dtype=torch.int32, device=device), table, rotary)
+                   torch.arange(max_batch, device=device), table, rotary)
 
     @property
     def max_batch(self) -> int:
@@ -144,16 +147,3 @@ class Qwen35Cache:
         or [rows, T]; the scratch page, column 0, where ``valid`` (like positions) is False. Device
         ops only (no host sync)."""
         return kv_write_targets(positions, pages, valid, self.page_size, self.num_pages)
-
-    def first_rows(self, rows: int) -> "Qwen35Cache":
-        """A cache of rows 0 .. rows-1 that shares this one's memory (every per-slot tensor a
-        leading-dim view, so contiguous and at the same addresses; the K/V pages shared whole): a
-        decode step on it reads and writes exactly those rows' state. The engine captures one CUDA
-        graph per batch size on such views."""
-        if not isinstance(rows, int) or isinstance(rows, bool) or not 1 <= rows <= self.max_batch:
-            raise ValueError(f"rows: expected an int in [1, {self.max_batch}], got {rows!r}")
-        layers = [layer if isinstance(layer, AttentionCache) else DeltaNetCache(layer.conv[:rows], layer.recurrent[:rows])
-                  for layer in self.layers]
-        return Qwen35Cache(self.config, self.max_len, self.page_size, self.num_pages, self.lengths[:rows],
-                           self.active[:rows], layers,
-                           self.slots[:rows], self.block_table[:rows], self.rotary)

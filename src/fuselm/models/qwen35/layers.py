@@ -88,16 +88,17 @@ class PrefillStep:
 
 @dataclass
 class DecodeStep:
-    """What every layer needs for one token per cache row; all device tensors of static shape."""
+    """What every layer needs for one token per row of a decode batch (row n decodes cache slot
+    ``slots[n]``); all device tensors of static shape."""
 
-    cos: torch.Tensor  # [max_batch, 1, 1, rotary_dim]
+    cos: torch.Tensor  # [B, 1, 1, rotary_dim]
     sin: torch.Tensor
-    write_page: torch.Tensor  # [max_batch] int64: the page of the token's K/V (the scratch page for inactive rows)
-    write_column: torch.Tensor  # [max_batch] int64: its slot in that page
-    kv_lengths: torch.Tensor  # [max_batch] int64: positions the token attends to (position + 1; 0 inactive)
-    block_table: torch.Tensor  # [max_batch, pages_per_slot] int64: each row's K/V pages
-    state_slots: torch.Tensor  # [max_batch] int32: pool slot, -1 for inactive rows (no state write)
-    positions: torch.Tensor  # [max_batch] int64: the token's position (= cache.lengths before the step)
+    write_page: torch.Tensor  # [B] int64: the page of the token's K/V (the scratch page for inactive rows)
+    write_column: torch.Tensor  # [B] int64: its slot in that page
+    kv_lengths: torch.Tensor  # [B] int64: positions the token attends to (position + 1; 0 inactive)
+    block_table: torch.Tensor  # [B, pages_per_slot] int64: each row's K/V pages (its slot's block-table row)
+    state_slots: torch.Tensor  # [B] int32: the row's slot in the state pools, -1 for inactive rows (no state write)
+    positions: torch.Tensor  # [B] int64: the token's position (its slot's length before the step)
 
 
 # ============================================================================ rotary embedding

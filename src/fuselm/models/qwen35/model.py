@@ -12,8 +12,8 @@ Architecture (HF ``transformers/models/qwen3_5/modeling_qwen3_5.py``):
 The model computes logits; it knows nothing of generation loops, sampling or requests (those are
 ``fuselm.engine``'s). Its API: ``model(ids)`` (logits for every position), and the cache-based
 pair the engine drives: ``prefill_step`` (one prompt chunk per row into cache slots),
-``decode_step`` (one token for every cache row) and ``mixed_step`` (both in one pass over the
-weights), all CUDA-graph safe; ``prefill`` is the checked, chunking front of ``prefill_step`` for
+``decode_step`` (one token for each slot of a row -> slot table, default every slot) and
+``mixed_step`` (both in one pass over the weights), all CUDA-graph safe; ``prefill`` is the checked, chunking front of ``prefill_step`` for
 direct use.
 
 Numerics: fp32 everywhere reproduces HF to summation order (the tests hold 1e-3 absolute on the
@@ -27,7 +27,7 @@ difference from HF that matters: benchmarks/results/<gpu>/README.md, "Where the 
 Cache and batching (``Qwen35Cache``): slot r holds one request's state (its attention K/V in the
 pages its block-table row names). Prompts of different lengths are RIGHT-padded
 (``attention_mask`` rows are ones then zeros): every row's tokens sit at positions 0 .. n_r - 1,
-so a row's next position is its length. Rows with ``cache.active`` False write no state in
+so a row's next position is its length. Slots with ``cache.active`` False write no state in
 ``decode_step``.
 
 Not implemented (HF has them): RoPE scaling types other than "default" (Qwen3.5 ships
@@ -192,19 +192,28 @@ class Qwen35(nn.Module):
                            sin=rotary[:, :, None, 1])
         return F.embedding(input_ids, self.embed_tokens), step
 
-    def _decode_inputs(self, token_ids: torch.Tensor, cache: Qwen35Cache):
-        """Embeddings [max_batch, 1, D] and the ``DecodeStep`` of one token per cache row at
-        position ``cache.lengths``."""
+    def _decode_inputs(self, token_ids: torch.Tensor, cache: Qwen35Cache, slots: torch.Tensor | None):
+        """Embeddings [B, 1, D] and the ``DecodeStep`` of one token for each of the B cache slots
+        ``slots`` (default: every slot, in order) at its position ``cache.lengths[slot]``;
+        ``token_ids`` [max_batch]: each slot's token."""
         if token_ids.shape != (cache.max_batch,):  # metadata only: no sync
             raise ValueError(f"token_ids: expected [max_batch] = ({cache.max_batch},), got {tuple(token_ids.shape)}")
         # one launch; inactive rows write to the scratch page (an index with no branch) and attend to nothing
-        x, cos, sin, write_page, write_column, kv_lengths, state_slots = decode_inputs(
-            token_ids, cache.lengths, cache.active, cache.slots, cache.block_table, self.embed_tokens,
-            cache.rotary, page_size=cache.page_size, scratch_page=cache.num_pages)
+        x, cos, sin, write_page, write_column, kv_lengths, state_slots, positions, pages = decode_inputs(
+            token_ids, cache.lengths, cache.active, cache.slots if slots is None else slots, cache.block_table,
+            self.embed_tokens, cache.rotary, page_size=cache.page_size, scratch_page=cache.num_pages)
         step = DecodeStep(
             cos=cos[:, None, None], sin=sin[:, None, None], write_page=write_page, write_column=write_column,
-            kv_lengths=kv_lengths, block_table=cache.block_table, state_slots=state_slots, positions=cache.lengths)
+            kv_lengths=kv_lengths, block_table=pages, state_slots=state_slots, positions=positions)
         return x[:, None], step
+
+    @staticmethod
+    def _advance(cache: Qwen35Cache, slots: torch.Tensor | None, step: DecodeStep) -> None:
+        """The decoded slots' lengths += 1 where active (kv_lengths > 0)."""
+        if slots is None:
+            cache.lengths.add_(cache.active)  # bool promotes: one kernel
+        else:
+            cache.lengths.index_add_(0, slots, step.kv_lengths.clamp(max=1))
 
     def _prefill(self, input_ids: torch.Tensor, cache: Qwen35Cache, slots: torch.Tensor, starts: torch.Tensor,
                  lengths: torch.Tensor, fresh: bool) -> torch.Tensor:
@@ -288,27 +297,32 @@ class Qwen35(nn.Module):
         return logits
 
     @torch.no_grad()
-    def decode_step(self, token_ids: torch.Tensor, cache: Qwen35Cache) -> torch.Tensor:
-        """One token per cache row: ``token_ids`` [max_batch] int64 at position ``cache.lengths``;
-        returns logits [max_batch, vocab] and advances the active rows' lengths by one.
+    def decode_step(self, token_ids: torch.Tensor, cache: Qwen35Cache, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """One token for each cache slot in ``slots`` [B] (int64, distinct, in [0, max_batch); the
+        decode batch's row -> slot table; default: every slot, row = slot), at its position
+        ``cache.lengths[slot]``; ``token_ids`` [max_batch] int64: each slot's token. Returns
+        logits [B, vocab], row n slot ``slots[n]``'s, and advances the active ones' lengths by
+        one. The state is read and written where it lies (the recurrent and conv pools, the K/V
+        pages through each slot's block-table row): a batch of any slots, with nothing moved.
 
         CUDA-graph-safe: no host sync, no data-dependent shape (its temporaries have fixed shapes, so
-        a graph's private memory pool serves them on replay); its inputs are
-        ``token_ids`` and the cache tensors (``lengths``, ``active`` and the per-layer state),
-        all updated in place. Inactive rows write no recurrent or conv state and put their K/V in
-        the scratch page; their logits are meaningless. The caller keeps every active row's
+        a graph's private memory pool serves them on replay); its inputs are ``token_ids``,
+        ``slots`` and the cache tensors (``lengths``, ``active`` and the per-layer state), all
+        updated in place. Inactive slots write no recurrent or conv state and put their K/V in
+        the scratch page; their logits are meaningless. The caller keeps every active slot's
         length < ``cache.max_len`` and its block-table row holding its positions.
         """
-        x, step = self._decode_inputs(token_ids, cache)
+        x, step = self._decode_inputs(token_ids, cache, slots)
         hidden = self._layers(x, lambda mixer, x, i: mixer.decode(x, cache.layers[i], step))
-        cache.lengths.add_(cache.active)  # bool promotes: one kernel
+        self._advance(cache, slots, step)
         return linear(hidden[:, 0], self.lm_head_weight)  # batch 1: the vector kernel, after the norm's start
 
     @torch.no_grad()
     def mixed_step(self, token_ids: torch.Tensor, cache: Qwen35Cache, input_ids: torch.Tensor, slots: torch.Tensor,
-                   starts: torch.Tensor, lengths: torch.Tensor, fresh: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode step of cache rows 0 .. b-1 (``token_ids`` [b], as :meth:`decode_step` on
-        ``cache.first_rows(b)``) and a prompt chunk per row (``input_ids`` [R, T] into ``slots``, as
+                   starts: torch.Tensor, lengths: torch.Tensor, fresh: bool = False,
+                   decode_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step of the b cache slots ``decode_slots`` (``token_ids`` [max_batch], as
+        :meth:`decode_step`) and a prompt chunk per row (``input_ids`` [R, T] into ``slots``, as
         :meth:`prefill_step`) in one pass, as vLLM's mixed batches: their b + R T tokens share the
         norms, the token mixers' input projections, the MLP GEMMs and the LM head (most of the
         weight bytes: read once for both), and each half goes through its own token mixing
@@ -317,13 +331,12 @@ class Qwen35(nn.Module):
         (decode logits [b, vocab], the logits of each prefill row's last real token [R, vocab]).
 
         Decode rows advance as in :meth:`decode_step`; the prefill slots get lengths
-        starts + lengths but keep their ``active`` flag (they must be inactive in the decode half:
-        the caller activates a slot once its whole prompt is in). Same results as the two calls
-        up to the GEMMs' summation order (inactive rows' logits, meaningless, apart). CUDA-graph
-        safe, no host sync."""
-        b = token_ids.shape[0]
-        rows = cache if b == cache.max_batch else cache.first_rows(b)
-        decode_x, decode = self._decode_inputs(token_ids, rows)
+        starts + lengths but keep their ``active`` flag (they must be inactive in the decode half,
+        if among ``decode_slots``: the caller activates a slot once its whole prompt is in). Same
+        results as the two calls up to the GEMMs' summation order (inactive rows' logits,
+        meaningless, apart). CUDA-graph safe, no host sync."""
+        decode_x, decode = self._decode_inputs(token_ids, cache, decode_slots)
+        b = decode_x.shape[0]
         prefill_x, prefill = self._prefill_inputs(input_ids, cache, slots, starts, lengths, fresh)
         R, T = input_ids.shape
 
@@ -346,13 +359,13 @@ class Qwen35(nn.Module):
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 mixer.prefill_heads(projected[b:].view(R, T, -1), cache.layers[i], prefill,
                                     out=heads[b:].view(R, T, -1))
-            mixer.decode_heads(projected[:b], rows.layers[i], decode, out=heads[:b], gated=True)
+            mixer.decode_heads(projected[:b], cache.layers[i], decode, out=heads[:b], gated=True)
             if side is not None:
                 main.wait_stream(side)
             return mixer.project_out(heads)  # one GEMM
 
         hidden = self._layers(torch.cat([decode_x, prefill_x.view(R * T, 1, -1)]), mix)
-        rows.lengths.add_(rows.active)
+        self._advance(cache, decode_slots, decode)
         cache.lengths.index_copy_(0, slots, starts + lengths)
         last = self._last_tokens(hidden[b:, 0].view(R, T, -1), lengths)
         logits = F.linear(torch.cat([hidden[:b, 0], last]), self.lm_head_weight)  # one LM-head GEMM

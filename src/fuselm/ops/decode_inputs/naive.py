@@ -2,8 +2,8 @@
 gathers its rows too: ``rotary_cos_sin`` makes it), and the K/V write targets, which the prefill
 shares.
 
-Shapes: B cache rows, D hidden size, R rotary dims, L positions in the rotary table, P pages a slot,
-S the page size."""
+Shapes: B decode rows, C cache slots, D hidden size, R rotary dims, L positions in the rotary table,
+P pages a slot, S the page size."""
 
 from __future__ import annotations
 
@@ -40,16 +40,22 @@ def kv_write_targets(positions: torch.Tensor, pages: torch.Tensor, valid: torch.
 
 
 def decode_inputs_ref(token_ids, lengths, active, slots, block_table, embed, rotary, page_size, scratch_page):
-    """What every layer of a decode step needs, for one token per cache row (``decode_inputs``'s
-    contract; inactive rows take token 0, the scratch page, no attention and no state slot):
-    (x [B, D] = embed[token], cos [B, R], sin [B, R] = rotary[position], write_page [B] int64,
-    write_column [B] int64, kv_lengths [B] int64 = position + 1 (0 inactive), state_slots [B] int32 =
-    slots (-1 inactive)); the position of row n is ``lengths[n]``; a position outside the table
-    gets zero rotary rows."""
-    positions = lengths
-    write_page, write_column = kv_write_targets(positions, block_table, active, page_size, scratch_page)
-    x = F.embedding(torch.where(active, token_ids, 0), embed)
+    """What every layer of a decode step needs, for one token per row n of slot ``slots[n]``
+    (``decode_inputs``'s contract; ``token_ids``, ``lengths``, ``active`` [C] and ``block_table``
+    [C, P] per slot; an inactive row, or a slot outside [0, C), takes token 0, the scratch page,
+    no attention and no state slot): (x [B, D] = embed[token], cos [B, R], sin [B, R] =
+    rotary[position], write_page [B] int64, write_column [B] int64, kv_lengths [B] int64 =
+    position + 1 (0 inactive), state_slots [B] int32 = slots (-1 inactive), positions [B] int64 =
+    the slot's length (0 outside [0, C)), pages [B, P] int64 = the slot's block-table row (all
+    scratch_page inactive)); a position outside the rotary table gets zero rotary rows."""
+    held = (slots >= 0) & (slots < lengths.shape[0])
+    slot = torch.where(held, slots, 0).long()
+    active = held & active[slot]
+    positions = torch.where(held, lengths[slot], 0)
+    pages = torch.where(active[:, None], block_table[slot], scratch_page)
+    write_page, write_column = kv_write_targets(positions, pages, active, page_size, scratch_page)
+    x = F.embedding(torch.where(active, token_ids[slot], 0), embed)
     in_table = (positions >= 0) & (positions < rotary.shape[0])  # (an inactive row's may not be)
     rows = torch.where(in_table[:, None, None], rotary[positions.clamp(0, rotary.shape[0] - 1)], 0)
     return (x, rows[:, 0], rows[:, 1], write_page, write_column, torch.where(active, positions + 1, 0),
-            torch.where(active, slots, -1).to(torch.int32))
+            torch.where(active, slot, -1).to(torch.int32), positions, pages)

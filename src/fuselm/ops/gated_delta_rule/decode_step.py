@@ -5,14 +5,15 @@ projections, and the gated delta rule on a state pool (``fused_recurrent.py``'s 
 Inputs per row n (one token each), with key heads H x K, value heads HV x V, conv kernel KW:
 - ``proj`` [N, P], the layer's in_proj output, columns (HF's in_proj_qkv, in_proj_z, in_proj_b,
   in_proj_a): x = (q, k, v) [conv_dim = 2 H K + HV V], z [HV V] (unused here), b [HV], a [HV].
-- ``conv_state`` [N, conv_dim, KW], circular: column j holds the input at the latest position p
+- ``conv_state`` [P, conv_dim, KW] pool, circular: column j holds the input at the latest position p
   with p % KW == j. The token at position t (``positions[n]``) convolves the inputs at t - KW + 1
   .. t - 1 (columns (t + 1 .. t + KW - 1) % KW) with x, then writes x to column t % KW. No
   program reads the column it writes, so the many programs of a row share the state without a
   race, and nothing shifts.
-- ``state`` [P, HV, K, V] pool (fp32, or bf16 / fp16 as vLLM keeps it by default), row n's slot
-  ``state_slots[n]``; a negative slot (an inactive row) reads zeros and writes neither the state nor
-  the conv state.
+- ``state`` [P, HV, K, V] pool (fp32, or bf16 / fp16 as vLLM keeps it by default). Row n's slot in
+  both pools is ``state_slots[n]`` (a decode batch reads its requests' state where it lies: rows
+  are a table into the pools, nothing moves); a negative slot (an inactive row) reads zeros and
+  writes neither the state nor the conv state.
 
 Numerics (as HF's torch path): conv accumulated in fp32 and rounded to the model dtype (F.conv1d),
 SiLU in fp32 rounded again; g = -exp(A_log) softplus(a + dt_bias) in fp32; beta = sigmoid(b)
@@ -100,13 +101,15 @@ def _decode_step_kernel(
     S = tl.load(state_ptr + slot * HV * K * V + state_offs, mask=state_mask, other=0.0).to(tl.float32)
     position = tl.load(positions_ptr + i_n)
     proj = proj_ptr + i_n.to(tl.int64) * stride_proj
-    conv = conv_ptr + i_n.to(tl.int64) * stride_conv
+    conv = conv_ptr + tl.maximum(slot, 0) * stride_conv
     q_ch = i_h * K + kk
     k_ch = KEY_DIM + i_h * K + kk
     v_ch = 2 * KEY_DIM + i_hv * V + vv
-    q_history = _conv_history(conv, conv_w_ptr, q_ch, k_ok, position, KW)
-    k_history = _conv_history(conv, conv_w_ptr, k_ch, k_ok, position, KW)
-    v_history = _conv_history(conv, conv_w_ptr, v_ch, v_ok, position, KW)
+    k_held = kk < tl.where(active, K, 0)  # an inactive row has no conv state: its history reads zeros
+    v_held = vv < tl.where(active, V, 0)
+    q_history = _conv_history(conv, conv_w_ptr, q_ch, k_held, position, KW)
+    k_history = _conv_history(conv, conv_w_ptr, k_ch, k_held, position, KW)
+    v_history = _conv_history(conv, conv_w_ptr, v_ch, v_held, position, KW)
     neg_A = -tl.exp(tl.load(A_log_ptr + i_hv).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + i_hv).to(tl.float32)
     norm_w = 0.0
@@ -137,7 +140,7 @@ def _decode_step_kernel(
     # this token's input, for the next KW - 1 tokens (masks as index bounds: a scalar condition
     # folded into the bound, as for the state rows above)
     column = position % KW
-    tl.store(conv + v_ch * KW + column, x_v, mask=vv < tl.where(active, V, 0))
+    tl.store(conv + v_ch * KW + column, x_v, mask=v_held)
     writes_qk = active & (i_hv % (HV // H) == 0) & (i_v == 0)  # the first program of the key head
     tl.store(conv + q_ch * KW + column, x_q, mask=kk < tl.where(writes_qk, K, 0))
     tl.store(conv + k_ch * KW + column, x_k, mask=kk < tl.where(writes_qk, K, 0))
@@ -161,20 +164,21 @@ def _check(proj, conv_state, conv_weight, A_log, dt_bias, state, state_slots, po
         raise ValueError(f"proj: expected [N, {conv_dim + HV * V + 2 * HV}] (qkv, z, b, a) with contiguous rows, "
                          f"got {tuple(proj.shape)}")
     N = proj.shape[0]
+    if state.dim() != 4 or state.shape[1:] != (HV, K, V) or not state.is_contiguous():  # dtype: check_tensor
+        raise ValueError(f"state: expected a contiguous pool [P, {HV}, {K}, {V}] in fp32, bf16 or fp16, got "
+                         f"{tuple(state.shape)} {state.dtype}")
     if conv_weight.dim() != 3 or conv_weight.shape[:2] != (conv_dim, 1) or not conv_weight.is_contiguous():
         raise ValueError(f"conv_weight: expected a contiguous [{conv_dim}, 1, kernel], got {tuple(conv_weight.shape)}")
     KW = conv_weight.shape[2]
-    if conv_state.shape != (N, conv_dim, KW) or conv_state.stride()[1:] != (KW, 1) or conv_state.dtype != proj.dtype:
-        raise ValueError(f"conv_state: expected [N, conv_dim, kernel] = {(N, conv_dim, KW)} in {proj.dtype} with "
-                         f"contiguous rows, got {tuple(conv_state.shape)} {conv_state.dtype}")
+    P = state.shape[0]
+    if conv_state.shape != (P, conv_dim, KW) or conv_state.stride()[1:] != (KW, 1) or conv_state.dtype != proj.dtype:
+        raise ValueError(f"conv_state: expected a pool of state's slots [P, conv_dim, kernel] = {(P, conv_dim, KW)} "
+                         f"in {proj.dtype} with contiguous rows, got {tuple(conv_state.shape)} {conv_state.dtype}")
     if conv_weight.dtype != proj.dtype:
         raise TypeError(f"conv_weight: dtype {conv_weight.dtype} differs from proj's {proj.dtype}")
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
         if t.shape != (HV,):
             raise ValueError(f"{name}: expected [HV] = ({HV},), got {tuple(t.shape)}")
-    if state.dim() != 4 or state.shape[1:] != (HV, K, V) or not state.is_contiguous():  # dtype: check_tensor
-        raise ValueError(f"state: expected a contiguous pool [P, {HV}, {K}, {V}] in fp32, bf16 or fp16, got "
-                         f"{tuple(state.shape)} {state.dtype}")
     for name, t in (("state_slots", state_slots), ("positions", positions)):
         if t.shape != (N,):
             raise ValueError(f"{name}: expected [N] = ({N},), got {tuple(t.shape)}")
@@ -192,7 +196,8 @@ def gated_delta_rule_decode_step(
 
     Args:
         proj: [N, conv_dim + HV V + 2 HV] in_proj output (rows may be strided).
-        conv_state: [N, conv_dim, kernel] circular conv state, updated in place (active rows).
+        conv_state: [P, conv_dim, kernel] pool of circular conv states, updated in place at
+            ``state_slots`` (active rows).
         conv_weight: [conv_dim, 1, kernel]; A_log, dt_bias: [HV].
         state: pool [P, HV, K, V] (fp32, or bf16 / fp16: read into fp32, the new state rounded once
             into it), updated in place at ``state_slots`` (negative: inactive row).

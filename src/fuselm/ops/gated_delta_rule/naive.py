@@ -141,28 +141,29 @@ def run_on_state_pool(reference, pool, state_indices, has_initial_state=None):
 def gated_delta_rule_decode_step_ref(proj, conv_state, conv_weight, A_log, dt_bias, state, state_slots, positions,
                                      H, K, HV, V, scale=None):
     """One Qwen3.5 Gated DeltaNet decode token per row from the in_proj output ``proj`` [N, P]
-    (see ``decode_step.py`` for the layout and the circular ``conv_state`` [N, conv_dim, KW]), as
-    HF's torch path computes it: F.conv1d over the window in the model dtype, SiLU, q/k l2-norm,
-    g = -exp(A_log) softplus(a + dt_bias) (fp32), beta = sigmoid(b) (model dtype), then the
-    recurrence (fp32). Updates ``conv_state`` and the pool ``state`` in place for rows with
-    ``state_slots >= 0``; returns o [N, HV, V] in proj's dtype."""
+    (see ``decode_step.py`` for the layout and the pool of circular conv states ``conv_state``
+    [P, conv_dim, KW]), as HF's torch path computes it: F.conv1d over the window in the model dtype,
+    SiLU, q/k l2-norm, g = -exp(A_log) softplus(a + dt_bias) (fp32), beta = sigmoid(b) (model
+    dtype), then the recurrence (fp32). Row n's state in both pools is at slot ``state_slots[n]``;
+    updates them in place for rows with ``state_slots >= 0`` (a negative slot's history and state
+    read as zeros); returns o [N, HV, V] in proj's dtype."""
     N = proj.shape[0]
     KW = conv_weight.shape[-1]
     conv_dim = 2 * H * K + HV * V
     x = proj[:, :conv_dim]
     b, a = proj[:, conv_dim + HV * V:].split([HV, HV], dim=-1)
+    active = state_slots >= 0
+    slots = state_slots.long().clamp(min=0)
     columns = (positions.long()[:, None] + 1 + torch.arange(KW - 1, device=proj.device)) % KW  # oldest first
-    history = conv_state.gather(2, columns[:, None, :].expand(N, conv_dim, KW - 1))
+    history = conv_state[slots].gather(2, columns[:, None, :].expand(N, conv_dim, KW - 1))
+    history = torch.where(active[:, None, None], history, 0)
     window = torch.cat([history, x[:, :, None]], dim=-1)
     conv_out = F.silu(F.conv1d(window, conv_weight, groups=conv_dim))[..., 0]  # [N, conv_dim]
     q, k, v = conv_out.split([H * K, H * K, HV * V], dim=-1)
     g = decay_gate(A_log, a, dt_bias)
-    active = state_slots >= 0
-    slots = state_slots.long().clamp(min=0)
     h0 = torch.where(active[:, None, None, None], state[slots], 0.0)
     o, final = recurrent_gated_delta_rule_ref(q.reshape(N, 1, H, K), k.reshape(N, 1, H, K), v.reshape(N, 1, HV, V),
                                               g[:, None], b.sigmoid()[:, None], scale, h0, True, True)
     state[slots[active]] = final[active].to(state.dtype)  # a 16-bit pool: rounded once
-    rows = torch.arange(N, device=proj.device)[active]
-    conv_state[rows, :, positions.long()[active] % KW] = x[active]
+    conv_state[slots[active], :, positions.long()[active] % KW] = x[active]
     return o[:, 0]
