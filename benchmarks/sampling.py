@@ -1,6 +1,6 @@
 """``sample_tokens`` against the engine's previous sampler at Qwen3.5's vocabulary (GPU only).
 
-    python benchmarks/sampling.py [--batch-sizes 1 8 32] [--sweep]
+    python benchmarks/sampling.py [--batch-sizes 1 8 32] [--candidates] [--sweep]
 
 Prints a table per batch size: GPU time (one call captured in a CUDA graph, the graph replayed)
 and as called (the eager Python call), both ``triton.testing.do_bench`` medians in µs, bf16
@@ -19,6 +19,7 @@ import itertools
 import torch
 
 from fuselm.ops.sampling import cutoffs, keep_thresholds, sample_tokens
+from fuselm.ops.sampling.naive import cutoffs_of_ordered
 from fuselm.ops.sampling.kernels import sample_tokens_kernel, split_geometry
 from fuselm.runtime import num_sms
 from timing import bench, graph_bench
@@ -96,6 +97,23 @@ def benchmark_sampling(batch_sizes=(1, 8, 32), dtype=torch.bfloat16) -> list[dic
     return rows
 
 
+def candidate_parts(batch_sizes=(1, 8, 32), counts=(32, 64, 256, 1024), dtype=torch.bfloat16) -> None:
+    """GPU time of the top-k way's parts at Qwen3.5's defaults (T 0.6, top-k 20, top-p 0.95) by the
+    candidates count C: ``torch.topk`` of C, the cut-offs from those C (``cutoffs_of_ordered``, its
+    pass over the row for ties included), and the whole ``sample_tokens`` call."""
+    print(f"{'B':>3} {'C':>5} {'topk µs':>8} {'cut-offs from C µs':>19} {'sample_tokens µs':>17}")
+    for batch in batch_sizes:
+        logits = (torch.randn(batch, N_VOCAB, device="cuda") * 2.5).to(dtype)
+        params = _row_params(batch, 0.6, 0.95, top_k=20)
+        out = torch.empty(batch, dtype=torch.int64, device="cuda")
+        for count in counts:
+            ordered = logits.topk(count, dim=-1).values
+            parts = (graph_bench(lambda: logits.topk(count, dim=-1)),
+                     graph_bench(lambda: cutoffs_of_ordered(ordered, logits, *params[:3])),
+                     graph_bench(lambda: sample_tokens(logits, *params, filtered=True, candidates=count, out=out)))
+            print(f"{batch:>3} {count:>5} " + " ".join(f"{ms * 1e3:>{w}.1f}" for ms, w in zip(parts, (8, 19, 17))))
+
+
 def sweep_geometry(batch_sizes=(1, 8, 32), dtype=torch.bfloat16) -> None:
     """GPU time of the sampled, unfiltered kernel over (block, warps, programs per SM)."""
     sms = num_sms(torch.device("cuda"))
@@ -117,11 +135,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--sweep", action="store_true", help="also sweep the kernel's launch geometry")
+    parser.add_argument("--candidates", action="store_true",
+                        help="also time the top-k way's parts (topk, cut-offs) by the candidates count")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/sampling.py needs a CUDA device")
         return 1
     benchmark_sampling(tuple(args.batch_sizes))
+    if args.candidates:
+        candidate_parts(tuple(args.batch_sizes))
     if args.sweep:
         sweep_geometry(tuple(args.batch_sizes))
     return 0

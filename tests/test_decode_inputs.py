@@ -88,7 +88,7 @@ def test_decode_inputs_edge_rows_and_strided_inputs():
     assert torch.equal(decode_inputs(strided, lengths, active, slots, block_table, embed, rotary, **kwargs)[0],
                        got[0])
     outside = slots.clone()
-    outside[[1, 3]] = torch.tensor([-1, 7])
+    outside[[1, 3]] = torch.tensor([-1, 7], device=DEVICE)
     x, _, _, page, _, kv_lengths, state_slots, positions, _ = decode_inputs(
         token_ids, lengths, active, outside, block_table, embed, rotary, **kwargs)
     assert (kv_lengths[[1, 3]] == 0).all() and (state_slots[[1, 3]] == -1).all()

@@ -122,6 +122,29 @@ def test_candidates_give_the_cut_offs_of_the_whole_row(dtype):
         sample_tokens(logits, *params, candidates=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n_candidates", [1, 13, 16])
+def test_cut_off_kernel_equals_its_reference(n_candidates, dtype):
+    """The one-launch cut-off from C candidates (odd C, a strided logits view, rows tied past the
+    C, a row with -inf logits) equals ``cutoffs_of_ordered``, value for value."""
+    from fuselm.ops.sampling.kernels import cutoffs_of_candidates_kernel
+    from fuselm.ops.sampling.naive import cutoffs_of_ordered
+
+    n_rows, n_vocab = 6, 5003
+    g = torch.Generator().manual_seed(n_candidates)
+    wide = (torch.randn(n_rows, n_vocab + 7, generator=g) * 2).round()  # many ties
+    wide[2, 100:4000] = float("-inf")
+    logits = wide.to(DEVICE, dtype)[:, 3:3 + n_vocab]  # a strided view
+    temperature = torch.tensor([1.0, 0.7, 0.0, 2.0, 1.0, 0.6], device=DEVICE)
+    top_k = torch.tensor([n_candidates, 1, 5, 0, n_candidates, 3], dtype=torch.int32, device=DEVICE)
+    top_p = torch.tensor([0.5, 0.9, 1.0, 1.0, 0.999, 0.95], device=DEVICE)
+    ordered = logits.topk(n_candidates, dim=-1).values
+    want = cutoffs_of_ordered(ordered, logits, temperature, top_k, top_p)
+    got = cutoffs_of_candidates_kernel(ordered, logits, temperature, top_k, top_p)
+    assert got.dtype == torch.float32 and torch.equal(got, want), (got, want)
+    assert got[3] == float("-inf")  # neither top-k nor top-p
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_histogram_gives_the_cut_offs_of_the_sort(dtype):
     """16-bit logits without candidates: the histogram's cut-offs equal the sort's for top-p alone,

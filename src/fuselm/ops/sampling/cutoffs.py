@@ -1,10 +1,14 @@
 """Per-row top-k / top-p cut-offs without sorting the vocabulary: the values of
-``naive.keep_thresholds`` (the definition, a sort of each row) by cheaper ways. Plain PyTorch,
-static shapes, no host sync (CUDA-graph safe); ``sample_tokens`` runs ``cutoffs`` on the device.
+``naive.keep_thresholds`` (the definition, a sort of each row) by cheaper ways. Static shapes, no
+host sync (CUDA-graph safe); ``sample_tokens`` runs ``cutoffs`` on the device.
 
 - ``candidates`` (a host promise: every row with top-p on has a top-k in 1 .. candidates): the
   ``candidates`` largest logits of each row (``torch.topk``) hold every kept token; tokens tied
   with the k-th largest past them are counted in by one pass. Same values as the definition.
+  The cut-off from the candidates is one Triton launch (``kernels.cutoffs_of_candidates_kernel``)
+  where Triton runs, else ``naive.cutoffs_of_ordered`` (its reference). H200, bf16 [32, 248320],
+  T 0.6 / top-k 20 / top-p 0.95: topk 127 µs, the cut-off from its 1024 candidates 195 µs as
+  PyTorch kernels (benchmarks/sampling.py --candidates).
 - 16-bit logits (bf16 / fp16), any settings: a histogram over the 65,536 values a logit can take.
   Each logit's bits map to an order-preserving key; per row, one ``scatter_add`` counts the
   tokens of each key and another sums their weights exp((x - max) / T) as integers in units of
@@ -21,9 +25,12 @@ from __future__ import annotations
 
 import torch
 
+from fuselm.ops.sampling.kernels import cutoffs_of_candidates_kernel
 from fuselm.ops.sampling.naive import cutoffs_of_ordered, exclusive_prefix_sums, keep_thresholds
+from fuselm.runtime import use_triton
 
 KEYS = 1 << 16  # the values of a 16-bit float
+MAX_KERNEL_CANDIDATES = 1024  # candidates the cut-off kernel holds in one program (the engine asks 1024)
 WEIGHT_UNIT = 2.0 ** 40  # weights (<= 1) as int64 multiples of 2^-40; a 248K row sums below 2^58
 
 
@@ -34,6 +41,8 @@ def cutoffs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
     n_vocab = logits.shape[-1]
     if candidates is not None and candidates < n_vocab:
         ordered = logits.topk(candidates, dim=-1).values  # [B, C], largest first
+        if use_triton(logits) and candidates <= MAX_KERNEL_CANDIDATES:
+            return cutoffs_of_candidates_kernel(ordered, logits, temperature, top_k, top_p)
         return cutoffs_of_ordered(ordered, logits, temperature, top_k, top_p)
     if logits.dtype in (torch.bfloat16, torch.float16):
         return _cutoffs_by_histogram(logits, temperature, top_k, top_p)
