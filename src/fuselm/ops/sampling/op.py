@@ -13,8 +13,9 @@ Paths:
   graph replay (benchmarks/sampling.py): unfiltered 9.8 / 15 / 34 µs at B = 1 / 8 / 32 (the
   previous sampler: 98 / 116 / 246 µs; greedy 8.7 / 10 / 16 µs against argmax's 13 / 15 / 26);
   filtered with the sort 0.16 / 0.35 / 1.06 ms (previous: 0.28 / 0.81 / 1.67 ms), nearly all of it
-  the sort and the cut-off's float64 passes; the candidates and histogram ways are not yet
-  measured on the GPU.
+  the sort and the cut-off's float64 passes. H200 (session 42): T 0.6 / top-k 20 / top-p 0.95 by the
+  candidates way 136 / 153 / 229 µs (torch.topk 66 / 76 / 126 of it); top-p alone by the histogram
+  way 266 / 522 / 1,472 µs, slower than the sort's 156 / 314 / 915 (benchmarks/NOTES.md 97).
 - CPU without the interpreter: the float64 reference ``sample_tokens_ref``.
 Eager calls run the path directly; under ``torch.compile`` the call goes through the
 ``fuselm::sample_tokens`` custom op (traced with its fake implementation). Inference only.
