@@ -20,7 +20,7 @@ import torch
 
 from fuselm.ops.sampling import cutoffs, keep_thresholds, sample_tokens
 from fuselm.ops.sampling.naive import cutoffs_of_ordered
-from fuselm.ops.sampling.kernels import sample_tokens_kernel, split_geometry
+from fuselm.ops.sampling.kernels import cutoffs_of_candidates_kernel, sample_tokens_kernel, split_geometry
 from fuselm.runtime import num_sms
 from timing import bench, graph_bench
 
@@ -99,9 +99,11 @@ def benchmark_sampling(batch_sizes=(1, 8, 32), dtype=torch.bfloat16) -> list[dic
 
 def candidate_parts(batch_sizes=(1, 8, 32), counts=(32, 64, 256, 1024), dtype=torch.bfloat16) -> None:
     """GPU time of the top-k way's parts at Qwen3.5's defaults (T 0.6, top-k 20, top-p 0.95) by the
-    candidates count C: ``torch.topk`` of C, the cut-offs from those C (``cutoffs_of_ordered``, its
-    pass over the row for ties included), and the whole ``sample_tokens`` call."""
-    print(f"{'B':>3} {'C':>5} {'topk µs':>8} {'cut-offs from C µs':>19} {'sample_tokens µs':>17}")
+    candidates count C: ``torch.topk`` of C, the cut-offs from those C (the PyTorch reference
+    ``cutoffs_of_ordered`` and the engine's one-launch kernel, each with its pass over the row for
+    ties), and the whole ``sample_tokens`` call."""
+    print(f"{'B':>3} {'C':>5} {'topk µs':>8} {'cut-offs, PyTorch µs':>21} {'cut-offs, kernel µs':>20} "
+          f"{'sample_tokens µs':>17}")
     for batch in batch_sizes:
         logits = (torch.randn(batch, N_VOCAB, device="cuda") * 2.5).to(dtype)
         params = _row_params(batch, 0.6, 0.95, top_k=20)
@@ -110,8 +112,9 @@ def candidate_parts(batch_sizes=(1, 8, 32), counts=(32, 64, 256, 1024), dtype=to
             ordered = logits.topk(count, dim=-1).values
             parts = (graph_bench(lambda: logits.topk(count, dim=-1)),
                      graph_bench(lambda: cutoffs_of_ordered(ordered, logits, *params[:3])),
+                     graph_bench(lambda: cutoffs_of_candidates_kernel(ordered, logits, *params[:3])),
                      graph_bench(lambda: sample_tokens(logits, *params, filtered=True, candidates=count, out=out)))
-            print(f"{batch:>3} {count:>5} " + " ".join(f"{ms * 1e3:>{w}.1f}" for ms, w in zip(parts, (8, 19, 17))))
+            print(f"{batch:>3} {count:>5} " + " ".join(f"{ms * 1e3:>{w}.1f}" for ms, w in zip(parts, (8, 21, 20, 17))))
 
 
 def sweep_geometry(batch_sizes=(1, 8, 32), dtype=torch.bfloat16) -> None:

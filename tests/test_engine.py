@@ -77,19 +77,23 @@ def count_mixed_steps(engine, monkeypatch) -> list:
 
 
 def test_requests_joining_and_leaving_at_random_steps_get_their_solo_output(model, engine, monkeypatch):
-    """Prompts of different lengths and max_tokens, added while others run (so they join a running
-    batch at different steps, in mixed prefill + decode steps, reuse freed slots, wait when all
-    four slots are busy): each gives exactly what it gives alone on a fresh engine."""
+    """Prompts of different lengths, max_tokens and sampling (greedy, seeded top-k + top-p, seeded
+    top-p alone), added while others run (so they join a running batch at different steps, in
+    mixed prefill + decode steps, reuse freed slots, take the rows others leave, wait when all four
+    slots are busy): each gives exactly what it gives alone on a fresh engine."""
     mixed_steps = count_mixed_steps(engine, monkeypatch)
     rng = random.Random(0)
-    jobs = [(prompt(rng.randint(1, 12), 100 + i), rng.randint(1, 9)) for i in range(9)]
-    solo = [token_ids(Engine(model, max_batch=1, max_len=32).generate([p], greedy(n)))[0] for p, n in jobs]
+    kinds = [lambda n: greedy(n),
+             lambda n: SamplingParams(max_tokens=n, temperature=0.9, top_k=20, top_p=0.9, seed=n, ignore_eos=True),
+             lambda n: SamplingParams(max_tokens=n, temperature=1.1, top_p=0.8, seed=3 * n, ignore_eos=True)]
+    jobs = [(prompt(rng.randint(1, 12), 100 + i), kinds[i % 3](rng.randint(1, 9))) for i in range(9)]
+    solo = [token_ids(Engine(model, max_batch=1, max_len=32).generate([p], sp))[0] for p, sp in jobs]
     pending, requests = list(jobs), []
     while pending or engine.has_unfinished_requests():
         for _ in range(rng.randint(0, 2)):  # 0-2 arrivals before each step
             if pending:
-                p, n = pending.pop(0)
-                requests.append(engine.add_request(p, greedy(n)))
+                p, sp = pending.pop(0)
+                requests.append(engine.add_request(p, sp))
         engine.step()
     assert [r.output_token_ids for r in requests] == solo
     assert len({r.slot for r in requests}) <= engine.max_batch  # slots were reused
@@ -195,6 +199,26 @@ def test_a_mixed_chunk_fills_whole_gemm_tiles(model):
     assert runner._admit(two, decode_rows=3)[1] == (2, 24, True, True)  # row and token buckets
     many = [(requests[0], 0, 20)] * (GRAPH_MAX_TOKENS // 24 + 1)
     assert runner._admit(many)[1] == (len(many), 20, True, False)  # eager: no padding
+
+
+def test_a_mixed_step_draws_a_first_id_only_in_the_requests_row_of_the_table(model):
+    """ModelRunner.mixed refuses, before any launch, a chunk that completes its prompt without a
+    row below the batch whose table entry is its slot (its first id would come from another row)."""
+    from fuselm.engine.request import Request
+    from fuselm.engine.runner import ModelRunner
+    from fuselm.engine.sampling import PLAIN
+
+    runner = ModelRunner(model, max_batch=4, max_len=32, use_graphs=False)
+    request = Request("r", prompt(5, 1), greedy(2), 0, (), slot=2, pages=[2])
+    with pytest.raises(ValueError, match="plan: request 'r' .* row None"):
+        runner.mixed([(request, 0, 5)], 4, PLAIN)
+    request.row = 0  # the table's row 0 holds slot 0
+    with pytest.raises(ValueError, match="set_rows"):
+        runner.mixed([(request, 0, 5)], 4, PLAIN)
+    runner.set_rows([2])
+    assert not bool(runner.cache.active.any())  # nothing ran
+    ids = runner.mixed([(request, 0, 5)], 1, PLAIN)
+    assert ids.shape == (1,) and runner.input_tokens[2] == ids[0] and bool(runner.cache.active[2])
 
 
 def test_the_decode_rows_stay_packed_and_cover_the_row_a_step_admits_into():

@@ -123,17 +123,19 @@ def test_candidates_give_the_cut_offs_of_the_whole_row(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("n_candidates", [1, 13, 16])
+@pytest.mark.parametrize("n_candidates", [1, 13, 16, 1024])
 def test_cut_off_kernel_equals_its_reference(n_candidates, dtype):
-    """The one-launch cut-off from C candidates (odd C, a strided logits view, rows tied past the
-    C, a row with -inf logits) equals ``cutoffs_of_ordered``, value for value."""
+    """The one-launch cut-off from C candidates (odd C, the engine's 1,024, a strided logits view,
+    rows tied past the C, rows with fewer finite logits than C: -inf among the candidates, one
+    with a -inf k-th largest) equals ``cutoffs_of_ordered``, value for value."""
     from fuselm.ops.sampling.kernels import cutoffs_of_candidates_kernel
     from fuselm.ops.sampling.naive import cutoffs_of_ordered
 
     n_rows, n_vocab = 6, 5003
     g = torch.Generator().manual_seed(n_candidates)
     wide = (torch.randn(n_rows, n_vocab + 7, generator=g) * 2).round()  # many ties
-    wide[2, 100:4000] = float("-inf")
+    wide[2, 10:] = float("-inf")  # 10 finite logits, top-k 5
+    wide[4, 7:] = float("-inf")  # 7 finite logits, top-k C: the k-th largest is -inf past C = 7
     logits = wide.to(DEVICE, dtype)[:, 3:3 + n_vocab]  # a strided view
     temperature = torch.tensor([1.0, 0.7, 0.0, 2.0, 1.0, 0.6], device=DEVICE)
     top_k = torch.tensor([n_candidates, 1, 5, 0, n_candidates, 3], dtype=torch.int32, device=DEVICE)
@@ -527,6 +529,10 @@ def test_full_vocabulary_on_gpu(n_rows, dtype):
     assert torch.equal(sample_tokens(logits, *params), sample_tokens_ref(logits, *params))
     unfiltered = (params[0], torch.zeros_like(params[1]), torch.ones_like(params[2]), *params[3:])
     assert torch.equal(sample_tokens(logits, *unfiltered, filtered=False), sample_tokens_ref(logits, *unfiltered))
+    # the engine's top-k way: Qwen3.5's defaults from 1,024 candidates (the cut-off kernel)
+    qwen = (torch.full((n_rows,), 0.6, device=DEVICE), torch.full((n_rows,), 20, dtype=torch.int32, device=DEVICE),
+            torch.full((n_rows,), 0.95, device=DEVICE), *params[3:])
+    assert torch.equal(sample_tokens(logits, *qwen, candidates=1024), sample_tokens_ref(logits, *qwen))
 
 
 @pytest.mark.gpu

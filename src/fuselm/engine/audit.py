@@ -103,6 +103,7 @@ def launch_audit(engine_or_runner: Engine | ModelRunner, requests: int, steps: i
     else:
         if bool(runner.cache.active.any()):
             raise RuntimeError("launch_audit needs an idle runner (no active slot)")
+        runner.set_rows(range(requests))  # rows 0 .. requests-1 decode slots 0 .. requests-1
         started = [Request(f"audit-{slot}", [0], params, seed=0, stop_ids=(), slot=slot) for slot in range(requests)]
         runner.prefill([(request, 0, 1) for request in started])
         batch = runner.batch_size_for(requests)

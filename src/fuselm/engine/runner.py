@@ -13,7 +13,8 @@ state into their slots and leaves every other slot alone; first tokens are drawn
 logits. A prompt may come in chunks over several steps (each continues from the state its
 earlier chunks left); its slot decodes only once the whole prompt is in. ``mixed`` runs such a
 group and a decode step as one ``model.mixed_step`` (the chunks share the decode step's read of
-the weights; a chunk that completes its prompt draws its first id in its request's row). With CUDA, prefill and mixed steps are graphs too: rows and tokens padded up to
+the weights; a chunk that completes its prompt draws its first id in its request's row). With
+CUDA, prefill and mixed steps are graphs too: rows and tokens padded up to
 buckets (``ROW_BUCKETS``, ``TOKEN_BUCKETS``), one graph per (rows, tokens, fresh) and, mixed, per
 decode (batch, variant), captured the first time it is needed, so a 512-token prompt is one
 replay instead of ~1,200 launches. A mixed step of one chunk pads its tokens so that the decode
@@ -158,6 +159,12 @@ class ModelRunner:
         last token's logits go into that row of the decode logits and the slot turns active
         before the draw; ``variant`` must cover its request too). Returns the ids [batch] on the
         device (a completed prompt's first id in its row)."""
+        for request, start, count in plan:  # host lists only: a drifted table would draw from the wrong row
+            if request.completes_prompt(start, count) and not (
+                    request.row is not None and 0 <= request.row < batch and self._row_slots[request.row] == request.slot):
+                raise ValueError(f"plan: request {request.request_id!r} completes its prompt in this step but its row "
+                                 f"{request.row} is not a row below batch = {batch} whose table entry is its slot "
+                                 f"{request.slot} (set_rows)")
         packed, key = self._admit(plan, batch)
         body = lambda inputs: self._mixed_body(inputs, batch, key[2])  # noqa: E731
         self._run_graph(("mixed", batch) + key, packed, body)

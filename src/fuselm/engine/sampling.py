@@ -3,8 +3,9 @@
 ``SlotSampling`` holds, for each cache slot, the sampling parameters of the request in it
 (temperature, top-k, top-p, seed), how many tokens it has drawn (the position of its random
 stream: a request's draws depend on its seed and position only, never on its batch or slot),
-how many it may still draw, and its stop ids. ``sample_and_advance`` draws the next id of the
-first ``rows`` slots (``fuselm.ops.sampling.sample_tokens``) and updates those counters and the
+how many it may still draw, and its stop ids. ``sample_and_advance`` draws the next id of each
+row of a decode batch with its slot's parameters (the row -> slot table; by default rows are the
+first slots) (``fuselm.ops.sampling.sample_tokens``) and updates those counters and the
 cache's ``active`` flags on the device: a slot stops when it draws one of its stop ids or its
 last allowed token. No host sync, static shapes: it runs inside the decode step's CUDA graph.
 """

@@ -13,8 +13,8 @@ The model computes logits; it knows nothing of generation loops, sampling or req
 ``fuselm.engine``'s). Its API: ``model(ids)`` (logits for every position), and the cache-based
 pair the engine drives: ``prefill_step`` (one prompt chunk per row into cache slots),
 ``decode_step`` (one token for each slot of a row -> slot table, default every slot) and
-``mixed_step`` (both in one pass over the weights), all CUDA-graph safe; ``prefill`` is the checked, chunking front of ``prefill_step`` for
-direct use.
+``mixed_step`` (both in one pass over the weights), all CUDA-graph safe; ``prefill`` is the
+checked, chunking front of ``prefill_step`` for direct use.
 
 Numerics: fp32 everywhere reproduces HF to summation order (the tests hold 1e-3 absolute on the
 logits; measured <= 1.1e-5 on the tiny test model). In bf16/fp16 every op rounds where HF's eager
@@ -62,8 +62,10 @@ class Qwen35(nn.Module):
       ``model.prefill(input_ids, cache, attention_mask, slots)`` -> last-token logits [B, vocab];
       ``model.prefill_step(ids, cache, slots, starts, lengths)`` -> the same for one chunk per row
       (device tensors only, CUDA-graph-safe);
-      ``model.decode_step(token_ids, cache)`` -> logits [max_batch, vocab] (CUDA-graph-safe);
-      ``model.mixed_step(token_ids, cache, ids, slots, starts, lengths)`` -> both at once;
+      ``model.decode_step(token_ids, cache, slots=None)`` -> logits [B, vocab] of the B slots of a
+      row -> slot table (default every slot) (CUDA-graph-safe);
+      ``model.mixed_step(token_ids, cache, ids, slots, starts, lengths, decode_slots=None)`` -> both
+      at once;
     - ``model.generate(input_ids, max_new_tokens, ...)``: HF-style convenience over the engine.
     """
 
@@ -297,7 +299,8 @@ class Qwen35(nn.Module):
         return logits
 
     @torch.no_grad()
-    def decode_step(self, token_ids: torch.Tensor, cache: Qwen35Cache, slots: torch.Tensor | None = None) -> torch.Tensor:
+    def decode_step(self, token_ids: torch.Tensor, cache: Qwen35Cache,
+                    slots: torch.Tensor | None = None) -> torch.Tensor:
         """One token for each cache slot in ``slots`` [B] (int64, distinct, in [0, max_batch); the
         decode batch's row -> slot table; default: every slot, row = slot), at its position
         ``cache.lengths[slot]``; ``token_ids`` [max_batch] int64: each slot's token. Returns

@@ -49,5 +49,6 @@ def decode_inputs_kernel(
         tl.store(positions_ptr + n, position)
         for p0 in range(0, PAGES, BLOCK_P):
             p = p0 + tl.arange(0, BLOCK_P)
-            pages = tl.load(table_ptr + slot * stride_table + p, mask=p < tl.where(active, PAGES, 0), other=scratch_page)
+            pages = tl.load(table_ptr + slot * stride_table + p, mask=p < tl.where(active, PAGES, 0),
+                            other=scratch_page)
             tl.store(pages_ptr + n * PAGES + p, pages, mask=p < PAGES)

@@ -254,7 +254,9 @@ def _cutoffs_of_candidates_kernel(ordered_ptr, logits_ptr, temperature_ptr, top_
                                   BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, COUNT_TIES: tl.constexpr):
     """One program per row b: ``naive.cutoffs_of_ordered``'s cut-off from the row's C largest logits
     ``ordered`` (largest first), its arithmetic in float64 as the reference's; with COUNT_TIES (C < V)
-    one pass over the row counts the tokens tied with the k-th largest that lie past the C."""
+    one pass over the row counts the tokens tied with the k-th largest that lie past the C. The sums
+    run in another order (a tree, a scan) than the reference's, so a row whose p x total falls within
+    float64 rounding of a prefix mass may be cut one candidate apart (the tests see equal values)."""
     b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
     c_ok = c < C
