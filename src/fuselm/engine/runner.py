@@ -160,8 +160,9 @@ class ModelRunner:
         before the draw; ``variant`` must cover its request too). Returns the ids [batch] on the
         device (a completed prompt's first id in its row)."""
         for request, start, count in plan:  # host lists only: a drifted table would draw from the wrong row
+            row = request.row
             if request.completes_prompt(start, count) and not (
-                    request.row is not None and 0 <= request.row < batch and self._row_slots[request.row] == request.slot):
+                    row is not None and 0 <= row < batch and self._row_slots[row] == request.slot):
                 raise ValueError(f"plan: request {request.request_id!r} completes its prompt in this step but its row "
                                  f"{request.row} is not a row below batch = {batch} whose table entry is its slot "
                                  f"{request.slot} (set_rows)")
