@@ -303,7 +303,7 @@ class Engine:
     # ------------------------------------------------------------------------ the loop
     def _finish(self, request: Request) -> None:
         request.metrics.finished_time = time.perf_counter()
-        if request.slot is not None and self.scheduler.running.get(request.slot) is request:
+        if self.scheduler.holds(request):
             self.runner.release([request.slot])
         self.scheduler.finish(request)  # (the next launch gives the runner the rows it leaves)
 
@@ -407,7 +407,7 @@ class Engine:
             entry = {"began": began, "launched": time.perf_counter(), "kind": kind,
                      "decode_rows": len(decoding), "chunks": len(plan),
                      "prompt_tokens": sum(count for _, _, count in plan),
-                     "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                     "running": self.scheduler.rows_in_use(), "waiting": len(self.scheduler.waiting),
                      "admission_waits_ms": [round(1e3 * (began - request.metrics.arrival_time), 3)
                                             for request, start, _ in plan if start == 0],
                      "usage_launched": thread_usage()}

@@ -40,8 +40,7 @@ class Scheduler:
         if not isinstance(max_prefill_tokens, int) or isinstance(max_prefill_tokens, bool) or max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens: expected an int >= 1, got {max_prefill_tokens!r}")
         self.waiting: deque[Request] = deque()
-        self.running: dict[int, Request] = {}  # slot -> request (prefilling or decoding)
-        self.rows: list[Request] = []  # the running requests by row: request.row is its index
+        self.rows: list[Request] = []  # the running requests (prefilling or decoding) by row: request.row
         self.prefilling: deque[Request] = deque()  # admitted, prompt not yet wholly in the cache
         self._free_slots = list(range(max_batch))
         self._free_pages = list(range(num_pages))
@@ -59,8 +58,18 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    @property
+    def running(self) -> dict[int, Request]:
+        """slot -> request of the running requests (prefilling or decoding)."""
+        return {request.slot: request for request in self.rows}
+
+    def holds(self, request: Request) -> bool:
+        """Whether ``request`` is running here (it holds a slot and a row)."""
+        row = request.row
+        return row is not None and row < len(self.rows) and self.rows[row] is request
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.rows)
 
     def prompt_budget(self, decode_rows: int) -> int:
         """Prompt tokens (padded rows counted) a step with ``decode_rows`` decode rows may take."""
@@ -101,7 +110,6 @@ class Scheduler:
             request = self.waiting.popleft()
             request.slot = heapq.heappop(self._free_slots)
             request.pages = [heapq.heappop(self._free_pages) for _ in range(pages)]
-            self.running[request.slot] = request
             request.row = len(self.rows)
             self.rows.append(request)
             self.prefilling.append(request)
@@ -135,8 +143,7 @@ class Scheduler:
     def finish(self, request: Request) -> None:
         """Free a finished (or aborted) request's slot, row and pages (the last row's request
         moves into its row)."""
-        if request.slot is not None and self.running.get(request.slot) is request:
-            del self.running[request.slot]
+        if self.holds(request):
             last = self.rows.pop()
             if last is not request:
                 self.rows[request.row] = last
