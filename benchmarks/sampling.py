@@ -1,6 +1,6 @@
 """``sample_tokens`` against the engine's previous sampler at Qwen3.5's vocabulary (GPU only).
 
-    python benchmarks/sampling.py [--batch-sizes 1 8 32] [--candidates] [--sweep]
+    python benchmarks/sampling.py [--batch-sizes 1 8 32] [--sweep]
 
 Prints a table per batch size: GPU time (one call captured in a CUDA graph, the graph replayed)
 and as called (the eager Python call), both ``triton.testing.do_bench`` medians in µs, bf16
@@ -19,8 +19,7 @@ import itertools
 import torch
 
 from fuselm.ops.sampling import cutoffs, keep_thresholds, sample_tokens
-from fuselm.ops.sampling.naive import cutoffs_of_ordered
-from fuselm.ops.sampling.kernels import cutoffs_of_candidates_kernel, sample_tokens_kernel, split_geometry
+from fuselm.ops.sampling.kernels import sample_tokens_kernel, split_geometry
 from fuselm.runtime import num_sms
 from timing import bench, graph_bench
 
@@ -72,13 +71,14 @@ def cases(logits):
         ("sample_tokens: greedy, filtered=False", lambda: sample_tokens(logits, *greedy, filtered=False, out=out)),
         (f"sample_tokens: T={TEMPERATURE}, filtered=False",
          lambda: sample_tokens(logits, *sampled, filtered=False, out=out)),
-        (f"sample_tokens: T={TEMPERATURE} top_p={TOP_P}, filtered=True (16-bit logits: histogram cut-offs)",
+        (f"sample_tokens: T={TEMPERATURE} top_p={TOP_P}, filtered=True (16-bit logits: key-count cut-offs)",
          lambda: sample_tokens(logits, *nucleus, filtered=True, out=out)),
-        ("sample_tokens: T=0.6 top_k=20 top_p=0.95, candidates=1024 (topk cut-offs)",
-         lambda: sample_tokens(logits, *qwen_defaults, filtered=True, candidates=1024, out=out)),
+        ("sample_tokens: T=0.6 top_k=20 top_p=0.95 (key-count cut-offs)",
+         lambda: sample_tokens(logits, *qwen_defaults, filtered=True, out=out)),
         (f"cut-offs alone, T={TEMPERATURE} top_p={TOP_P}: keep_thresholds (the sort, the definition)",
          lambda: keep_thresholds(logits, *nucleus[:3])),
-        (f"cut-offs alone, T={TEMPERATURE} top_p={TOP_P}: cutoffs (histogram)", lambda: cutoffs(logits, *nucleus[:3])),
+        (f"cut-offs alone, T={TEMPERATURE} top_p={TOP_P}: cutoffs (key counts)", lambda: cutoffs(logits, *nucleus[:3])),
+        ("cut-offs alone, T=0.6 top_k=20 top_p=0.95: cutoffs (key counts)", lambda: cutoffs(logits, *qwen_defaults[:3])),
     ]
 
 
@@ -95,26 +95,6 @@ def benchmark_sampling(batch_sizes=(1, 8, 32), dtype=torch.bfloat16) -> list[dic
             rows.append(dict(batch=batch, case=name, graph_us=graph_ms * 1e3, eager_us=eager_ms * 1e3))
             print(f"{batch:>3}  {name:<80} {graph_ms * 1e3:>9.1f} {eager_ms * 1e3:>9.1f} {gbs:>12.0f}")
     return rows
-
-
-def candidate_parts(batch_sizes=(1, 8, 32), counts=(32, 64, 256, 1024), dtype=torch.bfloat16) -> None:
-    """GPU time of the top-k way's parts at Qwen3.5's defaults (T 0.6, top-k 20, top-p 0.95) by the
-    candidates count C: ``torch.topk`` of C, the cut-offs from those C (the PyTorch reference
-    ``cutoffs_of_ordered`` and the engine's one-launch kernel, each with its pass over the row for
-    ties), and the whole ``sample_tokens`` call."""
-    print(f"{'B':>3} {'C':>5} {'topk µs':>8} {'cut-offs, PyTorch µs':>21} {'cut-offs, kernel µs':>20} "
-          f"{'sample_tokens µs':>17}")
-    for batch in batch_sizes:
-        logits = (torch.randn(batch, N_VOCAB, device="cuda") * 2.5).to(dtype)
-        params = _row_params(batch, 0.6, 0.95, top_k=20)
-        out = torch.empty(batch, dtype=torch.int64, device="cuda")
-        for count in counts:
-            ordered = logits.topk(count, dim=-1).values
-            parts = (graph_bench(lambda: logits.topk(count, dim=-1)),
-                     graph_bench(lambda: cutoffs_of_ordered(ordered, logits, *params[:3])),
-                     graph_bench(lambda: cutoffs_of_candidates_kernel(ordered, logits, *params[:3])),
-                     graph_bench(lambda: sample_tokens(logits, *params, filtered=True, candidates=count, out=out)))
-            print(f"{batch:>3} {count:>5} " + " ".join(f"{ms * 1e3:>{w}.1f}" for ms, w in zip(parts, (8, 21, 20, 17))))
 
 
 def sweep_geometry(batch_sizes=(1, 8, 32), dtype=torch.bfloat16) -> None:
@@ -138,15 +118,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--sweep", action="store_true", help="also sweep the kernel's launch geometry")
-    parser.add_argument("--candidates", action="store_true",
-                        help="also time the top-k way's parts (topk, cut-offs) by the candidates count")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/sampling.py needs a CUDA device")
         return 1
     benchmark_sampling(tuple(args.batch_sizes))
-    if args.candidates:
-        candidate_parts(tuple(args.batch_sizes))
     if args.sweep:
         sweep_geometry(tuple(args.batch_sizes))
     return 0

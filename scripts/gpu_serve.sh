@@ -25,7 +25,8 @@
 #   run and run-queue wait times, before and after each bench; before the server, a probe of
 #   host-thread stalls from outside the process and the busiest processes: do host stalls come from outside?),
 #   hf_anchor.md, hf_anchor.json, serve_tests.log, sanitizer.log; sampling.md (the sampler's cut-off
-#   ways: sort, histogram, top-k candidates; benchmarks/sampling.py) when that stage is named
+#   ways: the sort, key counts; benchmarks/sampling.py) and engine_sampling.md (the static
+#   engine's step at batch 1 / 32 with top-p alone and with the served top-k + top-p) when that stage is named
 # STATE_DTYPE=bfloat16: the engine and the servers keep the Gated DeltaNet states in bf16 (--state-dtype).
 # ADMISSION_WAIT_MS=N: the servers' --admission-wait-ms (default: the CLI's).
 # PROMPTS_1000=1: stage serve also runs 1000 prompts at 32 clients (vLLM's default count).
@@ -177,7 +178,7 @@ if want sanitizer; then  # the kernels new in issue 17: sampling, split-KV decod
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest -q -p no:cacheprovider tests/test_sampling.py tests/test_attention_decode.py \
     tests/test_attention_prefill.py tests/test_decode_inputs.py tests/test_gated_delta_rule.py \
-    -k "full_vocabulary or cut_off_kernel or decode_attention_matches or paged_decode or prefill or decode_inputs \
+    -k "full_vocabulary or key_counts or documented_order or decode_attention_matches or paged_decode or prefill or decode_inputs \
         or decode_step_matches" \
     > "$OUT/sanitizer.log" 2>&1 || status=1
   tail -4 "$OUT/sanitizer.log"
@@ -185,5 +186,15 @@ fi
 if want sampling; then
   python3 benchmarks/sampling.py > "$OUT/sampling.md" 2>&1 || status=1
   cat "$OUT/sampling.md"
+  # the static engine's step with top-p alone and with the served top-k 20 + top-p, into
+  # engine_sampling.md
+  for batch in 1 32; do
+    for flags in "--temperature 0.7 --top-p 0.9" "$SERVED_SAMPLING"; do
+      python3 -m fuselm generate --config 9b --batch "$batch" --prompt-len 512 --max-new-tokens 256 --out "$work" \
+        --state-dtype "$state_dtype" $flags > "$work/engine_sampling.log" 2>&1 \
+        || { status=1; tail -20 "$work/engine_sampling.log"; }
+      { echo "### batch $batch, $flags"; cat "$work/generate.md"; } >> "$OUT/engine_sampling.md"
+    done
+  done
 fi
 exit $status

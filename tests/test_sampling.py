@@ -16,7 +16,8 @@ from conftest import DEVICE
 from fuselm.ops.sampling import (cutoffs, gumbel_noise_ref, keep_thresholds, random_bits_ref, sample_tokens,
                                  sample_tokens_ref)
 from fuselm.ops.sampling.kernels import (
-    _STREAM_INIT_A, _STREAM_INIT_B, _gumbel_noise, _stream_key, sample_tokens_kernel, split_geometry,
+    _STREAM_INIT_A, _STREAM_INIT_B, _gumbel_noise, _key_of_bits, _logit_of_key, _stream_key, sample_tokens_kernel,
+    split_geometry,
 )
 from fuselm.ops.sampling.naive import exclusive_prefix_sums
 from fuselm.runtime import capture_graph
@@ -97,80 +98,63 @@ def test_unfiltered_path_when_no_row_filters():
     assert torch.equal(ids, sample_tokens_ref(logits, *params, filtered=False))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_candidates_give_the_cut_offs_of_the_whole_row(dtype):
-    """The cut-offs from the 16 largest logits of each row equals the one from the sorted row
-    (exactly) for rows that keep the promise: top-k in 1..16 with top-p on or off, or neither;
-    including rows whose k-th largest logit is tied with tokens past the 16 candidates (their
-    mass counts toward top-p)."""
-    n_rows, n_vocab = 8, 301
-    g = torch.Generator().manual_seed(5)
-    logits = (torch.randn(n_rows, n_vocab, generator=g) * 3).round()  # many ties
-    logits[0] = 0.0  # a flat row: every token tied
-    logits[1, :40] = 7.0  # 40 tokens tied for first place
-    logits = logits.to(DEVICE, dtype)
-    temperature = torch.tensor([1.0, 0.7, 1.3, 1.0, 2.0, 0.5, 1.0, 0.0], device=DEVICE)
-    top_k = torch.tensor([3, 16, 1, 5, 12, 0, 16, 4], dtype=torch.int32, device=DEVICE)
-    top_p = torch.tensor([0.5, 0.9, 1.0, 0.3, 1.0, 1.0, 0.999, 0.6], device=DEVICE)
-    whole = keep_thresholds(logits, temperature, top_k, top_p)
-    assert torch.equal(cutoffs(logits, temperature, top_k, top_p, candidates=16), whole)
-    assert torch.equal(cutoffs(logits, temperature, top_k, top_p, candidates=n_vocab + 5), whole)
-    assert whole[5] == float("-inf")  # no top-k, no top-p: every token kept
-    params = (temperature, top_k, top_p, torch.arange(n_rows, device=DEVICE) * 11, torch.full((n_rows,), 3, device=DEVICE))
-    assert torch.equal(sample_tokens(logits, *params, candidates=16), sample_tokens_ref(logits, *params))
-    with pytest.raises(ValueError, match="candidates"):
-        sample_tokens(logits, *params, candidates=0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("n_candidates", [1, 13, 16, 1024])
-def test_cut_off_kernel_equals_its_reference(n_candidates, dtype):
-    """The one-launch cut-off from C candidates (odd C, the engine's 1,024, a strided logits view,
-    rows tied past the C, rows with fewer finite logits than C: -inf among the candidates, one
-    with a -inf k-th largest) equals ``cutoffs_of_ordered``, value for value."""
-    from fuselm.ops.sampling.kernels import cutoffs_of_candidates_kernel
-    from fuselm.ops.sampling.naive import cutoffs_of_ordered
-
-    n_rows, n_vocab = 6, 5003
-    g = torch.Generator().manual_seed(n_candidates)
-    wide = (torch.randn(n_rows, n_vocab + 7, generator=g) * 2).round()  # many ties
-    wide[2, 10:] = float("-inf")  # 10 finite logits, top-k 5
-    wide[4, 7:] = float("-inf")  # 7 finite logits, top-k C: the k-th largest is -inf past C = 7
-    logits = wide.to(DEVICE, dtype)[:, 3:3 + n_vocab]  # a strided view
-    temperature = torch.tensor([1.0, 0.7, 0.0, 2.0, 1.0, 0.6], device=DEVICE)
-    top_k = torch.tensor([n_candidates, 1, 5, 0, n_candidates, 3], dtype=torch.int32, device=DEVICE)
-    top_p = torch.tensor([0.5, 0.9, 1.0, 1.0, 0.999, 0.95], device=DEVICE)
-    ordered = logits.topk(n_candidates, dim=-1).values
-    want = cutoffs_of_ordered(ordered, logits, temperature, top_k, top_p)
-    got = cutoffs_of_candidates_kernel(ordered, logits, temperature, top_k, top_p)
-    assert got.dtype == torch.float32 and torch.equal(got, want), (got, want)
-    assert got[3] == float("-inf")  # neither top-k nor top-p
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_histogram_gives_the_cut_offs_of_the_sort(dtype):
-    """16-bit logits without candidates: the histogram's cut-offs equal the sort's for top-p alone,
-    top-k alone, both, neither, p <= 0 (the top token), flat rows, -0 beside +0, ties at the k-th
-    largest, over 40 random rows of a 3000-token vocabulary."""
+def test_key_counts_give_the_cut_offs_of_the_sort(dtype):
+    """16-bit logits: the cut-offs from key counts equal the sort's for top-p
+    alone, top-k alone (k-th largest far down, k = V - 1), both, neither, p <= 0 (the top token),
+    flat rows, -0 beside +0, ties at the k-th largest, rows spread over many key blocks, with one
+    replica of the counts or several."""
+    from fuselm.ops.sampling.kernels import cutoffs_of_16_bit_logits
+
     g = torch.Generator().manual_seed(8)
-    n_rows, n_vocab = 40, 3000
+    n_rows, n_vocab = 24, 3001
     logits = torch.randn(n_rows, n_vocab, generator=g) * torch.linspace(0.5, 8, n_rows)[:, None]
     logits[0] = 0.0
     logits[1, ::2] = -0.0
     logits[2] = (logits[2] * 2).round() / 2  # heavy ties
+    logits[6] = torch.randn(n_vocab, generator=g) * 1e3  # keys over many blocks
     logits = logits.to(DEVICE, dtype)
     temperature = (torch.rand(n_rows, generator=g) * 1.5 + 0.2).to(DEVICE)
     temperature[3] = 0.0
     top_k = torch.randint(0, 50, (n_rows,), generator=g).to(DEVICE, torch.int32)
     top_k[::3] = 0
+    top_k[7], top_k[8], top_k[9], top_k[10] = 2000, n_vocab - 1, n_vocab, 2500
     top_p = (torch.rand(n_rows, generator=g) * 0.99 + 0.01).to(DEVICE)
     top_p[::4] = 1.0
     top_p[5] = 0.0
+    top_p[10] = 1.0
     expected = keep_thresholds(logits, temperature, top_k, top_p)
     assert torch.equal(cutoffs(logits, temperature, top_k, top_p), expected)
+    for replicas in (1, 3):
+        assert torch.equal(cutoffs_of_16_bit_logits(logits, temperature, top_k, top_p, replicas=replicas), expected)
     neither = (top_k == 0) & (top_p == 1)
     assert torch.equal(expected[neither], torch.full_like(expected[neither], float("-inf")))
     assert expected[5] == logits[5].max().float()  # p = 0 keeps the most likely token
+
+
+@triton.jit
+def _key_round_trip_kernel(bits_ptr, key_ptr, logit_ptr, n, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    key = _key_of_bits(tl.load(bits_ptr + i, mask=i < n, other=0))
+    tl.store(key_ptr + i, key, mask=i < n)
+    tl.store(logit_ptr + i, _logit_of_key(key, IS_BF16), mask=i < n)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_kernel_keys_are_the_documented_order(dtype):
+    """Over all 2^16 bit patterns: the counting kernel's key of a 16-bit float is
+    ``naive.order_keys``' (-0 as +0), and the key's logit is the float back (NaNs apart)."""
+    from fuselm.ops.sampling.naive import order_keys
+
+    bits = torch.arange(1 << 16, dtype=torch.int32)
+    values = bits.to(torch.int16).view(dtype)
+    key = torch.empty_like(bits, device=DEVICE)
+    logit = torch.empty(1 << 16, dtype=torch.float32, device=DEVICE)
+    _key_round_trip_kernel[(16,)](bits.to(DEVICE), key, logit, 1 << 16, IS_BF16=dtype == torch.bfloat16, BLOCK=4096)
+    finite = ~values.isnan()
+    assert torch.equal(key.cpu().long()[finite], order_keys(values)[finite])
+    assert torch.equal(logit.cpu()[finite], values.float()[finite] + 0.0)
+    assert torch.equal(logit.cpu()[finite].argsort(stable=True), key.cpu()[finite].argsort(stable=True))
 
 
 def test_geometries_give_the_same_ids():
@@ -499,8 +483,10 @@ def test_cpu_without_interpreter_uses_reference(monkeypatch):
 def test_opcheck():
     """Schema, fake implementation and AOT dispatch of the custom op."""
     args = _args(3, 40)
-    torch.library.opcheck(torch.ops.fuselm.sample_tokens, (*args.values(), True, 0))
-    torch.library.opcheck(torch.ops.fuselm.sample_tokens, (*args.values(), True, 8))
+    torch.library.opcheck(torch.ops.fuselm.sample_tokens, (*args.values(), True))
+    torch.library.opcheck(torch.ops.fuselm.sample_tokens, (*args.values(), False))
+    bf16 = _args(3, 40, logits=torch.randn(3, 40, device=DEVICE).bfloat16())  # the key-count cut-offs
+    torch.library.opcheck(torch.ops.fuselm.sample_tokens, (*bf16.values(), True))
 
 
 def test_compile_fullgraph():
@@ -529,10 +515,10 @@ def test_full_vocabulary_on_gpu(n_rows, dtype):
     assert torch.equal(sample_tokens(logits, *params), sample_tokens_ref(logits, *params))
     unfiltered = (params[0], torch.zeros_like(params[1]), torch.ones_like(params[2]), *params[3:])
     assert torch.equal(sample_tokens(logits, *unfiltered, filtered=False), sample_tokens_ref(logits, *unfiltered))
-    # the engine's top-k way: Qwen3.5's defaults from 1,024 candidates (the cut-off kernel)
+    # Qwen3.5's generation_config: top-k 20 and top-p 0.95 together
     qwen = (torch.full((n_rows,), 0.6, device=DEVICE), torch.full((n_rows,), 20, dtype=torch.int32, device=DEVICE),
             torch.full((n_rows,), 0.95, device=DEVICE), *params[3:])
-    assert torch.equal(sample_tokens(logits, *qwen, candidates=1024), sample_tokens_ref(logits, *qwen))
+    assert torch.equal(sample_tokens(logits, *qwen), sample_tokens_ref(logits, *qwen))
 
 
 @pytest.mark.gpu

@@ -23,21 +23,16 @@ from fuselm.runtime import PinnedStaging
 MAX_DEVICE_STOP_IDS = 8
 
 # Sampler variants, chosen on the host from the requests in a step (a decode graph is captured
-# for each): PLAIN, no request filters (greedy, or top-k and top-p off): no cut-offs; TOP_K, every
-# filtering request has a top-k in 1 .. TOP_K_CANDIDATES (Qwen3.5's generation_config: top_k 20,
-# top_p 0.95): cut-offs from that many candidates per row (``torch.topk``); FULL, some request
-# filters without such a top-k: cut-offs from a sort of each row. All three draw the same ids.
-PLAIN, TOP_K, FULL = "plain", "top_k", "full"
-SAMPLER_VARIANTS = (PLAIN, TOP_K, FULL)
-TOP_K_CANDIDATES = 1024
+# for each): PLAIN, no request filters (greedy, or top-k and top-p off): no cut-offs; FILTERED,
+# some request has top-k or top-p: each row's cut-off first (``fuselm.ops.sampling.cutoffs``). Both
+# draw the same ids.
+PLAIN, FILTERED = "plain", "filtered"
+SAMPLER_VARIANTS = (PLAIN, FILTERED)
 
 
 def sampler_variant(requests) -> str:
     """The cheapest sampler variant that serves every one of ``requests``."""
-    filtering = [r.params for r in requests if r.params.filtered]
-    if not filtering:
-        return PLAIN
-    return TOP_K if all(1 <= p.top_k <= TOP_K_CANDIDATES for p in filtering) else FULL
+    return FILTERED if any(r.params.filtered for r in requests) else PLAIN
 
 
 class SlotSampling:
@@ -83,7 +78,6 @@ class SlotSampling:
         n = logits.shape[0]
         index = (lambda t: t[:n]) if slots is None else (lambda t: t[slots])
         ids = sample_tokens(logits, index(self.temperature), index(self.top_k), index(self.top_p),
-                            index(self.seeds), index(self.positions), filtered=variant != PLAIN,
-                            candidates=TOP_K_CANDIDATES if variant == TOP_K else None)
+                            index(self.seeds), index(self.positions), filtered=variant != PLAIN)
         advance_slots(ids, active, self.positions, self.remaining, self.stop_ids, slots, next_inputs)
         return ids

@@ -248,62 +248,205 @@ def sample_tokens_kernel(logits: torch.Tensor, temperature: torch.Tensor, thresh
     return ids
 
 
+# ----------------------------------------------------------------------------- cut-offs of 16-bit logits
+# A 16-bit logit (bf16 / fp16) takes one of 2^16 values; its bits map to an order-preserving key
+# (``naive.order_keys``), and all tokens of a key share one logit, hence one weight. So the count
+# of tokens per key is all top-k and top-p need: the k-th largest key from the counts, each key's
+# mass as count x weight. Three launches past a zero-fill:
+#   1. ``_count_keys_kernel`` (row, split): the counts, by atomic adds; R replicas of a row's
+#      counts (split s adds to replica s mod R) spread the adds to the popular keys over R
+#      addresses;
+#   2. ``_key_block_sums_kernel`` (row, key block): each block of KEY_BLOCK keys' token count and
+#      float64 mass;
+#   3. ``_cutoffs_of_key_blocks_kernel`` (row): the k-th largest key and the top-p cut from the
+#      block sums, each found within its block by one pass over that block's keys.
+KEYS: tl.constexpr = tl.constexpr(1 << 16)
+# Keys whose weight exp((x - max) / T) is below 2^-60 add nothing to a top-p mass: the whole row's
+# such tokens weigh < V x 2^-60 < 2^-40 of the total (total >= 1, the max's own weight), far below
+# the 2^-24 by which a float32 p < 1 stays under 1, so no such key is ever kept by top-p.
+_NEGLIGIBLE_WEIGHT: tl.constexpr = tl.constexpr(2.0 ** -60)
+
+
 @triton.jit
-def _cutoffs_of_candidates_kernel(ordered_ptr, logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, out_ptr,
-                                  V, C, stride_ordered, stride_logits,
-                                  BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, COUNT_TIES: tl.constexpr):
-    """One program per row b: ``naive.cutoffs_of_ordered``'s cut-off from the row's C largest logits
-    ``ordered`` (largest first), its arithmetic in float64 as the reference's; with COUNT_TIES (C < V)
-    one pass over the row counts the tokens tied with the k-th largest that lie past the C. The sums
-    run in another order (a tree, a scan) than the reference's, so a row whose p x total falls within
-    float64 rounding of a prefix mass may be cut one candidate apart (the tests see equal values)."""
-    b = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BLOCK_C)
-    c_ok = c < C
-    ordered = tl.load(ordered_ptr + b * stride_ordered + c, mask=c_ok, other=float("-inf")).to(tl.float32)
+def _key_of_bits(bits):
+    """int32 bits in [0, 2^16) of a 16-bit float -> its key (``naive.order_keys``; -0 as +0)."""
+    bits = tl.where(bits == 0x8000, 0, bits)
+    return tl.where(bits >= 0x8000, 0xFFFF - bits, bits + 0x8000)
+
+
+@triton.jit
+def _logit_of_key(key, IS_BF16: tl.constexpr):
+    """The fp32 logit of int32 ``key`` (the inverse of ``_key_of_bits``)."""
+    bits = tl.where(key >= 0x8000, key - 0x8000, 0xFFFF - key)
+    if IS_BF16:  # a bf16 is the top half of the fp32 with the same value
+        return (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.where(bits >= 0x8000, bits - 0x10000, bits).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _row_top_and_scale(largest_ptr, temperature_ptr, b, IS_BF16: tl.constexpr):
+    """(max key, max logit in float64, 1 / T in float64; T = 1 for greedy rows) of row b."""
+    max_key = tl.load(largest_ptr + b) - 1
     temperature = tl.load(temperature_ptr + b)
     t = tl.where(temperature > 0, temperature, 1.0).to(tl.float64)
+    return max_key, _logit_of_key(max_key, IS_BF16).to(tl.float64), 1.0 / t
+
+
+@triton.jit
+def _key_counts_and_masses(counts_ptr, key, max_key, top, inverse_t, R: tl.constexpr, IS_BF16: tl.constexpr):
+    """Token counts (int64) and masses count x exp((x - top) / T) (float64) of ``key``s in
+    [0, KEYS), summed over the R replicas at ``counts_ptr`` (the row's replica 0). (Keys above
+    ``max_key`` hold no token; their weight is taken at the max, not overflowed.)"""
+    count = tl.zeros(key.shape, dtype=tl.int64)
+    for r in tl.static_range(R):
+        count += tl.load(counts_ptr + r * KEYS + key).to(tl.int64)
+    weight = tl.exp((_logit_of_key(tl.minimum(key, max_key), IS_BF16).to(tl.float64) - top) * inverse_t)
+    return count, tl.where(count > 0, count.to(tl.float64) * weight, 0.0)
+
+
+@triton.jit
+def _count_keys_kernel(bits_ptr, counts_ptr, largest_ptr, V, stride_row, split_len,
+                       R: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (b, s): adds the keys of tokens [s * split_len, (s + 1) * split_len) of row b to its
+    replica s mod R of counts [B, R, KEYS] (zeroed), and max(key) + 1 to largest[b] (atomic max)."""
+    b = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    start = s * split_len
+    row_counts = counts_ptr + (b * R + s % R) * KEYS
+    largest = tl.full([BLOCK], -1, dtype=tl.int32)
+    for v0 in range(start, tl.minimum(start + split_len, V), BLOCK):
+        v = v0 + tl.arange(0, BLOCK)
+        ok = v < V
+        bits = tl.load(bits_ptr + b * stride_row + v, mask=ok, other=0).to(tl.int32) & 0xFFFF
+        key = _key_of_bits(bits)
+        tl.atomic_add(row_counts + key, tl.full([BLOCK], 1, dtype=tl.int32), mask=ok, sem="relaxed")
+        largest = tl.maximum(largest, tl.where(ok, key, -1))
+    tl.atomic_max(largest_ptr + b, tl.max(largest, axis=0) + 1, sem="relaxed")
+
+
+@triton.jit
+def _key_block_sums_kernel(counts_ptr, largest_ptr, temperature_ptr, block_count_ptr, block_mass_ptr,
+                           R: tl.constexpr, IS_BF16: tl.constexpr, KEY_BLOCK: tl.constexpr):
+    """Program (b, j): the token count and the float64 mass of keys [j * KEY_BLOCK, (j + 1) *
+    KEY_BLOCK) of row b, into block_count / block_mass [B, KEYS / KEY_BLOCK]. A block whose
+    weights are all negligible (or above the max) gets mass 0 without computing them."""
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    n_blocks = tl.num_programs(1)
+    max_key, top, inverse_t = _row_top_and_scale(largest_ptr, temperature_ptr, b, IS_BF16)
+    key = j * KEY_BLOCK + tl.arange(0, KEY_BLOCK)
+    row_counts = counts_ptr + b * R * KEYS
+    block_top = tl.minimum(j * KEY_BLOCK + KEY_BLOCK - 1, max_key)
+    top_weight = tl.exp((_logit_of_key(block_top, IS_BF16).to(tl.float64) - top) * inverse_t)
+    if (top_weight >= _NEGLIGIBLE_WEIGHT) & (j * KEY_BLOCK <= max_key):
+        count, mass = _key_counts_and_masses(row_counts, key, max_key, top, inverse_t, R, IS_BF16)
+        n_tokens = tl.sum(count, axis=0)
+        block_mass = tl.sum(mass, axis=0)
+    else:
+        count = tl.zeros([KEY_BLOCK], dtype=tl.int64)
+        for r in tl.static_range(R):
+            count += tl.load(row_counts + r * KEYS + key).to(tl.int64)
+        n_tokens = tl.sum(count, axis=0)
+        block_mass = tl.zeros([1], dtype=tl.float64).sum(axis=0)
+    tl.store(block_count_ptr + b * n_blocks + j, n_tokens)
+    tl.store(block_mass_ptr + b * n_blocks + j, block_mass)
+
+
+@triton.jit
+def _cutoffs_of_key_blocks_kernel(counts_ptr, largest_ptr, block_count_ptr, block_mass_ptr, temperature_ptr,
+                                  top_k_ptr, top_p_ptr, out_ptr, V, R: tl.constexpr, IS_BF16: tl.constexpr,
+                                  KEY_BLOCK: tl.constexpr, N_BLOCKS: tl.constexpr):
+    """One program per row b: ``naive.keep_thresholds``'s cut-off from the block sums, refined to a
+    key by a pass over one block's keys (two at most: the k-th largest's, the top-p cut's). Blocks
+    and keys are taken largest first (position d <-> block N_BLOCKS - 1 - d)."""
+    b = tl.program_id(0).to(tl.int64)
+    max_key, top, inverse_t = _row_top_and_scale(largest_ptr, temperature_ptr, b, IS_BF16)
+    row_counts = counts_ptr + b * R * KEYS
     k = tl.load(top_k_ptr + b).to(tl.int64)
     k_on = (k > 0) & (k < V)
-    k = tl.where(k_on, tl.minimum(k, C), C)
-    kth = tl.max(tl.where(c == k - 1, ordered, float("-inf")), axis=0)
-    top = tl.max(ordered, axis=0).to(tl.float64)  # ordered[0]
-    in_top_k = c_ok & (ordered >= kth)
-    weight = tl.where(in_top_k, tl.exp((ordered.to(tl.float64) - top) / t), 0.0)
-    total = tl.sum(weight, axis=0)
-    if COUNT_TIES:  # the tokens tied with the k-th largest past the C: same weight, same fate
-        ties = tl.zeros([BLOCK_V], dtype=tl.int32)
-        for v0 in range(0, V, BLOCK_V):
-            v = v0 + tl.arange(0, BLOCK_V)
-            x = tl.load(logits_ptr + b * stride_logits + v, mask=v < V, other=0.0).to(tl.float32)
-            ties += ((x == kth) & (v < V)).to(tl.int32)
-        ties_past = tl.sum(ties, axis=0) - tl.sum((c_ok & (ordered == kth)).to(tl.int32), axis=0)
-        total += ties_past.to(tl.float64) * tl.exp((kth.to(tl.float64) - top) / t)
-    mass_before = tl.cumsum(weight, axis=0) - weight
     p = tl.load(top_p_ptr + b)
-    mass_limit = tl.where(p >= 1, float("inf"), p.to(tl.float64) * total)  # top-p off: every top-k token
-    kept = in_top_k & (mass_before < mass_limit)
-    n_kept = tl.maximum(tl.sum(kept.to(tl.int32), axis=0), 1)
-    cutoff = tl.max(tl.where(c == n_kept - 1, ordered, float("-inf")), axis=0)  # the smallest kept logit
-    # neither top-k nor top-p: no cut-off (where-chains: the interpreter has no | of scalars)
-    tl.store(out_ptr + b, tl.where(k_on, cutoff, tl.where(p < 1, cutoff, float("-inf"))))
+    p_on = p < 1
+    d = tl.arange(0, N_BLOCKS)
+    n_tokens = tl.load(block_count_ptr + b * N_BLOCKS + (N_BLOCKS - 1 - d))  # [N_BLOCKS] largest first
+    mass = tl.load(block_mass_ptr + b * N_BLOCKS + (N_BLOCKS - 1 - d))
+    lane = tl.arange(0, KEY_BLOCK)
+
+    # 1. top-k: the k-th largest key is the largest key with count(>= key) >= k, in the first block
+    #    (largest first) where the running count reaches k; top-k off: key 0, every token.
+    kth_key = max_key * 0
+    d_k = N_BLOCKS - 1
+    if k_on:
+        d_k = tl.sum((tl.cumsum(n_tokens, axis=0) < k).to(tl.int32), axis=0)
+        tokens_above = tl.sum(tl.where(d < d_k, n_tokens, 0), axis=0)
+        key = (N_BLOCKS - 1 - d_k) * KEY_BLOCK + (KEY_BLOCK - 1 - lane)  # descending
+        count, key_mass = _key_counts_and_masses(row_counts, key, max_key, top, inverse_t, R, IS_BF16)
+        short = tl.sum((tokens_above + tl.cumsum(count, axis=0) < k).to(tl.int32), axis=0)
+        kth_key = (N_BLOCKS - 1 - d_k) * KEY_BLOCK + (KEY_BLOCK - 1 - short)
+        # block d_k's mass counts only its keys >= the k-th; blocks past it none
+        mass = tl.where(d == d_k, tl.sum(tl.where(key >= kth_key, key_mass, 0.0), axis=0), mass)
+    mass = tl.where(d <= d_k, mass, 0.0)
+    has_tokens = (n_tokens > 0) & (d <= d_k)
+    total = tl.sum(mass, axis=0)
+
+    # 2. top-p: keep the keys whose mass strictly above is < p x total (a prefix, largest first);
+    #    the cut is the smallest kept key holding tokens, in the last block whose mass above is
+    #    < p x total. Top-p off: the k-th key.
+    cut_key = kth_key
+    if p_on:
+        limit = p.to(tl.float64) * total
+        above = tl.cumsum(mass, axis=0) - mass
+        d_c = tl.max(tl.where(has_tokens & (above < limit), d, -1), axis=0)
+        cut_key = max_key  # the most likely token is always kept (also for p <= 0)
+        if d_c >= 0:
+            key = (N_BLOCKS - 1 - d_c) * KEY_BLOCK + (KEY_BLOCK - 1 - lane)
+            count, key_mass = _key_counts_and_masses(row_counts, key, max_key, top, inverse_t, R, IS_BF16)
+            holds = (count > 0) & (key >= kth_key)
+            key_mass = tl.where(holds, key_mass, 0.0)
+            block_above = tl.sum(tl.where(d < d_c, mass, 0.0), axis=0)
+            strictly_above = block_above + tl.cumsum(key_mass, axis=0) - key_mass
+            cut_key = tl.min(tl.where(holds & (strictly_above < limit), key, max_key), axis=0)
+    cutoff = _logit_of_key(cut_key, IS_BF16)
+    tl.store(out_ptr + b, tl.where(k_on, cutoff, tl.where(p_on, cutoff, float("-inf"))))
 
 
-CUTOFF_BLOCK_V = 4096  # logits a step of the ties pass reads
+COUNT_BLOCK = 2048  # tokens a step of the counting program reads
+COUNT_PROGRAMS_PER_SM = 4
+KEY_BLOCK = 1024  # keys a block sum covers
+MAX_COUNT_REPLICAS = 8
 
 
-def cutoffs_of_candidates_kernel(ordered: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor,
-                                 top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """``naive.cutoffs_of_ordered(ordered, logits, temperature, top_k, top_p)`` [B] fp32 in one
-    launch (the reference's ~20 small PyTorch kernels took 100-190 µs at B = 1-32 on an H200):
-    ``ordered`` [B, C] each row's C largest logits, largest first, C <= 1024; the per-row
-    parameters contiguous [B] as ``sample_tokens`` takes them."""
-    n_rows, n_candidates = ordered.shape
-    n_vocab = logits.shape[-1]
+def count_replicas(n_rows: int) -> int:
+    """Replicas of a row's counts: the fewer the rows, the more programs add to each one's popular
+    keys. H200, bf16 [B, 248320] (benchmarks/NOTES.md 98): counting took 30 -> 15 µs at B = 1 with
+    8 replicas, 79 -> 54 at B = 8 with 4; at B = 32 a second replica gained nothing."""
+    return max(1, min(MAX_COUNT_REPLICAS, 32 // max(n_rows, 1)))
+
+
+def cutoffs_of_16_bit_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                             top_p: torch.Tensor, replicas: int | None = None) -> torch.Tensor:
+    """``naive.keep_thresholds(logits, temperature, top_k, top_p)`` [B] fp32 for bf16 / fp16
+    ``logits`` [B, V] (last dim contiguous) in three launches and a zero-fill, no sort (the block
+    comment above). The per-row parameters contiguous [B] as ``sample_tokens`` takes them."""
+    n_rows, n_vocab = logits.shape
     out = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-    if n_rows:
-        _cutoffs_of_candidates_kernel[(n_rows,)](
-            ordered, logits, temperature, top_k, top_p, out, n_vocab, n_candidates, ordered.stride(0),
-            logits.stride(0), BLOCK_C=max(16, next_power_of_2(n_candidates)), BLOCK_V=CUTOFF_BLOCK_V,
-            COUNT_TIES=n_candidates < n_vocab, num_warps=4)
+    if n_rows == 0:
+        return out
+    keys, n_blocks = KEYS.value, KEYS.value // KEY_BLOCK
+    replicas = replicas or count_replicas(n_rows)
+    zeroed = torch.zeros(n_rows * (replicas * keys + 1), dtype=torch.int32, device=logits.device)
+    counts, largest = zeroed[:n_rows * replicas * keys], zeroed[n_rows * replicas * keys:]
+    block_count = torch.empty(n_rows, n_blocks, dtype=torch.int32, device=logits.device)
+    block_mass = torch.empty(n_rows, n_blocks, dtype=torch.float64, device=logits.device)
+    n_splits = max(1, min(cdiv(n_vocab, COUNT_BLOCK), COUNT_PROGRAMS_PER_SM * num_sms(logits.device) // n_rows))
+    split_len = cdiv(cdiv(n_vocab, n_splits), COUNT_BLOCK) * COUNT_BLOCK
+    bits = logits.view(torch.int16)
+    is_bf16 = logits.dtype == torch.bfloat16
+    _count_keys_kernel[(n_rows, cdiv(n_vocab, split_len))](bits, counts, largest, n_vocab, bits.stride(0),
+                                                           split_len, R=replicas, BLOCK=COUNT_BLOCK, num_warps=4)
+    _key_block_sums_kernel[(n_rows, n_blocks)](counts, largest, temperature, block_count, block_mass, R=replicas,
+                                               IS_BF16=is_bf16, KEY_BLOCK=KEY_BLOCK, num_warps=4)
+    _cutoffs_of_key_blocks_kernel[(n_rows,)](counts, largest, block_count, block_mass, temperature, top_k, top_p,
+                                             out, n_vocab, R=replicas, IS_BF16=is_bf16, KEY_BLOCK=KEY_BLOCK,
+                                             N_BLOCKS=n_blocks, num_warps=4)
     return out

@@ -102,10 +102,21 @@ def exclusive_prefix_sums(weight: torch.Tensor) -> torch.Tensor:
     return (within + before_chunk[:, :, None]).view(n_rows, -1)[:, :n_vocab]
 
 
+KEYS = 1 << 16  # the values of a 16-bit float
+
+
+def order_keys(logits: torch.Tensor) -> torch.Tensor:
+    """int64 keys in [0, 2^16) of 16-bit logits, in the logits' order (equal logits, -0 and +0
+    included, get equal keys): positive x -> bits + 2^15, negative x -> 2^16 - 1 - bits. The map
+    ``kernels.cutoffs_of_16_bit_logits`` counts tokens by."""
+    bits = (logits + 0.0).view(torch.int16).long() & (KEYS - 1)  # + 0.0 turns -0 into +0
+    return torch.where(bits >= KEYS // 2, KEYS - 1 - bits, bits + KEYS // 2)
+
+
 def keep_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                     top_p: torch.Tensor) -> torch.Tensor:
     """Per-row cut-off [B] fp32 of top-k then top-p: a row keeps token i iff logit_i >= its cut-off.
-    The definition, by a sort of each row (``cutoffs.py`` has the faster ways to the same values).
+    The definition, by a sort of each row (``cutoffs.py`` has the faster way to the same values).
 
     Plain PyTorch with static shapes and no host sync. Comparisons are on the logits themselves:
     dividing by T > 0 keeps their order, and no rounding enters.
@@ -119,29 +130,17 @@ def keep_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     Rows with neither get -inf. Rows with temperature 0 get a cut-off too (computed at T = 1); the
     sampler ignores it.
     """
+    n_vocab = logits.shape[-1]
     ordered = logits.sort(dim=-1, descending=True).values  # [B, V], largest first
-    return cutoffs_of_ordered(ordered, logits, temperature, top_k, top_p)
-
-
-def cutoffs_of_ordered(ordered: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                       top_p: torch.Tensor) -> torch.Tensor:
-    """``keep_thresholds`` from ``ordered`` [B, C], each row of ``logits`` [B, V]'s C largest
-    logits largest first (C = V: the whole sorted row). With C < V every row with top-p on must
-    have top-k in 1 .. C; the tokens tied with its k-th largest that lie past the C are counted
-    in ``logits`` (one pass: they weigh in top-p's total)."""
-    n_vocab, n_ordered = logits.shape[-1], ordered.shape[-1]
     k = top_k.long()
     k_on = (k > 0) & (k < n_vocab)
-    k = torch.where(k_on, k.clamp(max=n_ordered), n_ordered)
+    k = torch.where(k_on, k, n_vocab)
     kth = ordered.gather(-1, (k - 1)[:, None])  # [B, 1]
     in_top_k = ordered >= kth
     # Unnormalised probabilities in sorted order, float64: exp((logit - max) / T), 0 outside top-k.
     t = torch.where(temperature > 0, temperature, 1.0).double()[:, None]
     weight = ordered.double().sub_(ordered[:, :1].double()).div_(t).exp_().mul_(in_top_k)
     total = weight.sum(dim=-1, keepdim=True)
-    if n_ordered < n_vocab:  # tokens tied with the k-th largest past the C: same weight, same fate
-        ties_past = (logits == kth).sum(dim=-1, keepdim=True) - (ordered == kth).sum(dim=-1, keepdim=True)
-        total = total + ties_past * kth.double().sub_(ordered[:, :1].double()).div_(t).exp_()
     mass_before = exclusive_prefix_sums(weight)
     p = top_p.double()[:, None]
     kept = in_top_k & ((mass_before < p * total) | (p >= 1))

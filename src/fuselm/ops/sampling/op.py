@@ -8,14 +8,14 @@ sits in or on the other rows of the batch.
 Paths:
 - Triton device (CUDA, or CPU under the interpreter): with ``filtered``, ``cutoffs.cutoffs``
   gives each row its cut-off (the values of ``naive.keep_thresholds``, the sort-based
-  definition, without a sort: candidates from ``torch.topk``, or a histogram of 16-bit logits);
-  then the noisy-argmax kernel(s) of ``kernels.py`` read the logits once. H100, bf16 [B, 248320], CUDA
-  graph replay (benchmarks/sampling.py): unfiltered 9.8 / 15 / 34 µs at B = 1 / 8 / 32 (the
-  previous sampler: 98 / 116 / 246 µs; greedy 8.7 / 10 / 16 µs against argmax's 13 / 15 / 26);
-  filtered with the sort 0.16 / 0.35 / 1.06 ms (previous: 0.28 / 0.81 / 1.67 ms), nearly all of it
-  the sort and the cut-off's float64 passes. H200 (session 42): T 0.6 / top-k 20 / top-p 0.95 by the
-  candidates way 136 / 153 / 229 µs (torch.topk 66 / 76 / 126 of it); top-p alone by the histogram
-  way 266 / 522 / 1,472 µs, slower than the sort's 156 / 314 / 915 (benchmarks/NOTES.md 97).
+  definition, without a sort for 16-bit logits: from a count of the row's tokens per logit
+  value); then the noisy-argmax kernel(s) of ``kernels.py`` read the logits once. H100, bf16
+  [B, 248320], CUDA graph replay (benchmarks/sampling.py): unfiltered 9.8 / 15 / 34 µs at
+  B = 1 / 8 / 32 (the previous sampler: 98 / 116 / 246 µs; greedy 8.7 / 10 / 16 µs against
+  argmax's 13 / 15 / 26). H200 (session 43): T 0.7 / top-p 0.9 36 / 68 / 217 µs (the previous
+  sampler's sort 278 / 780 / 1,511), the cut-offs alone 29 / 62 / 182 at any top-k / top-p
+  (benchmarks/NOTES.md 98); fp32 logits take the sort (on bf16 logits it took
+  0.15 / 0.31 / 0.90 ms).
 - CPU without the interpreter: the float64 reference ``sample_tokens_ref``.
 Eager calls run the path directly; under ``torch.compile`` the call goes through the
 ``fuselm::sample_tokens`` custom op (traced with its fake implementation). Inference only.
@@ -38,7 +38,7 @@ _ROW_PARAMETERS = (("temperature", torch.float32), ("top_k", torch.int32), ("top
                    ("seeds", torch.int64), ("positions", torch.int64))
 
 
-def _check(logits, temperature, top_k, top_p, seeds, positions, filtered, candidates, out) -> None:
+def _check(logits, temperature, top_k, top_p, seeds, positions, filtered, out) -> None:
     """Metadata checks only (shapes, dtypes, devices, layout): nothing reads device memory."""
     check_tensor("logits", logits)
     if logits.dim() != 2:
@@ -57,8 +57,6 @@ def _check(logits, temperature, top_k, top_p, seeds, positions, filtered, candid
             raise ValueError(f"{name}: must be contiguous")
     if not isinstance(filtered, bool):
         raise TypeError(f"filtered: expected a bool, got {type(filtered).__name__}")
-    if candidates is not None and (not isinstance(candidates, int) or isinstance(candidates, bool) or candidates < 1):
-        raise ValueError(f"candidates: expected None or an int >= 1, got {candidates!r}")
     if out is not None:
         check_tensor("out", out, (torch.int64,))
         if tuple(out.shape) != (n_rows,):
@@ -68,31 +66,30 @@ def _check(logits, temperature, top_k, top_p, seeds, positions, filtered, candid
     check_same_device(logits=logits, **{name: t for (name, _), t in zip(_ROW_PARAMETERS, params)}, out=out)
 
 
-def _sample(logits, temperature, top_k, top_p, seeds, positions, filtered: bool, candidates: int | None,
-            out) -> torch.Tensor:
+def _sample(logits, temperature, top_k, top_p, seeds, positions, filtered: bool, out) -> torch.Tensor:
     if out.numel() == 0:
         return out
     if not use_triton(logits):
         return out.copy_(sample_tokens_ref(logits, temperature, top_k, top_p, seeds, positions, filtered=filtered))
-    thresholds = cutoffs(logits, temperature, top_k, top_p, candidates) if filtered else None
+    thresholds = cutoffs(logits, temperature, top_k, top_p) if filtered else None
     return sample_tokens_kernel(logits, temperature, thresholds, seeds, positions, out)
 
 
 @torch.library.custom_op("fuselm::sample_tokens", mutates_args=())
 def _sample_tokens_op(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                      seeds: torch.Tensor, positions: torch.Tensor, filtered: bool, candidates: int) -> torch.Tensor:
+                      seeds: torch.Tensor, positions: torch.Tensor, filtered: bool) -> torch.Tensor:
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    return _sample(logits, temperature, top_k, top_p, seeds, positions, filtered, candidates or None, out)
+    return _sample(logits, temperature, top_k, top_p, seeds, positions, filtered, out)
 
 
 @_sample_tokens_op.register_fake
-def _(logits, temperature, top_k, top_p, seeds, positions, filtered, candidates):
+def _(logits, temperature, top_k, top_p, seeds, positions, filtered):
     return torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   seeds: torch.Tensor, positions: torch.Tensor, *, filtered: bool = True,
-                  candidates: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """One token id per row, greedy or sampled per row; CUDA-graph capturable.
 
     Args:
@@ -110,10 +107,6 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         filtered: a static promise, made on the host: False when no row uses top-k or top-p
             (their values are then ignored and the cut-off computation skipped). A CUDA graph is
             captured for one value.
-        candidates: a static promise, made on the host: every filtered row has top_k in
-            1 .. candidates (top-p on or off), every other row neither top-k nor top-p; the
-            cut-offs then need only the ``candidates`` largest logits of a row (``torch.topk``)
-            instead of a histogram of them (``cutoffs.py``), with the same ids. None: any settings.
         out: optional contiguous [B] int64 buffer, fully overwritten (e.g. a graph's static output).
     Returns:
         ids: [B] int64 (``out`` when given).
@@ -137,13 +130,13 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     in (0, 1], top_k >= 0. The engine validates them on the host (``SamplingParams``). Out of
     range they are still safe: top_p <= 0 keeps the argmax, top_k < 0 is off.
     """
-    _check(logits, temperature, top_k, top_p, seeds, positions, filtered, candidates, out)
+    _check(logits, temperature, top_k, top_p, seeds, positions, filtered, out)
     if torch.compiler.is_compiling():
-        ids = _sample_tokens_op(logits, temperature, top_k, top_p, seeds, positions, filtered, candidates or 0)
+        ids = _sample_tokens_op(logits, temperature, top_k, top_p, seeds, positions, filtered)
         return ids if out is None else out.copy_(ids)
     if out is None:
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    return _sample(logits, temperature, top_k, top_p, seeds, positions, filtered, candidates, out)
+    return _sample(logits, temperature, top_k, top_p, seeds, positions, filtered, out)
 
 
 ADVANCE_ROWS = 64  # rows a program of advance_slots
