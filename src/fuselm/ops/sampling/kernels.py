@@ -294,15 +294,21 @@ def _row_top_and_scale(largest_ptr, temperature_ptr, b, IS_BF16: tl.constexpr):
 
 
 @triton.jit
-def _key_counts_and_masses(counts_ptr, key, max_key, top, inverse_t, R: tl.constexpr, IS_BF16: tl.constexpr):
-    """Token counts (int64) and masses count x exp((x - top) / T) (float64) of ``key``s in
-    [0, KEYS), summed over the R replicas at ``counts_ptr`` (the row's replica 0). (Keys above
-    ``max_key`` hold no token; their weight is taken at the max, not overflowed.)"""
+def _key_counts(counts_ptr, key, R: tl.constexpr):
+    """Token counts (int64) of ``key``s in [0, KEYS), summed over the R replicas at ``counts_ptr``
+    (the row's replica 0)."""
     count = tl.zeros(key.shape, dtype=tl.int64)
     for r in tl.static_range(R):
         count += tl.load(counts_ptr + r * KEYS + key).to(tl.int64)
+    return count
+
+
+@triton.jit
+def _key_masses(count, key, max_key, top, inverse_t, IS_BF16: tl.constexpr):
+    """float64 masses count x exp((x - top) / T) of ``key``s (keys above ``max_key`` hold no token:
+    their weight is taken at the max, not overflowed)."""
     weight = tl.exp((_logit_of_key(tl.minimum(key, max_key), IS_BF16).to(tl.float64) - top) * inverse_t)
-    return count, tl.where(count > 0, count.to(tl.float64) * weight, 0.0)
+    return tl.where(count > 0, count.to(tl.float64) * weight, 0.0)
 
 
 @triton.jit
@@ -339,16 +345,11 @@ def _key_block_sums_kernel(counts_ptr, largest_ptr, temperature_ptr, block_count
     row_counts = counts_ptr + b * R * KEYS
     block_top = tl.minimum(j * KEY_BLOCK + KEY_BLOCK - 1, max_key)
     top_weight = tl.exp((_logit_of_key(block_top, IS_BF16).to(tl.float64) - top) * inverse_t)
+    count = _key_counts(row_counts, key, R)
+    block_mass = tl.zeros([1], dtype=tl.float64).sum(axis=0)
     if (top_weight >= _NEGLIGIBLE_WEIGHT) & (j * KEY_BLOCK <= max_key):
-        count, mass = _key_counts_and_masses(row_counts, key, max_key, top, inverse_t, R, IS_BF16)
-        n_tokens = tl.sum(count, axis=0)
-        block_mass = tl.sum(mass, axis=0)
-    else:
-        count = tl.zeros([KEY_BLOCK], dtype=tl.int64)
-        for r in tl.static_range(R):
-            count += tl.load(row_counts + r * KEYS + key).to(tl.int64)
-        n_tokens = tl.sum(count, axis=0)
-        block_mass = tl.zeros([1], dtype=tl.float64).sum(axis=0)
+        block_mass = tl.sum(_key_masses(count, key, max_key, top, inverse_t, IS_BF16), axis=0)
+    n_tokens = tl.sum(count, axis=0)
     tl.store(block_count_ptr + b * n_blocks + j, n_tokens)
     tl.store(block_mass_ptr + b * n_blocks + j, block_mass)
 
@@ -374,13 +375,14 @@ def _cutoffs_of_key_blocks_kernel(counts_ptr, largest_ptr, block_count_ptr, bloc
 
     # 1. top-k: the k-th largest key is the largest key with count(>= key) >= k, in the first block
     #    (largest first) where the running count reaches k; top-k off: key 0, every token.
-    kth_key = max_key * 0
+    kth_key = max_key * 0  # 0, as an int32 tensor like the value it may take below
     d_k = N_BLOCKS - 1
     if k_on:
         d_k = tl.sum((tl.cumsum(n_tokens, axis=0) < k).to(tl.int32), axis=0)
         tokens_above = tl.sum(tl.where(d < d_k, n_tokens, 0), axis=0)
         key = (N_BLOCKS - 1 - d_k) * KEY_BLOCK + (KEY_BLOCK - 1 - lane)  # descending
-        count, key_mass = _key_counts_and_masses(row_counts, key, max_key, top, inverse_t, R, IS_BF16)
+        count = _key_counts(row_counts, key, R)
+        key_mass = _key_masses(count, key, max_key, top, inverse_t, IS_BF16)
         short = tl.sum((tokens_above + tl.cumsum(count, axis=0) < k).to(tl.int32), axis=0)
         kth_key = (N_BLOCKS - 1 - d_k) * KEY_BLOCK + (KEY_BLOCK - 1 - short)
         # block d_k's mass counts only its keys >= the k-th; blocks past it none
@@ -400,7 +402,8 @@ def _cutoffs_of_key_blocks_kernel(counts_ptr, largest_ptr, block_count_ptr, bloc
         cut_key = max_key  # the most likely token is always kept (also for p <= 0)
         if d_c >= 0:
             key = (N_BLOCKS - 1 - d_c) * KEY_BLOCK + (KEY_BLOCK - 1 - lane)
-            count, key_mass = _key_counts_and_masses(row_counts, key, max_key, top, inverse_t, R, IS_BF16)
+            count = _key_counts(row_counts, key, R)
+            key_mass = _key_masses(count, key, max_key, top, inverse_t, IS_BF16)
             holds = (count > 0) & (key >= kth_key)
             key_mass = tl.where(holds, key_mass, 0.0)
             block_above = tl.sum(tl.where(d < d_c, mass, 0.0), axis=0)
