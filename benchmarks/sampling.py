@@ -78,7 +78,8 @@ def cases(logits):
         (f"cut-offs alone, T={TEMPERATURE} top_p={TOP_P}: keep_thresholds (the sort, the definition)",
          lambda: keep_thresholds(logits, *nucleus[:3])),
         (f"cut-offs alone, T={TEMPERATURE} top_p={TOP_P}: cutoffs (key counts)", lambda: cutoffs(logits, *nucleus[:3])),
-        ("cut-offs alone, T=0.6 top_k=20 top_p=0.95: cutoffs (key counts)", lambda: cutoffs(logits, *qwen_defaults[:3])),
+        ("cut-offs alone, T=0.6 top_k=20 top_p=0.95: cutoffs (key counts)",
+         lambda: cutoffs(logits, *qwen_defaults[:3])),
     ]
 
 
