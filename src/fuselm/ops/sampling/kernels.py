@@ -413,8 +413,7 @@ def _cutoffs_of_key_blocks_kernel(counts_ptr, largest_ptr, block_count_ptr, bloc
     tl.store(out_ptr + b, tl.where(k_on, cutoff, tl.where(p_on, cutoff, float("-inf"))))
 
 
-COUNT_BLOCK = 2048  # tokens a step of the counting program reads
-COUNT_PROGRAMS_PER_SM = 4
+COUNT_BLOCK = 2048  # tokens a step of the counting program reads (programs: as the sampler's split_geometry)
 KEY_BLOCK = 1024  # keys a block sum covers
 MAX_COUNT_REPLICAS = 8
 
@@ -441,12 +440,11 @@ def cutoffs_of_16_bit_logits(logits: torch.Tensor, temperature: torch.Tensor, to
     counts, largest = zeroed[:n_rows * replicas * keys], zeroed[n_rows * replicas * keys:]
     block_count = torch.empty(n_rows, n_blocks, dtype=torch.int32, device=logits.device)
     block_mass = torch.empty(n_rows, n_blocks, dtype=torch.float64, device=logits.device)
-    n_splits = max(1, min(cdiv(n_vocab, COUNT_BLOCK), COUNT_PROGRAMS_PER_SM * num_sms(logits.device) // n_rows))
-    split_len = cdiv(cdiv(n_vocab, n_splits), COUNT_BLOCK) * COUNT_BLOCK
+    geo = split_geometry(n_rows, n_vocab, COUNT_BLOCK, PROGRAMS_PER_SM * num_sms(logits.device))
     bits = logits.view(torch.int16)
     is_bf16 = logits.dtype == torch.bfloat16
-    _count_keys_kernel[(n_rows, cdiv(n_vocab, split_len))](bits, counts, largest, n_vocab, bits.stride(0),
-                                                           split_len, R=replicas, BLOCK=COUNT_BLOCK, num_warps=4)
+    _count_keys_kernel[(n_rows, geo.n_splits)](bits, counts, largest, n_vocab, bits.stride(0), geo.split_size,
+                                               R=replicas, BLOCK=COUNT_BLOCK, num_warps=4)
     _key_block_sums_kernel[(n_rows, n_blocks)](counts, largest, temperature, block_count, block_mass, R=replicas,
                                                IS_BF16=is_bf16, KEY_BLOCK=KEY_BLOCK, num_warps=4)
     _cutoffs_of_key_blocks_kernel[(n_rows,)](counts, largest, block_count, block_mass, temperature, top_k, top_p,
