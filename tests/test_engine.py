@@ -545,8 +545,8 @@ def test_requests_wait_for_kv_pages_and_get_their_solo_output(model):
     running_pages, running = [], []
     while engine.has_unfinished_requests():
         engine.step()
-        running_pages.append(sum(len(r.pages) for r in engine.scheduler.running.values()))
-        running.append(len(engine.scheduler.running))
+        running_pages.append(sum(len(r.pages) for r in engine.scheduler.rows))
+        running.append(engine.scheduler.rows_in_use())
     assert max(running_pages) <= 3 and max(running) == 2  # 4 slots, but pages for 2 at a time
     solo = Engine(model, max_batch=1, max_len=32, seed=0)
     for request, p, q in zip(requests, prompts, params):

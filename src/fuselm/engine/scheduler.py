@@ -58,11 +58,6 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    @property
-    def running(self) -> dict[int, Request]:
-        """slot -> request of the running requests (prefilling or decoding)."""
-        return {request.slot: request for request in self.rows}
-
     def holds(self, request: Request) -> bool:
         """Whether ``request`` is running here (it holds a slot and a row)."""
         row = request.row
