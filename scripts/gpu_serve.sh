@@ -49,12 +49,12 @@ fi
 # The served requests bring no sampling fields, so the checkpoint's generation_config applies
 # (temperature 0.6, top-k 20, top-p 0.95); the static engine runs greedy and with those.
 SERVED_SAMPLING="--temperature 0.6 --top-k 20 --top-p 0.95"
-engine() {  # batch, then sampling flags
+engine() {  # batch, then sampling flags; the table goes to $OUT/${ENGINE_MD:-engine.md}
   local batch=$1; shift
   python3 -m fuselm generate --config 9b --batch "$batch" --prompt-len 512 --max-new-tokens 256 --out "$work" \
     --state-dtype "$state_dtype" "$@" \
     > "$work/engine_b$batch.log" 2>&1 || { status=1; tail -20 "$work/engine_b$batch.log"; }
-  cat "$work/generate.md" >> "$OUT/engine.md"
+  cat "$work/generate.md" >> "$OUT/${ENGINE_MD:-engine.md}"
 }
 want engine && { engine 1; engine 1 $SERVED_SAMPLING; }
 healthy() { python3 -c "import urllib.request as u; u.urlopen('$url/health', timeout=2)" 2>/dev/null; }
@@ -186,15 +186,11 @@ fi
 if want sampling; then
   python3 benchmarks/sampling.py > "$OUT/sampling.md" 2>&1 || status=1
   cat "$OUT/sampling.md"
-  # the static engine's step with top-p alone and with the served top-k 20 + top-p, into
-  # engine_sampling.md
+  # the static engine's step with top-p alone and with the served top-k 20 + top-p (each table's
+  # header names its batch and sampling), into engine_sampling.md
   for batch in 1 32; do
-    for flags in "--temperature 0.7 --top-p 0.9" "$SERVED_SAMPLING"; do
-      python3 -m fuselm generate --config 9b --batch "$batch" --prompt-len 512 --max-new-tokens 256 --out "$work" \
-        --state-dtype "$state_dtype" $flags > "$work/engine_sampling.log" 2>&1 \
-        || { status=1; tail -20 "$work/engine_sampling.log"; }
-      { echo "### batch $batch, $flags"; cat "$work/generate.md"; } >> "$OUT/engine_sampling.md"
-    done
+    ENGINE_MD=engine_sampling.md engine $batch --temperature 0.7 --top-p 0.9
+    ENGINE_MD=engine_sampling.md engine $batch $SERVED_SAMPLING
   done
 fi
 exit $status
