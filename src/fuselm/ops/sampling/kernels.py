@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.sampling.naive import (
-    MIX_MUL_1, MIX_MUL_2, STREAM_INIT_A, STREAM_INIT_B, TWO_POW_MINUS_32, UNIFORM_MAX, UNIFORM_MIN,
+    KEYS as _N_KEYS, MIX_MUL_1, MIX_MUL_2, STREAM_INIT_A, STREAM_INIT_B, TWO_POW_MINUS_32, UNIFORM_MAX, UNIFORM_MIN,
 )
 from fuselm.runtime import cdiv, next_power_of_2, num_sms
 
@@ -260,7 +260,7 @@ def sample_tokens_kernel(logits: torch.Tensor, temperature: torch.Tensor, thresh
 #      float64 mass;
 #   3. ``_cutoffs_of_key_blocks_kernel`` (row): the k-th largest key and the top-p cut from the
 #      block sums, each found within its block by one pass over that block's keys.
-KEYS: tl.constexpr = tl.constexpr(1 << 16)
+KEYS: tl.constexpr = tl.constexpr(_N_KEYS)  # naive.KEYS, as a constexpr the kernels may read
 # Keys whose weight exp((x - max) / T) is below 2^-60 add nothing to a top-p mass: the whole row's
 # such tokens weigh < V x 2^-60 < 2^-40 of the total (total >= 1, the max's own weight), far below
 # the 2^-24 by which a float32 p < 1 stays under 1, so no such key is ever kept by top-p.
