@@ -496,6 +496,7 @@ def test_sampler_variants_draw_the_same_tokens(model):
     requests = [engine.add_request(prompt(9, 8), plain), engine.add_request(prompt(5, 9), top_p_only)]
     assert sampling.sampler_variant(requests[:1]) == sampling.PLAIN
     assert sampling.sampler_variant(requests) == sampling.FILTERED
+    assert sampling.sampler_variant([engine.add_request(prompt(3, 1), greedy(2))]) == sampling.PLAIN
     engine.run()
     alone = token_ids(engine.generate([prompt(9, 8)], plain))[0]
     assert requests[0].output().outputs[0].token_ids == alone
