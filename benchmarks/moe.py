@@ -78,15 +78,25 @@ def floor_ms(moe: SwiGLUMoE, experts_hit: float, tokens: int, bandwidth: float, 
     return max(bytes_ / bandwidth, flops / rate) * 1e3
 
 
-def unfused(moe: SwiGLUMoE, x: torch.Tensor, x_per_pair: torch.Tensor):
+def unfused_inputs(moe: SwiGLUMoE, x: torch.Tensor):
+    """(x_list, list_rows) for ``unfused``, made outside its timing: x's rows in the pair list's
+    order ([P_max, H]: x[p // S] for entry p, sentinels row 0) and each entry's pair row (the
+    routing is deterministic, so ``unfused`` routes x to the same list)."""
+    routed = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 64, num_experts=moe.num_experts)
+    list_rows = routed.sorted_pairs.long().clamp(max=x.shape[0] * (moe.top_k + moe.num_shared) - 1)
+    return x[list_rows // (moe.top_k + moe.num_shared)], list_rows
+
+
+def unfused(moe: SwiGLUMoE, x: torch.Tensor, x_list: torch.Tensor, list_rows: torch.Tensor):
     """Routing, down GEMM and combine as fuselm's; gate/up as a grouped GEMM with no epilogue
-    writing [P, 2F] (``expert_down`` on w13, reading ``x_per_pair`` [N S, H], x repeated per slot,
-    made outside the timing), then ``silu_mul``, then the down GEMM."""
+    writing [N S, 2F] (``expert_down`` on w13, reading ``x_list``), then ``silu_mul``, an index copy
+    of h into the list's order (``list_rows``), then the down GEMM."""
     routed = route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 64, num_experts=moe.num_experts)
     pairs = routed.sorted_pairs, routed.block_experts
-    gu = expert_down(x_per_pair, moe.w13, *pairs, 64)  # [P, 2F], gate/up interleaved
+    num_pairs = routed.weights.numel()
+    gu = expert_down(x_list, moe.w13, *pairs, 64, num_pairs)  # [N S, 2F], gate/up interleaved
     h = silu_mul(gu[:, 0::2], gu[:, 1::2])
-    return combine(expert_down(h, moe.w2, *pairs, 64), routed.weights, x.dtype)
+    return combine(expert_down(h[list_rows], moe.w2, *pairs, 64, num_pairs), routed.weights, x.dtype)
 
 
 SWEEP = {"block_n": (32, 64, 128, 256), "block_k": (64, 128), "num_warps": (4, 8), "num_stages": (3, 4)}
@@ -262,7 +272,7 @@ def sweep(moe: SwiGLUMoE, token_counts, out: Path) -> None:
                 fn = ((lambda: expert_gate_up(x, moe.w13, *pairs, slots, moe.activation, block_m, out=h, config=cfg,
                                               tma=tma))
                       if kind == "gate_up" else
-                      (lambda: expert_down(h, moe.w2, *pairs, block_m, config=cfg, tma=tma)))
+                      (lambda: expert_down(h, moe.w2, *pairs, block_m, tokens * slots, config=cfg, tma=tma)))
                 name = ("tma " if tma else "") + "n{} k{} w{} s{} g{}".format(*dataclasses.astuple(cfg))
                 try:
                     row[kind][name] = graph_bench(fn)
@@ -334,8 +344,8 @@ def main():
         ours, in_layers = timed[True]
         with torch.no_grad():
             hf = bench(lambda: block(x[None]))
-        x_per_pair = x.repeat_interleave(moe.top_k + moe.num_shared, 0)
-        plain = graph_bench(lambda: unfused(moe, x, x_per_pair))
+        x_list, list_rows = unfused_inputs(moe, x)
+        plain = graph_bench(lambda: unfused(moe, x, x_list, list_rows))
         if args.profile:
             kernels = kernel_breakdown(lambda: moe(x))
             profiles.append(f"### {tokens} tokens: GPU us per call\n\n| kernel | us |\n|---|---|\n" + "\n".join(

@@ -60,7 +60,7 @@ from fuselm.ops.common.activation import Activation, gate_factor, up_factor
 from fuselm.ops.common.pdl import allow_next_kernel, wait_for_previous_kernel
 from fuselm.ops.decode_linear.kernels import DecodeVectorConfig, decode_linear_vector_kernel
 from fuselm.ops.moe.grouped_gemm import (_check_out, _check_tensor, combine_ref, expert_down_ref,  # the same checks
-                                         expert_gate_up_ref)
+                                         expert_gate_up_ref, listed_entries)
 from fuselm.ops.moe.routing import MAX_EXPERTS, sort_pairs_ref
 from fuselm.runtime import cdiv, next_power_of_2, parse_dtype, use_pdl, use_triton
 
@@ -534,9 +534,15 @@ def _pair_list(experts: torch.Tensor, num_experts_total: int):
 
 
 def pair_gate_up_ref(x, w13, logits, top_k: int, activation: Activation, *, num_experts: int) -> torch.Tensor:
-    """``pair_gate_up`` in plain PyTorch (``expert_gate_up_ref``: the dense contract per expert)."""
+    """``pair_gate_up`` in plain PyTorch (``expert_gate_up_ref``: the dense contract per expert),
+    its rows taken from list order to pair order."""
     experts, _ = routing_ref(logits, top_k, num_experts, w13.shape[0] - num_experts)
-    return expert_gate_up_ref(x, w13, *_pair_list(experts, w13.shape[0])[:2], experts.shape[1], activation, 16)
+    pair_list = _pair_list(experts, w13.shape[0])
+    h_list = expert_gate_up_ref(x, w13, *pair_list[:2], experts.shape[1], activation, 16)
+    entries, pairs, _ = listed_entries(*pair_list, experts.numel())
+    h = h_list.new_zeros(experts.numel(), h_list.shape[1])
+    h[pairs] = h_list[entries]
+    return h
 
 
 def down_combine_ref(h, w2, logits, top_k: int, out_dtype: torch.dtype, *, num_experts: int) -> torch.Tensor:
@@ -546,5 +552,10 @@ def down_combine_ref(h, w2, logits, top_k: int, out_dtype: torch.dtype, *, num_e
 
 
 def _down_combine_routed_ref(h, w2, experts, weights, out_dtype: torch.dtype) -> torch.Tensor:
-    """``down_combine`` on given (experts, weights) [N, S]: ``expert_down_ref`` then ``combine_ref``."""
-    return combine_ref(expert_down_ref(h, w2, *_pair_list(experts, w2.shape[0])), weights, out_dtype)
+    """``down_combine`` on given (experts, weights) [N, S]: ``expert_down_ref`` (h's rows taken from
+    pair order to list order) then ``combine_ref``."""
+    pair_list = _pair_list(experts, w2.shape[0])
+    entries, pairs, _ = listed_entries(*pair_list, experts.numel())
+    h_list = h.new_zeros(pair_list[0].numel(), h.shape[1])
+    h_list[entries] = h[pairs]
+    return combine_ref(expert_down_ref(h_list, w2, *pair_list, experts.numel()), weights, out_dtype)

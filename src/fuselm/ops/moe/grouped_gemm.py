@@ -13,17 +13,19 @@ values: no host sync, CUDA-graph safe. Unused blocks return at once.
 
 Shapes: x [N, H]; w13 [E_total, 2F, H], each expert's gate and up rows interleaved (row 2f =
 gate f, row 2f + 1 = up f: ``interleave_gate_up`` per expert); w2 [E_total, H, F];
-weights [N, S] fp32; h [N * S, F] and y [N * S, H] in x's dtype; out [N, H].
+weights [N, S] fp32; h [P_max, F] in list order (row i is entry i of ``sorted_pairs``) and y
+[N * S, H] in pair order (row p is pair p's), both in x's dtype; out [N, H].
 
 - ``expert_gate_up``: a program owns one block of ``block_m`` pairs (all of one expert e) and
   BLOCK_N features of h: the block's rows of x are gathered through the pair list (x[p // S], no
   permuted copy of x; sentinel rows read row 0 and are never stored) and multiplied by 2 BLOCK_N
   interleaved rows of w13[e] in one fp32 [block_m, 2 BLOCK_N] dot per K step. Epilogue as the
   dense ``_gemm_swiglu_kernel``: G and U rounded to x's dtype, the gate factor rounded, the
-  product rounded once. Row p of h is pair p's (h in pair order); rows of pairs not listed are
-  not written.
-- ``expert_down``: per block, rows of h gathered by pair id, times w2[e]^T in fp32, the product
-  rounded to h's dtype (as HF's down_proj linear rounds it) and stored at row p of y.
+  product rounded once. Row i of h is entry i's: a block's rows are contiguous, so the down GEMM
+  reads them as one tile (through a TMA box on Hopper). Rows of sentinel entries and of unused
+  blocks are not written.
+- ``expert_down``: per block, its contiguous rows of h times w2[e]^T in fp32, the product rounded
+  to h's dtype (as HF's down_proj linear rounds it) and stored at row p of y for the entry's pair p.
 - ``combine``: out[n] = sum_j weights[n, j] y[n * S + j] as fp32 fused multiply-adds, j = 0..S-1
   in order (deterministic, no atomics), rounded once to the output dtype. The weight is applied
   here, to the already rounded product, so y travels in the model dtype: half the bytes of an fp32
@@ -42,9 +44,10 @@ min(tiles, SMs) programs walk the used blocks' tiles (counted in the kernel: the
 prefix of the list), in groups of ``group`` blocks that walk the feature tiles together (an
 expert's weight tile is fetched once for its blocks), the tile loop flattened into the K loop (the
 next tile's loads under this tile's epilogue), the weight tile through a TMA descriptor over the
-experts' rows ([E_total R, K]); activation rows are still gathered by pointer (Hopper's TMA cannot
-gather rows). Same products, roundings and stores. H100, 35B-A3B layer (NOTES.md 74): the block
-at 16384 tokens 2.90 -> 2.30 ms.
+experts' rows ([E_total R, K]). The down GEMM's h tile comes through a descriptor too; gate/up's
+rows of x are gathered by pointer (Hopper's TMA cannot gather rows). Same products, roundings and
+stores. H100, 35B-A3B layer (NOTES.md 74): the block at 16384 tokens 2.90 -> 2.30 ms; h in list
+order through TMA: NOTES.md 99.
 
 Launches: three per block (gate/up, down, combine), after the routing's.
 
@@ -75,13 +78,14 @@ from fuselm.runtime import KERNEL_DTYPES, arch_major, cdiv, next_power_of_2, num
 # ----------------------------------------------------------------------------- kernels
 @triton.jit
 def _block_rows(pairs_ptr, experts_ptr, NUM_PAIRS, SLOTS, BLOCK_M: tl.constexpr):
-    """(expert, pair ids, valid, token rows) of this program's block of the pair list."""
+    """(expert, list rows, pair ids, valid, token rows) of this program's block of the pair list."""
     b = tl.program_id(0)
     e = tl.load(experts_ptr + b)
-    pairs = tl.load(pairs_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(pairs_ptr + rows)
     valid = (pairs >= 0) & (pairs < NUM_PAIRS)
     pairs = tl.where(valid, pairs, 0)  # sentinel rows read row 0; their results are never stored
-    return e, pairs, valid, pairs // SLOTS
+    return e, rows, pairs, valid, pairs // SLOTS
 
 
 @triton.jit
@@ -92,7 +96,7 @@ def _expert_gate_up_kernel(
     ACT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    e, pairs, valid, tokens = _block_rows(pairs_ptr, experts_ptr, NUM_PAIRS, SLOTS, BLOCK_M)
+    e, rows, _, valid, tokens = _block_rows(pairs_ptr, experts_ptr, NUM_PAIRS, SLOTS, BLOCK_M)
     if e < 0:
         return
     pid_n = tl.program_id(1)
@@ -107,14 +111,14 @@ def _expert_gate_up_kernel(
         acc = dot_acc(xt, w, acc, IEEE)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    _store_swiglu_rows(acc, h_ptr, pairs, valid, pid_n, F, stride_hm, limit, alpha, ACT, BLOCK_M, BLOCK_N)
+    _store_swiglu_rows(acc, h_ptr, rows, valid, pid_n, F, stride_hm, limit, alpha, ACT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
-def _store_swiglu_rows(acc, h_ptr, pairs, valid, pid_n, F, stride_hm, limit, alpha, ACT: tl.constexpr,
+def _store_swiglu_rows(acc, h_ptr, rows, valid, pid_n, F, stride_hm, limit, alpha, ACT: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Both gate/up kernels' epilogue: the fp32 product ``acc`` [BLOCK_M, 2 BLOCK_N] (gate and up
-    columns interleaved) -> h's rows ``pairs`` (where ``valid``), features pid_n BLOCK_N + j. The
+    columns interleaved) -> h's ``rows`` (where ``valid``), features pid_n BLOCK_N + j. The
     dense kernel's roundings: G and U to h's dtype (x's), the gate factor, the product once."""
     dt = h_ptr.dtype.element_ty
     g, u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
@@ -123,7 +127,7 @@ def _store_swiglu_rows(acc, h_ptr, pairs, valid, pid_n, F, stride_hm, limit, alp
     a = gate_factor(g, ACT, limit, alpha).to(dt).to(tl.float32)
     hv = a * up_factor(u, ACT, limit)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(h_ptr + pairs.to(tl.int64)[:, None] * stride_hm + cols[None, :], hv.to(dt),
+    tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :], hv.to(dt),
              mask=valid[:, None] & (cols < F)[None, :])
 
 
@@ -134,13 +138,13 @@ def _expert_down_kernel(
     IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    e, pairs, valid, _ = _block_rows(pairs_ptr, experts_ptr, NUM_PAIRS, 1, BLOCK_M)
+    e, rows, pairs, valid, _ = _block_rows(pairs_ptr, experts_ptr, NUM_PAIRS, 1, BLOCK_M)
     if e < 0:
         return
     pid_n = tl.program_id(1)
     wrows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features: rows of w2[e]
     k = tl.arange(0, BLOCK_K)
-    h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * stride_hm + k[None, :]  # the gather: rows h[p]
+    h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + k[None, :]  # the block's rows of h
     w_ptrs = (w_ptr + e.to(tl.int64) * stride_we + (wrows % H).to(tl.int64)[None, :] * stride_wn
               + k[:, None])  # [BLOCK_K, BLOCK_N] of w2[e].T
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -169,7 +173,7 @@ def _used_blocks(experts_ptr, NUM_BLOCKS, CHUNK: tl.constexpr):
 @triton.jit
 def _tile_rows(tile, num_blocks, num_n, pairs_ptr, experts_ptr, NUM_PAIRS, BLOCK_M: tl.constexpr,
                GROUP: tl.constexpr):
-    """(expert, feature tile, pair ids, valid) of a persistent kernel's tile in the grouped order:
+    """(expert, feature tile, block, pair ids, valid) of a persistent kernel's tile in the grouped order:
     GROUP consecutive blocks of the pair list walk the feature tiles together (an expert's blocks
     are consecutive, so the programs at work share its weight tiles in L2; GROUP 1: a block's
     feature tiles one after the other)."""
@@ -177,7 +181,7 @@ def _tile_rows(tile, num_blocks, num_n, pairs_ptr, experts_ptr, NUM_PAIRS, BLOCK
     e = tl.load(experts_ptr + b)
     pairs = tl.load(pairs_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = (pairs >= 0) & (pairs < NUM_PAIRS)
-    return e, pid_n, tl.where(valid, pairs, 0), valid
+    return e, pid_n, b, tl.where(valid, pairs, 0), valid
 
 
 @triton.jit
@@ -196,7 +200,7 @@ def _expert_gate_up_tma_kernel(
     used = _used_blocks(experts_ptr, NUM_BLOCKS, 1024)
     k = tl.arange(0, BLOCK_K)
     for tile in tl.range(tl.program_id(0), used * num_n, PROGRAMS, flatten=True):
-        e, pid_n, pairs, valid = _tile_rows(tile, used, num_n, pairs_ptr, experts_ptr, NUM_PAIRS, BLOCK_M, GROUP)
+        e, pid_n, b, pairs, valid = _tile_rows(tile, used, num_n, pairs_ptr, experts_ptr, NUM_PAIRS, BLOCK_M, GROUP)
         x_ptrs = x_ptr + (pairs // SLOTS).to(tl.int64)[:, None] * stride_xm + k[None, :]
         w_row = e * (2 * F) + pid_n * (2 * BLOCK_N)
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
@@ -207,31 +211,29 @@ def _expert_gate_up_tma_kernel(
                 xt = tl.load(x_ptrs + k0, mask=(k < H - k0)[None, :], other=0.0)
             w = w_desc.load([w_row, k0])  # 2 BLOCK_N interleaved gate/up rows
             acc = tl.dot(xt, w.T, acc)
-        _store_swiglu_rows(acc, h_ptr, pairs, valid, pid_n, F, stride_hm, limit, alpha, ACT, BLOCK_M, BLOCK_N)
+        rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+        _store_swiglu_rows(acc, h_ptr, rows, valid, pid_n, F, stride_hm, limit, alpha, ACT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _expert_down_tma_kernel(
-    h_ptr, w_desc, pairs_ptr, experts_ptr, y_ptr,
-    NUM_BLOCKS, NUM_PAIRS, H, F, stride_hm, stride_ym,
-    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    h_desc, w_desc, pairs_ptr, experts_ptr, y_ptr,
+    NUM_BLOCKS, NUM_PAIRS, H, F, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr, PROGRAMS: tl.constexpr,
 ):
-    # Persistent as _expert_gate_up_tma_kernel; the weight tile through a descriptor over w2 as
-    # [E_total H, F], h's rows gathered by pair id.
+    # Persistent as _expert_gate_up_tma_kernel; both operands through descriptors (zero-filled
+    # past F): the block's rows of h (list order: contiguous) and the weight tile of w2 as
+    # [E_total H, F]. Sentinel rows of h are unwritten; a row of the product depends on its own row
+    # of h alone, and theirs are never stored.
     num_n = tl.cdiv(H, BLOCK_N)
     used = _used_blocks(experts_ptr, NUM_BLOCKS, 1024)
-    k = tl.arange(0, BLOCK_K)
     for tile in tl.range(tl.program_id(0), used * num_n, PROGRAMS, flatten=True):
-        e, pid_n, pairs, valid = _tile_rows(tile, used, num_n, pairs_ptr, experts_ptr, NUM_PAIRS, BLOCK_M, GROUP)
-        h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * stride_hm + k[None, :]
+        e, pid_n, b, pairs, valid = _tile_rows(tile, used, num_n, pairs_ptr, experts_ptr, NUM_PAIRS, BLOCK_M, GROUP)
         w_row = e * H + pid_n * BLOCK_N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, F, BLOCK_K):
-            if EVEN_K:
-                ht = tl.load(h_ptrs + k0)
-            else:
-                ht = tl.load(h_ptrs + k0, mask=(k < F - k0)[None, :], other=0.0)
+            ht = h_desc.load([b * BLOCK_M, k0])  # [BLOCK_M, BLOCK_K]: the block's rows of h
             w = w_desc.load([w_row, k0])  # [BLOCK_N, BLOCK_K] rows of w2[e]
             acc = tl.dot(ht, w.T, acc)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -285,11 +287,12 @@ DOWN_TILES = {16: GroupedGemmConfig(128, 64, 8, 4), 64: GroupedGemmConfig(256, 6
 # them; NOTES.md 74). Gate/up: 128 features (a TMA box holds at most 256 weight rows), K step 64,
 # 8 warps; on 64-row blocks 4 stages in groups of 16 blocks (0.538 / 0.773 / 1.365 ms, against the
 # pointer kernel's 0.549 / 0.803 / 1.435), on 128-row blocks 3 stages in groups of 2 (1.267 ms at
-# 16384). Down: 256 features, K step 64, 8 warps; on 64-row blocks 3 stages in groups of 16 (0.327
-# / 0.485 / 0.867 ms against 0.407 / - / 1.151), on 128-row blocks 4 stages, one block at a time
-# (0.768 ms at 16384, the pointer kernel 0.958).
+# 16384). Down, h's rows through TMA (scratch A/B, H200, session 44; NOTES.md 99): 256 features, K
+# step 64, 8 warps, groups of 16; on 64-row blocks 4 stages (0.233 / 0.390 ms at 4096 / 8192 tokens
+# against 0.317 / 0.465 with h gathered by pointer), on 128-row blocks 3 stages (0.635 ms at 16384
+# against 0.733).
 TMA_GATE_UP_TILES = {64: GroupedGemmConfig(128, 64, 8, 4, 16), 128: GroupedGemmConfig(128, 64, 8, 3, 2)}
-TMA_DOWN_TILES = {64: GroupedGemmConfig(256, 64, 8, 3, 16), 128: GroupedGemmConfig(256, 64, 8, 4, 1)}
+TMA_DOWN_TILES = {64: GroupedGemmConfig(256, 64, 8, 4, 16), 128: GroupedGemmConfig(256, 64, 8, 3, 16)}
 TMA_MIN_BLOCK_M = {"gate_up": 64, "down": 64}  # the TMA kernels by default from these row tiles
 TMA_INTERPRET_TILE = GroupedGemmConfig(16, 16, 4, 1, 2)  # the interpreter (tests): several tiles, a K tail, groups
 
@@ -312,27 +315,35 @@ def grouped_gemm_config(kind: str, dtype: torch.dtype, block_m: int, tma: bool =
     return tile
 
 
-def grouped_tma_ok(a: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether the TMA kernels can take operand ``a`` (x or h: 16-bit rows) and weights ``w``
-    [E_total, R, K]: contiguous, so that [E_total R, K] is a TMA-addressable view."""
-    return a.dtype in (torch.float16, torch.bfloat16) and w.is_contiguous() and tma_ok(w.view(-1, w.shape[-1]))
+def grouped_tma_ok(kind: str, a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the TMA kernel of ``kind`` can take operand ``a`` (x or h: 16-bit rows; h, read
+    through a descriptor, TMA-addressable) and weights ``w`` [E_total, R, K]: contiguous, so that
+    [E_total R, K] is a TMA-addressable view."""
+    return (a.dtype in (torch.float16, torch.bfloat16) and w.is_contiguous() and tma_ok(w.view(-1, w.shape[-1]))
+            and (kind == "gate_up" or tma_ok(a)))
 
 
-def _tma_box_ok(kind: str, a: torch.Tensor, config: GroupedGemmConfig | None) -> bool:
-    """Whether ``config``'s weight tile fits a TMA box (at most 256 rows of at least 16 bytes)."""
+def _tma_box_ok(kind: str, a: torch.Tensor, block_m: int, config: GroupedGemmConfig | None) -> bool:
+    """Whether the weight tile of ``config`` (and the down GEMM's tile of h) fits a TMA box: at
+    most 256 rows of at least 16 bytes."""
+    if kind == "down" and block_m > 256:
+        return False
     if config is None:
         return True
     rows = 2 * config.block_n if kind == "gate_up" else config.block_n
     return rows <= 256 and config.block_k * a.element_size() >= 16
 
 
-def _check_tma(tma, kind: str, a: torch.Tensor, w: torch.Tensor, config: GroupedGemmConfig | None) -> None:
+def _check_tma(tma, kind: str, a: torch.Tensor, w: torch.Tensor, block_m: int,
+               config: GroupedGemmConfig | None) -> None:
     if tma not in (None, True, False):
         raise ValueError(f"tma: expected None, True or False, got {tma!r}")
-    if tma and not grouped_tma_ok(a, w):
-        raise ValueError("tma: the TMA kernels need 16-bit operands and contiguous weights whose rows are "
-                         "16-byte multiples")
-    if tma and not _tma_box_ok(kind, a, config):
+    if tma and not grouped_tma_ok(kind, a, w):
+        raise ValueError("tma: the TMA kernels need 16-bit operands, contiguous weights and (down) a contiguous h, "
+                         "with rows of 16-byte multiples")
+    if tma and kind == "down" and block_m > 256:
+        raise ValueError(f"block_m: {block_m} rows of h are more than a TMA box holds (256)")
+    if tma and not _tma_box_ok(kind, a, block_m, config):
         raise ValueError(f"config: {config} gives a weight tile that a TMA box cannot hold (at most 256 rows of at "
                          "least 16 bytes)")
 
@@ -350,11 +361,11 @@ def _tma_config(kind: str, a: torch.Tensor, block_m: int, config: GroupedGemmCon
 def _use_tma(kind: str, a: torch.Tensor, w: torch.Tensor, block_m: int, tma: bool | None,
              config: GroupedGemmConfig | None) -> bool:
     """``tma`` None: the TMA kernel of ``kind`` on Hopper from TMA_MIN_BLOCK_M[kind] rows when it
-    can address the operands and a given ``config`` fits its box (else the pointer kernel, for
+    can address the operands and its tiles fit a box (else the pointer kernel, for
     which such a config was meant); True: it (checked by ``_check_tma``); False: the pointer kernel."""
     if tma is None:
-        return (arch_major(a.device) == 9 and block_m >= TMA_MIN_BLOCK_M[kind] and grouped_tma_ok(a, w)
-                and _tma_box_ok(kind, a, config))
+        return (arch_major(a.device) == 9 and block_m >= TMA_MIN_BLOCK_M[kind] and grouped_tma_ok(kind, a, w)
+                and _tma_box_ok(kind, a, block_m, config))
     return tma
 
 
@@ -420,7 +431,7 @@ def _check_gate_up(x, w13, sorted_pairs, block_experts, slots, activation, block
     _check_pair_list(sorted_pairs, block_experts, block_m, x.device)
 
 
-def _check_down(h, w2, sorted_pairs, block_experts, block_m) -> None:
+def _check_down(h, w2, sorted_pairs, block_experts, block_m, num_pairs) -> None:
     _check_tensor("h", h, 2)
     _check_tensor("w2", w2, 3)
     if w2.shape[2] != h.shape[1]:
@@ -430,6 +441,11 @@ def _check_down(h, w2, sorted_pairs, block_experts, block_m) -> None:
     if w2.device != h.device:
         raise ValueError(f"w2: on {w2.device}, h on {h.device}")
     _check_pair_list(sorted_pairs, block_experts, block_m, h.device)
+    if h.shape[0] != sorted_pairs.numel():
+        raise ValueError(f"h: expected one row per entry of sorted_pairs ({sorted_pairs.numel()}: list order, as "
+                         f"expert_gate_up writes it), got shape {tuple(h.shape)}")
+    if not isinstance(num_pairs, int) or isinstance(num_pairs, bool) or num_pairs < 0:
+        raise ValueError(f"num_pairs: expected a non-negative int (N * S), got {num_pairs!r}")
 
 
 def _check_combine(y, weights, out_dtype) -> torch.dtype:
@@ -449,16 +465,17 @@ def _check_combine(y, weights, out_dtype) -> torch.dtype:
 def expert_gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_pairs: torch.Tensor, block_experts: torch.Tensor,
                    slots: int, activation: Activation, block_m: int, *, out: torch.Tensor | None = None,
                    config: GroupedGemmConfig | None = None, tma: bool | None = None) -> torch.Tensor:
-    """h [N * S, F] in x's dtype, row p = SwiGLU of token p // S through expert w13[e] for each
-    listed pair p (module docstring); rows of unlisted pairs keep ``out``'s values (or are
-    uninitialised). x [N, H], w13 [E_total, 2F, H] interleaved, S = ``slots``. ``tma``: which
+    """h [P_max, F] in x's dtype, in list order: row i = SwiGLU of token p // S through expert
+    w13[e] for entry i of ``sorted_pairs`` (pair p, module docstring); rows of sentinel entries and
+    unused blocks keep ``out``'s values (or are uninitialised). x [N, H], w13 [E_total, 2F, H]
+    interleaved, S = ``slots``. ``tma``: which
     kernel (None: the persistent TMA kernel on Hopper from 64-row blocks, else the pointer one;
     True / False force it, True in the interpreter too)."""
     _check_gate_up(x, w13, sorted_pairs, block_experts, slots, activation, block_m)
-    _check_tma(tma, "gate_up", x, w13, config)
+    _check_tma(tma, "gate_up", x, w13, block_m, config)
     N, H = x.shape
     F = w13.shape[1] // 2
-    h = _check_out("out", out, (N * slots, F), x.dtype, x.device)
+    h = _check_out("out", out, (sorted_pairs.numel(), F), x.dtype, x.device)
     if not use_triton(x):
         return expert_gate_up_ref(x, w13, sorted_pairs, block_experts, slots, activation, block_m, out=h)
     if N == 0 or F == 0 or sorted_pairs.numel() == 0:
@@ -490,28 +507,29 @@ def expert_gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_pairs: torch.Tenso
 
 
 def expert_down(h: torch.Tensor, w2: torch.Tensor, sorted_pairs: torch.Tensor, block_experts: torch.Tensor,
-                block_m: int, *, out: torch.Tensor | None = None,
+                block_m: int, num_pairs: int, *, out: torch.Tensor | None = None,
                 config: GroupedGemmConfig | None = None, tma: bool | None = None) -> torch.Tensor:
-    """y [N * S, H] in h's dtype, row p = round(h[p] @ w2[e]^T) (fp32 product, one rounding) for
-    each listed pair p; rows of unlisted pairs keep ``out``'s values (or are uninitialised).
+    """y [num_pairs, H] (num_pairs = N * S) in h's dtype, in pair order: row p = round(h[i] @ w2[e]^T)
+    (fp32 product, one rounding) for the entry i of each listed pair p; h [P_max, F] in list order
+    (``expert_gate_up``'s). Rows of unlisted pairs keep ``out``'s values (or are uninitialised).
     ``tma`` as ``expert_gate_up``'s (the TMA kernel by default from 64-row blocks)."""
-    _check_down(h, w2, sorted_pairs, block_experts, block_m)
-    _check_tma(tma, "down", h, w2, config)
-    P, F = h.shape
-    H = w2.shape[1]
-    y = _check_out("out", out, (P, H), h.dtype, h.device)
+    _check_down(h, w2, sorted_pairs, block_experts, block_m, num_pairs)
+    _check_tma(tma, "down", h, w2, block_m, config)
+    F, H = h.shape[1], w2.shape[1]
+    y = _check_out("out", out, (num_pairs, H), h.dtype, h.device)
     if not use_triton(h):
-        return expert_down_ref(h, w2, sorted_pairs, block_experts, block_m, out=y)
-    if P == 0 or H == 0 or sorted_pairs.numel() == 0:
+        return expert_down_ref(h, w2, sorted_pairs, block_experts, block_m, num_pairs, out=y)
+    if num_pairs == 0 or H == 0 or sorted_pairs.numel() == 0:
         return y
     if _use_tma("down", h, w2, block_m, tma, config):
         cfg = _tma_config("down", h, block_m, config)
+        h_desc = TensorDescriptor.from_tensor(h, [block_m, cfg.block_k])
         w_desc = TensorDescriptor.from_tensor(w2.view(-1, F), [cfg.block_n, cfg.block_k])
         programs = min(block_experts.numel() * cdiv(H, cfg.block_n), num_sms(h.device))
         _expert_down_tma_kernel[(programs,)](
-            h, w_desc, sorted_pairs, block_experts, y,
-            block_experts.numel(), P, H, F, h.stride(0), y.stride(0),
-            EVEN_K=F % cfg.block_k == 0, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            h_desc, w_desc, sorted_pairs, block_experts, y,
+            block_experts.numel(), num_pairs, H, F, y.stride(0),
+            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             GROUP=cfg.group, PROGRAMS=programs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return y
@@ -519,7 +537,7 @@ def expert_down(h: torch.Tensor, w2: torch.Tensor, sorted_pairs: torch.Tensor, b
     grid = (block_experts.numel(), cdiv(H, cfg.block_n))
     _expert_down_kernel[grid](
         h, w2, sorted_pairs, block_experts, y,
-        P, H, F, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        num_pairs, H, F, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         IEEE=h.dtype == torch.float32, EVEN_K=F % cfg.block_k == 0,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -546,36 +564,37 @@ def combine(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype | str
 
 
 # ----------------------------------------------------------------------------- references
-def _listed_pairs(sorted_pairs, block_experts, block_m, num_pairs):
-    """(pair ids, their experts) of every listed (non-sentinel, used-block) entry."""
+def listed_entries(sorted_pairs, block_experts, block_m: int, num_pairs: int):
+    """(entries, pair ids, experts) of every listed (non-sentinel, used-block) entry of the pair
+    list, int64: h's row ``entries[i]`` (list order) is pair ``pairs[i]``'s, y's row ``pairs[i]``."""
     experts = block_experts.long().repeat_interleave(block_m)
     pairs = sorted_pairs.long()
     keep = (experts >= 0) & (pairs >= 0) & (pairs < num_pairs)
-    return pairs[keep], experts[keep]
+    return keep.nonzero().flatten(), pairs[keep], experts[keep]
 
 
 def expert_gate_up_ref(x, w13, sorted_pairs, block_experts, slots: int, activation: Activation, block_m: int,
                        *, out=None) -> torch.Tensor:
     """``expert_gate_up`` in plain PyTorch: ``gemm_swiglu_ref`` (the dense contract) per expert on
-    its gathered rows; unlisted rows of a new h are zero."""
+    its gathered rows, in list order; the other rows of a new h are zero."""
     N, F = x.shape[0], w13.shape[1] // 2
-    h = torch.zeros((N * slots, F), dtype=x.dtype, device=x.device) if out is None else out
-    pairs, experts = _listed_pairs(sorted_pairs, block_experts, block_m, N * slots)
+    h = torch.zeros((sorted_pairs.numel(), F), dtype=x.dtype, device=x.device) if out is None else out
+    entries, pairs, experts = listed_entries(sorted_pairs, block_experts, block_m, N * slots)
     for e in experts.unique().tolist():
-        p = pairs[experts == e]
-        h[p] = gemm_swiglu_ref(x[p // slots], w13[e], activation)
+        mine = experts == e
+        h[entries[mine]] = gemm_swiglu_ref(x[pairs[mine] // slots], w13[e], activation)
     return h
 
 
-def expert_down_ref(h, w2, sorted_pairs, block_experts, block_m: int, *, out=None) -> torch.Tensor:
+def expert_down_ref(h, w2, sorted_pairs, block_experts, block_m: int, num_pairs: int, *, out=None) -> torch.Tensor:
     """``expert_down`` in plain PyTorch: the product in fp32 (work dtype), rounded to h's dtype;
     unlisted rows of a new y are zero."""
-    y = torch.zeros((h.shape[0], w2.shape[1]), dtype=h.dtype, device=h.device) if out is None else out
-    pairs, experts = _listed_pairs(sorted_pairs, block_experts, block_m, h.shape[0])
+    y = torch.zeros((num_pairs, w2.shape[1]), dtype=h.dtype, device=h.device) if out is None else out
+    entries, pairs, experts = listed_entries(sorted_pairs, block_experts, block_m, num_pairs)
     work = work_dtype(h)
     for e in experts.unique().tolist():
-        p = pairs[experts == e]
-        y[p] = (h[p].to(work) @ w2[e].to(work).T).to(h.dtype)
+        mine = experts == e
+        y[pairs[mine]] = (h[entries[mine]].to(work) @ w2[e].to(work).T).to(h.dtype)
     return y
 
 

@@ -150,7 +150,7 @@ class SwiGLUMoE(nn.Module):
         routing = route(rows, w, self.top_k, self.num_shared, block_m, num_experts=self.num_experts)
         pairs = routing.sorted_pairs, routing.block_experts
         h = expert_gate_up(rows, self.w13, *pairs, slots, self.activation, block_m)
-        y = expert_down(h, self.w2, *pairs, block_m)
+        y = expert_down(h, self.w2, *pairs, block_m, rows.shape[0] * slots)
         return combine(y, routing.weights, x.dtype).view(x.shape)
 
     def extra_repr(self) -> str:
