@@ -36,10 +36,11 @@ demo: $(VENV)/.installed
 	printf 'Hello!\n' | $(RUN_ENV) $(PY) -m fuselm chat $(DEMO_CHECKPOINT) --max-tokens 12
 	$(RUN_ENV) $(PY) -m fuselm audit
 
-# Without a GPU the suite runs on every core (pytest-xdist, a test file a worker): the interpreter's
-# kernels are single-threaded, so two cores take ~11 minutes where one took ~20.
+# Without a GPU the suite runs on every core, at most 4 (pytest-xdist, a test file a worker; the cap
+# keeps a container that reports its host's cores from starting dozens of torch processes): the
+# interpreter's kernels are single-threaded, so two cores take ~11 minutes where one took ~20.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q --durations=15 $(if $(HAS_GPU),,-n auto --dist loadfile) tests
+	$(PY) -m pytest -q --durations=15 $(if $(HAS_GPU),,-n auto --maxprocesses 4 --dist loadfile) tests
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/ops.py
