@@ -23,6 +23,11 @@ def pytest_addoption(parser):
     parser.addoption("--large", action="store_true", help="also run the real-model-shape cases (GPU)")
 
 
+# The files that take longest on a CPU (~70-250 s each), run first: with pytest-xdist handing out a
+# file a worker (`make test`), a long file started last would leave the other workers idle.
+SLOW_FILES_FIRST = ("test_serve.py", "test_qwen35.py", "test_engine.py", "test_llm.py", "test_qwen35_moe.py")
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_large = pytest.mark.skip(reason="large shapes: pass --large on a GPU")
@@ -31,6 +36,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "large" in item.keywords and not (ON_GPU and config.getoption("--large")):
             item.add_marker(skip_large)
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's order kept
 
 
 @pytest.fixture(autouse=True)
