@@ -23,7 +23,8 @@ gate/up and down grouped GEMMs at every tile config of SWEEP (features per progr
 warps, stages) on the routing the block uses at that count; from 64-row blocks the pointer kernels'
 default tile and the persistent TMA kernels at every tile of TMA_SWEEP. ``--sweep-route``: the routing kernel
 and its sort at 1, 8 and 16 tokens by the sort's variant, step width and warps, and past 16
-tokens by tokens a program. ``--sweep-decode``: at 1, 2, 8, 16 tokens the decode path's three
+tokens the routing and placement kernels by tokens a step and warps, the whole routing by tokens a
+chunk. ``--sweep-decode``: at 1, 2, 8, 16 tokens the decode path's three
 kernels (``decode.router_logits``, ``pair_gate_up``, ``down_combine``) alone at every tile of
 DECODE_SWEEP, the router beside cuBLAS's F.linear.
 """
@@ -47,7 +48,7 @@ from fuselm.ops.moe.grouped_gemm import (TMA_MIN_BLOCK_M, GroupedGemmConfig, com
 from fuselm.ops.moe.op import PAIR_PATH_TOKENS
 from fuselm.ops.moe.routing import route
 from fuselm.ops.silu_mul import silu_mul
-from timing import bench, graph_bench, kernel_breakdown
+from timing import bench, graph_bench, graph_per_call_ms, kernel_breakdown
 
 H, E, K, F_, F_S = 2048, 256, 8, 512, 512
 
@@ -121,8 +122,9 @@ def sweep_configs(block_m: int):
 
 def sweep_route(moe: SwiGLUMoE, out: Path) -> None:
     """The decode routing (one program routes and sorts) at 1, 8 and 16 tokens: the pairwise sort
-    at each step width and warp count, and the one-hot sort (FEW_PAIRS 0) at its warps; then the
-    routing at 64 and 4096 tokens by tokens per routing program and warps."""
+    at each step width and warp count, and the one-hot sort (FEW_PAIRS 0) at its warps; then past
+    16 tokens the routing and placement kernels alone by step and warps, and the whole routing by
+    tokens a chunk."""
     defaults = routing.FEW_PAIRS, routing.FEW_PAIRS_STEP, routing.FEW_PAIRS_WARPS
     lines = [f"## decode routing alone, 35B-A3B layer, bf16, {torch.cuda.get_device_name()} (us, graph replays; "
              f"default: pairwise, step {defaults[1]}, {defaults[2]} warps)", "",
@@ -141,20 +143,60 @@ def sweep_route(moe: SwiGLUMoE, out: Path) -> None:
             results.append({"tokens": tokens, "sort": sort, "step": step, "warps": warps, "us": us})
             lines.append(f"| {tokens} | {sort} | {step} | {warps} | {us:.1f} |")
     routing.FEW_PAIRS, routing.FEW_PAIRS_STEP, routing.FEW_PAIRS_WARPS = defaults
-    defaults = routing.ROUTE_BLOCK_T, routing.ROUTE_WARPS
-    lines += ["", f"Past {routing.DECODE_TOKENS} tokens (the routing kernel, then the three sort launches) by "
-              f"tokens per routing program and warps (default {defaults[0]}, {defaults[1]}):", "",
-              "| tokens | tokens a program | warps | us |", "|---|---|---|---|"]
-    for tokens in (64, 4096):
+    lines += ["", f"Past {routing.DECODE_TOKENS} tokens: the routing kernel (with counts) and the placement "
+              f"kernel alone (us a call, 20 calls a graph), by tokens a step and warps, at {routing.ROUTE_CHUNK}-token "
+              f"chunks (or more: at most {routing.ROUTE_MAX_CHUNKS} chunks; a step is at most a chunk); then the "
+              "whole routing (router GEMM included, graph replays) by chunks at the fastest steps and warps:", "",
+              "| tokens | kernel | step | warps | us |", "|---|---|---|---|---|"]
+    E, k, ns, block_m = moe.num_experts, moe.top_k, moe.num_shared, 64
+    names = {"route": ("ROUTE_STEP", "ROUTE_WARPS"), "place": ("PLACE_STEP", "PLACE_WARPS")}
+    defaults = {name: tuple(getattr(routing, a) for a in attrs) for name, attrs in names.items()}
+    relative = {name: {} for name in names}  # (step, warps) -> sum over token counts of us / fastest us
+    for tokens in (64, 4096, 16384):
         x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
-        for block_t in (2, 4, 8, 16):
-            for warps in (1, 2, 4, 8):
-                routing.ROUTE_BLOCK_T, routing.ROUTE_WARPS = block_t, warps
-                us = 1e3 * graph_bench(lambda: route(x, moe.router_with_gate, moe.top_k, moe.num_shared, 64,
-                                                     num_experts=moe.num_experts))
-                results.append({"tokens": tokens, "block_t": block_t, "warps": warps, "us": us})
-                lines.append(f"| {tokens} | {block_t} | {warps} | {us:.1f} |")
-    routing.ROUTE_BLOCK_T, routing.ROUTE_WARPS = defaults
+        logits = F.linear(x, moe.router_with_gate)
+        r = route(x, moe.router_with_gate, k, ns, block_m, num_experts=E)
+        counts = torch.empty(runtime.cdiv(tokens, routing.route_chunk(tokens)), routing._route_geometry(E)[0],
+                             dtype=torch.int32, device="cuda")
+        launches = {
+            "route": lambda: routing.route_kernel(logits, E, k, ns, r.weights, r.experts, r.sorted_pairs,
+                                                  r.block_experts, block_m, counts),
+            "place": lambda: routing.place_kernel(r.experts, counts, E, k, ns, block_m, r.sorted_pairs,
+                                                  r.block_experts)}
+        for name, attrs in names.items():
+            times = {}
+            for step, warps in itertools.product((4, 8, 16, 32), (1, 2, 4, 8)):
+                setattr(routing, attrs[0], step)
+                setattr(routing, attrs[1], warps)
+                times[step, warps] = us = 1e3 * graph_per_call_ms(launches[name])
+                results.append({"tokens": tokens, "kernel": name, "step": step, "warps": warps, "us": us})
+                lines.append(f"| {tokens} | {name} | {step} | {warps} | {us:.1f} |")
+            for (attr, value) in zip(attrs, defaults[name]):
+                setattr(routing, attr, value)
+            for key, us in times.items():
+                relative[name][key] = relative[name].get(key, 0.0) + us / min(times.values())
+    best = {name: min(relative[name], key=relative[name].get) for name in names}
+    for name, attrs in names.items():
+        for attr, value in zip(attrs, best[name]):
+            setattr(routing, attr, value)
+    chunk_default = routing.ROUTE_CHUNK, routing.ROUTE_MAX_CHUNKS
+    lines += ["", f"Fastest over the three counts (sum of time / the count's fastest): route step {best['route'][0]}, "
+              f"{best['route'][1]} warps; place step {best['place'][0]}, {best['place'][1]} warps. The whole routing "
+              f"by tokens a chunk (ROUTE_CHUNK, at {chunk_default[1]} chunks at most) and by the most chunks "
+              f"(ROUTE_MAX_CHUNKS, from {chunk_default[0]}-token chunks):", "",
+              "| tokens | chunk | most chunks | us |", "|---|---|---|---|"]
+    variants = [(tokens, chunk, chunk_default[1]) for tokens in (64, 256) for chunk in (2, 4, 8, 16)]
+    variants += [(tokens, chunk_default[0], most) for tokens in (4096, 16384) for most in (128, 256, 512, 1024)]
+    for tokens, chunk, most in variants:
+        x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+        routing.ROUTE_CHUNK, routing.ROUTE_MAX_CHUNKS = chunk, most
+        us = 1e3 * graph_bench(lambda: route(x, moe.router_with_gate, k, ns, block_m, num_experts=E))
+        results.append({"tokens": tokens, "chunk": chunk, "most_chunks": most, "us": us})
+        lines.append(f"| {tokens} | {chunk} | {most} | {us:.1f} |")
+    routing.ROUTE_CHUNK, routing.ROUTE_MAX_CHUNKS = chunk_default
+    for name, attrs in names.items():
+        for attr, value in zip(attrs, defaults[name]):
+            setattr(routing, attr, value)
     out.mkdir(parents=True, exist_ok=True)
     (out / "moe_route_sweep.md").write_text("\n".join(lines) + "\n")
     (out / "moe_route_sweep.json").write_text(json.dumps(results, indent=1))

@@ -10,6 +10,9 @@
 #              each kernel's GPU time per token count: moe_kernels.md
 #   sweep      benchmarks/moe.py --sweep: the routing and each grouped GEMM alone at every tile config
 #              (1, 8, 64, 4096 tokens; 16 and 64 rows at 64, 64 and 128 at 4096): moe_sweep.md / moe_sweep.json
+#   route      benchmarks/moe.py --sweep-route: the routing alone, decode (1-16 tokens) by sort variant,
+#              past 16 tokens the routing and placement kernels by step and warps, then by chunk:
+#              moe_route_sweep.md / .json
 #   decode     benchmarks/moe.py --sweep-decode: the decode path's kernels alone by tile at 1-16 tokens
 #              (the router beside cuBLAS's): moe_decode_sweep.md / .json
 #   model      the 35B-A3B model whole beside HF transformers (benchmarks/qwen35.py --config 35b-a3b:
@@ -41,6 +44,10 @@ if want decode; then
   PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 400 python3 benchmarks/moe.py --sweep-decode --out "$OUT" \
     > "$OUT/moe_decode_sweep.log" 2>&1 || { status=1; tail -20 "$OUT/moe_decode_sweep.log"; }
   head -12 "$OUT/moe_decode_sweep.md"
+fi
+if want route; then
+  PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 500 python3 benchmarks/moe.py --sweep-route --out "$OUT" \
+    > "$OUT/moe_route_sweep.log" 2>&1 || { status=1; tail -20 "$OUT/moe_route_sweep.log"; }
 fi
 if want sweep; then
   PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 500 python3 benchmarks/moe.py --sweep --tokens 1 8 64 4096 --out "$OUT" \

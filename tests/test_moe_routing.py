@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import DEVICE, ON_GPU
 from helpers import randn
 from fuselm.ops.moe import route_ref, routing
-from fuselm.ops.moe.routing import Routing, max_pairs, route, route_pairs_ref, sort_kernel, sort_pairs_ref
+from fuselm.ops.moe.routing import Routing, max_pairs, place_kernel, route, route_pairs_ref, sort_pairs_ref
 
 # Matrix kernel: bf16 only on the GPU (the interpreter's bf16 tl.dot is wrong, triton 11584).
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
@@ -179,27 +179,40 @@ def test_all_tokens_on_the_same_experts_and_idle_experts(dtype):
     assert (r.weights[:, 2] > 0).all()
 
 
-@pytest.mark.parametrize("N, S, E_total, block_m, hot", [
-    (1, 1, 3, 16, None),
-    (7, 5, 12, 16, None),  # 35 pairs: not a multiple of block_m
-    (61, 11, 9, 16, None),  # several loop steps of the sort program
-    (40, 3, 300, 32, None),  # E_total > 256: wide one-hot, narrow pair blocks
-    (53, 4, 6, 64, 3),  # every pair on expert 3; the others idle
-    (9, 2, 40, 128, None),  # most experts idle, block_m larger than all pairs
-    (300, 9, 257, 64, None),  # Qwen3.5-MoE's 257 ids: 11 chunks of the count / scatter launches
+def chunk_counts(experts, top_k, E):
+    """The routing kernel's counts [chunks, E_PAD]: each chunk's routed pairs per expert."""
+    N, chunk = experts.shape[0], routing.route_chunk(experts.shape[0])
+    e_pad = routing._route_geometry(E)[0]
+    counts = torch.zeros(-(-N // chunk), e_pad, dtype=torch.int32)
+    for c in range(counts.shape[0]):
+        counts[c, :E] = torch.bincount(experts[c * chunk:(c + 1) * chunk, :top_k].reshape(-1).long(), minlength=E)
+    return counts.to(DEVICE)
+
+
+@pytest.mark.parametrize("N, top_k, E, num_shared, block_m, hot", [
+    (1, 1, 3, 0, 16, None),
+    (7, 5, 12, 1, 16, None),  # 42 pairs: not a multiple of block_m
+    (61, 9, 7, 2, 16, None),  # 9 slots on 7 experts: a token's slots repeat ids (as a NaN row's do)
+    (40, 3, 300, 1, 32, None),  # 512 padded ids: wide hits, narrow pair blocks
+    (53, 4, 6, 1, 64, 3),  # every routed pair on expert 3; the others idle
+    (9, 2, 40, 1, 128, None),  # most experts idle, block_m larger than all pairs
+    (300, 8, 256, 1, 64, None),  # Qwen3.5-MoE's 256 experts + 1 shared: 19 chunks
 ])
-def test_sort_kernel_against_a_brute_force_build(N, S, E_total, block_m, hot):
+def test_place_kernel_against_a_brute_force_build(N, top_k, E, num_shared, block_m, hot):
     if hot is None:
-        experts = torch.randint(0, E_total, (N, S), dtype=torch.int32)
-        experts[experts % 4 == 1] = 0  # a crowded expert 0 beside idle ones
+        routed = torch.randint(0, E, (N, top_k), dtype=torch.int32)
+        routed[routed % 4 == 1] = 0  # a crowded expert 0 beside idle ones
     else:
-        experts = torch.full((N, S), hot, dtype=torch.int32)
-    experts = experts.to(DEVICE)
-    p_max = max_pairs(N, S, E_total, block_m)
+        routed = torch.full((N, top_k), hot, dtype=torch.int32)
+    shared = torch.arange(E, E + num_shared, dtype=torch.int32).expand(N, num_shared)
+    experts = torch.cat([routed, shared], dim=1).contiguous().to(DEVICE)
+    E_total = E + num_shared
+    p_max = max_pairs(N, top_k + num_shared, E_total, block_m)
     sorted_pairs = torch.full((p_max,), GARBAGE, dtype=torch.int32, device=DEVICE)
     block_experts = torch.full((p_max // block_m,), GARBAGE, dtype=torch.int32, device=DEVICE)
     if routing.use_triton(experts):
-        sort_kernel(experts, E_total, block_m, sorted_pairs, block_experts)
+        place_kernel(experts, chunk_counts(experts, top_k, E), E, top_k, num_shared, block_m, sorted_pairs,
+                     block_experts)
     else:
         sorted_pairs, block_experts = sort_pairs_ref(experts, E_total, block_m)
     pairs, blocks = expected_pairs(experts.cpu(), E_total, block_m)
@@ -209,16 +222,21 @@ def test_sort_kernel_against_a_brute_force_build(N, S, E_total, block_m, hot):
     assert ref_pairs.tolist() == pairs and ref_blocks.tolist() == blocks
 
 
-def test_sort_chunks_grow_past_the_most_programs(monkeypatch):
-    """Past SORT_MAX_CHUNKS chunks of SORT_CHUNK pairs the chunks double (here: at most 2 chunks,
-    so 300 x 9 pairs take 2048-pair chunks), and the list is the same."""
-    assert routing.sort_chunk(256 * 256) == 256 and routing.sort_chunk(256 * 256 + 1) == 512
-    monkeypatch.setattr(routing, "SORT_MAX_CHUNKS", 2)
-    assert routing.sort_chunk(300 * 9) == 2048
-    test_sort_kernel_against_a_brute_force_build(300, 9, 257, 64, None)
+def test_route_chunks_grow_past_the_most_programs(monkeypatch):
+    """Past ROUTE_MAX_CHUNKS chunks of ROUTE_CHUNK tokens the chunks double (here: at most 2 chunks,
+    so 300 tokens take 256-token chunks, many steps a program), and the routing is the same."""
+    most = routing.ROUTE_CHUNK * routing.ROUTE_MAX_CHUNKS
+    assert routing.route_chunk(most) == routing.ROUTE_CHUNK and routing.route_chunk(most + 1) == 2 * routing.ROUTE_CHUNK
+    monkeypatch.setattr(routing, "ROUTE_MAX_CHUNKS", 2)
+    assert routing.route_chunk(300) == 256
+    test_place_kernel_against_a_brute_force_build(300, 8, 256, 1, 64, None)
+    x, w = randn(300, 32), router(40, 32, torch.float32)
+    r, ref = route(x, w, 8, 1, 16), route_pairs_ref(x, w, 8, 1, 16)
+    for f in ("experts", "sorted_pairs", "block_experts"):
+        assert torch.equal(getattr(r, f), getattr(ref, f)), f
 
 
-@pytest.mark.parametrize("N", [5, 40])  # one program sorting; the three sort launches
+@pytest.mark.parametrize("N", [5, 40])  # one program sorting; routing with counts, then the placement
 def test_rows_past_the_gate_are_ignored(N):
     """router_with_gate with extra rows (``pad_router_rows``'s alignment, here garbage) and
     num_experts = E: the routing of the unpadded weight."""
@@ -317,11 +335,11 @@ def test_bad_dtype_is_a_type_error():
 @pytest.mark.parametrize("N, E, top_k, block_m", [(1, 7, 3, 16), (16, 7, 3, 64), (16, 40, 8, 16), (17, 7, 3, 16)])
 def test_decode_routes_in_one_launch(N, E, top_k, block_m, few_pairs, monkeypatch):
     """Up to 16 tokens the routing kernel sorts the pairs itself (one launch: by pairwise
-    comparisons up to FEW_PAIRS pairs, by one-hot counts past that); past 16 tokens the sort is a
-    second launch. Same result every way (16 x 9 pairs: the 35B-A3B decode's 256-pair tile)."""
+    comparisons up to FEW_PAIRS pairs, by one-hot counts past that); past 16 tokens the placement
+    is a second launch. Same result every way (16 x 9 pairs: the 35B-A3B decode's 256-pair tile)."""
     sorts = []
-    launch = routing.sort_kernel
-    monkeypatch.setattr(routing, "sort_kernel", lambda *args: sorts.append(1) or launch(*args))
+    launch = routing.place_kernel
+    monkeypatch.setattr(routing, "place_kernel", lambda *args: sorts.append(1) or launch(*args))
     monkeypatch.setattr(routing, "FEW_PAIRS", few_pairs)
     x = torch.randn(N, 40, generator=torch.Generator().manual_seed(N)).to(DEVICE)
     w = torch.randn(E + 1, 40, generator=torch.Generator().manual_seed(99)).to(DEVICE) * 0.2
@@ -334,13 +352,14 @@ def test_decode_routes_in_one_launch(N, E, top_k, block_m, few_pairs, monkeypatc
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's numpy on NaN rows
-@pytest.mark.parametrize("few_pairs", [routing.FEW_PAIRS, 0])
-def test_nan_tokens_crowd_one_expert_and_the_list_stays_valid(few_pairs, monkeypatch):
+@pytest.mark.parametrize("N, few_pairs", [(16, routing.FEW_PAIRS), (16, 0), (40, routing.FEW_PAIRS)])
+def test_nan_tokens_crowd_one_expert_and_the_list_stays_valid(N, few_pairs, monkeypatch):
     """A NaN token matches no probability: each of its k slots gets expert E - 1 (kept in range).
     With 12 such tokens of 16 that expert holds 36 pairs, three 16-row blocks, the one way a decode
-    batch puts more than block_m pairs on one expert; the list is still the exact sort of the ids."""
+    batch puts more than block_m pairs on one expert; the list is still the exact sort of the ids
+    (past 16 tokens too, where the placement ranks a token's repeated id slot by slot)."""
     monkeypatch.setattr(routing, "FEW_PAIRS", few_pairs)
-    N, H, E, top_k = 16, 24, 7, 3
+    H, E, top_k = 24, 7, 3
     x = torch.randn(N, H, generator=torch.Generator().manual_seed(5))
     x[4:] = float("nan")
     x = x.to(DEVICE)

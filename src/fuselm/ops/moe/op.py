@@ -5,8 +5,8 @@ expert) on fuselm's kernels, built from HF's block. Inference only.
     y = moe(x)                                # x [..., H]
 
 Three launches per call up to PAIR_PATH_TOKENS tokens (decode, ``decode.swiglu_moe_decode``: the
-router logits, then gate/up and down, which route from the logits themselves), eight past that
-(``routing.route``: the GEMM, softmax / top-k, the pair sort in three launches; ``grouped_gemm``:
+router logits, then gate/up and down, which route from the logits themselves), six past that
+(``routing.route``: the GEMM, softmax / top-k with counts, the pair list's placement; ``grouped_gemm``:
 gate/up with the activation, down, the per-token combine with the routing weights), fixed grids
 and no host sync whatever the routing (CUDA-graph capturable). On a CPU without TRITON_INTERPRET
 every step runs its plain-PyTorch reference.

@@ -36,19 +36,19 @@ Outputs (``Routing``):
 
 Launches: the router and gate logits by one GEMM, ``F.linear(x, router_with_gate)`` (cuBLAS; a
 Triton program per 16 tokens reading the whole router was 115 us at one token on the H200, one
-program's share of the GPU's bandwidth); ``_route_kernel`` (a program per ROUTE_BLOCK_T
-tokens: softmax, k rounds of argmax, the gate's sigmoid) writes weights and experts; the counting
-sort, deterministic, no atomics: ``_count_kernel`` (a program per ``sort_chunk`` pairs: its pairs
-per expert), ``_offsets_kernel`` (one program: each expert's first entry, the exclusive prefix
-sum of the padded counts, and each chunk's first entry per expert), ``_scatter_kernel`` (a program
-per chunk: each pair id to its chunk's entry for its expert + the chunk's earlier pairs of that
-expert; a share of the blocks: each block's expert, the sentinel at each padding entry). One
-program sorting all pairs took 2.3 ms at 4096 tokens on the H200. Up to 16 tokens (decode) the
-routing kernel is one program and sorts too: two launches in all. It sorts up to FEW_PAIRS pairs
-by pairwise comparisons (``_sort_few_pairs``: 10.7 -> 3.8 us at one token and 29.6 -> 13.2 at 8
-on the H200 against one-hot counts over the 512 padded expert ids), more by those one-hot counts
-(``_sort_in_one_program``: many slots a token). The block's decode path (``decode.py``) routes
-inside its own kernels and uses none of this.
+program's share of the GPU's bandwidth); then up to 16 tokens (decode) one more: ``_route_kernel``
+as one program routes and sorts (up to FEW_PAIRS pairs by pairwise comparisons,
+``_sort_few_pairs``: 10.7 -> 3.8 us at one token and 29.6 -> 13.2 at 8 on the H200 against one-hot
+counts over the 512 padded expert ids; more by those one-hot counts, ``_sort_in_one_program``);
+past 16 tokens two more, a counting sort, deterministic, no atomics: ``_route_kernel`` on chunks
+of ``route_chunk(N)`` tokens (softmax, k rounds of argmax, the gate's sigmoid; weights, experts,
+and the chunk's pairs per routed expert), then ``_place_kernel`` (a program per chunk: every
+chunk's counts summed to each expert's first entry and the chunk's share of it; its pairs placed
+by a cumsum over its tokens of their expert hits; the shared chunks' pairs by arithmetic, since
+they are every token in order; a share of the blocks' experts and padding). One program sorting
+all pairs took 2.3 ms at 4096 tokens on the H200; count / offsets / scatter launches over one-hot
+[pairs, 512] tiles took 52 us at 4096 and 132 at 16384 (NOTES.md 103). The block's decode path
+(``decode.py``) routes inside its own kernels and uses none of this.
 """
 
 from __future__ import annotations
@@ -145,53 +145,67 @@ def route_pairs_ref(x: torch.Tensor, router_with_gate: torch.Tensor, top_k: int,
 # ----------------------------------------------------------------------------- kernels
 @triton.jit
 def _route_kernel(
-    logits_ptr, weights_ptr, experts_ptr, sorted_ptr, block_experts_ptr,
-    N, stride_ln, num_blocks,
-    E: tl.constexpr, TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr,
-    BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, S_PAD: tl.constexpr,
+    logits_ptr, weights_ptr, experts_ptr, sorted_ptr, block_experts_ptr, counts_ptr,
+    N, chunk_tokens, num_blocks, STRIDE_LN: tl.constexpr,
+    E: tl.constexpr, TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
+    E_PAD: tl.constexpr, S_PAD: tl.constexpr,
     SORT: tl.constexpr, BLOCK_M: tl.constexpr, SORT_BLOCK: tl.constexpr, E_TOTAL_PAD: tl.constexpr,
     PAIRS_PAD: tl.constexpr, PAIRS_STEP: tl.constexpr, RUN_BLOCKS: tl.constexpr,
 ):
-    """Weights and experts of BLOCK_T tokens from their [E + 1] logits (the router's E, then the
-    shared gate's), as the module docstring; with SORT (the only program) the pair sort too."""
+    """Weights and experts of ``chunk_tokens`` tokens, BLOCK_T a step, from their [E + 1] logits (the
+    router's E, then the shared gate's), as the module docstring; with SORT (the only program) the
+    pair sort too, else the chunk's pairs per routed expert into counts [chunks, E_PAD]."""
     S: tl.constexpr = TOP_K + NUM_SHARED
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, E_PAD)
-    row_ok = rows < N
-    real = (cols < E)[None, :]
-    # Rows past N wrap to valid ones (their results are not stored); columns past E read -inf.
-    row_ptrs = logits_ptr + (rows % N).to(tl.int64) * stride_ln
-    # softmax in fp32 over the E experts
-    logits = tl.load(row_ptrs[:, None] + cols[None, :], mask=real, other=float("-inf")).to(tl.float32)
-    p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    prob = p / tl.sum(p, axis=1)[:, None]
-    prob = tl.where(real, prob, -1.0)  # padding columns are never chosen (probabilities are >= 0)
-
-    # Top-k by k rounds of argmax: ties to the lowest id; a chosen column drops to -1.
     slots = tl.arange(0, S_PAD)[None, :]
-    out_w = tl.zeros([BLOCK_T, S_PAD], dtype=tl.float32)
-    out_e = tl.zeros([BLOCK_T, S_PAD], dtype=tl.int32)
-    total = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for j in range(TOP_K):
-        best = tl.max(prob, axis=1)
-        idx = tl.min(tl.where(prob == best[:, None], cols[None, :], E_PAD), axis=1)
-        idx = tl.minimum(idx, E - 1)  # a NaN row matches nothing: keep the id in range
-        total += best
-        out_w = tl.where(slots == j, best[:, None], out_w)
-        out_e = tl.where(slots == j, idx[:, None], out_e)
-        prob = tl.where(cols[None, :] == idx[:, None], -1.0, prob)
-    out_w = (out_w / total[:, None]).to(logits_ptr.dtype.element_ty).to(tl.float32)
-    if NUM_SHARED > 0:
-        gate = tl.load(row_ptrs + E).to(tl.float32)
-        scale = 1.0 / (1.0 + tl.exp(-gate))
-        shared = slots >= TOP_K
-        out_w = tl.where(shared, scale[:, None], out_w)
-        out_e = tl.where(shared, E - TOP_K + slots, out_e)
+    real = (cols < E)[None, :]
+    chunk_count = tl.zeros([E_PAD], dtype=tl.int32)
+    first = tl.program_id(0) * chunk_tokens
+    for t0 in range(first, tl.minimum(first + chunk_tokens, N), BLOCK_T):
+        rows = t0 + tl.arange(0, BLOCK_T)
+        row_ok = rows < N
+        # Rows past N wrap to valid ones (their results are not stored); columns past E read -inf.
+        row_ptrs = logits_ptr + (rows % N).to(tl.int64) * STRIDE_LN
+        # softmax in fp32 over the E experts
+        if E == E_PAD:  # no mask: with STRIDE_LN a multiple of 8 the rows' loads vectorise (a warp's rows
+            # its own, intra-warp reductions; a masked or unaligned load spreads a row over the warps)
+            logits = tl.load(row_ptrs[:, None] + cols[None, :]).to(tl.float32)
+        else:
+            logits = tl.load(row_ptrs[:, None] + cols[None, :], mask=real, other=float("-inf")).to(tl.float32)
+        p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        prob = p / tl.sum(p, axis=1)[:, None]
+        prob = tl.where(real, prob, -1.0)  # padding columns are never chosen (probabilities are >= 0)
 
-    offs = rows.to(tl.int64)[:, None] * S + slots
-    mask = row_ok[:, None] & (slots < S)
-    tl.store(weights_ptr + offs, out_w, mask=mask)
-    tl.store(experts_ptr + offs, out_e, mask=mask)
+        # Top-k by k rounds of argmax: ties to the lowest id; a chosen column drops to -1.
+        out_w = tl.zeros([BLOCK_T, S_PAD], dtype=tl.float32)
+        out_e = tl.zeros([BLOCK_T, S_PAD], dtype=tl.int32)
+        total = tl.zeros([BLOCK_T], dtype=tl.float32)
+        hits = tl.zeros([BLOCK_T, E_PAD], dtype=tl.int32)  # each expert's slots of a token (a NaN row: k on E - 1)
+        for j in range(TOP_K):
+            best = tl.max(prob, axis=1)
+            idx = tl.min(tl.where(prob == best[:, None], cols[None, :], E_PAD), axis=1)
+            idx = tl.minimum(idx, E - 1)  # a NaN row matches nothing: keep the id in range
+            total += best
+            out_w = tl.where(slots == j, best[:, None], out_w)
+            out_e = tl.where(slots == j, idx[:, None], out_e)
+            chosen = cols[None, :] == idx[:, None]
+            prob = tl.where(chosen, -1.0, prob)
+            if not SORT:
+                hits += chosen.to(tl.int32)
+        out_w = (out_w / total[:, None]).to(logits_ptr.dtype.element_ty).to(tl.float32)
+        if NUM_SHARED > 0:
+            gate = tl.load(row_ptrs + E).to(tl.float32)
+            scale = 1.0 / (1.0 + tl.exp(-gate))
+            shared = slots >= TOP_K
+            out_w = tl.where(shared, scale[:, None], out_w)
+            out_e = tl.where(shared, E - TOP_K + slots, out_e)
+
+        offs = rows.to(tl.int64)[:, None] * S + slots
+        mask = row_ok[:, None] & (slots < S)
+        tl.store(weights_ptr + offs, out_w, mask=mask)
+        tl.store(experts_ptr + offs, out_e, mask=mask)
+        if not SORT:
+            chunk_count += tl.sum(tl.where(row_ok[:, None], hits, 0), axis=0)
     if SORT:  # the only program (N <= DECODE_TOKENS): sort the pairs here too, one launch in all
         tl.debug_barrier()  # this program's expert ids are in memory for all its threads
         if PAIRS_PAD > 0:
@@ -200,6 +214,8 @@ def _route_kernel(
         else:
             _sort_in_one_program(experts_ptr, sorted_ptr, block_experts_ptr, N * S, num_blocks, E + NUM_SHARED,
                                  BLOCK_M, SORT_BLOCK, E_TOTAL_PAD)
+    else:
+        tl.store(counts_ptr + tl.program_id(0) * E_PAD + cols, chunk_count)
 
 
 @triton.jit
@@ -229,15 +245,19 @@ def _place_pairs(experts_ptr, sorted_ptr, i0, i_end, nxt, E_TOTAL, BLOCK: tl.con
 
 
 @triton.jit
-def _mark_blocks(sorted_ptr, block_experts_ptr, start, count, b_begin, b_end, num_pairs,
-                 BLOCK_M: tl.constexpr, BB: tl.constexpr, E_PAD: tl.constexpr):
-    """Blocks b_begin .. b_end - 1 of the list: each block's expert (the number of experts whose
-    padded range ends at or before the block's first entry; empty experts end where they start;
-    -1 past the used blocks) and the sentinel num_pairs at each of their padding entries (those
-    past the expert's count, and every entry of an unused block). Pair entries are not touched."""
+def _mark_blocks(sorted_ptr, block_experts_ptr, start, count, b_begin, b_end, num_pairs, num_tokens,
+                 E, NUM_SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BB: tl.constexpr, E_PAD: tl.constexpr):
+    """Blocks b_begin .. b_end - 1 of the list: each block's expert and the sentinel num_pairs at
+    each of their padding entries (those past the expert's count, and every entry of an unused
+    block); -1 past the used blocks. Pair entries are not touched. start, count [E_PAD]: the
+    experts whose ids are columns (a block's expert: the number of them whose padded range ends at
+    or before the block's first entry; empty ones end where they start); then NUM_SHARED shared
+    chunks E, E + 1, ..., each num_tokens pairs padded to whole blocks."""
     ecols = tl.arange(0, E_PAD)
     end = start + (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    used = tl.sum(end - start, axis=0)
+    routed_used = tl.sum(end - start, axis=0)
+    shared_len = (num_tokens + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    used = routed_used + NUM_SHARED * shared_len
     j = tl.arange(0, BLOCK_M)
     for b0 in range(b_begin, b_end, BB):
         b = b0 + tl.arange(0, BB)
@@ -245,9 +265,15 @@ def _mark_blocks(sorted_ptr, block_experts_ptr, start, count, b_begin, b_end, nu
         q = b * BLOCK_M
         unused = q >= used
         owner = tl.sum((end[None, :] <= q[:, None]).to(tl.int32), axis=1)
-        tl.store(block_experts_ptr + b, tl.where(unused, -1, owner), mask=ok)
         owner_start = tl.sum(tl.where(ecols[None, :] == owner[:, None], start[None, :], 0), axis=1)
         owner_count = tl.sum(tl.where(ecols[None, :] == owner[:, None], count[None, :], 0), axis=1)
+        if NUM_SHARED > 0:
+            in_shared = q >= routed_used
+            chunk = (q - routed_used) // tl.maximum(shared_len, 1)
+            owner = tl.where(in_shared, E + chunk, owner)
+            owner_start = tl.where(in_shared, routed_used + chunk * shared_len, owner_start)
+            owner_count = tl.where(in_shared, num_tokens, owner_count)
+        tl.store(block_experts_ptr + b, tl.where(unused, -1, owner), mask=ok)
         entry = q[:, None] + j[None, :]
         padding = unused[:, None] | (entry - owner_start[:, None] >= owner_count[:, None])
         tl.store(sorted_ptr + entry, tl.zeros([BB, BLOCK_M], dtype=tl.int32) + num_pairs,
@@ -271,7 +297,7 @@ def _sort_in_one_program(
         count += tl.sum(_one_hot(tl.load(experts_ptr + i, mask=i < num_pairs, other=-1), ecols, E_TOTAL), axis=0)
     padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     start = tl.cumsum(padded, axis=0) - padded
-    _mark_blocks(sorted_ptr, block_experts_ptr, start, count, 0, num_blocks, num_pairs, BLOCK_M, BLOCK, E_PAD)
+    _mark_blocks(sorted_ptr, block_experts_ptr, start, count, 0, num_blocks, num_pairs, 0, 0, 0, BLOCK_M, BLOCK, E_PAD)
     _place_pairs(experts_ptr, sorted_ptr, 0, num_pairs, start, E_TOTAL, BLOCK, E_PAD)
 
 
@@ -331,79 +357,81 @@ def _sort_few_pairs(
 
 
 @triton.jit
-def _count_kernel(experts_ptr, counts_ptr, num_pairs, E_TOTAL,
-                  CHUNK: tl.constexpr, BLOCK: tl.constexpr, E_PAD: tl.constexpr):
-    """Sort launch 1 (a program per CHUNK pairs): counts [chunks, E_PAD], each chunk's pairs per expert."""
+def _place_kernel(experts_ptr, counts_ptr, sorted_ptr, block_experts_ptr,
+                  N, chunk_tokens, num_chunks, num_blocks, blocks_per_program,
+                  E: tl.constexpr, TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, S_PAD: tl.constexpr,
+                  RB: tl.constexpr, BB: tl.constexpr):
+    """The pair list after the routing kernel's counts (a program per chunk of ``chunk_tokens`` tokens):
+    every chunk's counts summed (RB chunks a step) to each expert's first entry, plus the earlier
+    chunks' pairs of it; the chunk's routed pairs, BLOCK_T tokens a step, each to that entry plus
+    the pairs of its expert in earlier tokens (a cumsum of per-token hits) and earlier slots of its
+    token; the shared chunks' pairs, token n at its chunk's first entry + n; and
+    ``blocks_per_program`` blocks' experts and padding (disjoint from every pair entry)."""
+    S: tl.constexpr = TOP_K + NUM_SHARED
     c = tl.program_id(0)
-    ecols = tl.arange(0, E_PAD)
-    lanes = tl.arange(0, BLOCK)
-    count = tl.zeros([E_PAD], dtype=tl.int32)
-    for i0 in range(0, CHUNK, BLOCK):
-        i = c * CHUNK + i0 + lanes
-        count += tl.sum(_one_hot(tl.load(experts_ptr + i, mask=i < num_pairs, other=-1), ecols, E_TOTAL), axis=0)
-    tl.store(counts_ptr + c * E_PAD + ecols, count)
-
-
-@triton.jit
-def _offsets_kernel(counts_ptr, table_ptr, num_chunks, BLOCK_M: tl.constexpr, RB: tl.constexpr, E_PAD: tl.constexpr):
-    """Sort launch 2 (one program): each expert's count and first entry (exclusive prefix sum of
-    the padded counts) into table [2, E_PAD]; counts[c, e] overwritten by chunk c's first entry for
-    expert e (the expert's first entry plus the earlier chunks' pairs of e). RB chunks a step."""
     ecols = tl.arange(0, E_PAD)
     r = tl.arange(0, RB)
-    count = tl.zeros([E_PAD], dtype=tl.int32)
+    total = tl.zeros([E_PAD], dtype=tl.int32)
+    earlier = tl.zeros([E_PAD], dtype=tl.int32)
     for c0 in range(0, num_chunks, RB):
-        ok = (c0 + r < num_chunks)[:, None]
-        count += tl.sum(tl.load(counts_ptr + (c0 + r)[:, None] * E_PAD + ecols[None, :], mask=ok, other=0), axis=0)
-    padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ch = c0 + r
+        cnt = tl.load(counts_ptr + ch[:, None] * E_PAD + ecols[None, :], mask=(ch < num_chunks)[:, None], other=0)
+        total += tl.sum(cnt, axis=0)
+        earlier += tl.sum(tl.where((ch < c)[:, None], cnt, 0), axis=0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     start = tl.cumsum(padded, axis=0) - padded
-    tl.store(table_ptr + ecols, start)
-    tl.store(table_ptr + E_PAD + ecols, count)
-    nxt = start
-    for c0 in range(0, num_chunks, RB):
-        ok = (c0 + r < num_chunks)[:, None]
-        ptrs = counts_ptr + (c0 + r)[:, None] * E_PAD + ecols[None, :]
-        cnt = tl.load(ptrs, mask=ok, other=0)
-        tl.store(ptrs, nxt[None, :] + tl.cumsum(cnt, axis=0) - cnt, mask=ok)
-        nxt += tl.sum(cnt, axis=0)
-
-
-@triton.jit
-def _scatter_kernel(experts_ptr, offsets_ptr, table_ptr, sorted_ptr, block_experts_ptr,
-                    num_pairs, num_blocks, blocks_per_program, E_TOTAL,
-                    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, E_PAD: tl.constexpr):
-    """Sort launch 3 (a program per CHUNK pairs): the chunk's pairs to their entries, and
-    ``blocks_per_program`` blocks' experts and padding (disjoint from every pair entry)."""
-    c = tl.program_id(0)
-    ecols = tl.arange(0, E_PAD)
-    i0 = c * CHUNK
-    _place_pairs(experts_ptr, sorted_ptr, i0, tl.minimum(i0 + CHUNK, num_pairs),
-                 tl.load(offsets_ptr + c * E_PAD + ecols), E_TOTAL, BLOCK, E_PAD)
+    routed_used = tl.sum(padded, axis=0)
+    shared_len = (N + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    nxt = start + earlier  # each expert's entry for this chunk's first pair of it
+    first = c * chunk_tokens
+    last = tl.minimum(first + chunk_tokens, N)
+    jcols = tl.arange(0, S_PAD)
+    for t0 in range(first, last, BLOCK_T):
+        n = t0 + tl.arange(0, BLOCK_T)
+        ok = n < last
+        ids = tl.load(experts_ptr + n[:, None] * S + jcols[None, :], mask=ok[:, None] & (jcols < TOP_K)[None, :],
+                      other=-1)  # the tokens' routed ids, one load
+        hits = tl.zeros([BLOCK_T, E_PAD], dtype=tl.int32)  # token n's slots on expert e
+        for j in range(TOP_K):
+            e = tl.sum(tl.where(jcols[None, :] == j, ids, 0), axis=1)
+            hits += (ecols[None, :] == e[:, None]).to(tl.int32)
+        hits = tl.where((ecols < E)[None, :], hits, 0)  # ids outside [0, E): not counted, not placed
+        entry = tl.cumsum(hits, axis=0) - hits + nxt[None, :]  # token n's first entry on each expert
+        nxt += tl.sum(hits, axis=0)
+        # slot j: its expert's entry for the token, after the token's earlier slots on it (a NaN row repeats an id)
+        placed = ok[:, None] & (ids >= 0) & (ids < E)
+        earlier_slots = tl.sum(((ids[:, :, None] == ids[:, None, :]) & (jcols[None, None, :] < jcols[None, :, None]))
+                               .to(tl.int32), axis=2)
+        pos = tl.gather(entry, tl.where(placed, ids, 0), axis=1) + earlier_slots
+        tl.store(sorted_ptr + pos, n[:, None] * S + jcols[None, :], mask=placed)
+        for s in range(NUM_SHARED):
+            tl.store(sorted_ptr + routed_used + s * shared_len + n, n * S + TOP_K + s, mask=ok)
     b0 = c * blocks_per_program
-    _mark_blocks(sorted_ptr, block_experts_ptr, tl.load(table_ptr + ecols), tl.load(table_ptr + E_PAD + ecols),
-                 b0, tl.minimum(b0 + blocks_per_program, num_blocks), num_pairs, BLOCK_M, BLOCK, E_PAD)
+    _mark_blocks(sorted_ptr, block_experts_ptr, start, total, b0, tl.minimum(b0 + blocks_per_program, num_blocks),
+                 N * S, N, E, NUM_SHARED, BLOCK_M, BB, E_PAD)
 
 
 # ----------------------------------------------------------------------------- host launchers
 DECODE_TOKENS = 16  # up to this many tokens one routing program routes and sorts them all
-# Past that, tokens per routing program and its warps. H200 (moe.py --sweep-route, the three sort
-# launches included): 2 tokens a program on 1 warp 42.7 us at 64 tokens and 69.4 at 4096, against
-# 57.3 and 84.1 for 16 tokens on 8 warps (each of the k argmax rounds reduces across the warps).
-ROUTE_BLOCK_T = 2
-ROUTE_WARPS = 1
 FEW_PAIRS = 256  # up to this many pairs (padded to a power of two) that program sorts by pairwise comparisons
 FEW_PAIRS_STEP = 32  # ... against this many pairs a step
 FEW_PAIRS_WARPS = None  # the routing program's warps then (None: 4 up to 128 pairs, 8 past; a sweep sets it)
-SORT_CHUNK = 256  # pairs per program of the count and scatter launches, at least ...
-# ... and doubled until at most SORT_MAX_CHUNKS programs: the offsets launch (one program) walks
-# [chunks, E_PAD] counts twice (H100, 16384 tokens of the 35B-A3B layer: 576 chunks of 256 pairs,
-# 62 us; NOTES.md 74).
-SORT_MAX_CHUNKS = 256
+# Past DECODE_TOKENS: the routing and placement launches take a chunk of tokens a program, at least
+# ROUTE_CHUNK and doubled until at most ROUTE_MAX_CHUNKS programs (each placement program reads all
+# chunks' counts, [chunks, E_PAD] ints); ROUTE_STEP / PLACE_STEP tokens a step on ROUTE_WARPS /
+# PLACE_WARPS warps (``moe.py --sweep-route``).
+ROUTE_CHUNK = 4
+ROUTE_MAX_CHUNKS = 256
+ROUTE_STEP = 16
+ROUTE_WARPS = 4
+PLACE_STEP = 16
+PLACE_WARPS = 4
 
 
-def sort_chunk(num_pairs: int) -> int:
-    """Pairs per program of the count and scatter launches for ``num_pairs`` pairs."""
-    return max(SORT_CHUNK, next_power_of_2(cdiv(num_pairs, SORT_MAX_CHUNKS)))
+def route_chunk(num_tokens: int) -> int:
+    """Tokens a program of the routing (with counts) and placement launches for N tokens."""
+    return max(ROUTE_CHUNK, next_power_of_2(cdiv(num_tokens, ROUTE_MAX_CHUNKS)))
 
 
 def _route_geometry(E: int) -> tuple[int, int]:
@@ -413,18 +441,19 @@ def _route_geometry(E: int) -> tuple[int, int]:
 
 
 def _sort_geometry(num_experts_total: int) -> tuple[int, int, int]:
-    """(E_TOTAL_PAD, BLOCK pairs per step, num_warps) of the counting sort: a one-hot step of
+    """(E_TOTAL_PAD, BLOCK pairs per step, num_warps) of the one-program one-hot sort: a step of
     about 16K elements."""
     e_pad = max(16, next_power_of_2(num_experts_total))
     return e_pad, min(256, max(16, 16384 // e_pad)), 8 if e_pad >= 256 else 4
 
 
 def route_kernel(logits, num_experts: int, top_k: int, num_shared: int, weights, experts,
-                 sorted_pairs, block_experts, block_m: int) -> None:
+                 sorted_pairs, block_experts, block_m: int, counts=None) -> None:
     """Launch 1: weights, experts [N, S] from the [N, >= E + 1] logits (N >= 1; columns 0..E-1 the
-    router's, E the gate's, any further ones unread); when one program holds every token (N <=
-    DECODE_TOKENS), the pair sort too (``sort_kernel``'s work, no more launches), else
-    ROUTE_BLOCK_T tokens a program."""
+    router's, E the gate's, any further ones unread). When one program holds every token (N <=
+    DECODE_TOKENS) it sorts the pairs too (no more launches); else ``route_chunk(N)`` tokens a
+    program, each program's pairs per routed expert into counts [chunks, E_PAD] int32 for
+    ``place_kernel``."""
     N, E = logits.shape[0], num_experts
     e_pad, num_warps = _route_geometry(E)
     sort = routes_and_sorts_in_one_launch(N)
@@ -435,17 +464,19 @@ def route_kernel(logits, num_experts: int, top_k: int, num_shared: int, weights,
     # at any warps; 8 tokens 23.0 us (32 pairs a step, 4 warps) against 34.9 for the one-hot sort;
     # 16 tokens 43.7 (8 warps) against 47.8.
     if sort:  # one program routes and sorts every token
-        block_t = max(2, next_power_of_2(N))
+        chunk = block_t = max(2, next_power_of_2(N))
         if few_pairs:
             num_warps = FEW_PAIRS_WARPS or (4 if pairs_pad <= 128 else 8)
         else:
             num_warps = max(num_warps, sort_warps)
-    else:  # no sort in this launch (past DECODE_TOKENS): ROUTE_BLOCK_T tokens a program
-        block_t, num_warps = ROUTE_BLOCK_T, ROUTE_WARPS
-    _route_kernel[(cdiv(N, block_t),)](
+    else:
+        chunk, block_t, num_warps = route_chunk(N), ROUTE_STEP, ROUTE_WARPS
+        if counts is None or tuple(counts.shape) != (cdiv(N, chunk), e_pad):
+            raise ValueError(f"counts: expected [{cdiv(N, chunk)}, {e_pad}] int32 past {DECODE_TOKENS} tokens")
+    _route_kernel[(cdiv(N, chunk),)](
         logits, weights, experts, sorted_pairs if sort else experts, block_experts if sort else experts,
-        N, logits.stride(0), block_experts.numel() if sort else 0,
-        E=E, TOP_K=top_k, NUM_SHARED=num_shared, BLOCK_T=block_t,
+        experts if sort else counts, N, chunk, block_experts.numel() if sort else 0, STRIDE_LN=logits.stride(0),
+        E=E, TOP_K=top_k, NUM_SHARED=num_shared, BLOCK_T=min(block_t, chunk),
         E_PAD=e_pad, S_PAD=max(2, next_power_of_2(top_k + num_shared)), SORT=sort, BLOCK_M=block_m,
         SORT_BLOCK=sort_block, E_TOTAL_PAD=e_total_pad, PAIRS_PAD=pairs_pad if few_pairs else 0,
         PAIRS_STEP=min(pairs_pad, FEW_PAIRS_STEP), RUN_BLOCKS=max(2, pairs_pad // block_m), num_warps=num_warps,
@@ -453,26 +484,25 @@ def route_kernel(logits, num_experts: int, top_k: int, num_shared: int, weights,
 
 
 def routes_and_sorts_in_one_launch(num_tokens: int) -> bool:
-    """Whether the routing kernel sorts the pairs too (no sort launches) for N tokens."""
+    """Whether the routing kernel sorts the pairs too (no placement launch) for N tokens."""
     return num_tokens <= DECODE_TOKENS
 
 
-def sort_kernel(experts, num_experts_total: int, block_m: int, sorted_pairs, block_experts) -> None:
-    """sorted_pairs and block_experts of the [N, S] int32 expert ids in three launches (count per
-    chunk of ``sort_chunk`` pairs, offsets in one program, scatter per chunk), deterministic, no atomics."""
-    e_pad, block, num_warps = _sort_geometry(num_experts_total)
-    num_pairs, num_blocks = experts.numel(), block_experts.numel()
-    chunk = sort_chunk(num_pairs)
-    chunks = max(1, cdiv(num_pairs, chunk))
-    counts = torch.empty(chunks, e_pad, dtype=torch.int32, device=experts.device)
-    table = torch.empty(2, e_pad, dtype=torch.int32, device=experts.device)
-    _count_kernel[(chunks,)](experts, counts, num_pairs, num_experts_total, CHUNK=chunk, BLOCK=block, E_PAD=e_pad,
-                             num_warps=num_warps)
-    _offsets_kernel[(1,)](counts, table, chunks, BLOCK_M=block_m, RB=max(1, 16384 // e_pad), E_PAD=e_pad,
-                          num_warps=num_warps)
-    _scatter_kernel[(chunks,)](experts, counts, table, sorted_pairs, block_experts, num_pairs, num_blocks,
-                               cdiv(num_blocks, chunks), num_experts_total, BLOCK_M=block_m, CHUNK=chunk,
-                               BLOCK=block, E_PAD=e_pad, num_warps=num_warps)
+def place_kernel(experts, counts, num_experts: int, top_k: int, num_shared: int, block_m: int,
+                 sorted_pairs, block_experts) -> None:
+    """Launch 2 past DECODE_TOKENS tokens: sorted_pairs and block_experts from the [N, S] int32
+    expert ids (slots 0..k-1 routed, ids in [0, E); slots k.. the shared chunks E, E + 1, ...,
+    not read) and the routing kernel's counts [cdiv(N, route_chunk(N)), E_PAD] (each chunk's
+    pairs per routed expert). Deterministic, no atomics."""
+    N = experts.shape[0]
+    e_pad = counts.shape[1]
+    chunk, chunks = route_chunk(N), counts.shape[0]
+    num_blocks = block_experts.numel()
+    _place_kernel[(chunks,)](experts, counts, sorted_pairs, block_experts, N, chunk, chunks, num_blocks,
+                             cdiv(num_blocks, chunks), E=num_experts, TOP_K=top_k, NUM_SHARED=num_shared,
+                             BLOCK_M=block_m, BLOCK_T=min(PLACE_STEP, chunk), E_PAD=e_pad,
+                             S_PAD=max(2, next_power_of_2(top_k)),
+                             RB=max(1, 8192 // e_pad), BB=max(1, 4096 // e_pad), num_warps=PLACE_WARPS)
 
 
 def _is_int(value) -> bool:
@@ -562,7 +592,12 @@ def route(x: torch.Tensor, router_with_gate: torch.Tensor, top_k: int, num_share
             getattr(out, name).copy_(getattr(ref, name))
         return out
     logits = F.linear(x, router_with_gate)  # [N, R] in x's dtype: cuBLAS's fp32 accumulation, rounded
-    route_kernel(logits, E, top_k, num_shared, out.weights, out.experts, out.sorted_pairs, out.block_experts, block_m)
-    if not routes_and_sorts_in_one_launch(N):
-        sort_kernel(out.experts, E_total, block_m, out.sorted_pairs, out.block_experts)
+    if routes_and_sorts_in_one_launch(N):
+        route_kernel(logits, E, top_k, num_shared, out.weights, out.experts, out.sorted_pairs, out.block_experts,
+                     block_m)
+    else:
+        counts = torch.empty(cdiv(N, route_chunk(N)), _route_geometry(E)[0], dtype=torch.int32, device=device)
+        route_kernel(logits, E, top_k, num_shared, out.weights, out.experts, out.sorted_pairs, out.block_experts,
+                     block_m, counts)
+        place_kernel(out.experts, counts, E, top_k, num_shared, block_m, out.sorted_pairs, out.block_experts)
     return out
