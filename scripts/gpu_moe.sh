@@ -13,6 +13,8 @@
 #   route      benchmarks/moe.py --sweep-route: the routing alone, decode (1-16 tokens) by sort variant,
 #              past 16 tokens the routing and placement kernels by step and warps, then by chunk:
 #              moe_route_sweep.md / .json
+#   clocks     benchmarks/moe_clocks.py: SM clock, power and clock event reasons while the block replays
+#              back to back at 64, 4096, 16384 tokens (is it power-capped?): moe_clocks.log
 #   decode     benchmarks/moe.py --sweep-decode: the decode path's kernels alone by tile at 1-16 tokens
 #              (the router beside cuBLAS's): moe_decode_sweep.md / .json
 #   model      the 35B-A3B model whole beside HF transformers (benchmarks/qwen35.py --config 35b-a3b:
@@ -48,6 +50,11 @@ fi
 if want route; then
   PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 500 python3 benchmarks/moe.py --sweep-route --out "$OUT" \
     > "$OUT/moe_route_sweep.log" 2>&1 || { status=1; tail -20 "$OUT/moe_route_sweep.log"; }
+fi
+if want clocks; then
+  PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 120 python3 benchmarks/moe_clocks.py > "$OUT/moe_clocks.log" 2>&1 \
+    || status=1
+  cat "$OUT/moe_clocks.log"
 fi
 if want sweep; then
   PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" timeout 500 python3 benchmarks/moe.py --sweep --tokens 1 8 64 4096 --out "$OUT" \
