@@ -156,8 +156,7 @@ def sweep_route(moe: SwiGLUMoE, out: Path) -> None:
         x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
         logits = F.linear(x, moe.router_with_gate)
         r = route(x, moe.router_with_gate, k, ns, block_m, num_experts=E)
-        counts = torch.empty(runtime.cdiv(tokens, routing.route_chunk(tokens)), routing._route_geometry(E)[0],
-                             dtype=torch.int32, device="cuda")
+        counts = torch.empty(routing.counts_shape(tokens, E), dtype=torch.int32, device="cuda")
         launches = {
             "route": lambda: routing.route_kernel(logits, E, k, ns, r.weights, r.experts, r.sorted_pairs,
                                                   r.block_experts, block_m, counts),

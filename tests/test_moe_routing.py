@@ -183,8 +183,7 @@ def test_all_tokens_on_the_same_experts_and_idle_experts(dtype):
 def chunk_counts(experts, top_k, E):
     """The routing kernel's counts [chunks, E_PAD]: each chunk's routed pairs per expert."""
     N, chunk = experts.shape[0], routing.route_chunk(experts.shape[0])
-    e_pad = routing._route_geometry(E)[0]
-    counts = torch.zeros(-(-N // chunk), e_pad, dtype=torch.int32)
+    counts = torch.zeros(routing.counts_shape(N, E), dtype=torch.int32)
     for c in range(counts.shape[0]):
         counts[c, :E] = torch.bincount(experts[c * chunk:(c + 1) * chunk, :top_k].reshape(-1).long(), minlength=E)
     return counts.to(DEVICE)

@@ -406,8 +406,9 @@ def pair_gate_up(x: torch.Tensor, w13: torch.Tensor, logits: torch.Tensor, top_k
                  config: PairGemvConfig | None = None) -> torch.Tensor:
     """h [N * S, F] in x's dtype: row n * S + j = the activation of x[n] through its slot j's expert
     (the routing of ``logits``, module docstring; gate/up rows interleaved), as ``expert_gate_up``
-    computes it (that one stores it in the pair list's order). One launch. ``routing_out``: (experts [N, S] int32, weights [N, S] fp32) to fill
-    with that routing (``routing_ref``'s), for ``down_combine(..., routing=routing_out)``."""
+    computes it (that one stores it in the pair list's order). One launch. ``routing_out``:
+    (experts [N, S] int32, weights [N, S] fp32) to fill with that routing (``routing_ref``'s), for
+    ``down_combine(..., routing=routing_out)``."""
     _check_tensor("x", x, 2)
     _check_weights("w13", w13, "x", x, x.shape[1])
     if w13.shape[1] % 2:

@@ -434,6 +434,12 @@ def route_chunk(num_tokens: int) -> int:
     return max(ROUTE_CHUNK, next_power_of_2(cdiv(num_tokens, ROUTE_MAX_CHUNKS)))
 
 
+def counts_shape(num_tokens: int, num_experts: int) -> tuple[int, int]:
+    """The routing kernel's counts past DECODE_TOKENS: [chunks, E_PAD] int32, a row per chunk of
+    ``route_chunk(N)`` tokens, a column per routed expert (padded to the kernel's E_PAD)."""
+    return cdiv(num_tokens, route_chunk(num_tokens)), _route_geometry(num_experts)[0]
+
+
 def _route_geometry(E: int) -> tuple[int, int]:
     """(E_PAD, num_warps) of the routing kernel: all E logits of BLOCK_T tokens in one tile."""
     e_pad = max(16, next_power_of_2(E))
@@ -471,8 +477,8 @@ def route_kernel(logits, num_experts: int, top_k: int, num_shared: int, weights,
             num_warps = max(num_warps, sort_warps)
     else:
         chunk, block_t, num_warps = route_chunk(N), ROUTE_STEP, ROUTE_WARPS
-        if counts is None or tuple(counts.shape) != (cdiv(N, chunk), e_pad):
-            raise ValueError(f"counts: expected [{cdiv(N, chunk)}, {e_pad}] int32 past {DECODE_TOKENS} tokens")
+        if counts is None or tuple(counts.shape) != counts_shape(N, E):
+            raise ValueError(f"counts: expected {list(counts_shape(N, E))} int32 past {DECODE_TOKENS} tokens")
     _route_kernel[(cdiv(N, chunk),)](
         logits, weights, experts, sorted_pairs if sort else experts, block_experts if sort else experts,
         experts if sort else counts, N, chunk, block_experts.numel() if sort else 0, STRIDE_LN=logits.stride(0),
@@ -492,7 +498,7 @@ def place_kernel(experts, counts, num_experts: int, top_k: int, num_shared: int,
                  sorted_pairs, block_experts) -> None:
     """Launch 2 past DECODE_TOKENS tokens: sorted_pairs and block_experts from the [N, S] int32
     expert ids (slots 0..k-1 routed, ids in [0, E); slots k.. the shared chunks E, E + 1, ...,
-    not read) and the routing kernel's counts [cdiv(N, route_chunk(N)), E_PAD] (each chunk's
+    not read) and the routing kernel's counts (``counts_shape(N, E)``: each chunk's
     pairs per routed expert). Deterministic, no atomics."""
     N = experts.shape[0]
     e_pad = counts.shape[1]
@@ -596,7 +602,7 @@ def route(x: torch.Tensor, router_with_gate: torch.Tensor, top_k: int, num_share
         route_kernel(logits, E, top_k, num_shared, out.weights, out.experts, out.sorted_pairs, out.block_experts,
                      block_m)
     else:
-        counts = torch.empty(cdiv(N, route_chunk(N)), _route_geometry(E)[0], dtype=torch.int32, device=device)
+        counts = torch.empty(counts_shape(N, E), dtype=torch.int32, device=device)
         route_kernel(logits, E, top_k, num_shared, out.weights, out.experts, out.sorted_pairs, out.block_experts,
                      block_m, counts)
         place_kernel(out.experts, counts, E, top_k, num_shared, block_m, out.sorted_pairs, out.block_experts)
