@@ -61,9 +61,9 @@ def generate(model: Qwen35, input_ids: torch.Tensor, max_new_tokens: int, temper
 
     cache = model.new_cache(B, max(lengths) + max_new_tokens)
     first_seed = random.getrandbits(62) if seed is None else seed
-    row_params = dict(temperature=torch.full((B,), params.temperature, device=device),
+    row_params = dict(temperature=torch.full((B,), params.temperature, dtype=torch.float32, device=device),
                       top_k=torch.full((B,), params.top_k, dtype=torch.int32, device=device),
-                      top_p=torch.full((B,), params.top_p, device=device),
+                      top_p=torch.full((B,), params.top_p, dtype=torch.float32, device=device),
                       seeds=torch.arange(B, device=device) + first_seed)
     stop = torch.tensor(stop_ids, dtype=torch.int64, device=device) if stop_ids else None
     logits = model.prefill(input_ids, cache, attention_mask)
