@@ -8,7 +8,9 @@ logits [B, 248320]. The previous sampler (``previous_sampler``, the engine's
 ``sample_next_tokens`` before ``sample_tokens``) takes Python-constant parameters: a greedy argmax,
 or softmax + exponential race with a full sort for top-p. ``--sweep`` also times the sampled
 kernel over launch geometries (block, warps, programs per SM), the data behind the constants of
-``fuselm/ops/sampling/kernels.py``.
+``fuselm/ops/sampling/kernels.py``. Also timed: ``token_logprobs`` (the drawn tokens'
+log-probabilities, ``SamplingParams.logprobs``), which the engine runs after a step whose requests
+ask for them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import itertools
 
 import torch
 
+from fuselm.engine.sampling import token_logprobs
 from fuselm.ops.sampling import cutoffs, keep_thresholds, sample_tokens
 from fuselm.ops.sampling.kernels import sample_tokens_kernel, split_geometry
 from fuselm.runtime import num_sms
@@ -60,6 +63,7 @@ def cases(logits):
     """(name, call) pairs at the batch of ``logits``."""
     batch = logits.shape[0]
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    drawn = logits.argmax(dim=-1)  # token_logprobs' ids
     greedy = _row_params(batch, 0.0, 1.0)
     sampled = _row_params(batch, TEMPERATURE, 1.0)
     nucleus = _row_params(batch, TEMPERATURE, TOP_P)
@@ -80,6 +84,8 @@ def cases(logits):
         (f"cut-offs alone, T={TEMPERATURE} top_p={TOP_P}: cutoffs (key counts)", lambda: cutoffs(logits, *nucleus[:3])),
         ("cut-offs alone, T=0.6 top_k=20 top_p=0.95: cutoffs (key counts)",
          lambda: cutoffs(logits, *qwen_defaults[:3])),
+        *[(f"token_logprobs, {k} top (SamplingParams.logprobs = {k})", lambda k=k: token_logprobs(logits, drawn, k))
+          for k in (0, 5, 20)],
     ]
 
 

@@ -26,12 +26,14 @@
 #   host-thread stalls from outside the process and the busiest processes: do host stalls come from outside?),
 #   hf_anchor.md, hf_anchor.json, serve_tests.log, sanitizer.log; sampling.md (the sampler's cut-off
 #   ways: the sort, key counts; benchmarks/sampling.py) and engine_sampling.md (the static
-#   engine's step at batch 1 / 32 with top-p alone and with the served top-k + top-p) when that stage is named
+#   engine's step at batch 1 / 32 with top-p alone and with the served top-k + top-p) when that stage is named;
+#   stage logprobs: sampling.md and engine_logprobs.md (the static engine's step at batch 1 / 32 without and
+#   with SamplingParams.logprobs 5)
 # STATE_DTYPE=bfloat16: the engine and the servers keep the Gated DeltaNet states in bf16 (--state-dtype).
 # ADMISSION_WAIT_MS=N: the servers' --admission-wait-ms (default: the CLI's).
 # PROMPTS_1000=1: stage serve also runs 1000 prompts at 32 clients (vLLM's default count).
 # One device call for issue 17's bars with the HF anchor in the same run: `engine serve hf` (~9 min).
-# Usage: bash scripts/gpu_serve.sh [STAGE ...]   stages: engine serve serveN hf tests sanitizer sampling
+# Usage: bash scripts/gpu_serve.sh [STAGE ...]   stages: engine serve serveN hf tests sanitizer sampling logprobs
 #   (default all: ~10 min on an H100, more than one device call allows: name fewer stages per call;
 #   wheels from .whl/ as gpu_env.sh installs them)
 set -uo pipefail
@@ -192,5 +194,15 @@ if want sampling; then
     ENGINE_MD=engine_sampling.md engine $batch --temperature 0.7 --top-p 0.9
     ENGINE_MD=engine_sampling.md engine $batch $SERVED_SAMPLING
   done
+fi
+if want logprobs; then  # what SamplingParams.logprobs costs: token_logprobs alone (sampling.md's last rows), and
+  # the static engine's step at batch 1 / 32 without and with logprobs 5 in one call, into engine_logprobs.md
+  python3 benchmarks/sampling.py --batch-sizes 1 32 > "$OUT/sampling.md" 2>&1 || status=1
+  grep -E "^ *B |token_logprobs" "$OUT/sampling.md"
+  for batch in 1 32; do
+    ENGINE_MD=engine_logprobs.md engine $batch
+    ENGINE_MD=engine_logprobs.md engine $batch --logprobs 5
+  done
+  grep -E "^(##|\| decode)|logprobs" "$OUT/engine_logprobs.md"
 fi
 exit $status

@@ -104,6 +104,12 @@ def test_generate_without_model_dir_is_the_random_weight_benchmark(tmp_path, cap
     rounded = json.loads((tmp_path / "generate.json").read_text())
     assert rounded["state_dtype"] == "bfloat16" and [len(row) for row in rounded["tokens"]] == [3, 3]
     assert "(bfloat16 recurrent states)" in capsys.readouterr().out
+    assert main(["generate", "--prompt-len", "5", "--max-new-tokens", "3", "--batch", "2", *MODEL_ARGS,
+                 "--logprobs", "2", "--out", str(tmp_path)]) == 0
+    with_logprobs = json.loads((tmp_path / "generate.json").read_text())
+    assert with_logprobs["sampling"] == "greedy, logprobs 2" and with_logprobs["tokens"] == results["tokens"]
+    assert main(["generate", "--max-new-tokens", "3", "--logprobs", "21", *MODEL_ARGS]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: logprobs")
 
 
 def test_audit_on_the_tiny_default(tmp_path, capsys):

@@ -217,8 +217,8 @@ def test_a_mixed_step_draws_a_first_id_only_in_the_requests_row_of_the_table(mod
         runner.mixed([(request, 0, 5)], 4, PLAIN)
     runner.set_rows([2])
     assert not bool(runner.cache.active.any())  # nothing ran
-    ids = runner.mixed([(request, 0, 5)], 1, PLAIN)
-    assert ids.shape == (1,) and runner.input_tokens[2] == ids[0] and bool(runner.cache.active[2])
+    logits, ids = runner.mixed([(request, 0, 5)], 1, PLAIN)
+    assert logits.shape == (1, model.config.vocab_size) and ids.shape == (1,) and runner.input_tokens[2] == ids[0] and bool(runner.cache.active[2])
 
 
 def test_the_decode_rows_stay_packed_and_cover_the_row_a_step_admits_into():
@@ -502,6 +502,64 @@ def test_sampler_variants_draw_the_same_tokens(model):
     assert requests[0].output().outputs[0].token_ids == alone
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_are_the_float64_log_softmax(dtype):
+    """sampling.token_logprobs: the drawn ids' log_softmax of the logits upcast to fp32, their rank
+    (1 + the logits strictly above: tied ids share the better rank) and the k most likely, against
+    float64, at an odd vocabulary; k past the vocabulary gives all of it."""
+    from fuselm.engine.sampling import token_logprobs
+
+    logits = (torch.randn(5, 37, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    logits[1, 3] = logits[1, 7] = logits[1].max() + 1  # two ids tied at the top
+    ids = torch.tensor([0, 7, 36, 5, 3])
+    logprob, rank, top, top_ids = token_logprobs(logits.to(DEVICE), ids.to(DEVICE), 4)
+    exact = logits.double().log_softmax(-1)
+    assert logprob.dtype == top.dtype == torch.float32 and rank.dtype == top_ids.dtype == torch.int64
+    torch.testing.assert_close(logprob.cpu().double(), exact.gather(1, ids[:, None])[:, 0], rtol=0, atol=1e-5)
+    assert rank.tolist() == [1 + int((row > row[i]).sum()) for row, i in zip(logits, ids)] and rank[1] == 1
+    torch.testing.assert_close(top.cpu().double(), exact.topk(4, -1).values, rtol=0, atol=1e-5)
+    torch.testing.assert_close(exact.gather(1, top_ids.cpu()), top.cpu().double(), rtol=0, atol=1e-5)
+    assert set(top_ids[1, :2].tolist()) == {3, 7}
+    assert token_logprobs(logits, ids, 50)[2].shape == (5, 37)
+
+
+def test_logprobs_are_the_log_softmax_of_the_logits_each_token_was_drawn_from(model, monkeypatch):
+    """SamplingParams.logprobs: each generated token's log-probability and rank and the k most
+    likely tokens', from the logits the reference loop draws the same tokens from (float64
+    log_softmax), for requests asking for different k beside one asking for none, greedy and
+    seeded, their first ids drawn in a prefill step and in mixed steps."""
+    engine = Engine(model, max_batch=4, max_len=32, seed=0, max_prefill_tokens=6)
+    mixed_steps = count_mixed_steps(engine, monkeypatch)
+    settings = [greedy(5, logprobs=3), SamplingParams(max_tokens=5, temperature=0.9, seed=11, ignore_eos=True,
+                                                       logprobs=0), greedy(5), greedy(4, logprobs=20)]
+    prompts = [prompt(n, 140 + i) for i, n in enumerate((4, 9, 3, 7))]
+    requests = [engine.add_request(prompts[0], settings[0])]
+    for p, params in zip(prompts[1:], settings[1:]):
+        engine.step()
+        requests.append(engine.add_request(p, params))
+    engine.run()
+    assert len(mixed_steps) >= 3
+    for request, p, params in zip(requests, prompts, settings):
+        output = request.output().outputs[0]
+        if params.logprobs is None:
+            assert output.logprobs is None and output.cumulative_logprob is None
+            continue
+        ids, logits = model.generate(torch.tensor([p], device=DEVICE), params.max_tokens,
+                                     temperature=params.temperature, seed=params.seed, eos_token_id=[],
+                                     return_logits=True)
+        assert output.token_ids == ids[0].tolist() and len(output.logprobs) == len(output.token_ids)
+        logits = logits[0].double().cpu()
+        exact = logits.log_softmax(-1)
+        for position, (token, entry) in enumerate(zip(output.token_ids, output.logprobs)):
+            top = exact[position].topk(params.logprobs).indices.tolist()
+            assert list(entry)[0] == token and set(entry) == {token, *top}
+            assert entry[token].rank == 1 + int((logits[position] > logits[position, token]).sum())
+            assert [entry[t].rank for t in top] == list(range(1, params.logprobs + 1))
+            assert all(abs(lp.logprob - exact[position, t]) < 1e-5 for t, lp in entry.items())
+        drawn = sum(exact[i, t].item() for i, t in enumerate(output.token_ids))
+        assert output.cumulative_logprob == pytest.approx(drawn, abs=1e-4)
+
+
 def test_stop_ids_end_a_request_and_leave_the_others(model, engine):
     p0, p1 = prompt(9, 11), prompt(5, 12)
     free = token_ids(engine.generate([p0, p1], greedy(8)))
@@ -588,7 +646,8 @@ def test_bad_input_raises_and_the_engine_stays_usable(model, engine):
     ("top_p", 1.5, "top_p"), ("top_k", -2, "top_k"), ("seed", -1, "seed"), ("stop", [""], "stop"),
     ("stop_token_ids", [-1], "stop_token_ids"), ("temperature", float("nan"), "temperature"),
     ("ignore_eos", 1, "ignore_eos"), ("include_stop_str_in_output", "yes", "include_stop_str_in_output"),
-    ("skip_special_tokens", None, "skip_special_tokens"), ("n", 0, "n"), ("n", 2.0, "n")])
+    ("skip_special_tokens", None, "skip_special_tokens"), ("n", 0, "n"), ("n", 2.0, "n"),
+    ("logprobs", -1, "logprobs"), ("logprobs", 21, "logprobs"), ("logprobs", True, "logprobs")])
 def test_sampling_params_name_the_bad_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**{field: value})
@@ -713,10 +772,10 @@ def test_launched_ids_read_after_their_pinned_buffer_came_back_raise():
     staging.next_step()
     launched = _Launched(torch.arange(5, device="cuda"), {}, staging)
     staging.next_step()
-    assert launched.ids() == [0, 1, 2, 3, 4]
+    assert launched.read() == ([0, 1, 2, 3, 4], None)
     staging.next_step()
     with pytest.raises(RuntimeError, match="pinned buffer was reused"):
-        launched.ids()
+        launched.read()
 
 
 @pytest.mark.gpu

@@ -94,6 +94,29 @@ def test_greedy_text_equals_hf_generate_on_the_same_directory(llm, hf_model):
         assert completion.finish_reason == "length"
 
 
+def test_logprobs_are_hf_generates_log_softmax_with_each_tokens_text(llm, hf_model):
+    """SamplingParams.logprobs: the log_softmax of the logits HF generate chose the same greedy
+    tokens from (``output_logits``, taken in float64), the 5 most likely tokens of each step, and
+    each ``Logprob``'s token text."""
+    prompt = "The capital of France is"
+    ids = llm.tokenizer.encode(prompt)
+    (completion,) = llm.generate([prompt], greedy(ignore_eos=True, logprobs=5))[0].outputs
+    with torch.no_grad():
+        reference = hf_model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, do_sample=False,
+                                      min_new_tokens=GREEDY_TOKENS, pad_token_id=END_OF_TEXT, output_logits=True,
+                                      return_dict_in_generate=True)
+    assert completion.token_ids == reference.sequences[0, len(ids):].tolist()
+    exact = torch.stack(reference.logits)[:, 0].double().log_softmax(-1)
+    for position, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        assert list(entry)[0] == token and entry[token].rank == 1
+        assert set(entry) == set(exact[position].topk(5).indices.tolist())
+        for t, logprob in entry.items():
+            assert logprob.logprob == pytest.approx(exact[position, t].item(), abs=1e-4)
+            assert logprob.decoded_token == llm.tokenizer.token_text(t)
+    assert completion.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(completion.token_ids,
+                                                                                           completion.logprobs)))
+
+
 def test_chat_prompt_equals_transformers_apply_chat_template(llm, checkpoint):
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
     conversation = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"},

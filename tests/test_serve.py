@@ -177,6 +177,63 @@ def test_chat_streamed_equals_whole(server, client, llm):
     assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
 
 
+def check_completion_logprobs(logprobs, token_ids, num_top, tokenizer) -> None:
+    """OpenAI's legacy logprobs of a greedy completion: a token's text, its log-probability (the
+    most likely: greedy), the top dict (the sampled token and the num_top most likely) and offsets
+    counted over the token texts."""
+    assert logprobs.tokens == [tokenizer.token_text(t) for t in token_ids]
+    assert len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == len(token_ids)
+    offset = 0
+    for token, logprob, top, text_offset in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs,
+                                                 logprobs.text_offset):
+        assert len(top) <= num_top + 1 and top[token] == logprob == max(top.values()) and logprob <= 0
+        assert text_offset == offset
+        offset += len(token)
+
+
+def test_completion_logprobs_streamed_equal_whole(server, client, llm):
+    """/v1/completions with logprobs = k: each token's text, log-probability, the k most likely
+    tokens' and text offsets; the streamed chunks' logprobs joined are the whole answer's."""
+    options = dict(model=model_name(server), prompt="The capital of France is", max_tokens=4, temperature=0,
+                   logprobs=3, extra_body={"return_token_ids": True, "ignore_eos": True})
+    (choice,) = client.completions.create(**options).choices
+    token_ids = choice.model_extra["token_ids"]
+    check_completion_logprobs(choice.logprobs, token_ids, 3, llm.tokenizer)
+    assert all(len(top) >= 3 for top in choice.logprobs.top_logprobs)
+    joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in client.completions.create(**options, stream=True):
+        if chunk.choices[0].logprobs is not None:
+            for name, values in joined.items():
+                values += getattr(chunk.choices[0].logprobs, name)
+    assert joined == choice.logprobs.model_dump()
+    (plain,) = client.completions.create(**{**options, "logprobs": None}).choices
+    assert plain.logprobs is None and plain.text == choice.text
+
+
+def test_chat_logprobs_streamed_equal_whole(server, client, llm):
+    """/v1/chat/completions with logprobs and top_logprobs = k: each token's text, bytes and
+    log-probability, and the k most likely in rank order (greedy: the sampled one first); the
+    streamed chunks' content joined is the whole answer's."""
+    options = dict(model=model_name(server), messages=[{"role": "user", "content": "Hi there!"}],
+                   max_completion_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+                   extra_body={"chat_template_kwargs": {"enable_thinking": False}, "return_token_ids": True,
+                               "ignore_eos": True})
+    (choice,) = client.chat.completions.create(**options).choices
+    content = choice.logprobs.content
+    assert [entry.token for entry in content] == [llm.tokenizer.token_text(t) for t in choice.model_extra["token_ids"]]
+    for entry, token_id in zip(content, choice.model_extra["token_ids"]):
+        assert bytes(entry.bytes) == llm.tokenizer.token_bytes(token_id)
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == entry.logprob >= entry.top_logprobs[1].logprob
+    streamed = [entry for chunk in client.chat.completions.create(**options, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs is not None
+                for entry in chunk.choices[0].logprobs.content]
+    assert [entry.model_dump() for entry in streamed] == [entry.model_dump() for entry in content]
+    (only_drawn,) = client.chat.completions.create(**{**options, "top_logprobs": None}).choices
+    assert [entry.top_logprobs for entry in only_drawn.logprobs.content] == [[]] * len(content)
+    assert [entry.logprob for entry in only_drawn.logprobs.content] == [entry.logprob for entry in content]
+
+
 def test_stop_strings_and_stop_token_ids_end_answers_whole_and_streamed(server, client):
     """A stop string ends the text before it (finish_reason "stop"), whole and streamed alike, or
     after it with vLLM's include_stop_str_in_output; a stop token id ends the ids after it."""
@@ -242,7 +299,13 @@ USER = [{"role": "user", "content": "Hi"}]
     (COMPLETIONS, {"prompt": "Hi", "model": "gpt-5"}, 404, "model", "does not exist"),
     (CHAT, {"messages": []}, 400, "messages", "messages"),
     (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens", "max_tokens"),
-    (CHAT, {"messages": USER, "logprobs": True}, 400, "logprobs", "not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "logprobs": 21}, 400, "logprobs", "logprobs: expected None or an int in [0, 20]"),
+    (COMPLETIONS, {"prompt": "Hi", "logprobs": True}, 400, "logprobs", "logprobs: expected"),
+    (COMPLETIONS, {"prompt": "Hi", "prompt_logprobs": 1}, 400, "prompt_logprobs", "not supported"),
+    (CHAT, {"messages": USER, "logprobs": 1}, 400, "logprobs", "logprobs: expected true or false"),
+    (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "logprobs must be true"),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "[0, 20]"),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 1.5}, 400, "top_logprobs", "[0, 20]"),
     (CHAT, {"messages": USER, "chat_template_kwargs": "x"}, 400, "chat_template_kwargs", "object"),
     (CHAT, {"messages": USER, "model": "gpt-5"}, 404, "model", "does not exist"),
     # a lone surrogate: JSON's \\u escapes carry it, UTF-8 and the tokenizer cannot

@@ -747,3 +747,27 @@ def test_random_stop_strings(tokenizer, corpus):
         pieces, detokenizer = _stream(tokenizer, tokenizer.encode(text), stop=[absent, stop])
         assert "".join(pieces) == detokenizer.text == full[:full.index(stop)], (text, stop)
         assert detokenizer.stopped and detokenizer.stop_reason == stop
+
+
+def test_token_bytes_join_to_the_texts_bytes(tokenizer, corpus):
+    """token_bytes: a byte-level token's own bytes (part of a character for some), so the tokens
+    of a text join to its UTF-8; a special token's content; token_text their UTF-8 with U+FFFD for
+    a partial character; an id outside the vocabulary is refused by name."""
+    for text in corpus[:200]:
+        ids = tokenizer.encode(text)
+        assert b"".join(tokenizer.token_bytes(i) for i in ids) == tokenizer.decode(ids).encode("utf-8")
+    emoji = "\U0001F600".encode()
+    byte_ids = [_byte_token_id(tokenizer, byte) for byte in emoji]  # one byte a token: a partial character each
+    assert [tokenizer.token_bytes(i) for i in byte_ids] == [bytes([byte]) for byte in emoji]
+    assert tokenizer.token_text(byte_ids[0]) == "\ufffd"
+    assert tokenizer.token_bytes(IM_END_ID) == b"<|im_end|>" and tokenizer.token_text(IM_END_ID) == "<|im_end|>"
+    assert tokenizer.token_text(tokenizer.encode(" hello")[0]) == " hello"
+    for bad in (-1, tokenizer.vocab_size, "3"):
+        with pytest.raises(ValueError, match="token_id"):
+            tokenizer.token_bytes(bad)
+
+
+def test_token_bytes_of_a_vocabulary_that_is_not_byte_level():
+    """Without a byte-level decoder a token's bytes are the UTF-8 of its decoded text."""
+    words = Tokenizer(tokenizers.Tokenizer(tokenizers.models.WordLevel({"héllo": 0, "[UNK]": 1}, unk_token="[UNK]")))
+    assert words.token_bytes(0) == "héllo".encode() and words.token_text(0) == "héllo"

@@ -184,7 +184,7 @@ def _generate_benchmark(args) -> int:
                                                max_new_tokens=args.max_new_tokens, seed=args.seed, device=device,
                                                dtype=dtype, temperature=args.temperature or 0.0,
                                                top_p=1.0 if args.top_p is None else args.top_p, top_k=args.top_k or 0,
-                                               state_dtype=args.state_dtype)
+                                               state_dtype=args.state_dtype, logprobs=args.logprobs)
     print("\n" + markdown)
     write_results(args.out, "generate", results, markdown)
     return 0
@@ -297,7 +297,7 @@ def _add_random_model_arguments(command, prompt_len: int, new_tokens: int, batch
 
 # generate's options by mode: with MODEL_DIR (text) or without it (the random-weight benchmark).
 _TEXT_OPTIONS = ("prompt", "chat", "system", "no_thinking", "max_tokens", "stop", "max_len")
-_BENCH_OPTIONS = ("prompt_len", "max_new_tokens", "batch", "out")
+_BENCH_OPTIONS = ("prompt_len", "max_new_tokens", "batch", "out", "logprobs")
 
 
 def _option(dest: str) -> str:
@@ -353,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_random_model_arguments(gen, BENCH_PROMPT_LEN, BENCH_MAX_NEW_TOKENS, BENCH_BATCH, fill_defaults=False)
     _add_model_arguments(gen, "sampling seed (MODEL_DIR); weights and prompts (--config, default 0)")
     _add_state_dtype_argument(gen)
+    gen.add_argument("--logprobs", type=int, default=None, metavar="K",
+                     help="(--config) every request asks for its tokens' log-probabilities and the K most likely "
+                          "tokens' (SamplingParams.logprobs): what they cost a step")
     gen.set_defaults(run=_generate, command_parser=gen)
 
     chat = commands.add_parser("chat", help="interactive chat with a checkpoint (user lines from stdin)",

@@ -80,6 +80,9 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
+_BYTE_OF_CHARACTER = {character: byte for byte, character in _bytes_to_unicode().items()}
+
+
 def _bpe_parts(token: bytes, ranks: Mapping[bytes, int], max_rank: int) -> list[bytes]:
     """tiktoken's BPE of ``token`` restricted to ranks below ``max_rank``: repeatedly merge the
     adjacent pair whose concatenation has the lowest rank (leftmost on ties) until none is left."""
@@ -338,6 +341,7 @@ class Tokenizer:
         self.config = dict(config or {})
         self.chat_template = dict(chat_template) if isinstance(chat_template, Mapping) else chat_template
         self.template_special_tokens = _template_special_tokens(self.config)
+        self._token_bytes: dict[int, bytes] = {}  # token_bytes' answers, computed once per id
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike) -> Tokenizer:
@@ -388,6 +392,31 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of ``token_id``, or None when out of range."""
         return self.backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (what OpenAI's logprobs carry as ``bytes``): a byte-level
+        vocabulary string mapped back through GPT-2's byte alphabet (part of a UTF-8 character for
+        some tokens); an added (special) token, or any token of a vocabulary that is not
+        byte-level, as the UTF-8 of its decoded text. ValueError for an id outside the vocabulary."""
+        cached = self._token_bytes.get(token_id)
+        if cached is not None:
+            return cached
+        token = self.backend.id_to_token(token_id) if isinstance(token_id, int) and token_id >= 0 else None
+        if token is None:
+            raise ValueError(f"token_id: expected an id in [0, {self.vocab_size}), got {token_id!r}")
+        byte_level = type(self.backend.decoder).__name__ == "ByteLevel"
+        if byte_level and token_id not in self.backend.get_added_tokens_decoder() and all(
+                char in _BYTE_OF_CHARACTER for char in token):
+            cached = bytes(_BYTE_OF_CHARACTER[char] for char in token)
+        else:
+            cached = self.backend.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        self._token_bytes[token_id] = cached
+        return cached
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text on its own (``token_bytes`` as UTF-8; bytes that are part of a
+        character become U+FFFD, as in vLLM's logprobs)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def _special_token_id(self, name: str) -> int | None:
         content = _special_token_content(self.config.get(name))

@@ -1,7 +1,8 @@
 """Generation around a model: request -> scheduler -> runner, and the LLM front end.
 
-    request.py    SamplingParams, Request, RequestOutput (vLLM's offline API shapes)
-    sampling.py   per-slot sampling parameters and stop counters on the device (graph inputs)
+    request.py    SamplingParams, Request, RequestOutput, Logprob (vLLM's offline API shapes)
+    sampling.py   per-slot sampling parameters and stop counters on the device (graph inputs);
+                  the drawn tokens' log-probabilities
     runner.py     ModelRunner: cache slots, prefill, decode as one CUDA graph per batch size over
                   a row -> slot table
     scheduler.py  Scheduler: waiting queue, slot and decode row per running request
@@ -12,6 +13,6 @@
 """
 
 from fuselm.engine.engine import Engine
-from fuselm.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
+from fuselm.engine.request import CompletionOutput, Logprob, Request, RequestOutput, SamplingParams
 
-__all__ = ["Engine", "SamplingParams", "Request", "RequestOutput", "CompletionOutput"]
+__all__ = ["Engine", "SamplingParams", "Request", "RequestOutput", "CompletionOutput", "Logprob"]

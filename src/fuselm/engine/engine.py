@@ -41,10 +41,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from fuselm.engine.request import (FinishReason, Request, RequestOutput, SamplingParams, is_token_ids,
-                                   params_per_prompt, samples_output)
+from fuselm.engine.request import (FinishReason, Logprob, Request, RequestOutput, SamplingParams, TokenLogprobs,
+                                   is_token_ids, params_per_prompt, samples_output)
 from fuselm.engine.runner import DEFAULT_GRAPH_BATCH_SIZES, ModelRunner
-from fuselm.engine.sampling import sampler_variant
+from fuselm.engine.sampling import sampler_variant, token_logprobs
 from fuselm.engine.scheduler import Scheduler
 from fuselm.models.qwen35 import Qwen35
 from fuselm.models.qwen35.cache import PAGE_SIZE
@@ -70,26 +70,45 @@ def thread_usage() -> list[float] | None:
 class _Launched:
     """Ids on the GPU (a decode step's per row, or a prefill's first ids per completed request)
     on their way to pinned host memory (this step's ``staging`` buffer), and which request each
-    index belonged to at launch (a request's row may change before they are read)."""
+    index belonged to at launch (a request's row may change before they are read). When one of
+    those requests asks for log-probabilities (``SamplingParams.logprobs``), those of every index
+    (``sampling.token_logprobs`` of the ``logits`` the ids were drawn from) travel with them."""
 
-    def __init__(self, ids: torch.Tensor, requests: dict[int, Request], staging: PinnedStaging, timed: bool = False):
+    def __init__(self, ids: torch.Tensor, requests: dict[int, Request], staging: PinnedStaging, timed: bool = False,
+                 logits: torch.Tensor | None = None):
         self.requests = dict(requests)
         self.staging, self.step = staging, staging.steps
+        asked = [r.params.logprobs for r in self.requests.values() if r.params.logprobs is not None]
+        device = [ids] + (list(token_logprobs(logits, ids, max(asked))) if asked else [])
         if ids.is_cuda:
-            self.host_ids = staging.host(ids.shape, ids.dtype)
-            self.host_ids.copy_(ids, non_blocking=True)
+            self.host = [staging.host(t.shape, t.dtype) for t in device]
+            for host, t in zip(self.host, device):
+                host.copy_(t, non_blocking=True)
             self.done = torch.cuda.Event(enable_timing=timed)  # timed: the step log's GPU time
             self.done.record()
         else:
-            self.host_ids, self.done = ids.clone(), None
+            self.host, self.done = [t.clone() for t in device], None
 
-    def ids(self) -> list[int]:
+    def read(self) -> tuple[list[int], list | None]:
+        """(the ids, and None or the log-probabilities: (logprob, rank, top logprobs, top ids) lists
+        by index), once the device has written them."""
         if self.done is not None:
             if self.staging.steps - self.step >= self.staging.depth:  # the engine reads each launch a step later
                 raise RuntimeError(f"ids of step {self.step} read at step {self.staging.steps}: their pinned buffer "
                                    "was reused")
             self.done.synchronize()
-        return self.host_ids.tolist()
+        values = [t.tolist() for t in self.host]
+        return values[0], values[1:] or None
+
+
+def _token_logprobs(token: int, index: int, logprobs: list, num_top: int) -> TokenLogprobs:
+    """Index ``index``'s ``TokenLogprobs`` from a launch's log-probabilities (``_Launched.read``):
+    the drawn ``token`` first, then the ``num_top`` most likely."""
+    logprob, rank, top, top_ids = (values[index] for values in logprobs)
+    entry = {token: Logprob(logprob, rank)}
+    for position, (top_id, top_logprob) in enumerate(zip(top_ids[:num_top], top[:num_top])):
+        entry.setdefault(top_id, Logprob(top_logprob, position + 1))
+    return entry
 
 
 class Engine:
@@ -307,11 +326,14 @@ class Engine:
             self.runner.release([request.slot])
         self.scheduler.finish(request)  # (the next launch gives the runner the rows it leaves)
 
-    def _append(self, request: Request, token: int, now: float) -> None:
-        """One new token of a running request: record it, detokenize, check stop conditions in
-        vLLM's order (stop ids, stop strings, length) and end the request when one holds. A stop
-        id's text is left out, as vLLM leaves it, unless ``include_stop_str_in_output``."""
+    def _append(self, request: Request, token: int, now: float, logprobs: TokenLogprobs | None = None) -> None:
+        """One new token of a running request (and its ``logprobs`` when the request asks for
+        them): record it, detokenize, check stop conditions in vLLM's order (stop ids, stop
+        strings, length) and end the request when one holds. A stop id's text is left out, as
+        vLLM leaves it, unless ``include_stop_str_in_output``."""
         request.output_token_ids.append(token)
+        if logprobs is not None:
+            request.output_logprobs.append(logprobs)
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         if token in request.stop_ids:  # stop_reason: the id when the request asked for it (vLLM: None at eos)
@@ -334,11 +356,13 @@ class Engine:
 
     def _read(self, launched: _Launched) -> list[Request]:
         """Append a finished decode step's ids to the requests that were running in it."""
-        ids, now = launched.ids(), time.perf_counter()
+        (ids, logprobs), now = launched.read(), time.perf_counter()
         updated = []
         for index, request in launched.requests.items():
             if not request.finished:
-                self._append(request, ids[index], now)
+                entry = None if request.params.logprobs is None else _token_logprobs(ids[index], index, logprobs,
+                                                                                    request.params.logprobs)
+                self._append(request, ids[index], now, entry)
                 updated.append(request)
         return updated
 
@@ -382,19 +406,19 @@ class Engine:
         if mixed:
             # The prompts this pass completes draw their first ids with its decode rows (in their rows).
             completing = [request for request, start, count in plan if request.completes_prompt(start, count)]
-            ids = self.runner.mixed(plan, *self._decode_shape(decoding, completing))
+            logits, ids = self.runner.mixed(plan, *self._decode_shape(decoding, completing))
             running = {**decoding, **{request.row: request for request in completing}}
-            pending.append(_Launched(ids, running, staging, timed))
+            pending.append(_Launched(ids, running, staging, timed, logits))
         elif plan:
-            completed, first = self.runner.prefill(plan)
-            prefilled = _Launched(first, dict(enumerate(completed)), staging, timed)
+            completed, logits, first = self.runner.prefill(plan)
+            prefilled = _Launched(first, dict(enumerate(completed)), staging, timed, logits)
         for request, _, count in plan:
             self.scheduler.prefilled(request, count)
         if not mixed:
             decoding = self.scheduler.decoding()
             if decoding:
-                _, ids = self.runner.decode(*self._decode_shape(decoding))
-                pending.append(_Launched(ids, decoding, staging, timed))
+                logits, ids = self.runner.decode(*self._decode_shape(decoding))
+                pending.append(_Launched(ids, decoding, staging, timed, logits))
         if self._stall_watch is not None:  # the host's span between steps ends at the launches; the wait begins
             self._watch("wait")
         entry = None

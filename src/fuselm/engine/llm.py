@@ -14,6 +14,7 @@ UTF-8 character), stop strings are cut from it, special tokens are left out of i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -100,10 +101,15 @@ class LLM:
         ``RequestOutput`` per prompt, in order (``outputs``: its n sequences, ``SamplingParams.n``).
         ``params``: one SamplingParams or one per prompt (default:
         ``get_default_sampling_params()``); ``stream(request)`` is called whenever a request (one
-        sequence) gets a token (``request.detokenizer.text`` holds its text so far)."""
+        sequence) gets a token (``request.detokenizer.text`` holds its text so far). With
+        ``SamplingParams.logprobs``, each ``Logprob`` carries its token's text (``decoded_token``)."""
         groups = self._add(prompts, params)
         self.engine.run(stream)
-        return [samples_output(group) for group in groups]
+        outputs = [samples_output(group) for group in groups]
+        for completion in (c for output in outputs for c in output.outputs if c.logprobs is not None):
+            completion.logprobs = [{token: dataclasses.replace(logprob, decoded_token=self.tokenizer.token_text(token))
+                                    for token, logprob in entry.items()} for entry in completion.logprobs]
+        return outputs
 
     def chat(self, messages, params: SamplingParams | Sequence[SamplingParams] | None = None,
              chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,

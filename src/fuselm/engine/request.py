@@ -14,6 +14,11 @@ from enum import Enum
 from typing import Sequence
 
 
+MAX_LOGPROBS = 20
+"""Most top log-probabilities a request may ask for per generated token (``SamplingParams.logprobs``:
+OpenAI's ``top_logprobs`` limit and vLLM's default ``max_logprobs``)."""
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -42,6 +47,9 @@ class SamplingParams:
     (vLLM's default; off, they are decoded like any other). These two only shape the text.
     n: sequences drawn for the prompt (>= 1), each a request of its own (``samples``: seeds
     seed, seed + 1, ..., as vLLM's parallel sampling; each prefills the prompt itself).
+    logprobs: None (off) or k in [0, MAX_LOGPROBS]: each generated token's log-probability and
+    rank under the model's distribution, and the k most likely tokens' (``CompletionOutput.logprobs``,
+    as vLLM's).
     Every field is checked on construction: ValueError naming the field.
     """
 
@@ -56,6 +64,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1
+    logprobs: int | None = None
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -85,6 +94,8 @@ class SamplingParams:
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n: expected an int >= 1, got {self.n!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs: expected None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     def samples(self) -> list["SamplingParams"]:
         """The ``n`` requests these params stand for, each with n = 1: sample i gets seed
@@ -123,18 +134,40 @@ def params_per_prompt(params: "SamplingParams | Sequence[SamplingParams] | None"
     return params
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability under the model's next-token distribution at one position, and
+    its rank there (1: the most likely). The distribution is the raw one: log_softmax of the
+    model's logits in fp32, before temperature, top-k and top-p (vLLM's default
+    ``logprobs_mode``), so greedy and sampled requests see the same values.
+    ``decoded_token``: the token's text, where the caller has a tokenizer (``LLM``)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+TokenLogprobs = dict[int, Logprob]
+"""One generated position's log-probabilities by token id: the sampled token first, then the
+``SamplingParams.logprobs`` most likely tokens in rank order (the sampled one once), as vLLM's."""
+
+
 @dataclass
 class CompletionOutput:
     """One generated sequence: ``text`` (stop strings cut), ``token_ids``, ``finish_reason``
     ("stop": an eos / stop id / stop string; "length": max_tokens or the context; None while
     running) and ``stop_reason`` (the stop string or stop_token_ids id that ended it; None at the
-    model's eos, as vLLM has it)."""
+    model's eos, as vLLM has it). With ``SamplingParams.logprobs`` set: ``logprobs``, one
+    ``TokenLogprobs`` per token id, and ``cumulative_logprob``, the sum of the sampled tokens'
+    (None otherwise)."""
 
     index: int
     text: str | None
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -187,6 +220,7 @@ class Request:
     pages: list[int] = field(default_factory=list)  # its K/V pages, for prompt + max_tokens positions
     num_prompt_computed: int = 0  # prompt tokens in the cache (a long prompt is prefilled over several steps)
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output id, with params.logprobs
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
@@ -215,9 +249,13 @@ class Request:
     def output(self, index: int = 0) -> RequestOutput:
         """What it has generated so far, as sequence ``index`` of its prompt."""
         text = None if self.detokenizer is None else self.detokenizer.text
+        logprobs = cumulative = None
+        if self.params.logprobs is not None:
+            logprobs = list(self.output_logprobs)
+            cumulative = sum(entry[token].logprob for token, entry in zip(self.output_token_ids, logprobs))
         completion = CompletionOutput(index, text, list(self.output_token_ids),
                                       None if self.finish_reason is None else self.finish_reason.value,
-                                      self.stop_reason)
+                                      self.stop_reason, logprobs, cumulative)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion], self.finished,
                              self.metrics)
 

@@ -137,19 +137,21 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------ prefill
     @torch.no_grad()
-    def prefill(self, plan: list[tuple[Request, int, int]]) -> tuple[list[Request], torch.Tensor]:
+    def prefill(self, plan: list[tuple[Request, int, int]]) -> tuple[list[Request], torch.Tensor, torch.Tensor]:
         """Prefill ``plan``'s chunks: (request, first prompt position, tokens), each request with
         its ``slot`` and ``pages`` set, in one right-padded ``model.prefill_step``. Requests whose
         prompt ends with this chunk get their first token drawn and their slot activated; the
-        others stay inactive until their last chunk. Returns (those requests, their first ids [n]
-        on the device: not yet read, so the caller can launch a decode step behind them first);
-        other slots are untouched. No host sync."""
+        others stay inactive until their last chunk. Returns (those requests, the logits [n, V]
+        their first ids were drawn from, those ids [n]), on the device: not yet read, so the
+        caller can launch a decode step behind them first; other slots are untouched. No host
+        sync."""
         packed, key = self._admit(plan)
         logits = self._run_graph(("prefill",) + key, packed, lambda inputs: self._prefill_body(inputs, key[2]))
         return self._first_tokens(plan, logits)
 
     @torch.no_grad()
-    def mixed(self, plan: list[tuple[Request, int, int]], batch: int, variant: str) -> torch.Tensor:
+    def mixed(self, plan: list[tuple[Request, int, int]], batch: int,
+              variant: str) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step over rows 0 .. batch-1 (as :meth:`decode`) and ``plan``'s prompt chunks
         (as :meth:`prefill`) in one ``model.mixed_step``: the chunks ride on the decode step's
         read of the weights instead of taking a step of their own between decode steps. The
@@ -157,8 +159,9 @@ class ModelRunner:
         prompt needs its request's row (``request.row``, below ``batch``, the row whose table
         entry is its slot): it draws its first id with the decode rows, in the same draw (its
         last token's logits go into that row of the decode logits and the slot turns active
-        before the draw; ``variant`` must cover its request too). Returns the ids [batch] on the
-        device (a completed prompt's first id in its row)."""
+        before the draw; ``variant`` must cover its request too). Returns (logits [batch, V], ids
+        [batch]) by row, on the device (a completed prompt's first id and its logits in its row;
+        static buffers, valid until the next step)."""
         for request, start, count in plan:  # host lists only: a drifted table would draw from the wrong row
             row = request.row
             if request.completes_prompt(start, count) and not (
@@ -169,7 +172,7 @@ class ModelRunner:
         packed, key = self._admit(plan, batch)
         body = lambda inputs: self._mixed_body(inputs, batch, key[2])  # noqa: E731
         self._run_graph(("mixed", batch) + key, packed, body)
-        return self._sample_decode_logits(batch, variant)
+        return self.decode_logits[:batch], self._sample_decode_logits(batch, variant)
 
     def capture_mixed_graphs(self, longest_chunk: dict[int, int]) -> int:
         """Capture now the mixed graphs of one prompt chunk beside each decode batch size b in
@@ -262,18 +265,20 @@ class ModelRunner:
         return result
 
     def _first_tokens(self, plan: list[tuple[Request, int, int]],
-                      logits: torch.Tensor) -> tuple[list[Request], torch.Tensor]:
+                      logits: torch.Tensor) -> tuple[list[Request], torch.Tensor, torch.Tensor]:
         """Draw the first token of each request whose prompt this plan completed, from its row
-        of ``logits`` [>= rows, V]; it becomes the slot's next decode input."""
+        of ``logits`` [>= rows, V]; it becomes the slot's next decode input. Returns (those
+        requests, their rows of the logits, their ids)."""
         ends = [i for i, (request, start, count) in enumerate(plan) if request.completes_prompt(start, count)]
         if not ends:
-            return [], torch.empty(0, dtype=torch.int64, device=self.device)
+            return [], logits[:0], torch.empty(0, dtype=torch.int64, device=self.device)
         completed = [plan[i][0] for i in ends]
         slots = self.staging.to_device(torch.tensor([r.slot for r in completed], dtype=torch.int64))
         rows = self.staging.to_device(torch.tensor(ends, dtype=torch.int64))
-        first = self.sampling.sample_and_advance(logits[rows], self.cache.active, sampler_variant(completed), slots,
+        logits = logits[rows]
+        first = self.sampling.sample_and_advance(logits, self.cache.active, sampler_variant(completed), slots,
                                                  self.input_tokens)
-        return completed, first
+        return completed, logits, first
 
     @staticmethod
     def _unpack(inputs: torch.Tensor):

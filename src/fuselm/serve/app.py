@@ -233,7 +233,8 @@ class OpenAIServer:
                                len(generation.prompts)) from None
             if error is not None:
                 raise error
-            answer = format_class(request_id, self.model.name, generation.return_token_ids)
+            answer = format_class(request_id, self.model.name, generation.return_token_ids, generation.logprobs,
+                                  self.model.tokenizer)
             if generation.stream:
                 return await self._stream(request, streams, answer, generation)
             return await self._collect(streams, answer, generation)
@@ -253,7 +254,8 @@ class OpenAIServer:
             raise APIError(503, f"the request was cut short: {cut}")
         completions = [delta.output.outputs[0] for delta in last]
         choices = [answer.choice(index, completion.text or "", completion.token_ids, completion.finish_reason,
-                                 completion.stop_reason) for index, completion in enumerate(completions)]
+                                 completion.stop_reason, completion.logprobs)
+                   for index, completion in enumerate(completions)]
         usage = token_usage(generation.prompt_tokens, sum(len(c.token_ids) for c in completions))
         return web.json_response(answer.response(choices, usage))
 
@@ -275,10 +277,10 @@ class OpenAIServer:
                         await _send_event(response, APIError(503, f"the request was cut short: {delta.error}").body)
                         break
                     completion_tokens += len(delta.token_ids)
-                    if delta.text or delta.last or answer.return_token_ids:
+                    if delta.text or delta.last or answer.return_token_ids or delta.logprobs:
                         stop_reason = None if delta.output is None else delta.output.outputs[0].stop_reason
                         await _send_event(response, answer.chunk(index, delta.text, delta.token_ids,
-                                                                 delta.finish_reason, stop_reason))
+                                                                 delta.finish_reason, stop_reason, delta.logprobs))
             if generation.include_usage:
                 await _send_event(response, answer.usage_chunk(token_usage(generation.prompt_tokens,
                                                                            completion_tokens)))

@@ -57,7 +57,7 @@ from typing import Callable, Sequence
 import torch
 
 from fuselm.engine.engine import Engine
-from fuselm.engine.request import Request, RequestOutput, SamplingParams
+from fuselm.engine.request import Request, RequestOutput, SamplingParams, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +77,9 @@ class QueueFullError(EngineUnavailableError):
 @dataclass(frozen=True)
 class RequestDelta:
     """What one engine step gave a request: ``text`` (detokenized text made final, stop strings
-    cut; "" without a tokenizer) and ``token_ids`` (the new ids). The last delta of a request
-    has ``finish_reason`` ("stop" or "length") and the final ``output``, or ``error`` when the
+    cut; "" without a tokenizer), ``token_ids`` (the new ids) and, when the request asks for them,
+    their ``logprobs`` (one ``TokenLogprobs`` each). The last delta of a request has
+    ``finish_reason`` ("stop" or "length") and the final ``output``, or ``error`` when the
     request was cut short (the server stopping, the engine failing)."""
 
     text: str
@@ -86,6 +87,7 @@ class RequestDelta:
     finish_reason: str | None = None
     output: RequestOutput | None = None
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
     @property
     def last(self) -> bool:
@@ -262,14 +264,16 @@ class EngineLoop:
             running = self._running.get(request.request_id)
             if running is None or running.request is not request:
                 continue
-            new_ids = request.output_token_ids[running.published_tokens:]
+            published = running.published_tokens
+            new_ids = request.output_token_ids[published:]
+            logprobs = None if request.params.logprobs is None else request.output_logprobs[published:]
             running.published_tokens = len(request.output_token_ids)
             text = request.take_new_text()
             if request.finished:
                 del self._running[request.request_id]
-                delta = RequestDelta(text, new_ids, request.finish_reason.value, request.output())
+                delta = RequestDelta(text, new_ids, request.finish_reason.value, request.output(), logprobs=logprobs)
             else:
-                delta = RequestDelta(text, new_ids)
+                delta = RequestDelta(text, new_ids, logprobs=logprobs)
             deltas.append((request.request_id, delta))
         if deltas:
             self._answer(("deltas", deltas))

@@ -22,9 +22,13 @@ are ignored, as vLLM does):
                           seed + 1, ... when seeded, as vLLM's), choices[i] / chunks of index i
     stream, stream_options.include_usage
     return_token_ids      (vLLM's) each choice carries its generated "token_ids"
-Fields that would change the answer but are not implemented (``UNSUPPORTED_FIELDS``: logprobs,
-echo, best_of > 1, penalties, tools, response_format, and vLLM's own: beam search, guided
-decoding, allowed_token_ids ...) are refused with a 400 naming
+    logprobs              completions: an int k in [0, MAX_LOGPROBS]; chat: true or false, with
+    top_logprobs          chat: k in [0, MAX_LOGPROBS] (needs logprobs true) -> each generated
+                          token's log-probability, and the k most likely tokens' (OpenAI's shapes:
+                          ``logprobs`` of each choice or chunk; -inf is written -9999.0, as vLLM)
+Fields that would change the answer but are not implemented (``UNSUPPORTED_FIELDS``: echo,
+prompt_logprobs, best_of > 1, penalties, tools, response_format, and vLLM's own: beam search,
+guided decoding, allowed_token_ids ...) are refused with a 400 naming
 them unless they hold their neutral value.
 
 Responses: ``CompletionFormat`` and ``ChatFormat`` write OpenAI's answer and stream-chunk JSON
@@ -40,7 +44,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from fuselm.engine.request import SamplingParams
+from fuselm.engine.request import MAX_LOGPROBS, Logprob, SamplingParams, TokenLogprobs
 
 MAX_N = 128
 """Largest ``n`` (sequences a request asks for per prompt) taken: OpenAI's limit."""
@@ -107,8 +111,6 @@ def _absent_or(*neutral) -> Callable[[Any], bool]:
 # Documented fields that would change the answer and are not implemented: a request may send
 # them only with the neutral value (a 400 naming the field otherwise, never a silent ignore).
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "logprobs": _absent_or(False),
-    "top_logprobs": _absent_or(0),
     "best_of": _absent_or(1),
     "presence_penalty": _absent_or(0),
     "frequency_penalty": _absent_or(0),
@@ -197,7 +199,8 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_
 
 
 def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, prompt_tokens: int, max_len: int,
-                                 default_max_tokens: int | None, max_tokens_fields: tuple[str, ...]) -> SamplingParams:
+                                 default_max_tokens: int | None, max_tokens_fields: tuple[str, ...],
+                                 logprobs: int | None = None) -> SamplingParams:
     """The one mapping from a request body to ``SamplingParams``.
 
     - ``max_tokens``: the first of ``max_tokens_fields`` the body sets (chat:
@@ -209,6 +212,7 @@ def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, pro
       include_stop_str_in_output, skip_special_tokens, n): the
       body's value when set, else ``defaults``' (the checkpoint's generation_config sampling). A
       negative seed (OpenAI's are any int64) is taken modulo 2**63, the engine's seeds.
+    - ``logprobs``: SamplingParams.logprobs, read from the body by the endpoint (its fields differ).
     SamplingParams checks every value; a bad one is an APIError 400 naming the request field."""
     room = max_len - prompt_tokens
     max_tokens_field = _max_tokens_field(body, max_tokens_fields)
@@ -217,6 +221,8 @@ def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, pro
     else:
         max_tokens = body[max_tokens_field]
     overrides = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    if logprobs is not None:
+        overrides["logprobs"] = logprobs
     seed = overrides.get("seed")
     if _is_int(seed) and -2**63 <= seed < 0:  # OpenAI's seeds are int64; the engine's 63-bit
         overrides["seed"] = seed % 2**63
@@ -258,6 +264,11 @@ class GenerationRequest:
     return_token_ids: bool
     prompt_field: str
     max_tokens_field: str
+
+    @property
+    def logprobs(self) -> int | None:
+        """The top log-probabilities asked for per token (None: no logprobs), the same for every prompt."""
+        return self.prompts[0].params.logprobs
 
     @property
     def prompt_tokens(self) -> int:
@@ -345,6 +356,12 @@ def _check_prompt_length(prompt_tokens: int, max_len: int, field: str) -> None:
                           f"{prompt_tokens} tokens, which leaves no room for a completion.", field)
 
 
+def _completion_logprobs(body: Mapping):
+    """SamplingParams.logprobs of a completion request: its ``logprobs`` (false: off, as absent)."""
+    logprobs = body.get("logprobs")
+    return None if logprobs is False else logprobs
+
+
 def parse_completion_request(body: Mapping, tokenizer, defaults: SamplingParams, max_len: int,
                              no_tokenizer_reason: str = "") -> GenerationRequest:
     """Check a ``/v1/completions`` body (the module docstring lists the fields) and tokenize its
@@ -360,7 +377,7 @@ def parse_completion_request(body: Mapping, tokenizer, defaults: SamplingParams,
             _check_prompt_length(len(ids), max_len, "prompt")
             params = sampling_params_from_request(body, defaults, prompt_tokens=len(ids), max_len=max_len,
                                                   default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
-                                                  max_tokens_fields=("max_tokens",))
+                                                  max_tokens_fields=("max_tokens",), logprobs=_completion_logprobs(body))
         except APIError as error:
             raise in_batch(error, index, len(items)) from None
         prompts.append(Prompt(text, ids, params))
@@ -423,6 +440,18 @@ def _chat_prompt(body: Mapping, tokenizer) -> str:
         raise bad_request(str(error), "messages") from None
 
 
+def _chat_logprobs(body: Mapping) -> int | None:
+    """SamplingParams.logprobs of a chat request: ``top_logprobs`` (default 0) when ``logprobs`` is
+    true, else None (a top_logprobs above 0 then is a 400, as OpenAI's)."""
+    wanted = _optional_bool(body, "logprobs", False)
+    top = body.get("top_logprobs")
+    if top is not None and (not _is_int(top) or not 0 <= top <= MAX_LOGPROBS):
+        raise bad_request(f"top_logprobs: expected an int in [0, {MAX_LOGPROBS}], got {top!r:.100}", "top_logprobs")
+    if top and not wanted:
+        raise bad_request("top_logprobs: logprobs must be true to ask for top_logprobs", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
 def parse_chat_request(body: Mapping, tokenizer, defaults: SamplingParams, max_len: int,
                        no_tokenizer_reason: str = "") -> GenerationRequest:
     """Check a ``/v1/chat/completions`` body (the module docstring lists the fields), render its
@@ -437,7 +466,8 @@ def parse_chat_request(body: Mapping, tokenizer, defaults: SamplingParams, max_l
     _check_prompt_length(len(ids), max_len, "messages")
     max_tokens_fields = ("max_completion_tokens", "max_tokens")
     params = sampling_params_from_request(body, defaults, prompt_tokens=len(ids), max_len=max_len,
-                                          default_max_tokens=None, max_tokens_fields=max_tokens_fields)
+                                          default_max_tokens=None, max_tokens_fields=max_tokens_fields,
+                                          logprobs=_chat_logprobs(body))
     stream, include_usage = _stream_options(body)
     return GenerationRequest([Prompt(text, ids, params)], stream, include_usage,
                              _optional_bool(body, "return_token_ids", False), "messages",
@@ -504,15 +534,20 @@ class ResponseFormat:
     """OpenAI's answer JSON for one request of an endpoint: ``response`` (the whole answer, one
     ``choice`` per sequence), ``first_chunks`` + ``chunk`` per new text of a sequence +
     ``usage_chunk`` (a streamed answer). Choices carry their sequence's ``index``, ``token_ids``
-    when ``return_token_ids``, and vLLM's ``stop_reason`` (the stop string or stop_token_ids id
-    that ended the sequence; null otherwise, the model's eos included)."""
+    when ``return_token_ids``, vLLM's ``stop_reason`` (the stop string or stop_token_ids id that
+    ended the sequence; null otherwise, the model's eos included) and, when the request asked
+    for ``logprobs`` (top log-probabilities per token), the ``TokenLogprobs`` of the choice's or
+    chunk's tokens in the endpoint's shape, each token as its text (``tokenizer.token_text``;
+    without a tokenizer "token_id:<id>", as vLLM's return_tokens_as_token_ids)."""
 
     id_prefix: str  # of the request id, as OpenAI's ("cmpl-", "chatcmpl-")
     object_name: str  # of the whole answer
     chunk_object_name: str  # of a streamed chunk
 
-    def __init__(self, request_id: str, model: str, return_token_ids: bool):
+    def __init__(self, request_id: str, model: str, return_token_ids: bool, logprobs: int | None = None,
+                 tokenizer=None):
         self.request_id, self.model, self.return_token_ids = request_id, model, return_token_ids
+        self.logprobs, self.tokenizer = logprobs, tokenizer
         self.created = int(time.time())
 
     def _answer(self, object_name: str, choices: list[dict], **extra) -> dict:
@@ -522,8 +557,11 @@ class ResponseFormat:
     def _with_token_ids(self, choice: dict, token_ids: list[int]) -> dict:
         return {**choice, "token_ids": token_ids} if self.return_token_ids else choice
 
+    def _token(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.tokenizer is None else self.tokenizer.token_text(token_id)
+
     def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str,
-               stop_reason: str | int | None = None) -> dict:
+               stop_reason: str | int | None = None, logprobs: list[TokenLogprobs] | None = None) -> dict:
         """Sequence ``index`` of the whole answer."""
         raise NotImplementedError
 
@@ -534,7 +572,7 @@ class ResponseFormat:
         return []
 
     def chunk(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
-              stop_reason: str | int | None = None) -> dict:
+              stop_reason: str | int | None = None, logprobs: list[TokenLogprobs] | None = None) -> dict:
         raise NotImplementedError
 
     def usage_chunk(self, usage: dict) -> dict:
@@ -542,19 +580,54 @@ class ResponseFormat:
         return self._answer(self.chunk_object_name, [], usage=usage)
 
 
+def _json_logprob(logprob: float) -> float:
+    """A log-probability JSON can carry: -inf as -9999.0 (OpenAI's and vLLM's)."""
+    return max(logprob, -9999.0)
+
+
 class CompletionFormat(ResponseFormat):
-    """``/v1/completions``: ``text_completion`` objects, the (new) text in ``choices[i].text``."""
+    """``/v1/completions``: ``text_completion`` objects, the (new) text in ``choices[i].text``;
+    logprobs as OpenAI's legacy object: ``tokens``, ``token_logprobs``, ``top_logprobs`` (per
+    token {text: logprob} of the sampled token and the k most likely) and ``text_offset`` (each
+    token's offset in the sequence's text, counted over the tokens' texts and carried across a
+    stream's chunks, as vLLM's)."""
 
     id_prefix, object_name, chunk_object_name = "cmpl-", "text_completion", "text_completion"
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._text_offsets: dict[int, int] = {}  # per choice index: where its next streamed token starts
+
+    def _logprobs(self, index: int, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
+                  offset: int) -> dict | None:
+        if logprobs is None:
+            return None
+        answer = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, entry in zip(token_ids, logprobs):
+            token = self._token(token_id)
+            answer["tokens"].append(token)
+            answer["token_logprobs"].append(_json_logprob(entry[token_id].logprob))
+            answer["top_logprobs"].append({self._token(t): _json_logprob(lp.logprob) for t, lp in entry.items()})
+            answer["text_offset"].append(offset)
+            offset += len(token)
+        self._text_offsets[index] = offset
+        return answer
+
+    def _choice(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
+                stop_reason: str | int | None, logprobs: dict | None) -> dict:
+        return self._with_token_ids({"index": index, "text": text, "logprobs": logprobs,
+                                     "finish_reason": finish_reason, "stop_reason": stop_reason}, token_ids)
+
     def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
-               stop_reason: str | int | None = None) -> dict:
-        return self._with_token_ids({"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                                     "stop_reason": stop_reason}, token_ids)
+               stop_reason: str | int | None = None, logprobs: list[TokenLogprobs] | None = None) -> dict:
+        return self._choice(index, text, token_ids, finish_reason, stop_reason,
+                            self._logprobs(index, token_ids, logprobs, 0))
 
     def chunk(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
-              stop_reason: str | int | None = None) -> dict:
-        return self._answer(self.chunk_object_name, [self.choice(index, text, token_ids, finish_reason, stop_reason)])
+              stop_reason: str | int | None = None, logprobs: list[TokenLogprobs] | None = None) -> dict:
+        offset = self._text_offsets.get(index, 0)
+        return self._answer(self.chunk_object_name, [self._choice(
+            index, text, token_ids, finish_reason, stop_reason, self._logprobs(index, token_ids, logprobs, offset))])
 
 
 class ChatFormat(ResponseFormat):
@@ -564,10 +637,33 @@ class ChatFormat(ResponseFormat):
 
     id_prefix, object_name, chunk_object_name = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
+    def _token_bytes(self, token_id: int) -> list[int]:
+        return list(self._token(token_id).encode() if self.tokenizer is None else self.tokenizer.token_bytes(token_id))
+
+    def _top(self, entry: TokenLogprobs) -> list[tuple[int, Logprob]]:
+        """The request's ``logprobs`` most likely tokens of one position, in rank order: ``entry``
+        less its first item (the sampled token) when that is not one of them."""
+        items = list(entry.items())
+        return sorted(items[1:] if len(items) > self.logprobs else items, key=lambda item: item[1].rank)
+
+    def _logprob(self, token_id: int, logprob: Logprob) -> dict:
+        return {"token": self._token(token_id), "logprob": _json_logprob(logprob.logprob),
+                "bytes": self._token_bytes(token_id)}
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> dict | None:
+        """OpenAI's chat logprobs: ``{"content": [{token, logprob, bytes, top_logprobs: [{token,
+        logprob, bytes}, ...]}, ...]}``, top_logprobs the k most likely in rank order."""
+        if logprobs is None:
+            return None
+        return {"content": [{**self._logprob(token_id, entry[token_id]),
+                             "top_logprobs": [self._logprob(t, lp) for t, lp in self._top(entry)]}
+                            for token_id, entry in zip(token_ids, logprobs)]}
+
     def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str,
-               stop_reason: str | int | None = None) -> dict:
-        choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason, "stop_reason": stop_reason}
+               stop_reason: str | int | None = None, logprobs: list[TokenLogprobs] | None = None) -> dict:
+        choice = {"index": index, "message": {"role": "assistant", "content": text},
+                  "logprobs": self._logprobs(token_ids, logprobs), "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
         return self._with_token_ids(choice, token_ids)
 
     def first_chunks(self, n: int = 1) -> list[dict]:
@@ -576,7 +672,8 @@ class ChatFormat(ResponseFormat):
                 for index in range(n)]
 
     def chunk(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
-              stop_reason: str | int | None = None) -> dict:
-        choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
-                  "finish_reason": finish_reason, "stop_reason": stop_reason}
+              stop_reason: str | int | None = None, logprobs: list[TokenLogprobs] | None = None) -> dict:
+        choice = {"index": index, "delta": {"content": text} if text else {},
+                  "logprobs": self._logprobs(token_ids, logprobs), "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
         return self._answer(self.chunk_object_name, [self._with_token_ids(choice, token_ids)])
