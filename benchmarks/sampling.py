@@ -9,8 +9,8 @@ logits [B, 248320]. The previous sampler (``previous_sampler``, the engine's
 or softmax + exponential race with a full sort for top-p. ``--sweep`` also times the sampled
 kernel over launch geometries (block, warps, programs per SM), the data behind the constants of
 ``fuselm/ops/sampling/kernels.py``. Also timed: ``token_logprobs`` (the drawn tokens'
-log-probabilities, ``SamplingParams.logprobs``), which the engine runs after a step whose requests
-ask for them.
+log-probabilities, ``SamplingParams.logprobs``, which the engine runs after a step whose requests
+ask for them) beside its PyTorch definition ``token_logprobs_ref``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import itertools
 
 import torch
 
-from fuselm.engine.sampling import token_logprobs
-from fuselm.ops.sampling import cutoffs, keep_thresholds, sample_tokens
+from fuselm.ops.sampling import cutoffs, keep_thresholds, sample_tokens, token_logprobs, token_logprobs_ref
 from fuselm.ops.sampling.kernels import sample_tokens_kernel, split_geometry
 from fuselm.runtime import num_sms
 from timing import bench, graph_bench
@@ -84,8 +83,9 @@ def cases(logits):
         (f"cut-offs alone, T={TEMPERATURE} top_p={TOP_P}: cutoffs (key counts)", lambda: cutoffs(logits, *nucleus[:3])),
         ("cut-offs alone, T=0.6 top_k=20 top_p=0.95: cutoffs (key counts)",
          lambda: cutoffs(logits, *qwen_defaults[:3])),
-        *[(f"token_logprobs, {k} top (SamplingParams.logprobs = {k})", lambda k=k: token_logprobs(logits, drawn, k))
-          for k in (0, 5, 20)],
+        *[(f"{name}, {k} top (SamplingParams.logprobs = {k})", lambda k=k, op=op: op(logits, drawn, k))
+          for k in (0, 5, 20) for name, op in (("token_logprobs_ref (PyTorch)", token_logprobs_ref),
+                                                ("token_logprobs (Triton)", token_logprobs))],
     ]
 
 

@@ -502,27 +502,6 @@ def test_sampler_variants_draw_the_same_tokens(model):
     assert requests[0].output().outputs[0].token_ids == alone
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_token_logprobs_are_the_float64_log_softmax(dtype):
-    """sampling.token_logprobs: the drawn ids' log_softmax of the logits upcast to fp32, their rank
-    (1 + the logits strictly above: tied ids share the better rank) and the k most likely, against
-    float64, at an odd vocabulary; k past the vocabulary gives all of it."""
-    from fuselm.engine.sampling import token_logprobs
-
-    logits = (torch.randn(5, 37, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
-    logits[1, 3] = logits[1, 7] = logits[1].max() + 1  # two ids tied at the top
-    ids = torch.tensor([0, 7, 36, 5, 3])
-    logprob, rank, top, top_ids = token_logprobs(logits.to(DEVICE), ids.to(DEVICE), 4)
-    exact = logits.double().log_softmax(-1)
-    assert logprob.dtype == top.dtype == torch.float32 and rank.dtype == top_ids.dtype == torch.int64
-    torch.testing.assert_close(logprob.cpu().double(), exact.gather(1, ids[:, None])[:, 0], rtol=0, atol=1e-5)
-    assert rank.tolist() == [1 + int((row > row[i]).sum()) for row, i in zip(logits, ids)] and rank[1] == 1
-    torch.testing.assert_close(top.cpu().double(), exact.topk(4, -1).values, rtol=0, atol=1e-5)
-    torch.testing.assert_close(exact.gather(1, top_ids.cpu()), top.cpu().double(), rtol=0, atol=1e-5)
-    assert set(top_ids[1, :2].tolist()) == {3, 7}
-    assert token_logprobs(logits, ids, 50)[2].shape == (5, 37)
-
-
 def test_logprobs_are_the_log_softmax_of_the_logits_each_token_was_drawn_from(model, monkeypatch):
     """SamplingParams.logprobs: each generated token's log-probability and rank and the k most
     likely tokens', from the logits the reference loop draws the same tokens from (float64

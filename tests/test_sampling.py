@@ -14,7 +14,7 @@ import triton.language as tl
 
 from conftest import DEVICE
 from fuselm.ops.sampling import (cutoffs, gumbel_noise_ref, keep_thresholds, random_bits_ref, sample_tokens,
-                                 sample_tokens_ref)
+                                 sample_tokens_ref, token_logprobs, token_logprobs_ref)
 from fuselm.ops.sampling.kernels import (
     _STREAM_INIT_A, _STREAM_INIT_B, _gumbel_noise, _key_of_bits, _logit_of_key, _stream_key, sample_tokens_kernel,
     split_geometry,
@@ -614,3 +614,75 @@ def test_advance_slots_bad_input(change, match):
                        remaining=remaining, stop_ids=stop_ids))
     with pytest.raises((TypeError, ValueError), match=match):
         advance_slots(**args)
+
+
+# ----------------------------------------------------------------------------- token_logprobs
+def check_token_logprobs(logits, ids, num_top, atol=1e-5):
+    """token_logprobs against float64: the drawn ids' log_softmax of the logits upcast to fp32, their
+    rank (1 + the logits strictly above), the k most likely in descending order (ties to the lower
+    id), k = min(num_top, V); the reference too."""
+    k = min(num_top, logits.shape[1])
+    x = logits.double()
+    exact = x.log_softmax(-1)
+    expected_rank = [1 + int((row > row[i]).sum()) for row, i in zip(x.cpu(), ids.tolist())]
+    order = sorted(range(x.shape[1]), key=lambda i: i)  # ties to the lower id: a stable sort by value
+    for op in (token_logprobs, token_logprobs_ref):
+        logprob, rank, top, top_ids = op(logits, ids, num_top)
+        assert logprob.dtype == top.dtype == torch.float32 and rank.dtype == top_ids.dtype == torch.int64
+        assert top.shape == top_ids.shape == (logits.shape[0], k)
+        torch.testing.assert_close(logprob.double(), exact.gather(1, ids[:, None])[:, 0], rtol=0, atol=atol)
+        assert rank.tolist() == expected_rank
+        torch.testing.assert_close(top.double(), exact.topk(k, -1).values, rtol=0, atol=atol)
+        torch.testing.assert_close(exact.gather(1, top_ids), top.double(), rtol=0, atol=atol)
+        if op is token_logprobs:  # the kernel's ties: the lower id first
+            for row, ids_row in zip(x.cpu(), top_ids.tolist()):
+                stable = sorted(order, key=lambda i: -row[i].item())[:k]
+                assert ids_row == stable
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_vocab, num_top", [(37, 5), (37, 0), (37, 37), (37, 50), (5000, 20), (1, 3)])
+def test_token_logprobs_are_the_float64_log_softmax(dtype, n_vocab, num_top):
+    logits = logits_like_a_model(3, n_vocab, dtype)
+    ids = torch.tensor([0, n_vocab - 1, n_vocab // 2], device=DEVICE)
+    check_token_logprobs(logits, ids, num_top)
+
+
+def test_token_logprobs_over_splits_with_ties_across_them(monkeypatch):
+    """Several splits a row (a small split block): ties of the drawn logit and of the top values
+    in different splits, a strided view of wider rows."""
+    import fuselm.ops.sampling.logprobs as logprobs
+
+    monkeypatch.setattr(logprobs, "SPLIT_BLOCK", 16)
+    wide = logits_like_a_model(4, 64)
+    logits = wide[:, :53]  # 4 splits of 16, the last of 5; row stride 64
+    logits[0, 3] = logits[0, 40] = logits[0, 50] = logits[0].max() + 1
+    logits[1, 7] = logits[1, 30] = logits[1].min() - 1  # the drawn one tied with another, in the last place
+    ids = torch.tensor([40, 30, 52, 0], device=DEVICE)
+    check_token_logprobs(logits, ids, 6)
+    assert token_logprobs(logits, ids, 6)[1][:2].tolist() == [1, 52]
+
+
+def test_token_logprobs_of_an_empty_batch_and_bad_input():
+    logprob, rank, top, top_ids = token_logprobs(torch.empty(0, 9, device=DEVICE), torch.empty(0, dtype=torch.int64,
+                                                                                              device=DEVICE), 3)
+    assert logprob.shape == rank.shape == (0,) and top.shape == top_ids.shape == (0, 3)
+    logits, ids = torch.randn(2, 9, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    for args, error, match in [((logits[0], ids, 1), ValueError, r"logits: expected \[B, V\]"),
+                               ((logits.long(), ids, 1), TypeError, "logits: dtype int64"),
+                               ((torch.ones(9, 2, device=DEVICE).t(), ids, 1), ValueError, "last dim must be contig"),
+                               ((logits, ids.int(), 1), TypeError, "ids: dtype int32"),
+                               ((logits, ids[:1], 1), ValueError, r"ids: expected a contiguous \(2,\)"),
+                               ((logits, ids, -1), ValueError, "num_top: expected an int >= 0"),
+                               ((logits, ids, True), ValueError, "num_top"),
+                               ((logits, ids.to("meta"), 1), ValueError, "one device")]:
+        with pytest.raises(error, match=match):
+            token_logprobs(*args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_rows", [1, 32])
+def test_token_logprobs_at_the_full_vocabulary_on_gpu(n_rows):
+    logits = logits_like_a_model(n_rows, 248320, torch.bfloat16, scale=2.5)
+    ids = torch.randint(0, 248320, (n_rows,), device=DEVICE)
+    check_token_logprobs(logits, ids, 20, atol=2e-5)

@@ -44,10 +44,11 @@ import torch
 from fuselm.engine.request import (FinishReason, Logprob, Request, RequestOutput, SamplingParams, TokenLogprobs,
                                    is_token_ids, params_per_prompt, samples_output)
 from fuselm.engine.runner import DEFAULT_GRAPH_BATCH_SIZES, ModelRunner
-from fuselm.engine.sampling import sampler_variant, token_logprobs
+from fuselm.engine.sampling import sampler_variant
 from fuselm.engine.scheduler import Scheduler
 from fuselm.models.qwen35 import Qwen35
 from fuselm.models.qwen35.cache import PAGE_SIZE
+from fuselm.ops.sampling import token_logprobs
 from fuselm.runtime import PinnedStaging, check_positive_int
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,8 @@ class _Launched:
     on their way to pinned host memory (this step's ``staging`` buffer), and which request each
     index belonged to at launch (a request's row may change before they are read). When one of
     those requests asks for log-probabilities (``SamplingParams.logprobs``), those of every index
-    (``sampling.token_logprobs`` of the ``logits`` the ids were drawn from) travel with them."""
+    (``fuselm.ops.sampling.token_logprobs`` of the ``logits`` the ids were drawn from: two launches
+    behind the step's) travel with them."""
 
     def __init__(self, ids: torch.Tensor, requests: dict[int, Request], staging: PinnedStaging, timed: bool = False,
                  logits: torch.Tensor | None = None):

@@ -9,9 +9,6 @@ first slots) (``fuselm.ops.sampling.sample_tokens``) and updates those counters 
 cache's ``active`` flags on the device: a slot stops when it draws one of its stop ids or its
 last allowed token. No host sync, static shapes: it runs inside the decode step's CUDA graph.
 
-``token_logprobs`` gives the drawn ids' log-probabilities, ranks and the most likely tokens'
-(``SamplingParams.logprobs``): a few launches after a step whose requests ask for them, none
-otherwise.
 """
 
 from __future__ import annotations
@@ -37,25 +34,6 @@ SAMPLER_VARIANTS = (PLAIN, FILTERED)
 def sampler_variant(requests) -> str:
     """The cheapest sampler variant that serves every one of ``requests``."""
     return FILTERED if any(r.params.filtered for r in requests) else PLAIN
-
-
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor,
-                   num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Log-probabilities of the drawn ``ids`` [n] under logits [n, V] (any float dtype):
-    (logprob [n] fp32, rank [n] int64, top logprobs [n, num_top] fp32, top ids [n, num_top]
-    int64), the top ones in descending order (all V when num_top > V).
-
-    Numerics: the raw distribution, log_softmax of the logits upcast to fp32 (no temperature,
-    top-k or top-p), logprob = logit - logsumexp(logits) with fp32 accumulation; rank = 1 + the
-    number of logits strictly greater than the drawn one's (ties share the better rank). No host
-    sync; temporaries of [n, V] fp32 and bool (the caching allocator's), so it runs beside the
-    decode graphs, not inside them."""
-    logits = logits.float()
-    log_normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
-    drawn = logits.gather(1, ids.view(-1, 1))
-    rank = (logits > drawn).sum(dim=-1) + 1
-    top, top_ids = logits.topk(min(num_top, logits.shape[-1]), dim=-1)
-    return (drawn - log_normalizer).view(-1), rank, top - log_normalizer, top_ids
 
 
 class SlotSampling:

@@ -1,5 +1,6 @@
 """Plain-PyTorch pieces of ``sample_tokens``: the counter-based RNG, the top-k / top-p cut-off and
-the whole op as a float64 reference (the tests' reference and the CPU fallback).
+the whole op as a float64 reference (the tests' reference and the CPU fallback); and
+``token_logprobs_ref``, the definition of ``token_logprobs``.
 
 The RNG, written out (all words uint32, arithmetic mod 2^32; here int64 tensors holding values in
 [0, 2^32), the Triton kernel computes the same bits in uint32):
@@ -184,3 +185,16 @@ def advance_slots_ref(ids, active, positions, remaining, stop_ids, slots=None, n
     active.index_copy_(0, rows, was_active & ~stopped)
     if next_inputs is not None:
         next_inputs.index_copy_(0, rows, ids)
+
+
+def token_logprobs_ref(logits: torch.Tensor, ids: torch.Tensor,
+                       num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``token_logprobs``' definition (and its CPU fallback): with x = logits.float(),
+    logprob = x[drawn] - logsumexp(x) (fp32 accumulation), rank = 1 + #{x > x[drawn]}, and
+    ``torch.topk`` of x less logsumexp, min(num_top, V) of them."""
+    x = logits.float()
+    log_normalizer = torch.logsumexp(x, dim=-1, keepdim=True)
+    drawn = x.gather(1, ids.view(-1, 1))
+    rank = (x > drawn).sum(dim=-1) + 1
+    top, top_ids = x.topk(min(num_top, x.shape[-1]), dim=-1)
+    return (drawn - log_normalizer).view(-1), rank, top - log_normalizer, top_ids
