@@ -33,14 +33,13 @@ from fuselm.ops.sampling.naive import token_logprobs_ref
 from fuselm.runtime import cdiv, check_same_device, check_tensor, next_power_of_2, use_triton
 
 SPLIT_BLOCK = 4096  # logits a program of the splits kernel (4 warps: 32 a thread)
-INT32_MAX = 2147483647
 
 
 @triton.jit
 def _largest(values, positions):
     """(largest value, its position): the lowest position among ties."""
     best = tl.max(values, axis=0)
-    return best, tl.min(tl.where(values == best, positions, INT32_MAX), axis=0)
+    return best, tl.min(tl.where(values == best, positions, 2147483647), axis=0)
 
 
 @triton.jit
