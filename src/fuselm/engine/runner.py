@@ -43,10 +43,11 @@ from typing import Sequence
 
 import torch
 
-from fuselm.engine.request import Request
+from fuselm.engine.request import MAX_LOGPROBS, Request
 from fuselm.engine.sampling import SAMPLER_VARIANTS, SlotSampling, sampler_variant
 from fuselm.models.qwen35 import Qwen35
 from fuselm.models.qwen35.cache import PAGE_SIZE
+from fuselm.ops.sampling import token_logprobs
 from fuselm.runtime import PinnedStaging, cublaslt_preferred
 
 logger = logging.getLogger(__name__)
@@ -338,8 +339,8 @@ class ModelRunner:
                                                 self.input_tokens)
 
     def _capture_graphs(self) -> None:
-        """Warm up every (batch size, sampler) on a side stream (Triton JIT, cuBLAS workspaces,
-        attention backend choice), then capture one graph each, largest first, all in one memory
+        """Warm up every (batch size, sampler) and the log-probabilities' kernels on a side stream
+        (Triton JIT, cuBLAS workspaces, attention backend choice), then capture one graph each, largest first, all in one memory
         pool (their temporaries never live at the same time). Every slot is inactive here, so
         warm-up and capture write no request state."""
         if bool(self.cache.active.any()):
@@ -352,6 +353,10 @@ class ModelRunner:
                     for _ in range(2):
                         self._step_body(batch, variant)
                         self._next_inputs(self.decode_logits[:batch], batch, variant)
+            # The log-probabilities' kernels, one build per top count it rounds to (token_logprobs), so
+            # that a request asking for them does not stall the running ones with a compile.
+            for num_top in [0] + [2 ** i for i in range((MAX_LOGPROBS - 1).bit_length() + 1)]:
+                token_logprobs(self.decode_logits[:1], self.input_tokens[:1], num_top)
         torch.cuda.current_stream(self.device).wait_stream(side)
         for batch in reversed(self.batch_sizes):
             for variant in SAMPLER_VARIANTS:
