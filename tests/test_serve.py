@@ -784,9 +784,9 @@ def process_server(checkpoint):
 
 
 def test_an_engine_process_serves_what_the_engine_thread_serves(server, process_server):
-    """Text, token ids, streams and chat answers come back from the engine process as from the
-    engine thread (the same checkpoint and seed); a request the engine refuses is a 400 naming
-    the field (the error crosses the pipe)."""
+    """Text, token ids, streams, chat answers and log-probabilities come back from the engine
+    process as from the engine thread (the same checkpoint and seed); a request the engine refuses
+    is a 400 naming the field (the error crosses the pipe)."""
     def answers(served):
         client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         name = model_name(served)
@@ -795,14 +795,17 @@ def test_an_engine_process_serves_what_the_engine_thread_serves(server, process_
         streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
             model=name, prompt="The capital of France is", max_tokens=5, temperature=0, stream=True))
         chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi"}],
-                                              max_tokens=4, temperature=0)
+                                              max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
         too_long = post(served, COMPLETIONS, {"prompt": [1, 2, 3], "max_tokens": MAX_LEN})
         return (whole.choices[0].text, whole.choices[0].model_extra["token_ids"], streamed,
-                chat.choices[0].message.content, too_long[0], too_long[1]["error"]["param"])
+                chat.choices[0].message.content, too_long[0], too_long[1]["error"]["param"],
+                chat.choices[0].logprobs.model_dump())
 
     thread_answers, process_answers = answers(server), answers(process_server)
     assert process_answers == thread_answers
-    assert process_answers[0] == process_answers[2] and process_answers[4:] == (400, "max_tokens")
+    assert process_answers[0] == process_answers[2] and process_answers[4:6] == (400, "max_tokens")
+    chat_logprobs = process_answers[6]["content"]
+    assert chat_logprobs and all(len(entry["top_logprobs"]) == 2 for entry in chat_logprobs)
     assert process_server.engine.alive
 
 
