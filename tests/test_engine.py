@@ -539,6 +539,28 @@ def test_logprobs_are_the_log_softmax_of_the_logits_each_token_was_drawn_from(mo
         assert output.cumulative_logprob == pytest.approx(drawn, abs=1e-4)
 
 
+def test_prompt_logprobs_are_the_log_softmax_of_the_models_logits(model):
+    """SamplingParams.prompt_logprobs: None for the first prompt token, then each one's
+    log-probability and rank after the ones before it and the k most likely, from ``model(ids)``'s
+    logits (float64 log_softmax); a request queued behind a full batch gets them too, n samples
+    share the first's, and a request without them has None."""
+    engine = Engine(model, max_batch=1, max_len=32, seed=0)
+    prompts = [prompt(9, 160), prompt(5, 161), prompt(1, 162)]
+    settings = [greedy(3, prompt_logprobs=4), greedy(2, prompt_logprobs=0, n=2), greedy(2, prompt_logprobs=2)]
+    outputs = engine.generate(prompts, settings)
+    for p, params, output in zip(prompts, settings, outputs):
+        assert len(output.prompt_logprobs) == len(p) and output.prompt_logprobs[0] is None
+        logits = model(torch.tensor([p], device=DEVICE))[0].double().cpu()
+        exact = logits.log_softmax(-1)
+        for position, (token, entry) in enumerate(zip(p[1:], output.prompt_logprobs[1:])):
+            top = exact[position].topk(params.prompt_logprobs).indices.tolist()
+            assert list(entry)[0] == token and set(entry) == {token, *top}
+            assert entry[token].rank == 1 + int((logits[position] > logits[position, token]).sum())
+            assert all(abs(lp.logprob - exact[position, t]) < 1e-5 for t, lp in entry.items())
+    assert len(outputs[1].outputs) == 2
+    assert engine.generate([prompts[0]], greedy(2))[0].prompt_logprobs is None
+
+
 def test_stop_ids_end_a_request_and_leave_the_others(model, engine):
     p0, p1 = prompt(9, 11), prompt(5, 12)
     free = token_ids(engine.generate([p0, p1], greedy(8)))
@@ -626,7 +648,8 @@ def test_bad_input_raises_and_the_engine_stays_usable(model, engine):
     ("stop_token_ids", [-1], "stop_token_ids"), ("temperature", float("nan"), "temperature"),
     ("ignore_eos", 1, "ignore_eos"), ("include_stop_str_in_output", "yes", "include_stop_str_in_output"),
     ("skip_special_tokens", None, "skip_special_tokens"), ("n", 0, "n"), ("n", 2.0, "n"),
-    ("logprobs", -1, "logprobs"), ("logprobs", 21, "logprobs"), ("logprobs", True, "logprobs")])
+    ("logprobs", -1, "logprobs"), ("logprobs", 21, "logprobs"), ("logprobs", True, "logprobs"),
+    ("prompt_logprobs", 21, "prompt_logprobs"), ("prompt_logprobs", 1.0, "prompt_logprobs")])
 def test_sampling_params_name_the_bad_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**{field: value})

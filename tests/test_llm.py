@@ -97,10 +97,18 @@ def test_greedy_text_equals_hf_generate_on_the_same_directory(llm, hf_model):
 def test_logprobs_are_hf_generates_log_softmax_with_each_tokens_text(llm, hf_model):
     """SamplingParams.logprobs: the log_softmax of the logits HF generate chose the same greedy
     tokens from (``output_logits``, taken in float64), the 5 most likely tokens of each step, and
-    each ``Logprob``'s token text."""
+    each ``Logprob``'s token text; prompt_logprobs: those of HF's forward over the prompt."""
     prompt = "The capital of France is"
     ids = llm.tokenizer.encode(prompt)
-    (completion,) = llm.generate([prompt], greedy(ignore_eos=True, logprobs=5))[0].outputs
+    (output,) = llm.generate([prompt], greedy(ignore_eos=True, logprobs=5, prompt_logprobs=2))
+    (completion,) = output.outputs
+    with torch.no_grad():
+        prompt_exact = hf_model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+    assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(ids)
+    for position, (token, entry) in enumerate(zip(ids[1:], output.prompt_logprobs[1:])):
+        assert list(entry)[0] == token and set(entry) == {token, *prompt_exact[position].topk(2).indices.tolist()}
+        assert all(lp.logprob == pytest.approx(prompt_exact[position, t].item(), abs=1e-4)
+                   and lp.decoded_token == llm.tokenizer.token_text(t) for t, lp in entry.items())
     with torch.no_grad():
         reference = hf_model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, do_sample=False,
                                       min_new_tokens=GREEDY_TOKENS, pad_token_id=END_OF_TEXT, output_logits=True,

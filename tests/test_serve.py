@@ -210,6 +210,36 @@ def test_completion_logprobs_streamed_equal_whole(server, client, llm):
     assert plain.logprobs is None and plain.text == choice.text
 
 
+def test_echo_puts_the_prompt_and_its_logprobs_first_whole_and_streamed(server, client, llm):
+    """/v1/completions with echo (lm-eval's loglikelihood request: a token-id prompt, echo, logprobs
+    1, max_tokens 1): the prompt's text before the completion's, its tokens' logprobs before the
+    generated one's (the first null), offsets over the whole text; the streamed chunks say the same;
+    echo without logprobs only prefixes the text."""
+    ids = llm.tokenizer.encode("The capital of France is Paris")
+    options = dict(model=model_name(server), prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True,
+                   extra_body={"ignore_eos": True})
+    (choice,) = client.completions.create(**options).choices
+    (plain,) = client.completions.create(**{**options, "echo": False}).choices
+    prompt_text = llm.tokenizer.decode(ids)
+    assert choice.text == prompt_text + plain.text
+    logprobs = choice.logprobs
+    assert logprobs.tokens == [llm.tokenizer.token_text(t) for t in ids] + plain.logprobs.tokens
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[len(ids):] == plain.logprobs.token_logprobs
+    for token, logprob, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:]):
+        assert top[token] == logprob <= 0 and 1 <= len(top) <= 2 and max(top.values()) >= logprob
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+    chunks = [chunk.choices[0] for chunk in client.completions.create(**options, stream=True)]
+    assert "".join(chunk.text for chunk in chunks) == choice.text
+    joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in chunks:
+        for name, values in joined.items():
+            values += getattr(chunk.logprobs, name)
+    assert joined == logprobs.model_dump()
+    (text_only,) = client.completions.create(**{**options, "logprobs": None}).choices
+    assert text_only.text == choice.text and text_only.logprobs is None
+
+
 def test_chat_logprobs_streamed_equal_whole(server, client, llm):
     """/v1/chat/completions with logprobs and top_logprobs = k: each token's text, bytes and
     log-probability, and the k most likely in rank order (greedy: the sampled one first); the
@@ -280,7 +310,8 @@ USER = [{"role": "user", "content": "Hi"}]
     (COMPLETIONS, {"prompt": "Hi", "n": 0}, 400, "n", "n: expected an int in [1, 128]"),
     (COMPLETIONS, {"prompt": "Hi", "n": 129}, 400, "n", "n: expected"),
     (CHAT, {"messages": USER, "n": "2"}, 400, "n", "n: expected"),
-    (COMPLETIONS, {"prompt": "Hi", "echo": True}, 400, "echo", "not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "echo": "yes"}, 400, "echo", "echo: expected true or false"),
+    (CHAT, {"messages": USER, "echo": True}, 400, "echo", "not supported"),
     (COMPLETIONS, {"prompt": "Hi", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
     (COMPLETIONS, {"prompt": "Hi", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     (COMPLETIONS, {"prompt": []}, 400, "prompt", "a non-empty list of either"),

@@ -103,6 +103,30 @@ class _Launched:
         return values[0], values[1:] or None
 
 
+class _PromptLogprobs:
+    """A prompt's log-probabilities (``ModelRunner.prompt_logprobs``) on their way to pinned host
+    memory of their own (its request may wait many steps for a slot: the steps' staging buffers
+    come back sooner), read when the request's first token is (by then long written)."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...]):
+        if tensors[0].is_cuda:
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, t in zip(self.host, tensors):
+                host.copy_(t, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host, self.done = list(tensors), None
+
+    def entries(self, prompt_token_ids: list[int], num_top: int) -> list[TokenLogprobs | None]:
+        """None for the first token, then each later one's ``TokenLogprobs``."""
+        if self.done is not None:
+            self.done.synchronize()
+        values = [t.tolist() for t in self.host]
+        return [None] + [_token_logprobs(token, index, values, num_top)
+                         for index, token in enumerate(prompt_token_ids[1:])]
+
+
 def _token_logprobs(token: int, index: int, logprobs: list, num_top: int) -> TokenLogprobs:
     """Index ``index``'s ``TokenLogprobs`` from a launch's log-probabilities (``_Launched.read``):
     the drawn ``token`` first, then the ``num_top`` most likely."""
@@ -303,6 +327,8 @@ class Engine:
         if pages > cache.num_pages:
             raise ValueError(f"max_tokens: {len(ids)} prompt tokens + max_tokens {params.max_tokens} need {pages} K/V "
                              f"pages of {cache.page_size} tokens; the cache has {cache.num_pages} (kv_cache_tokens)")
+        if params.prompt_logprobs is not None:  # queued now on the device, read with the first token
+            request.pending_prompt_logprobs = _PromptLogprobs(self.runner.prompt_logprobs(ids, params.prompt_logprobs))
         self.scheduler.add(request)
         return request
 
@@ -338,6 +364,10 @@ class Engine:
             request.output_logprobs.append(logprobs)
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
+            if request.pending_prompt_logprobs is not None:
+                request.prompt_logprobs = request.pending_prompt_logprobs.entries(request.prompt_token_ids,
+                                                                                  request.params.prompt_logprobs)
+                request.pending_prompt_logprobs = None
         if token in request.stop_ids:  # stop_reason: the id when the request asked for it (vLLM: None at eos)
             request.finish_reason = FinishReason.STOP
             request.stop_reason = token if token in request.params.stop_token_ids else None

@@ -23,8 +23,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from fuselm.engine.engine import Engine
-from fuselm.engine.request import (Request, RequestOutput, SamplingParams, is_token_ids, params_per_prompt,
-                                   samples_output)
+from fuselm.engine.request import (Request, RequestOutput, SamplingParams, TokenLogprobs, is_token_ids,
+                                   params_per_prompt, samples_output)
 from fuselm.models.qwen35 import Qwen35
 from fuselm.models.qwen35.weights import read_checkpoint_config
 from fuselm.tokenizer import Tokenizer
@@ -102,14 +102,24 @@ class LLM:
         ``params``: one SamplingParams or one per prompt (default:
         ``get_default_sampling_params()``); ``stream(request)`` is called whenever a request (one
         sequence) gets a token (``request.detokenizer.text`` holds its text so far). With
-        ``SamplingParams.logprobs``, each ``Logprob`` carries its token's text (``decoded_token``)."""
+        ``SamplingParams.logprobs`` / ``prompt_logprobs``, each ``Logprob`` carries its token's text
+        (``decoded_token``)."""
         groups = self._add(prompts, params)
         self.engine.run(stream)
         outputs = [samples_output(group) for group in groups]
-        for completion in (c for output in outputs for c in output.outputs if c.logprobs is not None):
-            completion.logprobs = [{token: dataclasses.replace(logprob, decoded_token=self.tokenizer.token_text(token))
-                                    for token, logprob in entry.items()} for entry in completion.logprobs]
+        for output in outputs:
+            output.prompt_logprobs = self._with_token_texts(output.prompt_logprobs)
+            for completion in output.outputs:
+                completion.logprobs = self._with_token_texts(completion.logprobs)
         return outputs
+
+    def _with_token_texts(self, entries: list[TokenLogprobs | None] | None) -> list[TokenLogprobs | None] | None:
+        """``entries`` with each ``Logprob``'s ``decoded_token`` set."""
+        if entries is None:
+            return None
+        text = self.tokenizer.token_text
+        return [None if entry is None else {token: dataclasses.replace(logprob, decoded_token=text(token))
+                                            for token, logprob in entry.items()} for entry in entries]
 
     def chat(self, messages, params: SamplingParams | Sequence[SamplingParams] | None = None,
              chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,

@@ -49,7 +49,8 @@ class SamplingParams:
     seed, seed + 1, ..., as vLLM's parallel sampling; each prefills the prompt itself).
     logprobs: None (off) or k in [0, MAX_LOGPROBS]: each generated token's log-probability and
     rank under the model's distribution, and the k most likely tokens' (``CompletionOutput.logprobs``,
-    as vLLM's).
+    as vLLM's). prompt_logprobs: the same for each prompt token after the ones before it
+    (``RequestOutput.prompt_logprobs``; a pass over the prompt of its own beside the prefill).
     Every field is checked on construction: ValueError naming the field.
     """
 
@@ -65,6 +66,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -94,15 +96,19 @@ class SamplingParams:
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n: expected an int >= 1, got {self.n!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs: expected None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name}: expected None or an int in [0, {MAX_LOGPROBS}], got {value!r}")
 
     def samples(self) -> list["SamplingParams"]:
         """The ``n`` requests these params stand for, each with n = 1: sample i gets seed
-        (seed + i) mod 2**63 when a seed is set (vLLM's parallel sampling), else a fresh one."""
+        (seed + i) mod 2**63 when a seed is set (vLLM's parallel sampling), else a fresh one; the
+        first alone computes the prompt's logprobs (the same for every sample)."""
         if self.n == 1:
             return [self]
-        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else (self.seed + i) % 2**63)
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else (self.seed + i) % 2**63,
+                                    prompt_logprobs=self.prompt_logprobs if i == 0 else None)
                 for i in range(self.n)]
 
     @property
@@ -185,7 +191,9 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """What ``LLM.generate`` / ``Engine.generate`` return per prompt."""
+    """What ``LLM.generate`` / ``Engine.generate`` return per prompt. ``prompt_logprobs`` (with
+    ``SamplingParams.prompt_logprobs``): one ``TokenLogprobs`` per prompt token, None for the
+    first (nothing comes before it), as vLLM's."""
 
     request_id: str
     prompt: str | None
@@ -193,6 +201,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class FinishReason(str, Enum):
@@ -221,10 +230,12 @@ class Request:
     num_prompt_computed: int = 0  # prompt tokens in the cache (a long prompt is prefilled over several steps)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output id, with params.logprobs
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with params.prompt_logprobs, from its first token on
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
     _new_text: list[str] = field(default_factory=list, repr=False)  # detokenized, not yet taken
+    pending_prompt_logprobs: object | None = field(default=None, repr=False)  # the engine's, until its first token
 
     def take_new_text(self) -> str:
         """The text detokenized since the last call (stop strings cut; held-back text that may
@@ -257,7 +268,7 @@ class Request:
                                       None if self.finish_reason is None else self.finish_reason.value,
                                       self.stop_reason, logprobs, cumulative)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion], self.finished,
-                             self.metrics)
+                             self.metrics, self.prompt_logprobs)
 
 
 def samples_output(samples: Sequence[Request]) -> RequestOutput:
@@ -273,4 +284,4 @@ def samples_output(samples: Sequence[Request]) -> RequestOutput:
     metrics = RequestMetrics(min(m.arrival_time for m in times), min(first_tokens, default=None),
                              max(m.finished_time for m in times) if finished else None)
     return RequestOutput(outputs[0].request_id, outputs[0].prompt, outputs[0].prompt_token_ids,
-                         [o.outputs[0] for o in outputs], finished, metrics)
+                         [o.outputs[0] for o in outputs], finished, metrics, outputs[0].prompt_logprobs)

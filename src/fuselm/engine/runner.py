@@ -42,6 +42,7 @@ import time
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from fuselm.engine.request import MAX_LOGPROBS, Request
 from fuselm.engine.sampling import SAMPLER_VARIANTS, SlotSampling, sampler_variant
@@ -67,6 +68,7 @@ GEMM_TILE_M = 32
 # up to 2 s between two tokens of a request at 32 clients).
 GRAPH_MAX_TOKENS = 512
 PACKED_COLUMNS = 5  # a prefill or mixed step's packed inputs per chunk past its ids (``_admit``)
+PROMPT_LOGPROBS_POSITIONS = 512  # prompt positions a step of ``prompt_logprobs``' LM head ([512, V] logits)
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:
@@ -323,6 +325,22 @@ class ModelRunner:
         request delayed the tokens of the step being read by a whole step, ITL p99 ~2 steps.)"""
         for slot in slots:
             self.cache.active[slot:slot + 1].fill_(False)
+
+    # ------------------------------------------------------------------------ prompt log-probabilities
+    @torch.no_grad()
+    def prompt_logprobs(self, prompt_token_ids: Sequence[int], num_top: int) -> tuple[torch.Tensor, ...]:
+        """Each prompt token's log-probability and rank after the tokens before it, and the
+        ``num_top`` most likely tokens there: ``token_logprobs`` of the logits at positions 0 .. T-2
+        for the ids at 1 .. T-1, four device tensors ([T-1] fp32, [T-1] int64, [T-1, k] fp32,
+        [T-1, k] int64). A pass over the prompt of its own (``model.hidden_states``, in a cache of
+        its own: the prefill keeps the last position's logits only), its LM head and log-probabilities
+        ``PROMPT_LOGPROBS_POSITIONS`` positions at a time. Eager, no host sync; other slots untouched."""
+        ids = self.staging.to_device(torch.tensor([list(prompt_token_ids)], dtype=torch.int64))
+        hidden, targets = self.model.hidden_states(ids)[0, :-1], ids[0, 1:]
+        parts = [token_logprobs(F.linear(hidden[start:start + PROMPT_LOGPROBS_POSITIONS], self.model.lm_head_weight),
+                                targets[start:start + PROMPT_LOGPROBS_POSITIONS], num_top)
+                 for start in range(0, max(len(targets), 1), PROMPT_LOGPROBS_POSITIONS)]
+        return tuple(torch.cat(values) for values in zip(*parts))
 
     # ------------------------------------------------------------------------ decode
     @torch.no_grad()

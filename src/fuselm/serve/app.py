@@ -49,8 +49,8 @@ from fuselm.engine.request import SamplingParams
 from fuselm.serve.async_engine import (ADMISSION_WAIT_S, AsyncEngine, EngineClient, EngineUnavailableError,
                                        RequestStream)
 from fuselm.serve.engine_process import EngineProcess, EngineSpec, gc_recorder
-from fuselm.serve.protocol import (APIError, ChatFormat, CompletionFormat, GenerationRequest, ResponseFormat,
-                                   bad_request, check_model, detokenize_response, in_batch, model_list,
+from fuselm.serve.protocol import (APIError, ChatFormat, CompletionFormat, GenerationRequest, Prompt, ResponseFormat,
+                                   bad_request, check_model, detokenize_response, echo_of, in_batch, model_list,
                                    parse_chat_request, parse_completion_request, token_usage, tokenize_response)
 from fuselm.tokenizer import Tokenizer
 
@@ -235,16 +235,17 @@ class OpenAIServer:
                 raise error
             answer = format_class(request_id, self.model.name, generation.return_token_ids, generation.logprobs,
                                   self.model.tokenizer)
+            prompts = [prompt for _, prompt, _ in sequences]
             if generation.stream:
-                return await self._stream(request, streams, answer, generation)
-            return await self._collect(streams, answer, generation)
+                return await self._stream(request, streams, answer, generation, prompts)
+            return await self._collect(streams, answer, generation, prompts)
         finally:
             for stream in streams:
                 self.engine.abort(stream)  # nothing to do when it finished
 
-    async def _collect(self, streams: list[RequestStream], answer: ResponseFormat,
-                       generation: GenerationRequest) -> web.Response:
-        """The whole answer, once every sequence has finished."""
+    async def _collect(self, streams: list[RequestStream], answer: ResponseFormat, generation: GenerationRequest,
+                       prompts: list[Prompt]) -> web.Response:
+        """The whole answer, once every sequence has finished (sequence i of prompt ``prompts[i]``)."""
         last = [None] * len(streams)
         async with contextlib.aclosing(_deltas(streams)) as deltas:
             async for index, delta in deltas:
@@ -253,21 +254,23 @@ class OpenAIServer:
         if cut is not None:
             raise APIError(503, f"the request was cut short: {cut}")
         completions = [delta.output.outputs[0] for delta in last]
+        echoes = [echo_of(generation, prompt, delta.output.prompt_logprobs, self.model.tokenizer)
+                  for prompt, delta in zip(prompts, last)]
         choices = [answer.choice(index, completion.text or "", completion.token_ids, completion.finish_reason,
-                                 completion.stop_reason, completion.logprobs)
-                   for index, completion in enumerate(completions)]
+                                 completion.stop_reason, completion.logprobs, echo)
+                   for index, (completion, echo) in enumerate(zip(completions, echoes))]
         usage = token_usage(generation.prompt_tokens, sum(len(c.token_ids) for c in completions))
         return web.json_response(answer.response(choices, usage))
 
     async def _stream(self, request: web.Request, streams: list[RequestStream], answer: ResponseFormat,
-                      generation: GenerationRequest) -> web.StreamResponse:
+                      generation: GenerationRequest, prompts: list[Prompt]) -> web.StreamResponse:
         """Server-sent events: a chunk per step that made a sequence's text final (and its last one
         with the finish_reason), the sequences' chunks interleaved as they come, each with its
         choice index; the usage chunk when asked for, then ``[DONE]``. A request cut short ends with an
         error event (OpenAI's error JSON) before ``[DONE]``."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        completion_tokens = 0
+        completion_tokens, echoed = 0, set()
         try:
             for chunk in answer.first_chunks(len(streams)):
                 await _send_event(response, chunk)
@@ -277,10 +280,15 @@ class OpenAIServer:
                         await _send_event(response, APIError(503, f"the request was cut short: {delta.error}").body)
                         break
                     completion_tokens += len(delta.token_ids)
-                    if delta.text or delta.last or answer.return_token_ids or delta.logprobs:
+                    echo = None  # the prompt, before a sequence's first text (echo)
+                    if index not in echoed:
+                        echoed.add(index)
+                        echo = echo_of(generation, prompts[index], delta.prompt_logprobs, self.model.tokenizer)
+                    if delta.text or delta.last or answer.return_token_ids or delta.logprobs or echo is not None:
                         stop_reason = None if delta.output is None else delta.output.outputs[0].stop_reason
                         await _send_event(response, answer.chunk(index, delta.text, delta.token_ids,
-                                                                 delta.finish_reason, stop_reason, delta.logprobs))
+                                                                 delta.finish_reason, stop_reason, delta.logprobs,
+                                                                 echo))
             if generation.include_usage:
                 await _send_event(response, answer.usage_chunk(token_usage(generation.prompt_tokens,
                                                                            completion_tokens)))

@@ -78,9 +78,10 @@ class QueueFullError(EngineUnavailableError):
 class RequestDelta:
     """What one engine step gave a request: ``text`` (detokenized text made final, stop strings
     cut; "" without a tokenizer), ``token_ids`` (the new ids) and, when the request asks for them,
-    their ``logprobs`` (one ``TokenLogprobs`` each). The last delta of a request has
-    ``finish_reason`` ("stop" or "length") and the final ``output``, or ``error`` when the
-    request was cut short (the server stopping, the engine failing)."""
+    their ``logprobs`` (one ``TokenLogprobs`` each) and, in its first delta, its
+    ``prompt_logprobs``. The last delta of a request has ``finish_reason`` ("stop" or "length")
+    and the final ``output``, or ``error`` when the request was cut short (the server stopping,
+    the engine failing)."""
 
     text: str
     token_ids: list[int]
@@ -88,6 +89,7 @@ class RequestDelta:
     output: RequestOutput | None = None
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def last(self) -> bool:
@@ -267,13 +269,15 @@ class EngineLoop:
             published = running.published_tokens
             new_ids = request.output_token_ids[published:]
             logprobs = None if request.params.logprobs is None else request.output_logprobs[published:]
+            prompt_logprobs = request.prompt_logprobs if published == 0 else None
             running.published_tokens = len(request.output_token_ids)
             text = request.take_new_text()
             if request.finished:
                 del self._running[request.request_id]
-                delta = RequestDelta(text, new_ids, request.finish_reason.value, request.output(), logprobs=logprobs)
+                delta = RequestDelta(text, new_ids, request.finish_reason.value, request.output(), logprobs=logprobs,
+                                     prompt_logprobs=prompt_logprobs)
             else:
-                delta = RequestDelta(text, new_ids, logprobs=logprobs)
+                delta = RequestDelta(text, new_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
             deltas.append((request.request_id, delta))
         if deltas:
             self._answer(("deltas", deltas))

@@ -26,9 +26,12 @@ are ignored, as vLLM does):
     top_logprobs          chat: k in [0, MAX_LOGPROBS] (needs logprobs true) -> each generated
                           token's log-probability, and the k most likely tokens' (OpenAI's shapes:
                           ``logprobs`` of each choice or chunk; -inf is written -9999.0, as vLLM)
-Fields that would change the answer but are not implemented (``UNSUPPORTED_FIELDS``: echo,
-prompt_logprobs, best_of > 1, penalties, tools, response_format, and vLLM's own: beam search,
-guided decoding, allowed_token_ids ...) are refused with a 400 naming
+    echo                  completions: the prompt comes back before the text (the first chunk of
+                          a stream), and with logprobs its tokens' too (the first one's null), as
+                          lm-eval's loglikelihood requests read them
+Fields that would change the answer but are not implemented (``UNSUPPORTED_FIELDS``: chat's echo,
+vLLM's prompt_logprobs field, best_of > 1, penalties, tools, response_format, and vLLM's own: beam
+search, guided decoding, allowed_token_ids ...) are refused with a 400 naming
 them unless they hold their neutral value.
 
 Responses: ``CompletionFormat`` and ``ChatFormat`` write OpenAI's answer and stream-chunk JSON
@@ -134,7 +137,7 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "guided_grammar": _absent_or(),
     "response_format": _absent_or({"type": "text"}),
 }
-COMPLETION_UNSUPPORTED_FIELDS = {**UNSUPPORTED_FIELDS, "echo": _absent_or(False), "suffix": _absent_or("")}
+COMPLETION_UNSUPPORTED_FIELDS = {**UNSUPPORTED_FIELDS, "suffix": _absent_or("")}
 CHAT_UNSUPPORTED_FIELDS = {
     **UNSUPPORTED_FIELDS,
     "echo": _absent_or(False),
@@ -200,7 +203,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_
 
 def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, prompt_tokens: int, max_len: int,
                                  default_max_tokens: int | None, max_tokens_fields: tuple[str, ...],
-                                 logprobs: int | None = None) -> SamplingParams:
+                                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     """The one mapping from a request body to ``SamplingParams``.
 
     - ``max_tokens``: the first of ``max_tokens_fields`` the body sets (chat:
@@ -212,7 +215,8 @@ def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, pro
       include_stop_str_in_output, skip_special_tokens, n): the
       body's value when set, else ``defaults``' (the checkpoint's generation_config sampling). A
       negative seed (OpenAI's are any int64) is taken modulo 2**63, the engine's seeds.
-    - ``logprobs``: SamplingParams.logprobs, read from the body by the endpoint (its fields differ).
+    - ``logprobs``, ``prompt_logprobs``: SamplingParams', read from the body by the endpoint (its
+      fields differ).
     SamplingParams checks every value; a bad one is an APIError 400 naming the request field."""
     room = max_len - prompt_tokens
     max_tokens_field = _max_tokens_field(body, max_tokens_fields)
@@ -221,8 +225,8 @@ def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, pro
     else:
         max_tokens = body[max_tokens_field]
     overrides = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
-    if logprobs is not None:
-        overrides["logprobs"] = logprobs
+    overrides.update({name: value for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs))
+                      if value is not None})
     seed = overrides.get("seed")
     if _is_int(seed) and -2**63 <= seed < 0:  # OpenAI's seeds are int64; the engine's 63-bit
         overrides["seed"] = seed % 2**63
@@ -256,7 +260,8 @@ class GenerationRequest:
     how to answer (``stream``, ``include_usage``: a last streamed chunk with the usage,
     ``return_token_ids``: choices carry their token ids). ``prompt_field`` and
     ``max_tokens_field``: the request fields that set the prompt ("prompt" or "messages") and
-    max_tokens, named by errors the engine raises later."""
+    max_tokens, named by errors the engine raises later; ``echo``: the prompt comes back before
+    each choice's text (completions)."""
 
     prompts: list[Prompt]
     stream: bool
@@ -264,6 +269,7 @@ class GenerationRequest:
     return_token_ids: bool
     prompt_field: str
     max_tokens_field: str
+    echo: bool = False
 
     @property
     def logprobs(self) -> int | None:
@@ -372,12 +378,14 @@ def parse_completion_request(body: Mapping, tokenizer, defaults: SamplingParams,
     if sequences > MAX_REQUEST_SEQUENCES:
         raise bad_request(f"{len(items)} prompts x n = {body.get('n') or 1} are {sequences} sequences; a request may "
                           f"ask for {MAX_REQUEST_SEQUENCES} at most", "prompt" if len(items) > 1 else "n")
+    echo, logprobs = _optional_bool(body, "echo", False), _completion_logprobs(body)
     for index, (text, ids) in enumerate(items):
         try:
             _check_prompt_length(len(ids), max_len, "prompt")
             params = sampling_params_from_request(body, defaults, prompt_tokens=len(ids), max_len=max_len,
                                                   default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
-                                                  max_tokens_fields=("max_tokens",), logprobs=_completion_logprobs(body))
+                                                  max_tokens_fields=("max_tokens",), logprobs=logprobs,
+                                                  prompt_logprobs=logprobs if echo else None)
         except APIError as error:
             raise in_batch(error, index, len(items)) from None
         prompts.append(Prompt(text, ids, params))
@@ -386,7 +394,7 @@ def parse_completion_request(body: Mapping, tokenizer, defaults: SamplingParams,
                           f"stop_token_ids", "stop")
     stream, include_usage = _stream_options(body)
     return_token_ids = _optional_bool(body, "return_token_ids", tokenizer is None)
-    return GenerationRequest(prompts, stream, include_usage, return_token_ids, "prompt", "max_tokens")
+    return GenerationRequest(prompts, stream, include_usage, return_token_ids, "prompt", "max_tokens", echo)
 
 
 # Names apply_chat_template takes itself: a chat_template_kwargs entry may not set them.
@@ -530,6 +538,26 @@ def model_list(name: str, created: int, max_len: int) -> dict:
                                         "max_model_len": max_len}]}
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A completion's prompt as ``echo`` sends it back before the text: its ``text``, ``token_ids``
+    and, with logprobs, their ``TokenLogprobs`` (None for the first token)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+def echo_of(generation: GenerationRequest, prompt: Prompt, prompt_logprobs: list | None, tokenizer) -> Echo | None:
+    """What a choice of ``prompt`` echoes (None unless the request asked for ``echo``): the prompt
+    as sent (a token-id prompt decoded, special tokens kept; "" without a tokenizer), its ids and,
+    with logprobs, ``prompt_logprobs``."""
+    if not generation.echo:
+        return None
+    text = prompt.text if prompt.text is not None else "" if tokenizer is None else tokenizer.decode(prompt.token_ids)
+    return Echo(text, list(prompt.token_ids), prompt_logprobs if generation.logprobs is not None else None)
+
+
 class ResponseFormat:
     """OpenAI's answer JSON for one request of an endpoint: ``response`` (the whole answer, one
     ``choice`` per sequence), ``first_chunks`` + ``chunk`` per new text of a sequence +
@@ -561,8 +589,9 @@ class ResponseFormat:
         return f"token_id:{token_id}" if self.tokenizer is None else self.tokenizer.token_text(token_id)
 
     def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str,
-               stop_reason: str | int | None = None, logprobs: list[TokenLogprobs] | None = None) -> dict:
-        """Sequence ``index`` of the whole answer."""
+               stop_reason: str | int | None = None, logprobs: list[TokenLogprobs] | None = None,
+               echo: Echo | None = None) -> dict:
+        """Sequence ``index`` of the whole answer (``echo``: completions only)."""
         raise NotImplementedError
 
     def response(self, choices: list[dict], usage: dict) -> dict:
@@ -572,7 +601,9 @@ class ResponseFormat:
         return []
 
     def chunk(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
-              stop_reason: str | int | None = None, logprobs: list[TokenLogprobs] | None = None) -> dict:
+              stop_reason: str | int | None = None, logprobs: list[TokenLogprobs] | None = None,
+              echo: Echo | None = None) -> dict:
+        """A streamed chunk of sequence ``index`` (``echo``: its first chunk's, completions only)."""
         raise NotImplementedError
 
     def usage_chunk(self, usage: dict) -> dict:
@@ -590,7 +621,8 @@ class CompletionFormat(ResponseFormat):
     logprobs as OpenAI's legacy object: ``tokens``, ``token_logprobs``, ``top_logprobs`` (per
     token {text: logprob} of the sampled token and the k most likely) and ``text_offset`` (each
     token's offset in the sequence's text, counted over the tokens' texts and carried across a
-    stream's chunks, as vLLM's)."""
+    stream's chunks, as vLLM's). An ``Echo`` puts the prompt's text first, and its tokens first in
+    the logprobs (the first token's logprob and top null)."""
 
     id_prefix, object_name, chunk_object_name = "cmpl-", "text_completion", "text_completion"
 
@@ -606,8 +638,9 @@ class CompletionFormat(ResponseFormat):
         for token_id, entry in zip(token_ids, logprobs):
             token = self._token(token_id)
             answer["tokens"].append(token)
-            answer["token_logprobs"].append(_json_logprob(entry[token_id].logprob))
-            answer["top_logprobs"].append({self._token(t): _json_logprob(lp.logprob) for t, lp in entry.items()})
+            answer["token_logprobs"].append(None if entry is None else _json_logprob(entry[token_id].logprob))
+            answer["top_logprobs"].append(None if entry is None else {self._token(t): _json_logprob(lp.logprob)
+                                                                      for t, lp in entry.items()})
             answer["text_offset"].append(offset)
             offset += len(token)
         self._text_offsets[index] = offset
@@ -618,16 +651,29 @@ class CompletionFormat(ResponseFormat):
         return self._with_token_ids({"index": index, "text": text, "logprobs": logprobs,
                                      "finish_reason": finish_reason, "stop_reason": stop_reason}, token_ids)
 
+    def _with_echo(self, text: str, token_ids: list[int], logprobs: list | None,
+                   echo: Echo | None) -> tuple[str, list[int], list | None]:
+        """(text, the ids its logprobs are of, those logprobs) with the echoed prompt first."""
+        if echo is None:
+            return text, token_ids, logprobs
+        if logprobs is None:
+            return echo.text + text, token_ids, None
+        return echo.text + text, echo.token_ids + token_ids, list(echo.logprobs) + list(logprobs)
+
     def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
-               stop_reason: str | int | None = None, logprobs: list[TokenLogprobs] | None = None) -> dict:
+               stop_reason: str | int | None = None, logprobs: list[TokenLogprobs] | None = None,
+               echo: Echo | None = None) -> dict:
+        text, logprob_ids, logprobs = self._with_echo(text, token_ids, logprobs, echo)
         return self._choice(index, text, token_ids, finish_reason, stop_reason,
-                            self._logprobs(index, token_ids, logprobs, 0))
+                            self._logprobs(index, logprob_ids, logprobs, 0))
 
     def chunk(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
-              stop_reason: str | int | None = None, logprobs: list[TokenLogprobs] | None = None) -> dict:
+              stop_reason: str | int | None = None, logprobs: list[TokenLogprobs] | None = None,
+              echo: Echo | None = None) -> dict:
         offset = self._text_offsets.get(index, 0)
+        text, logprob_ids, logprobs = self._with_echo(text, token_ids, logprobs, echo)
         return self._answer(self.chunk_object_name, [self._choice(
-            index, text, token_ids, finish_reason, stop_reason, self._logprobs(index, token_ids, logprobs, offset))])
+            index, text, token_ids, finish_reason, stop_reason, self._logprobs(index, logprob_ids, logprobs, offset))])
 
 
 class ChatFormat(ResponseFormat):
@@ -660,7 +706,8 @@ class ChatFormat(ResponseFormat):
                             for token_id, entry in zip(token_ids, logprobs)]}
 
     def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str,
-               stop_reason: str | int | None = None, logprobs: list[TokenLogprobs] | None = None) -> dict:
+               stop_reason: str | int | None = None, logprobs: list[TokenLogprobs] | None = None,
+               echo: Echo | None = None) -> dict:
         choice = {"index": index, "message": {"role": "assistant", "content": text},
                   "logprobs": self._logprobs(token_ids, logprobs), "finish_reason": finish_reason,
                   "stop_reason": stop_reason}
@@ -672,7 +719,8 @@ class ChatFormat(ResponseFormat):
                 for index in range(n)]
 
     def chunk(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
-              stop_reason: str | int | None = None, logprobs: list[TokenLogprobs] | None = None) -> dict:
+              stop_reason: str | int | None = None, logprobs: list[TokenLogprobs] | None = None,
+              echo: Echo | None = None) -> dict:
         choice = {"index": index, "delta": {"content": text} if text else {},
                   "logprobs": self._logprobs(token_ids, logprobs), "finish_reason": finish_reason,
                   "stop_reason": stop_reason}

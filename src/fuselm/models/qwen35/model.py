@@ -234,13 +234,19 @@ class Qwen35(nn.Module):
         """Logits [B, T, vocab] in the model dtype for every position (HF ``Qwen3_5ForCausalLM``
         logits). ``attention_mask`` [B, T]: 1 for real tokens, 0 for right padding; logits at
         padded positions are not meaningful."""
+        return F.linear(self.hidden_states(input_ids, attention_mask), self.lm_head_weight)
+
+    @torch.no_grad()
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The final normed hidden states [B, T, D] that ``forward``'s logits come from (the LM head
+        left to the caller: e.g. a few positions at a time over a long prompt), in a cache of its
+        own."""
         lengths = self.check_prompt(input_ids, attention_mask)
         B, T = input_ids.shape
         cache = self.new_cache(B, T)
         slots = torch.arange(B, device=self.device)
         lengths = torch.tensor(lengths, device=self.device)
-        return F.linear(self._prefill(input_ids, cache, slots, torch.zeros_like(slots), lengths, True),
-                        self.lm_head_weight)
+        return self._prefill(input_ids, cache, slots, torch.zeros_like(slots), lengths, True)
 
     @torch.no_grad()
     def prefill_step(self, input_ids: torch.Tensor, cache: Qwen35Cache, slots: torch.Tensor, starts: torch.Tensor,
