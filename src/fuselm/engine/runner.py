@@ -358,7 +358,8 @@ class ModelRunner:
 
     def _capture_graphs(self) -> None:
         """Warm up every (batch size, sampler) and the log-probabilities' kernels on a side stream
-        (Triton JIT, cuBLAS workspaces, attention backend choice), then capture one graph each, largest first, all in one memory
+        (Triton JIT, cuBLAS workspaces, attention backend choice), then capture one graph each,
+        largest first, all in one memory
         pool (their temporaries never live at the same time). Every slot is inactive here, so
         warm-up and capture write no request state."""
         if bool(self.cache.active.any()):
@@ -371,9 +372,9 @@ class ModelRunner:
                     for _ in range(2):
                         self._step_body(batch, variant)
                         self._next_inputs(self.decode_logits[:batch], batch, variant)
-            # The log-probabilities' kernels, one build per top count it rounds to (token_logprobs), so
+            # The log-probabilities' kernel builds (a few: token_logprobs rounds the top count), so
             # that a request asking for them does not stall the running ones with a compile.
-            for num_top in [0] + [2 ** i for i in range((MAX_LOGPROBS - 1).bit_length() + 1)]:
+            for num_top in range(MAX_LOGPROBS + 1):
                 token_logprobs(self.decode_logits[:1], self.input_tokens[:1], num_top)
         torch.cuda.current_stream(self.device).wait_stream(side)
         for batch in reversed(self.batch_sizes):

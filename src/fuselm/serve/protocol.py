@@ -658,7 +658,8 @@ class CompletionFormat(ResponseFormat):
             return text, token_ids, logprobs
         if logprobs is None:
             return echo.text + text, token_ids, None
-        return echo.text + text, echo.token_ids + token_ids, list(echo.logprobs) + list(logprobs)
+        prompt_logprobs = echo.logprobs if echo.logprobs is not None else [None] * len(echo.token_ids)
+        return echo.text + text, echo.token_ids + token_ids, list(prompt_logprobs) + list(logprobs)
 
     def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
                stop_reason: str | int | None = None, logprobs: list[TokenLogprobs] | None = None,
