@@ -663,6 +663,24 @@ def test_token_logprobs_over_splits_with_ties_across_them(monkeypatch):
     assert token_logprobs(logits, ids, 6)[1][:2].tolist() == [1, 52]
 
 
+def test_token_logprobs_of_rows_with_nan_or_inf_stay_in_range(monkeypatch):
+    """A row of NaNs or of -infs (a model that overflowed) gives values that mean nothing but ids in
+    [0, V), and leaves the other rows exact: nothing is read out of range (compute-sanitizer on the
+    GPU)."""
+    import fuselm.ops.sampling.logprobs as logprobs
+
+    monkeypatch.setattr(logprobs, "SPLIT_BLOCK", 16)
+    logits = logits_like_a_model(4, 37)
+    logits[1] = float("nan")
+    logits[2, 5:] = float("-inf")  # 5 finite logits, 8 asked for
+    ids = torch.tensor([3, 0, 1, 36], device=DEVICE)
+    logprob, rank, top, top_ids = token_logprobs(logits, ids, 8)
+    assert ((top_ids >= 0) & (top_ids < 37)).all() and (rank >= 1).all()
+    check_token_logprobs(logits[[0, 3]], ids[[0, 3]], 8)
+    torch.testing.assert_close(logprob[[0, 3]], token_logprobs(logits[[0, 3]], ids[[0, 3]], 8)[0])
+    assert top_ids[2, :5].tolist() == logits[2, :5].float().argsort(descending=True, stable=True).tolist()
+
+
 def test_token_logprobs_of_an_empty_batch_and_bad_input():
     logprob, rank, top, top_ids = token_logprobs(torch.empty(0, 9, device=DEVICE), torch.empty(0, dtype=torch.int64,
                                                                                               device=DEVICE), 3)

@@ -19,7 +19,8 @@ Kernels (a program per (row, split of SPLIT_BLOCK logits), then a program per ro
 Numerics (``naive.token_logprobs_ref``'s contract): x = the logits upcast to fp32 (exact), the
 log-normalizer accumulated in fp32 (split by split here, as one reduction there: equal up to fp32
 rounding of the sum's order), logprob and top values x - lse rounded once in fp32; rank and the
-top ids exact. Logits are assumed finite (a row of -inf's lse is -inf).
+top ids exact. Logits are assumed finite: a row with NaNs or -infs gets values that mean nothing
+(NaN, or -inf's ids for the top) but every read and id stays in range.
 
 H200, bf16 [B, 248320], graph replay (benchmarks/sampling.py, NOTES.md 106): 9.6 / 15.2 / 34.8 us
 at B = 1 with 0 / 5 / 20 top, 15.1 / 41.1 / 119.3 us at B = 32 (the PyTorch reference: 53 / 126 /
@@ -39,10 +40,11 @@ SPLIT_BLOCK = 4096  # logits a program of the splits kernel (4 warps: 32 a threa
 
 
 @triton.jit
-def _largest(values, positions):
-    """(largest value, its position): the lowest position among ties."""
+def _largest(values, positions, LAST: tl.constexpr):
+    """(largest value, its position): the lowest position among ties; ``LAST`` (the last
+    position) when no value equals the largest (NaNs), so the position is always in range."""
     best = tl.max(values, axis=0)
-    return best, tl.min(tl.where(values == best, positions, 2147483647), axis=0)
+    return best, tl.min(tl.where(values == best, positions, LAST), axis=0)
 
 
 @triton.jit
@@ -61,9 +63,9 @@ def _logprob_splits_kernel(logits_ptr, ids_ptr, max_ptr, sum_ptr, above_ptr, top
     tl.store(sum_ptr + out, tl.sum(tl.exp(x - m), axis=0))  # masked columns: exp(-inf) = 0
     tl.store(above_ptr + out, tl.sum((x > drawn).to(tl.int32), axis=0))
     for j in range(TOP):
-        best, where = _largest(x, positions)
+        best, where = _largest(x, positions, BLOCK - 1)
         tl.store(top_ptr + out * TOP + j, best)
-        tl.store(top_id_ptr + out * TOP + j, split * BLOCK + where)
+        tl.store(top_id_ptr + out * TOP + j, tl.minimum(split * BLOCK + where, V - 1))  # (past V: -inf padding)
         x = tl.where(positions == where, float("-inf"), x)
 
 
@@ -87,9 +89,10 @@ def _logprob_combine_kernel(logits_ptr, ids_ptr, max_ptr, sum_ptr, above_ptr, to
         candidates = tl.load(top_ptr + b * n_splits * TOP + positions, mask=positions < n_splits * TOP,
                              other=float("-inf"))
         for j in range(k):
-            best, where = _largest(candidates, positions)
+            best, where = _largest(candidates, positions, BLOCK_CANDIDATES - 1)
             tl.store(out_top_ptr + b * k + j, best - lse)
-            tl.store(out_top_id_ptr + b * k + j, tl.load(top_id_ptr + b * n_splits * TOP + where).to(tl.int64))
+            top_id = tl.load(top_id_ptr + b * n_splits * TOP + where, mask=where < n_splits * TOP, other=0)
+            tl.store(out_top_id_ptr + b * k + j, top_id.to(tl.int64))
             candidates = tl.where(positions == where, float("-inf"), candidates)
 
 
