@@ -176,8 +176,8 @@ if want tests; then
   tail -3 "$OUT/serve_tests.log"
 fi
 if want sanitizer; then  # the kernels new in issue 17: sampling (and its log-probabilities), split-KV decode attention,
-  # paged prefill attention,
-  # the decode step's inputs and Gated DeltaNet state through the row -> slot table (graph-capture tests apart)
+  # paged prefill attention, the decode step's inputs and Gated DeltaNet state through the row -> slot table
+  # (graph-capture tests apart)
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest -q -p no:cacheprovider tests/test_sampling.py tests/test_attention_decode.py \
     tests/test_attention_prefill.py tests/test_decode_inputs.py tests/test_gated_delta_rule.py \
