@@ -8,7 +8,6 @@ row of a decode batch with its slot's parameters (the row -> slot table; by defa
 first slots) (``fuselm.ops.sampling.sample_tokens``) and updates those counters and the
 cache's ``active`` flags on the device: a slot stops when it draws one of its stop ids or its
 last allowed token. No host sync, static shapes: it runs inside the decode step's CUDA graph.
-
 """
 
 from __future__ import annotations
