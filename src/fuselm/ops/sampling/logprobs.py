@@ -11,8 +11,7 @@ Kernels (a program per (row, split of SPLIT_BLOCK logits), then a program per ro
 - ``_logprob_splits_kernel`` reads its split once: its max m_s and sum_s = sum exp(x - m_s), the
   count of its logits strictly above the drawn one's, and its TOP largest (value, id) by TOP
   rounds of max-and-remove over the split held in registers (TOP = k rounded up to a power of
-  two, so a handful of compiled variants serve k = 0 .. 20), one int64 reduction a round (the
-  value's order bits and the position in one key: ``_order_keys``);
+  two, so a handful of compiled variants serve k = 0 .. 20);
 - ``_logprob_combine_kernel`` folds a row's splits: lse = M + log(sum_s sum_s exp(m_s - M)),
   logprob = x_drawn - lse, rank = 1 + the counts' sum, and the k largest of the splits' candidates
   by k rounds of max-and-remove (ties to the lowest id: candidates are in id order within a value).
@@ -41,25 +40,11 @@ SPLIT_BLOCK = 4096  # logits a program of the splits kernel (4 warps: 32 a threa
 
 
 @triton.jit
-def _order_keys(values, positions, LAST: tl.constexpr):
-    """int64 keys ordered as (value, then the lower position first): the fp32 bits made
-    order-preserving as an int32 (a negative's low 31 bits flipped) in the high word, LAST -
-    position in the low word."""
-    bits = values.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return (ordered.to(tl.int64) << 32) | (LAST - positions).to(tl.int64)
-
-
-@triton.jit
-def _pop_largest(keys, positions, LAST: tl.constexpr):
-    """(largest value, its position, the keys less it) by one reduction: the position is always in
-    [0, LAST] (rows with NaNs included); a taken key becomes the smallest int64."""
-    best = tl.max(keys, axis=0)
-    where = LAST - (best & 0xFFFFFFFF).to(tl.int32)
-    ordered = (best >> 32).to(tl.int32)
-    value = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-    taken = tl.full(keys.shape, -9223372036854775807, tl.int64) - 1
-    return value, where, tl.where(positions == where, taken, keys)
+def _largest(values, positions, LAST: tl.constexpr):
+    """(largest value, its position): the lowest position among ties; ``LAST`` (the last
+    position) when no value equals the largest (NaNs), so the position is always in range."""
+    best = tl.max(values, axis=0)
+    return best, tl.min(tl.where(values == best, positions, LAST), axis=0)
 
 
 @triton.jit
@@ -77,12 +62,11 @@ def _logprob_splits_kernel(logits_ptr, ids_ptr, max_ptr, sum_ptr, above_ptr, top
     tl.store(max_ptr + out, m)
     tl.store(sum_ptr + out, tl.sum(tl.exp(x - m), axis=0))  # masked columns: exp(-inf) = 0
     tl.store(above_ptr + out, tl.sum((x > drawn).to(tl.int32), axis=0))
-    if TOP > 0:
-        keys = _order_keys(x, positions, BLOCK - 1)
-        for j in range(TOP):
-            best, where, keys = _pop_largest(keys, positions, BLOCK - 1)
-            tl.store(top_ptr + out * TOP + j, best)
-            tl.store(top_id_ptr + out * TOP + j, tl.minimum(split * BLOCK + where, V - 1))  # (past V: -inf padding)
+    for j in range(TOP):
+        best, where = _largest(x, positions, BLOCK - 1)
+        tl.store(top_ptr + out * TOP + j, best)
+        tl.store(top_id_ptr + out * TOP + j, tl.minimum(split * BLOCK + where, V - 1))  # (past V: -inf padding)
+        x = tl.where(positions == where, float("-inf"), x)
 
 
 @triton.jit
@@ -104,12 +88,12 @@ def _logprob_combine_kernel(logits_ptr, ids_ptr, max_ptr, sum_ptr, above_ptr, to
         positions = tl.arange(0, BLOCK_CANDIDATES)
         candidates = tl.load(top_ptr + b * n_splits * TOP + positions, mask=positions < n_splits * TOP,
                              other=float("-inf"))
-        keys = _order_keys(candidates, positions, BLOCK_CANDIDATES - 1)
         for j in range(k):
-            best, where, keys = _pop_largest(keys, positions, BLOCK_CANDIDATES - 1)
+            best, where = _largest(candidates, positions, BLOCK_CANDIDATES - 1)
             tl.store(out_top_ptr + b * k + j, best - lse)
             top_id = tl.load(top_id_ptr + b * n_splits * TOP + where, mask=where < n_splits * TOP, other=0)
             tl.store(out_top_id_ptr + b * k + j, top_id.to(tl.int64))
+            candidates = tl.where(positions == where, float("-inf"), candidates)
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor,
