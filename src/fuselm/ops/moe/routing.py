@@ -598,12 +598,10 @@ def route(x: torch.Tensor, router_with_gate: torch.Tensor, top_k: int, num_share
             getattr(out, name).copy_(getattr(ref, name))
         return out
     logits = F.linear(x, router_with_gate)  # [N, R] in x's dtype: cuBLAS's fp32 accumulation, rounded
-    if routes_and_sorts_in_one_launch(N):
-        route_kernel(logits, E, top_k, num_shared, out.weights, out.experts, out.sorted_pairs, out.block_experts,
-                     block_m)
-    else:
-        counts = torch.empty(counts_shape(N, E), dtype=torch.int32, device=device)
-        route_kernel(logits, E, top_k, num_shared, out.weights, out.experts, out.sorted_pairs, out.block_experts,
-                     block_m, counts)
+    one_launch = routes_and_sorts_in_one_launch(N)
+    counts = None if one_launch else torch.empty(counts_shape(N, E), dtype=torch.int32, device=device)
+    route_kernel(logits, E, top_k, num_shared, out.weights, out.experts, out.sorted_pairs, out.block_experts,
+                 block_m, counts)
+    if not one_launch:
         place_kernel(out.experts, counts, E, top_k, num_shared, block_m, out.sorted_pairs, out.block_experts)
     return out
