@@ -191,6 +191,16 @@ def check_completion_logprobs(logprobs, token_ids, num_top, tokenizer) -> None:
         offset += len(token)
 
 
+def joined_logprobs(chunks) -> dict:
+    """A streamed completion's logprobs, each field's lists joined over its chunks (those carrying any)."""
+    joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in chunks:
+        if chunk.choices[0].logprobs is not None:
+            for name, values in joined.items():
+                values += getattr(chunk.choices[0].logprobs, name)
+    return joined
+
+
 def test_completion_logprobs_streamed_equal_whole(server, client, llm):
     """/v1/completions with logprobs = k: each token's text, log-probability, the k most likely
     tokens' and text offsets; the streamed chunks' logprobs joined are the whole answer's."""
@@ -200,12 +210,7 @@ def test_completion_logprobs_streamed_equal_whole(server, client, llm):
     token_ids = choice.model_extra["token_ids"]
     check_completion_logprobs(choice.logprobs, token_ids, 3, llm.tokenizer)
     assert all(len(top) >= 3 for top in choice.logprobs.top_logprobs)
-    joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for chunk in client.completions.create(**options, stream=True):
-        if chunk.choices[0].logprobs is not None:
-            for name, values in joined.items():
-                values += getattr(chunk.choices[0].logprobs, name)
-    assert joined == choice.logprobs.model_dump()
+    assert joined_logprobs(client.completions.create(**options, stream=True)) == choice.logprobs.model_dump()
     (plain,) = client.completions.create(**{**options, "logprobs": None}).choices
     assert plain.logprobs is None and plain.text == choice.text
 
@@ -229,13 +234,10 @@ def test_echo_puts_the_prompt_and_its_logprobs_first_whole_and_streamed(server, 
     for token, logprob, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:]):
         assert top[token] == logprob <= 0 and 1 <= len(top) <= 2 and max(top.values()) >= logprob
     assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
-    chunks = [chunk.choices[0] for chunk in client.completions.create(**options, stream=True)]
-    assert "".join(chunk.text for chunk in chunks) == choice.text
-    joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for chunk in chunks:
-        for name, values in joined.items():
-            values += getattr(chunk.logprobs, name)
-    assert joined == logprobs.model_dump()
+    chunks = list(client.completions.create(**options, stream=True))
+    assert "".join(chunk.choices[0].text for chunk in chunks) == choice.text
+    assert all(chunk.choices[0].logprobs is not None for chunk in chunks)
+    assert joined_logprobs(chunks) == logprobs.model_dump()
     (text_only,) = client.completions.create(**{**options, "logprobs": None}).choices
     assert text_only.text == choice.text and text_only.logprobs is None
 

@@ -68,6 +68,20 @@ def thread_usage() -> list[float] | None:
     return [time.thread_time(), usage.ru_minflt, usage.ru_nvcsw, usage.ru_nivcsw]
 
 
+def _queue_to_host(tensors, allocate, timed: bool = False) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Copies of device ``tensors`` into host tensors from ``allocate(shape, dtype)`` (pinned
+    memory), queued without waiting, and an event recorded behind them (``timed``: with timing);
+    off CUDA, clones and no event."""
+    if not tensors[0].is_cuda:
+        return [t.clone() for t in tensors], None
+    host = [allocate(t.shape, t.dtype) for t in tensors]
+    for destination, t in zip(host, tensors):
+        destination.copy_(t, non_blocking=True)
+    done = torch.cuda.Event(enable_timing=timed)
+    done.record()
+    return host, done
+
+
 class _Launched:
     """Ids on the GPU (a decode step's per row, or a prefill's first ids per completed request)
     on their way to pinned host memory (this step's ``staging`` buffer), and which request each
@@ -82,14 +96,7 @@ class _Launched:
         self.staging, self.step = staging, staging.steps
         asked = [r.params.logprobs for r in self.requests.values() if r.params.logprobs is not None]
         device = [ids] + (list(token_logprobs(logits, ids, max(asked))) if asked else [])
-        if ids.is_cuda:
-            self.host = [staging.host(t.shape, t.dtype) for t in device]
-            for host, t in zip(self.host, device):
-                host.copy_(t, non_blocking=True)
-            self.done = torch.cuda.Event(enable_timing=timed)  # timed: the step log's GPU time
-            self.done.record()
-        else:
-            self.host, self.done = [t.clone() for t in device], None
+        self.host, self.done = _queue_to_host(device, staging.host, timed)  # timed: the step log's GPU time
 
     def read(self) -> tuple[list[int], list | None]:
         """(the ids, and None or the log-probabilities: (logprob, rank, top logprobs, top ids) lists
@@ -109,14 +116,8 @@ class _PromptLogprobs:
     come back sooner), read when the request's first token is (by then long written)."""
 
     def __init__(self, tensors: tuple[torch.Tensor, ...]):
-        if tensors[0].is_cuda:
-            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-            for host, t in zip(self.host, tensors):
-                host.copy_(t, non_blocking=True)
-            self.done = torch.cuda.Event()
-            self.done.record()
-        else:
-            self.host, self.done = list(tensors), None
+        self.host, self.done = _queue_to_host(
+            tensors, lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=True))
 
     def entries(self, prompt_token_ids: list[int], num_top: int) -> list[TokenLogprobs | None]:
         """None for the first token, then each later one's ``TokenLogprobs``."""
