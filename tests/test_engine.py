@@ -497,9 +497,46 @@ def test_sampler_variants_draw_the_same_tokens(model):
     assert sampling.sampler_variant(requests[:1]) == sampling.PLAIN
     assert sampling.sampler_variant(requests) == sampling.FILTERED
     assert sampling.sampler_variant([engine.add_request(prompt(3, 1), greedy(2))]) == sampling.PLAIN
+    penalized = engine.add_request(prompt(3, 2), greedy(2, presence_penalty=0.5))
+    assert sampling.sampler_variant(requests[:1] + [penalized]) == sampling.PENALIZED
+    assert sampling.sampler_variant(requests + [penalized]) == sampling.PENALIZED_FILTERED
+    min_p = engine.add_request(prompt(3, 3), SamplingParams(max_tokens=2, min_p=0.2))
+    assert sampling.sampler_variant([min_p]) == sampling.FILTERED
     engine.run()
     alone = token_ids(engine.generate([prompt(9, 8)], plain))[0]
     assert requests[0].output().outputs[0].token_ids == alone
+
+
+def test_penalties_and_min_p_in_a_running_batch_give_the_reference_loops_tokens(model, monkeypatch):
+    """Requests with repetition, frequency and presence penalties and min-p (greedy and seeded),
+    joining a running batch at different steps beside requests without them, in prefill and
+    mixed steps, on reused slots (3 slots, 10 requests): each gives the reference loop's tokens
+    for its settings, so a slot's counts start fresh and never leak into another request."""
+    engine = Engine(model, max_batch=3, max_len=40, seed=0, max_prefill_tokens=6)
+    mixed_steps = count_mixed_steps(engine, monkeypatch)
+    kinds = [dict(temperature=0.0, repetition_penalty=1.6),
+             dict(temperature=0.9, top_k=20, presence_penalty=1.5, frequency_penalty=0.5, seed=5),
+             dict(temperature=1.2, min_p=0.1, seed=9),
+             dict(temperature=0.0),
+             dict(temperature=0.8, repetition_penalty=0.7, frequency_penalty=-1.0, top_p=0.9, seed=13)]
+    rng = random.Random(4)
+    jobs = [(prompt(rng.randint(1, 12), 200 + i), kinds[i % 5], rng.randint(3, 9)) for i in range(10)]
+    reference = [model.generate(torch.tensor([p], device=DEVICE), n, eos_token_id=[], **k)[0].tolist()
+                 for p, k, n in jobs]
+    pending, requests = list(jobs), []
+    while pending or engine.has_unfinished_requests():
+        for _ in range(rng.randint(0, 2)):
+            if pending:
+                p, k, n = pending.pop(0)
+                requests.append(engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True, **k)))
+        engine.step()
+    assert [r.output_token_ids for r in requests] == reference
+    assert len(mixed_steps) >= 3
+    unpenalised = [model.generate(torch.tensor([p], device=DEVICE), n, eos_token_id=[],
+                                  **{key: v for key, v in k.items() if not key.endswith("penalty")})[0].tolist()
+                   for p, k, n in jobs]
+    changed = [i for i, (p, k, n) in enumerate(jobs) if reference[i] != unpenalised[i]]
+    assert changed and all(any(key.endswith("penalty") for key in jobs[i][1]) for i in changed)  # they mattered
 
 
 def test_logprobs_are_the_log_softmax_of_the_logits_each_token_was_drawn_from(model, monkeypatch):
@@ -649,7 +686,10 @@ def test_bad_input_raises_and_the_engine_stays_usable(model, engine):
     ("ignore_eos", 1, "ignore_eos"), ("include_stop_str_in_output", "yes", "include_stop_str_in_output"),
     ("skip_special_tokens", None, "skip_special_tokens"), ("n", 0, "n"), ("n", 2.0, "n"),
     ("logprobs", -1, "logprobs"), ("logprobs", 21, "logprobs"), ("logprobs", True, "logprobs"),
-    ("prompt_logprobs", 21, "prompt_logprobs"), ("prompt_logprobs", 1.0, "prompt_logprobs")])
+    ("prompt_logprobs", 21, "prompt_logprobs"), ("prompt_logprobs", 1.0, "prompt_logprobs"),
+    ("min_p", -0.1, "min_p"), ("min_p", 1.5, "min_p"), ("repetition_penalty", 0.0, "repetition_penalty"),
+    ("repetition_penalty", float("inf"), "repetition_penalty"), ("frequency_penalty", 2.5, "frequency_penalty"),
+    ("presence_penalty", -3, "presence_penalty"), ("presence_penalty", True, "presence_penalty")])
 def test_sampling_params_name_the_bad_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**{field: value})

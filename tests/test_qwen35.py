@@ -211,6 +211,32 @@ def test_generate_sampling_top_k_1_is_greedy(models, greedy_run):
     assert torch.equal(tokens, greedy_run["tokens"][:, :4])
 
 
+def test_greedy_with_a_repetition_penalty_matches_hf(models, greedy_run):
+    """HF's repetition_penalty (its logits processor over prompt and generated ids) and the
+    reference loop's (``apply_penalties``): the same 24 greedy tokens, and not plain greedy's."""
+    hf, model = models
+    ids = greedy_run["ids"]
+    with torch.no_grad():
+        ref = hf.generate(ids, max_new_tokens=24, do_sample=False, repetition_penalty=1.5)[:, ids.shape[1]:]
+    tokens = model.generate(ids, 24, repetition_penalty=1.5)
+    assert torch.equal(tokens, ref)
+    assert not torch.equal(tokens, greedy_run["tokens"][:, :24])
+
+
+def test_generate_with_frequency_and_presence_penalties(models, greedy_run):
+    """Greedy under frequency / presence penalties, against a loop written out here: the penalised
+    logits' argmax, with every earlier generated token counted (vLLM's definitions)."""
+    _, model = models
+    ids = greedy_run["ids"][:1]
+    tokens, logits = model.generate(ids, 12, frequency_penalty=0.7, presence_penalty=1.1, return_logits=True)
+    counts = torch.zeros(TINY["vocab_size"])
+    for i in range(12):
+        penalised = logits[0, i].cpu().double() - 0.7 * counts - 1.1 * (counts > 0)
+        assert tokens[0, i] == penalised.argmax(), i
+        counts[tokens[0, i]] += 1
+    assert not torch.equal(tokens, greedy_run["tokens"][:1, :12])  # the penalties changed the answer
+
+
 # ----------------------------------------------------------------------------- loading
 def test_from_pretrained_round_trip(models, tmp_path):
     hf, model = models

@@ -13,8 +13,9 @@ import triton
 import triton.language as tl
 
 from conftest import DEVICE
-from fuselm.ops.sampling import (cutoffs, gumbel_noise_ref, keep_thresholds, random_bits_ref, sample_tokens,
-                                 sample_tokens_ref, token_logprobs, token_logprobs_ref)
+from fuselm.ops.sampling import (PROMPT_BIT, apply_penalties, apply_penalties_ref, cutoffs, gumbel_noise_ref,
+                                 keep_thresholds, random_bits_ref, sample_tokens, sample_tokens_ref, token_logprobs,
+                                 token_logprobs_ref)
 from fuselm.ops.sampling.kernels import (
     _STREAM_INIT_A, _STREAM_INIT_B, _gumbel_noise, _key_of_bits, _logit_of_key, _stream_key, sample_tokens_kernel,
     split_geometry,
@@ -384,6 +385,78 @@ def test_cutoffs_match_the_definition():
         assert torch.equal((logits[r] >= thresholds[r]).cpu(), expected), r
 
 
+def test_min_p_cutoffs_match_the_definition():
+    """min-p after top-k and top-p (HF's order): a token is kept when top-k / top-p keep it and it
+    is at least min_p times as likely as the most likely token (float64 definition); the 16-bit
+    key counts give the sort's cut-offs with min-p too; min_p 0 changes nothing, 1 keeps the
+    maximum's ties."""
+    from fuselm.ops.sampling.kernels import cutoffs_of_16_bit_logits
+
+    gen = torch.Generator().manual_seed(9)
+    n_rows, n_vocab = 240, 12
+    logits = (torch.randint(0, 8, (n_rows, n_vocab), generator=gen) * 0.25).to(DEVICE)
+    temperature = (torch.rand(n_rows, generator=gen) * 2 + 0.2).tolist()
+    top_k = [0 if r % 3 else int(k) for r, k in enumerate(torch.randint(1, n_vocab, (n_rows,), generator=gen))]
+    top_p = [1.0 if r % 4 else float(p) for r, p in enumerate(torch.rand(n_rows, generator=gen).clamp(0.05, 1.0))]
+    min_p = torch.rand(n_rows, generator=gen) ** 2
+    min_p[::5], min_p[1::7] = 0.0, 1.0
+    params = row_params(temperature, top_k, top_p)
+    thresholds = keep_thresholds(logits, *params[:3], min_p.to(DEVICE))
+    for r in range(n_rows):
+        x = logits[r].cpu().double()
+        expected = kept_by_definition(logits[r].cpu(), temperature[r], top_k[r], torch.tensor(top_p[r]).item())
+        if min_p[r] > 0:
+            expected &= torch.exp((x - x.max()) / temperature[r]) >= min_p[r].double()
+        assert torch.equal((logits[r] >= thresholds[r]).cpu(), expected), r
+    unset = keep_thresholds(logits, *params[:3])
+    assert torch.equal(thresholds[min_p == 0], unset[min_p == 0])
+    for dtype in (torch.bfloat16, torch.float16):
+        x16 = (torch.randn(16, 3001, generator=gen) * 3).to(DEVICE, dtype)
+        p16 = row_params([0.0, 0.7, 1.3, 2.0] * 4, [0, 20, 0, 5] * 4, [1.0, 0.9, 0.5, 1.0] * 4)
+        m16 = torch.tensor([0.0, 0.05, 0.2, 0.9] * 2 + [1.0, 1e-6, 0.5, 0.01] * 2, device=DEVICE)
+        expected = keep_thresholds(x16, *p16[:3], m16)
+        assert torch.equal(cutoffs(x16, *p16[:3], m16), expected)
+        assert torch.equal(cutoffs_of_16_bit_logits(x16, *p16[:3], m16, replicas=1), expected)
+
+
+def test_min_p_distribution_and_kernel_ids():
+    """min_p 0.3 at T 1 keeps the tokens with p >= 0.3 p_max; the kernel draws the reference's
+    ids with min-p on (fp32 logits: the sort's cut-offs; bf16: the key counts')."""
+    x = torch.tensor(SMALL_LOGITS, dtype=torch.float64)
+    kept = torch.exp(x - x.max()) >= 0.3
+    assert 1 < kept.sum() < 7
+    n = 20000
+    logits = torch.tensor([SMALL_LOGITS] * n, device=DEVICE)
+    params = row_params([1.0] * n, [0] * n, [1.0] * n, [7] * n, list(range(n)))
+    min_p = torch.full((n,), 0.3, device=DEVICE)
+    ids = sample_tokens_ref(logits, *params, min_p=min_p)
+    assert_follows(torch.bincount(ids.cpu(), minlength=7).double(), torch.softmax(x.masked_fill(~kept, -math.inf), 0))
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = logits_like_a_model(6, 4099, dtype)
+        mixed = mixed_params(6)
+        row_min_p = torch.tensor([0.0, 0.1, 0.02, 0.5, 0.0, 0.9], device=DEVICE)
+        got = sample_tokens(rows, *mixed, min_p=row_min_p)
+        assert torch.equal(got, sample_tokens_ref(rows, *mixed, min_p=row_min_p))
+
+
+@pytest.mark.parametrize("fill", [float("nan"), float("-inf"), float("inf")])
+def test_rows_of_nan_or_inf_draw_ids_in_range(fill):
+    """A row of NaNs (or of infinities) draws an id in [0, V), over one split or several, greedy,
+    sampled and filtered: never an index past the vocabulary (the next step's embedding read)."""
+    n_vocab = 5000
+    logits = logits_like_a_model(7, n_vocab)
+    logits[1:4] = fill
+    logits[5, ::2] = fill
+    params = mixed_params(7)
+    for geometry in (split_geometry(7, n_vocab, 1024, 7), split_geometry(7, n_vocab, 1024, 70)):
+        for thresholds in (None, cutoffs(logits, *params[:3])):
+            ids = torch.empty(7, dtype=torch.int64, device=DEVICE)
+            sample_tokens_kernel(logits, params[0], thresholds, params[3], params[4], ids, geometry)
+            assert ((ids >= 0) & (ids < n_vocab)).all(), ids
+    ids = sample_tokens(logits, *params)
+    assert ((ids >= 0) & (ids < n_vocab)).all(), ids
+
+
 @pytest.mark.parametrize("n_vocab", [1, 511, 512, 1000, 4099])
 def test_exclusive_prefix_sums(n_vocab):
     """The chunked scan equals a plain one, at and around chunk boundaries, and never decreases."""
@@ -486,6 +559,8 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.fuselm.sample_tokens, (*args.values(), False))
     bf16 = _args(3, 40, logits=torch.randn(3, 40, device=DEVICE).bfloat16())  # the key-count cut-offs
     torch.library.opcheck(torch.ops.fuselm.sample_tokens, (*bf16.values(), True))
+    min_p = torch.tensor([0.0, 0.1, 0.5], device=DEVICE)
+    torch.library.opcheck(torch.ops.fuselm.sample_tokens, (*bf16.values(), True, min_p))
 
 
 def test_compile_fullgraph():
@@ -518,6 +593,11 @@ def test_full_vocabulary_on_gpu(n_rows, dtype):
     qwen = (torch.full((n_rows,), 0.6, device=DEVICE), torch.full((n_rows,), 20, dtype=torch.int32, device=DEVICE),
             torch.full((n_rows,), 0.95, device=DEVICE), *params[3:])
     assert torch.equal(sample_tokens(logits, *qwen), sample_tokens_ref(logits, *qwen))
+    min_p = torch.linspace(0.0, 0.3, n_rows, device=DEVICE)
+    assert torch.equal(sample_tokens(logits, *params, min_p=min_p), sample_tokens_ref(logits, *params, min_p=min_p))
+    nan = logits.clone()
+    nan[::2] = float("nan")
+    assert ((sample_tokens(nan, *params) >= 0) & (sample_tokens(nan, *params) < n_vocab)).all()
 
 
 @pytest.mark.gpu
@@ -569,12 +649,17 @@ def test_advance_slots_equals_the_reference(monkeypatch, with_slots, with_next):
     want = [t.clone() for t in got]
     next_got = torch.full((7,), -5, dtype=torch.int64, device=DEVICE) if with_next else None
     next_want = None if next_got is None else next_got.clone()
-    advance_slots(ids, *got, slots=slots, next_inputs=next_got)
-    advance_slots_ref(ids, *want, slots=slots, next_inputs=next_want)
+    # the penalties' counts: random, a prompt bit here and there, with the next_inputs case only
+    counts_got = ((torch.randint(0, 3, (7, 41)) + PROMPT_BIT * torch.randint(0, 2, (7, 41))).int().to(DEVICE)
+                  if with_next else None)
+    counts_want = None if counts_got is None else counts_got.clone()
+    advance_slots(ids, *got, slots=slots, next_inputs=next_got, counts=counts_got)
+    advance_slots_ref(ids, *want, slots=slots, next_inputs=next_want, counts=counts_want)
     for name, a, b in zip(("active", "positions", "remaining", "stop_ids"), got, want):
         assert torch.equal(a, b), name
     if with_next:
         assert torch.equal(next_got, next_want)
+        assert torch.equal(counts_got, counts_want)
     if not with_slots:  # spelled out
         active, positions, remaining, _ = got
         start = slot_counters()
@@ -583,6 +668,23 @@ def test_advance_slots_equals_the_reference(monkeypatch, with_slots, with_next):
         assert remaining.tolist() == [4, 0, 4, 2, 1, 8, 1]
         if with_next:
             assert next_got.tolist() == [12, 40, 11, 14, 9, 3, -5]
+
+
+def test_advance_slots_counts_the_drawn_ids_of_active_slots():
+    """counts[slot, id] += 1 for each active slot's draw (the prompt bit kept); inactive slots and
+    ids outside [0, V) count nothing."""
+    from fuselm.ops.sampling import advance_slots
+    active, positions, remaining, stop_ids = slot_counters()
+    counts = torch.zeros(7, 13, dtype=torch.int32, device=DEVICE)
+    counts[0, 12] = PROMPT_BIT + 2
+    ids = torch.tensor([12, 5, 11, 13, 5, 3], device=DEVICE)  # 13: outside V = 13
+    advance_slots(ids, active, positions, remaining, stop_ids, counts=counts)
+    expected = torch.zeros(7, 13, dtype=torch.int32)
+    expected[0, 12] = PROMPT_BIT + 3
+    expected[1, 5] = 1
+    expected[4, 5] = 1
+    expected[5, 3] = 1  # slot 2 is inactive, slot 3's id 13 is out of range
+    assert torch.equal(counts.cpu(), expected)
 
 
 def test_advance_slots_without_rows_or_stop_ids():
@@ -704,3 +806,90 @@ def test_token_logprobs_at_the_full_vocabulary_on_gpu(n_rows):
     logits = logits_like_a_model(n_rows, 248320, torch.bfloat16, scale=2.5)
     ids = torch.randint(0, 248320, (n_rows,), device=DEVICE)
     check_token_logprobs(logits, ids, 20, atol=2e-5)
+
+
+# ----------------------------------------------------------------------------- apply_penalties
+def penalty_case(n_rows, n_vocab, n_slots, dtype, seed=0):
+    """Logits, counts (generated counts up to 3, prompt bits), per-row penalties (row 0 neutral)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n_rows, n_vocab, generator=g) * 4).to(DEVICE, dtype)
+    counts = torch.randint(0, 4, (n_slots, n_vocab), generator=g) * (torch.rand(n_slots, n_vocab, generator=g) < 0.3)
+    counts = (counts + PROMPT_BIT * (torch.rand(n_slots, n_vocab, generator=g) < 0.2)).int().to(DEVICE)
+    repetition = (torch.rand(n_rows, generator=g) * 1.5 + 0.5).to(DEVICE)
+    frequency = (torch.rand(n_rows, generator=g) * 4 - 2).to(DEVICE)
+    presence = (torch.rand(n_rows, generator=g) * 4 - 2).to(DEVICE)
+    repetition[0], frequency[0], presence[0] = 1.0, 0.0, 0.0
+    return logits, counts, repetition, frequency, presence
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_vocab", [1, 37, 5000])
+@pytest.mark.parametrize("with_slots", [False, True])
+def test_apply_penalties_equals_the_reference_to_the_bit(dtype, n_vocab, with_slots):
+    logits, counts, repetition, frequency, presence = penalty_case(5, n_vocab, 7, dtype)
+    slots = torch.tensor([6, 0, 3, 2, 5], device=DEVICE) if with_slots else None
+    out = torch.full((5, n_vocab), float("nan"), device=DEVICE)  # poisoned: every entry written
+    got = apply_penalties(logits, counts, repetition, frequency, presence, slots, out=out)
+    assert got is out
+    expected = apply_penalties_ref(logits, counts, repetition, frequency, presence, slots)
+    assert torch.equal(got, expected)
+    assert torch.equal(got[0], logits[0].float())  # neutral row: the logits, whatever its counts
+
+
+def test_apply_penalties_follow_the_definition():
+    """Element by element in float64 (vLLM's formulas), on a strided view of the logits: the
+    repetition penalty on prompt or generated tokens, divided when positive, multiplied when not;
+    frequency per generated occurrence; presence once."""
+    buffer = torch.randn(3, 60, device=DEVICE) * 3
+    logits = buffer[:, 5:45]
+    counts = torch.zeros(4, 40, dtype=torch.int32, device=DEVICE)
+    counts[1, :10] = torch.arange(10, dtype=torch.int32)
+    counts[1, 5:15:2] += PROMPT_BIT
+    counts[3, 20:30] = 2
+    counts[0, :] = PROMPT_BIT + 1  # row slots never read slot 0
+    slots = torch.tensor([1, 3, 2], device=DEVICE)
+    r, f, p = (torch.tensor(v, device=DEVICE) for v in ([1.3, 0.8, 2.0], [0.5, -0.25, 1.0], [1.5, 0.75, -1.0]))
+    got = apply_penalties(logits, counts, r, f, p, slots).cpu().double()
+    for row in range(3):
+        for v in range(40):
+            x = float(logits[row, v])
+            c = int(counts[slots[row], v])
+            generated, in_prompt = c % PROMPT_BIT, c >= PROMPT_BIT
+            if generated or in_prompt:
+                x = x / float(r[row]) if x > 0 else x * float(r[row])
+            x = x - float(f[row]) * generated - (float(p[row]) if generated else 0.0)
+            assert got[row, v] == pytest.approx(x, rel=1e-6, abs=1e-6), (row, v)
+
+
+def test_apply_penalties_bad_input_names_the_argument():
+    logits, counts, repetition, frequency, presence = penalty_case(3, 20, 4, torch.float32)
+    ok = dict(logits=logits, counts=counts, repetition=repetition, frequency=frequency, presence=presence)
+    cases = [({"counts": counts.long()}, "counts"), ({"counts": counts[:, :10]}, "counts"),
+             ({"frequency": frequency[:2]}, "frequency"), ({"presence": presence.double()}, "presence"),
+             ({"logits": logits[:, ::2]}, "logits"), ({"slots": torch.zeros(2, dtype=torch.int64, device=DEVICE)},
+                                                      "slots"),
+             ({"logits": torch.randn(5, 20, device=DEVICE), "repetition": torch.ones(5, device=DEVICE),
+               "frequency": torch.zeros(5, device=DEVICE), "presence": torch.zeros(5, device=DEVICE)}, "logits"),
+             ({"out": torch.empty(3, 20, dtype=torch.float16, device=DEVICE)}, "out")]
+    for change, name in cases:
+        with pytest.raises((ValueError, TypeError), match=name):
+            apply_penalties(**{**ok, **change})
+    assert apply_penalties(logits[:0], counts, repetition[:0], frequency[:0], presence[:0]).shape == (0, 20)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_rows", [1, 32])
+def test_apply_penalties_at_the_full_vocabulary_on_gpu(n_rows):
+    """Qwen3.5's vocabulary, bf16 logits, rows on permuted slots: the kernel equals the reference
+    to the bit (no fused multiply-adds), and in a CUDA graph with new values."""
+    logits, counts, repetition, frequency, presence = penalty_case(n_rows, 248320, 48, torch.bfloat16)
+    slots = torch.randperm(48, device=DEVICE)[:n_rows]
+    expected = apply_penalties_ref(logits, counts, repetition, frequency, presence, slots)
+    assert torch.equal(apply_penalties(logits, counts, repetition, frequency, presence, slots), expected)
+    out = torch.empty(n_rows, 248320, device=DEVICE)
+    graph, _ = capture_graph(lambda: apply_penalties(logits, counts, repetition, frequency, presence, slots, out=out))
+    fresh = penalty_case(n_rows, 248320, 48, torch.bfloat16, seed=1)
+    for static, new in zip((logits, counts, repetition, frequency, presence), fresh):
+        static.copy_(new)
+    graph.replay()
+    assert torch.equal(out, apply_penalties_ref(logits, counts, repetition, frequency, presence, slots))

@@ -16,22 +16,28 @@ import torch
 
 from fuselm.engine.request import SamplingParams
 from fuselm.models.qwen35 import Qwen35
-from fuselm.ops.sampling import sample_tokens
+from fuselm.ops.sampling import PROMPT_BIT, apply_penalties, sample_tokens
 
 
 @torch.no_grad()
 def generate(model: Qwen35, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, *, attention_mask: torch.Tensor | None = None,
-             eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
-             seed: int | None = None, return_logits: bool = False):
+             top_k: int | None = None, top_p: float | None = None, *, min_p: float | None = None,
+             repetition_penalty: float | None = None, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+             attention_mask: torch.Tensor | None = None, eos_token_id: int | Sequence[int] | None = None,
+             pad_token_id: int | None = None, seed: int | None = None, return_logits: bool = False):
     """Generate up to ``max_new_tokens`` tokens per row after right-padded prompts.
 
     Args:
         input_ids: [B, T] int token ids; ``attention_mask`` [B, T] marks real tokens (ones, then
             zeros for right padding); without it every row has T tokens.
         max_new_tokens: tokens to generate per row (>= 0).
-        temperature: 0 is greedy; > 0 samples, with optional ``top_k`` (>= 1) and ``top_p`` (in
-            (0, 1]); ``seed`` (None: a random one) seeds row r with ``seed + r``.
+        temperature: 0 is greedy; > 0 samples, with optional ``top_k`` (>= 1), ``top_p`` (in
+            (0, 1]) and ``min_p`` (in [0, 1]); ``seed`` (None: a random one) seeds row r with
+            ``seed + r``.
+        repetition_penalty (HF's and vLLM's, over the row's prompt and generated tokens),
+            frequency_penalty, presence_penalty (vLLM's / OpenAI's, over the generated ones):
+            ``SamplingParams``' meanings, applied to greedy rows too; the logits returned are
+            the model's, before them.
         eos_token_id: id or ids that end a row; None uses the config's stop ids, ``[]`` never
             stops. A finished row's later tokens are ``pad_token_id`` (default: the config's,
             else the first eos id, else 0), and it writes no more state.
@@ -44,7 +50,9 @@ def generate(model: Qwen35, input_ids: torch.Tensor, max_new_tokens: int, temper
     B = input_ids.shape[0]
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
-    params = SamplingParams(temperature=temperature, top_k=top_k or 0, top_p=1.0 if top_p is None else top_p)
+    params = SamplingParams(temperature=temperature, top_k=top_k or 0, top_p=1.0 if top_p is None else top_p,
+                            min_p=min_p or 0.0, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                            repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty)
     stop_ids = model.config.stop_token_ids if eos_token_id is None else (
         (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id))
     vocab = model.config.vocab_size
@@ -65,6 +73,18 @@ def generate(model: Qwen35, input_ids: torch.Tensor, max_new_tokens: int, temper
                       top_k=torch.full((B,), params.top_k, dtype=torch.int32, device=device),
                       top_p=torch.full((B,), params.top_p, dtype=torch.float32, device=device),
                       seeds=torch.arange(B, device=device) + first_seed)
+    if params.filtered:
+        row_params["min_p"] = torch.full((B,), params.min_p, dtype=torch.float32, device=device)
+    penalties = [torch.full((B,), value, dtype=torch.float32, device=device) for value in
+                 (params.repetition_penalty, params.frequency_penalty, params.presence_penalty)]
+    counts = None  # each row's draws per token, + PROMPT_BIT for its prompt's (apply_penalties')
+    if params.penalized:
+        counts = torch.zeros(B, vocab, dtype=torch.int32, device=device)
+        if params.repetition_penalty != 1:
+            columns = torch.arange(input_ids.shape[1], device=device)
+            real = columns[None, :] < torch.tensor(lengths, device=device)[:, None]
+            rows = torch.arange(B, device=device)[:, None].expand_as(input_ids)
+            counts[rows[real], input_ids[real]] = PROMPT_BIT
     stop = torch.tensor(stop_ids, dtype=torch.int64, device=device) if stop_ids else None
     logits = model.prefill(input_ids, cache, attention_mask)
     step_logits, generated = [], max_new_tokens
@@ -72,7 +92,10 @@ def generate(model: Qwen35, input_ids: torch.Tensor, max_new_tokens: int, temper
         if return_logits:
             step_logits.append(logits)
         positions = torch.full((B,), i, dtype=torch.int64, device=device)
-        tokens = sample_tokens(logits, **row_params, positions=positions, filtered=params.filtered)
+        scores = logits if counts is None else apply_penalties(logits, counts, *penalties)
+        tokens = sample_tokens(scores, **row_params, positions=positions, filtered=params.filtered)
+        if counts is not None:
+            counts[torch.arange(B, device=device), tokens] += cache.active.int()
         tokens = torch.where(cache.active, tokens, pad_token_id)
         new_tokens[:, i] = tokens
         if stop is not None:

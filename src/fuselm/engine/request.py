@@ -37,7 +37,13 @@ class SamplingParams:
     """How one request samples and when it stops.
 
     max_tokens: new tokens at most (>= 1). temperature: 0 is greedy, else >= 0. top_p in (0, 1]
-    (1: off). top_k: 0 or -1 is off, else >= 1. seed: a request with a seed gives the same tokens
+    (1: off). top_k: 0 or -1 is off, else >= 1. min_p in [0, 1] (0: off): keep the tokens at least
+    min_p times as likely as the most likely one (after top-k and top-p, HF's order).
+    repetition_penalty > 0 (1: off): logits of tokens in the prompt or generated so far divided by
+    it when positive, multiplied when not; frequency_penalty and presence_penalty in [-2, 2] (0:
+    off): subtracted from a token's logit per time it was generated, and once if it was (vLLM's
+    and OpenAI's definitions; ``fuselm.ops.sampling.apply_penalties``). Penalties apply to greedy
+    requests too. seed: a request with a seed gives the same tokens
     every time, whatever else runs beside it (None: a fresh random seed per request). stop:
     strings that end the request, cut from the text. stop_token_ids: ids that end it beside the
     model's eos ids (kept in the token ids, their text left out as vLLM leaves it).
@@ -58,6 +64,10 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -79,6 +89,13 @@ class SamplingParams:
             raise ValueError(f"top_k: expected 0 or -1 (off) or an int >= 1, got {self.top_k!r}")
         if self.top_k == -1:
             self.top_k = 0
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p: expected a number in [0, 1], got {self.min_p!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty: expected a finite number > 0, got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not _is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name}: expected a number in [-2, 2], got {getattr(self, name)!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed: expected None or an int in [0, 2**63), got {self.seed!r}")
         if isinstance(self.stop, str):
@@ -123,8 +140,13 @@ class SamplingParams:
 
     @property
     def filtered(self) -> bool:
-        """True when top-k or top-p removes tokens before the draw (the sampler's costlier path)."""
-        return not self.greedy and (self.top_k > 0 or self.top_p < 1)
+        """True when top-k, top-p or min-p removes tokens before the draw (the sampler's costlier path)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+
+    @property
+    def penalized(self) -> bool:
+        """True when a penalty changes the logits before the draw (greedy requests too)."""
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
 
 def params_per_prompt(params: "SamplingParams | Sequence[SamplingParams] | None", count: int) -> list["SamplingParams"]:

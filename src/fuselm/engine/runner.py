@@ -95,7 +95,7 @@ class ModelRunner:
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else bool(use_graphs)
         if self.use_graphs and self.device.type != "cuda":
             raise ValueError(f"use_graphs: CUDA graphs need the model on a CUDA device, it is on {self.device}")
-        self.sampling = SlotSampling(max_batch, self.device)
+        self.sampling = SlotSampling(max_batch, model.config.vocab_size, self.device)
         # Pinned host memory for each step's small copies (admissions' inputs, ids read back):
         # the engine calls staging.next_step() before each step's launches.
         self.staging = PinnedStaging(self.device)

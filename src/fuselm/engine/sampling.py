@@ -1,9 +1,11 @@
 """Per-slot sampling on the device: every request's parameters are graph inputs, not constants.
 
 ``SlotSampling`` holds, for each cache slot, the sampling parameters of the request in it
-(temperature, top-k, top-p, seed), how many tokens it has drawn (the position of its random
-stream: a request's draws depend on its seed and position only, never on its batch or slot),
-how many it may still draw, and its stop ids. ``sample_and_advance`` draws the next id of each
+(temperature, top-k, top-p, min-p, penalties, seed), how many tokens it has drawn (the position of
+its random stream: a request's draws depend on its seed and position only, never on its batch or
+slot), how many it may still draw, its stop ids, and (for the penalties) how many times it drew
+each token and which tokens its prompt holds (``counts`` [slots, V] int32, 1 MB a slot at
+Qwen3.5's vocabulary). ``sample_and_advance`` draws the next id of each
 row of a decode batch with its slot's parameters (the row -> slot table; by default rows are the
 first slots) (``fuselm.ops.sampling.sample_tokens``) and updates those counters and the
 cache's ``active`` flags on the device: a slot stops when it draws one of its stop ids or its
@@ -15,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from fuselm.engine.request import Request
-from fuselm.ops.sampling import advance_slots, sample_tokens
+from fuselm.ops.sampling import PROMPT_BIT, advance_slots, apply_penalties, sample_tokens
 from fuselm.runtime import PinnedStaging
 
 # Stop ids checked on the device per slot (eos ids + the request's stop_token_ids). A request
@@ -23,25 +25,37 @@ from fuselm.runtime import PinnedStaging
 MAX_DEVICE_STOP_IDS = 8
 
 # Sampler variants, chosen on the host from the requests in a step (a decode graph is captured
-# for each): PLAIN, no request filters (greedy, or top-k and top-p off): no cut-offs; FILTERED,
-# some request has top-k or top-p: each row's cut-off first (``fuselm.ops.sampling.cutoffs``). Both
-# draw the same ids.
-PLAIN, FILTERED = "plain", "filtered"
-SAMPLER_VARIANTS = (PLAIN, FILTERED)
+# for each): PLAIN, no request filters (greedy, or top-k, top-p and min-p off): no cut-offs;
+# FILTERED, some request filters: each row's cut-off first (``fuselm.ops.sampling.cutoffs``);
+# PENALIZED and PENALIZED_FILTERED, some request has a penalty: the logits are penalised first
+# (``apply_penalties``, fp32: the cut-offs then take the sort) and the draws counted. Every
+# variant draws the same ids for the requests it serves as a cheaper one would.
+PLAIN, FILTERED, PENALIZED, PENALIZED_FILTERED = "plain", "filtered", "penalized", "penalized_filtered"
+SAMPLER_VARIANTS = (PLAIN, FILTERED, PENALIZED, PENALIZED_FILTERED)
 
 
 def sampler_variant(requests) -> str:
     """The cheapest sampler variant that serves every one of ``requests``."""
-    return FILTERED if any(r.params.filtered for r in requests) else PLAIN
+    filtered = any(r.params.filtered for r in requests)
+    if any(r.params.penalized for r in requests):
+        return PENALIZED_FILTERED if filtered else PENALIZED
+    return FILTERED if filtered else PLAIN
 
 
 class SlotSampling:
     """Sampling parameters and stop counters of ``max_batch`` slots, on ``device``."""
 
-    def __init__(self, max_batch: int, device: torch.device):
+    def __init__(self, max_batch: int, vocab_size: int, device: torch.device):
         self.temperature = torch.zeros(max_batch, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.top_p = torch.ones(max_batch, dtype=torch.float32, device=device)
+        self.min_p = torch.zeros(max_batch, dtype=torch.float32, device=device)
+        self.repetition = torch.ones(max_batch, dtype=torch.float32, device=device)
+        self.frequency = torch.zeros(max_batch, dtype=torch.float32, device=device)
+        self.presence = torch.zeros(max_batch, dtype=torch.float32, device=device)
+        # Each slot's draws per token, + PROMPT_BIT for its prompt's tokens: kept for the requests
+        # with a penalty (every step that holds one runs a penalised variant, which counts).
+        self.counts = torch.zeros(max_batch, vocab_size, dtype=torch.int32, device=device)
         self.seeds = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)  # tokens drawn so far
         self.remaining = torch.zeros(max_batch, dtype=torch.int64, device=device)  # tokens still allowed
@@ -55,16 +69,29 @@ class SlotSampling:
         def column(values, dtype):
             return staging.to_device(torch.tensor(values, dtype=dtype))
 
-        slots = column(slots, torch.int64)
+        slot_list = list(slots)
+        slots = column(slot_list, torch.int64)
         self.temperature.index_copy_(0, slots, column([p.temperature for p in params], torch.float32))
         self.top_k.index_copy_(0, slots, column([p.top_k for p in params], torch.int32))
         self.top_p.index_copy_(0, slots, column([p.top_p for p in params], torch.float32))
+        self.min_p.index_copy_(0, slots, column([p.min_p for p in params], torch.float32))
+        self.repetition.index_copy_(0, slots, column([p.repetition_penalty for p in params], torch.float32))
+        self.frequency.index_copy_(0, slots, column([p.frequency_penalty for p in params], torch.float32))
+        self.presence.index_copy_(0, slots, column([p.presence_penalty for p in params], torch.float32))
         self.seeds.index_copy_(0, slots, column([r.seed for r in requests], torch.int64))
         self.positions.index_fill_(0, slots, 0)
         self.remaining.index_copy_(0, slots, column([p.max_tokens for p in params], torch.int64))
         stop = [list(r.stop_ids[:MAX_DEVICE_STOP_IDS]) + [-1] * (MAX_DEVICE_STOP_IDS - len(r.stop_ids[:MAX_DEVICE_STOP_IDS]))
                 for r in requests]
         self.stop_ids.index_copy_(0, slots, column(stop, torch.int64))
+        penalized = [(r, slot) for r, slot in zip(requests, slot_list) if r.params.penalized]
+        if penalized:  # a fresh count for each, and its prompt's tokens marked (the repetition penalty's)
+            self.counts.index_fill_(0, column([slot for _, slot in penalized], torch.int64), 0)
+            vocab = self.counts.shape[1]
+            marks = [slot * vocab + t for r, slot in penalized if r.params.repetition_penalty != 1
+                     for t in set(r.prompt_token_ids)]
+            if marks:
+                self.counts.view(-1).index_fill_(0, column(marks, torch.int64), PROMPT_BIT)
 
     def sample_and_advance(self, logits: torch.Tensor, active: torch.Tensor, variant: str,
                            slots: torch.Tensor | None = None, next_inputs: torch.Tensor | None = None) -> torch.Tensor:
@@ -74,10 +101,17 @@ class SlotSampling:
         ``next_inputs`` [max_batch], each slot's id is also written there (the next step's input).
         ``variant``: one of ``SAMPLER_VARIANTS``, a promise about the slots' settings
         (``sampler_variant``). One launch past the draw's own: the counters, stops and next
-        inputs (``advance_slots``)."""
+        inputs (``advance_slots``; penalised variants count the draws there too); penalised
+        variants one before it (``apply_penalties``, into fp32 logits of its own)."""
         n = logits.shape[0]
         index = (lambda t: t[:n]) if slots is None else (lambda t: t[slots])
+        penalized, filtered = variant in (PENALIZED, PENALIZED_FILTERED), variant in (FILTERED, PENALIZED_FILTERED)
+        if penalized:
+            logits = apply_penalties(logits, self.counts, index(self.repetition), index(self.frequency),
+                                     index(self.presence), slots)
         ids = sample_tokens(logits, index(self.temperature), index(self.top_k), index(self.top_p),
-                            index(self.seeds), index(self.positions), filtered=variant != PLAIN)
-        advance_slots(ids, active, self.positions, self.remaining, self.stop_ids, slots, next_inputs)
+                            index(self.seeds), index(self.positions), filtered=filtered,
+                            min_p=index(self.min_p) if filtered else None)
+        advance_slots(ids, active, self.positions, self.remaining, self.stop_ids, slots, next_inputs,
+                      self.counts if penalized else None)
         return ids

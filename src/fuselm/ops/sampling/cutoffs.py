@@ -1,4 +1,4 @@
-"""Per-row top-k / top-p cut-offs without sorting the vocabulary: the values of
+"""Per-row top-k / top-p (and min-p) cut-offs without sorting the vocabulary: the values of
 ``naive.keep_thresholds`` (the definition, a sort of each row) by cheaper ways. Static shapes, no
 host sync (CUDA-graph safe); ``sample_tokens`` runs ``cutoffs`` on the device.
 
@@ -24,9 +24,10 @@ from fuselm.ops.sampling.naive import keep_thresholds
 from fuselm.runtime import use_triton
 
 
-def cutoffs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """``keep_thresholds(logits, temperature, top_k, top_p)`` [B] fp32, by the cheapest way that
-    applies (module docstring)."""
+def cutoffs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+            min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """``keep_thresholds(logits, temperature, top_k, top_p, min_p)`` [B] fp32, by the cheapest way
+    that applies (module docstring)."""
     if use_triton(logits) and logits.dtype in (torch.bfloat16, torch.float16):
-        return cutoffs_of_16_bit_logits(logits, temperature, top_k, top_p)
-    return keep_thresholds(logits, temperature, top_k, top_p)
+        return cutoffs_of_16_bit_logits(logits, temperature, top_k, top_p, min_p)
+    return keep_thresholds(logits, temperature, top_k, top_p, min_p)

@@ -131,28 +131,32 @@ def _sample_splits_kernel(
     # First index among the lanes holding the max. (All -inf: every lane ties, the first index wins.)
     split_first = tl.min(tl.where(best_value == split_best, best_index, n_vocab), axis=0)
     if WRITE_IDS:
-        tl.store(ids_ptr + row, split_first.to(tl.int64))
+        tl.store(ids_ptr + row, tl.minimum(split_first, n_vocab - 1).to(tl.int64))  # in range, as below
     else:
         tl.store(split_value_ptr + row * n_splits + split, split_best)
         tl.store(split_index_ptr + row * n_splits + split, split_first)
 
 
 @triton.jit
-def _reduce_splits_kernel(split_value_ptr, split_index_ptr, ids_ptr, n_splits, BLOCK_SPLITS: tl.constexpr):
-    """Program per row: the first index of the largest of its n_splits (value, index) pairs."""
+def _reduce_splits_kernel(split_value_ptr, split_index_ptr, ids_ptr, n_vocab, n_splits, BLOCK_SPLITS: tl.constexpr):
+    """Program per row: the first index of the largest of its n_splits (value, index) pairs. The
+    id stays in [0, n_vocab) whatever the values hold: were the max a NaN (no split's value equal
+    to it), the sentinel would be taken, so it is clamped to the last token."""
     row = tl.program_id(0)
     splits = tl.arange(0, BLOCK_SPLITS)
     mask = splits < n_splits
     value = tl.load(split_value_ptr + row * n_splits + splits, mask=mask, other=float("-inf"))
-    index = tl.load(split_index_ptr + row * n_splits + splits, mask=mask, other=2147483647)
+    index = tl.load(split_index_ptr + row * n_splits + splits, mask=mask, other=n_vocab)
     best = tl.max(value, axis=0)
-    tl.store(ids_ptr + row, tl.min(tl.where(value == best, index, 2147483647), axis=0).to(tl.int64))
+    first = tl.min(tl.where(value == best, index, n_vocab), axis=0)
+    tl.store(ids_ptr + row, tl.minimum(first, n_vocab - 1).to(tl.int64))
 
 
 @triton.jit
-def advance_slots_kernel(ids_ptr, slots_ptr, active_ptr, positions_ptr, remaining_ptr, stop_ids_ptr, next_ptr, n,
-                         STOPS: tl.constexpr, BLOCK_STOPS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                         HAS_SLOTS: tl.constexpr, HAS_NEXT: tl.constexpr):
+def advance_slots_kernel(ids_ptr, slots_ptr, active_ptr, positions_ptr, remaining_ptr, stop_ids_ptr, next_ptr,
+                         counts_ptr, n, n_vocab, STOPS: tl.constexpr, BLOCK_STOPS: tl.constexpr,
+                         BLOCK_ROWS: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_NEXT: tl.constexpr,
+                         HAS_COUNTS: tl.constexpr):
     """``advance_slots``: BLOCK_ROWS rows a program, each row's slot read and written by that
     program alone (the slots are distinct)."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -174,6 +178,10 @@ def advance_slots_kernel(ids_ptr, slots_ptr, active_ptr, positions_ptr, remainin
     tl.store(active_ptr + slots, (was_active & ~stopped).to(active_ptr.dtype.element_ty), mask=in_range)
     if HAS_NEXT:
         tl.store(next_ptr + slots, ids, mask=in_range)
+    if HAS_COUNTS:  # the slot's generated-token count of the drawn id (apply_penalties' counts)
+        counted_id = in_range & was_active & (ids >= 0) & (ids < n_vocab)
+        count_ptrs = counts_ptr + slots * n_vocab + ids
+        tl.store(count_ptrs, tl.load(count_ptrs, mask=counted_id, other=0) + 1, mask=counted_id)
 
 
 # ----------------------------------------------------------------------------- launch geometry
@@ -243,7 +251,7 @@ def sample_tokens_kernel(logits: torch.Tensor, temperature: torch.Tensor, thresh
         FILTERED=thresholds is not None, WRITE_IDS=write_ids, BLOCK=geo.block, num_warps=geo.num_warps,
     )
     if not write_ids:
-        _reduce_splits_kernel[(n_rows,)](split_value, split_index, ids, geo.n_splits,
+        _reduce_splits_kernel[(n_rows,)](split_value, split_index, ids, n_vocab, geo.n_splits,
                                          BLOCK_SPLITS=next_power_of_2(geo.n_splits))
     return ids
 
@@ -356,11 +364,12 @@ def _key_block_sums_kernel(counts_ptr, largest_ptr, temperature_ptr, block_count
 
 @triton.jit
 def _cutoffs_of_key_blocks_kernel(counts_ptr, largest_ptr, block_count_ptr, block_mass_ptr, temperature_ptr,
-                                  top_k_ptr, top_p_ptr, out_ptr, V, R: tl.constexpr, IS_BF16: tl.constexpr,
-                                  KEY_BLOCK: tl.constexpr, N_BLOCKS: tl.constexpr):
+                                  top_k_ptr, top_p_ptr, min_p_ptr, out_ptr, V, R: tl.constexpr, IS_BF16: tl.constexpr,
+                                  KEY_BLOCK: tl.constexpr, N_BLOCKS: tl.constexpr, MIN_P: tl.constexpr):
     """One program per row b: ``naive.keep_thresholds``'s cut-off from the block sums, refined to a
     key by a pass over one block's keys (two at most: the k-th largest's, the top-p cut's). Blocks
-    and keys are taken largest first (position d <-> block N_BLOCKS - 1 - d)."""
+    and keys are taken largest first (position d <-> block N_BLOCKS - 1 - d). MIN_P: min-p's cut
+    too (``min_p_ptr``), the larger of the two."""
     b = tl.program_id(0).to(tl.int64)
     max_key, top, inverse_t = _row_top_and_scale(largest_ptr, temperature_ptr, b, IS_BF16)
     row_counts = counts_ptr + b * R * KEYS
@@ -410,7 +419,21 @@ def _cutoffs_of_key_blocks_kernel(counts_ptr, largest_ptr, block_count_ptr, bloc
             strictly_above = block_above + tl.cumsum(key_mass, axis=0) - key_mass
             cut_key = tl.min(tl.where(holds & (strictly_above < limit), key, max_key), axis=0)
     cutoff = _logit_of_key(cut_key, IS_BF16)
-    tl.store(out_ptr + b, tl.where(k_on, cutoff, tl.where(p_on, cutoff, float("-inf"))))
+    cutoff = tl.where(k_on, cutoff, tl.where(p_on, cutoff, float("-inf")))
+    if MIN_P:
+        cutoff = tl.maximum(cutoff, _min_p_cutoff(top, temperature_ptr, min_p_ptr, b))
+    tl.store(out_ptr + b, cutoff)
+
+
+@triton.jit
+def _min_p_cutoff(top, temperature_ptr, min_p_ptr, b):
+    """min-p's cut-off of row b (``naive.keep_thresholds``): fp32(top + T log(min_p)) in float64
+    (T = 1 for greedy rows), -inf where min_p <= 0. ``top``: the row's largest logit, float64."""
+    min_p = tl.load(min_p_ptr + b).to(tl.float64)
+    temperature = tl.load(temperature_ptr + b)
+    t = tl.where(temperature > 0, temperature, 1.0).to(tl.float64)
+    cut = (top + t * tl.log(tl.where(min_p > 0, min_p, 1.0))).to(tl.float32)
+    return tl.where(min_p > 0, cut, float("-inf"))
 
 
 COUNT_BLOCK = 2048  # tokens a step of the counting program reads (programs: as the sampler's split_geometry)
@@ -426,8 +449,9 @@ def count_replicas(n_rows: int) -> int:
 
 
 def cutoffs_of_16_bit_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                             top_p: torch.Tensor, replicas: int | None = None) -> torch.Tensor:
-    """``naive.keep_thresholds(logits, temperature, top_k, top_p)`` [B] fp32 for bf16 / fp16
+                             top_p: torch.Tensor, min_p: torch.Tensor | None = None,
+                             replicas: int | None = None) -> torch.Tensor:
+    """``naive.keep_thresholds(logits, temperature, top_k, top_p, min_p)`` [B] fp32 for bf16 / fp16
     ``logits`` [B, V] (last dim contiguous) in three launches and a zero-fill, no sort (the block
     comment above). The per-row parameters contiguous [B] as ``sample_tokens`` takes them."""
     n_rows, n_vocab = logits.shape
@@ -448,6 +472,7 @@ def cutoffs_of_16_bit_logits(logits: torch.Tensor, temperature: torch.Tensor, to
     _key_block_sums_kernel[(n_rows, n_blocks)](counts, largest, temperature, block_count, block_mass, R=replicas,
                                                IS_BF16=is_bf16, KEY_BLOCK=KEY_BLOCK, num_warps=4)
     _cutoffs_of_key_blocks_kernel[(n_rows,)](counts, largest, block_count, block_mass, temperature, top_k, top_p,
-                                             out, n_vocab, R=replicas, IS_BF16=is_bf16, KEY_BLOCK=KEY_BLOCK,
-                                             N_BLOCKS=n_blocks, num_warps=4)
+                                             top_p if min_p is None else min_p, out, n_vocab, R=replicas,
+                                             IS_BF16=is_bf16, KEY_BLOCK=KEY_BLOCK, N_BLOCKS=n_blocks,
+                                             MIN_P=min_p is not None, num_warps=4)
     return out

@@ -115,8 +115,9 @@ def order_keys(logits: torch.Tensor) -> torch.Tensor:
 
 
 def keep_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor) -> torch.Tensor:
-    """Per-row cut-off [B] fp32 of top-k then top-p: a row keeps token i iff logit_i >= its cut-off.
+                    top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row cut-off [B] fp32 of top-k, then top-p, then min-p (HF's order): a row keeps token i
+    iff logit_i >= its cut-off.
     The definition, by a sort of each row (``cutoffs.py`` has the faster way to the same values).
 
     Plain PyTorch with static shapes and no host sync. Comparisons are on the logits themselves:
@@ -128,8 +129,12 @@ def keep_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
       order this is HF's rule (drop a token once the mass before it reaches p), except that tokens
       tied with the last kept one are all kept (HF splits such ties by sort order). The most likely
       token is always kept (also for p <= 0).
-    Rows with neither get -inf. Rows with temperature 0 get a cut-off too (computed at T = 1); the
-    sampler ignores it.
+    - min-p (``min_p`` [B] fp32, > 0; None or <= 0 off): keep tokens at least min_p times as likely
+      as the most likely one, logit_i >= max + T log(min_p), the bound computed in float64 and
+      rounded to fp32. The ratio to the most likely token does not change when top-k / top-p
+      renormalise, so min-p after them is the larger of the two cut-offs.
+    Rows with none of them get -inf. Rows with temperature 0 get a cut-off too (computed at T = 1);
+    the sampler ignores it.
     """
     n_vocab = logits.shape[-1]
     ordered = logits.sort(dim=-1, descending=True).values  # [B, V], largest first
@@ -148,12 +153,17 @@ def keep_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     # ``kept`` is a prefix of the sorted row; its last entry is the smallest kept logit.
     n_kept = kept.sum(dim=-1).clamp(min=1)
     cutoff = ordered.gather(-1, (n_kept - 1)[:, None]).squeeze(-1).float()
-    return torch.where(k_on | (top_p < 1), cutoff, float("-inf"))  # neither top-k nor top-p: no cut-off
+    cutoff = torch.where(k_on | (top_p < 1), cutoff, float("-inf"))  # neither top-k nor top-p: no cut-off
+    if min_p is None:
+        return cutoff
+    min_p = min_p.double()
+    min_p_cut = (ordered[:, 0].double() + t[:, 0] * torch.log(torch.where(min_p > 0, min_p, 1.0))).float()
+    return torch.where(min_p > 0, torch.maximum(cutoff, min_p_cut), cutoff)
 
 
 def sample_tokens_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                       top_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, *,
-                      filtered: bool = True) -> torch.Tensor:
+                      filtered: bool = True, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """ids [B] int64 as ``sample_tokens`` defines them, the arithmetic in float64.
 
     Greedy rows (T = 0): the first index of the largest logit. Other rows: the first index of the
@@ -164,14 +174,32 @@ def sample_tokens_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
     t = torch.where(temperature > 0, temperature, 1.0).double()[:, None]
     noisy = x / t + gumbel_noise_ref(seeds, positions, x.shape[-1])
     if filtered:
-        cutoff = keep_thresholds(logits, temperature, top_k, top_p).double()[:, None]
+        cutoff = keep_thresholds(logits, temperature, top_k, top_p, min_p).double()[:, None]
         noisy = noisy.masked_fill(x < cutoff, float("-inf"))
     return torch.where(temperature > 0, noisy.argmax(dim=-1), greedy_ids)
 
 
-def advance_slots_ref(ids, active, positions, remaining, stop_ids, slots=None, next_inputs=None) -> None:
+PROMPT_BIT = 1 << 30  # ``apply_penalties``' counts: this bit marks a prompt token, the bits below count generations
+
+
+def apply_penalties_ref(logits: torch.Tensor, counts: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
+                        presence: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """``apply_penalties``' definition (and its CPU fallback): fp32 [n, V], each step a separate
+    fp32 operation (one rounding each), in vLLM's order: repetition over prompt and generated
+    tokens, then frequency x count, then presence over generated tokens."""
+    x = logits.float()
+    count = counts[:x.shape[0]] if slots is None else counts[slots]
+    generated = count & (PROMPT_BIT - 1)
+    r = repetition[:, None]
+    x = torch.where(count != 0, torch.where(x > 0, x / r, x * r), x)
+    x = x - frequency[:, None] * generated.float()
+    return x - torch.where(generated > 0, presence[:, None], 0.0)
+
+
+def advance_slots_ref(ids, active, positions, remaining, stop_ids, slots=None, next_inputs=None, counts=None) -> None:
     """``advance_slots``'s contract, in place: for row i of ``ids`` [n] and its slot s (``slots[i]``,
-    default i): a slot that was active counts its draw (positions[s] += 1, remaining[s] -= 1) and
+    default i): a slot that was active counts its draw (positions[s] += 1, remaining[s] -= 1,
+    counts[s, ids[i]] += 1 when ``counts`` is given and the id is in [0, V)) and
     stays active unless ids[i] is one of its ``stop_ids[s]`` (-1 pads) or remaining[s] reaches 0;
     an inactive slot keeps its counters; ``next_inputs[s] = ids[i]`` when given."""
     index = (lambda t: t[:ids.shape[0]]) if slots is None else (lambda t: t[slots])
@@ -185,6 +213,10 @@ def advance_slots_ref(ids, active, positions, remaining, stop_ids, slots=None, n
     active.index_copy_(0, rows, was_active & ~stopped)
     if next_inputs is not None:
         next_inputs.index_copy_(0, rows, ids)
+    if counts is not None:
+        n_vocab = counts.shape[1]
+        counted_id = (counted > 0) & (ids >= 0) & (ids < n_vocab)  # (was_active may view the updated flags)
+        counts.view(-1).index_add_(0, rows * n_vocab + ids.clamp(0, n_vocab - 1), counted_id.to(counts.dtype))
 
 
 def token_logprobs_ref(logits: torch.Tensor, ids: torch.Tensor,

@@ -26,6 +26,8 @@ Eager calls run the path directly; under ``torch.compile`` the call goes through
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from fuselm.ops.sampling.kernels import advance_slots_kernel, sample_tokens_kernel
@@ -35,10 +37,10 @@ from fuselm.runtime import cdiv, check_same_device, check_tensor, next_power_of_
 
 # (name, dtype) of the per-row parameters, in argument order.
 _ROW_PARAMETERS = (("temperature", torch.float32), ("top_k", torch.int32), ("top_p", torch.float32),
-                   ("seeds", torch.int64), ("positions", torch.int64))
+                   ("seeds", torch.int64), ("positions", torch.int64), ("min_p", torch.float32))
 
 
-def _check(logits, temperature, top_k, top_p, seeds, positions, filtered, out) -> None:
+def _check(logits, temperature, top_k, top_p, seeds, positions, filtered, out, min_p=None) -> None:
     """Metadata checks only (shapes, dtypes, devices, layout): nothing reads device memory."""
     check_tensor("logits", logits)
     if logits.dim() != 2:
@@ -48,8 +50,10 @@ def _check(logits, temperature, top_k, top_p, seeds, positions, filtered, out) -
         raise ValueError("logits: the vocabulary dim V is 0")
     if logits.stride(1) != 1 and n_vocab > 1:
         raise ValueError(f"logits: the last dim must be contiguous (stride 1), got strides {tuple(logits.stride())}")
-    params = (temperature, top_k, top_p, seeds, positions)
+    params = (temperature, top_k, top_p, seeds, positions, min_p)
     for (name, dtype), t in zip(_ROW_PARAMETERS, params):
+        if t is None and name == "min_p":
+            continue
         check_tensor(name, t, (dtype,))
         if tuple(t.shape) != (n_rows,):
             raise ValueError(f"{name}: expected shape ({n_rows},) = (B,), got {tuple(t.shape)}")
@@ -66,30 +70,32 @@ def _check(logits, temperature, top_k, top_p, seeds, positions, filtered, out) -
     check_same_device(logits=logits, **{name: t for (name, _), t in zip(_ROW_PARAMETERS, params)}, out=out)
 
 
-def _sample(logits, temperature, top_k, top_p, seeds, positions, filtered: bool, out) -> torch.Tensor:
+def _sample(logits, temperature, top_k, top_p, seeds, positions, filtered: bool, out, min_p=None) -> torch.Tensor:
     if out.numel() == 0:
         return out
     if not use_triton(logits):
-        return out.copy_(sample_tokens_ref(logits, temperature, top_k, top_p, seeds, positions, filtered=filtered))
-    thresholds = cutoffs(logits, temperature, top_k, top_p) if filtered else None
+        return out.copy_(sample_tokens_ref(logits, temperature, top_k, top_p, seeds, positions, filtered=filtered,
+                                           min_p=min_p))
+    thresholds = cutoffs(logits, temperature, top_k, top_p, min_p) if filtered else None
     return sample_tokens_kernel(logits, temperature, thresholds, seeds, positions, out)
 
 
 @torch.library.custom_op("fuselm::sample_tokens", mutates_args=())
 def _sample_tokens_op(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                      seeds: torch.Tensor, positions: torch.Tensor, filtered: bool) -> torch.Tensor:
+                      seeds: torch.Tensor, positions: torch.Tensor, filtered: bool,
+                      min_p: Optional[torch.Tensor] = None) -> torch.Tensor:
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    return _sample(logits, temperature, top_k, top_p, seeds, positions, filtered, out)
+    return _sample(logits, temperature, top_k, top_p, seeds, positions, filtered, out, min_p)
 
 
 @_sample_tokens_op.register_fake
-def _(logits, temperature, top_k, top_p, seeds, positions, filtered):
+def _(logits, temperature, top_k, top_p, seeds, positions, filtered, min_p=None):
     return torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   seeds: torch.Tensor, positions: torch.Tensor, *, filtered: bool = True,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  min_p: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """One token id per row, greedy or sampled per row; CUDA-graph capturable.
 
     Args:
@@ -104,17 +110,20 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         positions: [B] int64, the index of the token being drawn within its request (e.g. the
             number of tokens generated so far). A request's random stream is a function of
             (seed, position, token index) only.
-        filtered: a static promise, made on the host: False when no row uses top-k or top-p
-            (their values are then ignored and the cut-off computation skipped). A CUDA graph is
-            captured for one value.
+        filtered: a static promise, made on the host: False when no row uses top-k, top-p or
+            min-p (their values are then ignored and the cut-off computation skipped). A CUDA
+            graph is captured for one value.
+        min_p: optional [B] fp32 in [0, 1]; keep the tokens at least min_p times as likely as the
+            most likely one (0 or None is off; applied with ``filtered`` only).
         out: optional contiguous [B] int64 buffer, fully overwritten (e.g. a graph's static output).
     Returns:
         ids: [B] int64 (``out`` when given).
 
     Semantics per row (HF transformers' order), with x the logits in fp32 (exact):
     - T = 0: the first index of max x. top-k / top-p do not apply.
-    - T > 0: top-k, then top-p over the softmax of x / T of the top-k-kept tokens, as a cut-off on
-      x (``keep_thresholds``: top-p keeps every token tied with the last kept one); then a draw
+    - T > 0: top-k, then top-p over the softmax of x / T of the top-k-kept tokens, then min-p,
+      as a cut-off on x (``keep_thresholds``: top-p keeps every token tied with the last kept
+      one; min-p keeps x_i >= max x + T log(min_p)); then a draw
       from softmax(x / T) over the kept tokens by the Gumbel-max trick: the first index of
       max x_i / T + g_i, with g_i the Gumbel noise of the counter-based RNG written out in
       ``fuselm/ops/sampling/naive.py``: 64 bits of stream key from (seed, position) through the
@@ -130,13 +139,13 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     in (0, 1], top_k >= 0. The engine validates them on the host (``SamplingParams``). Out of
     range they are still safe: top_p <= 0 keeps the argmax, top_k < 0 is off.
     """
-    _check(logits, temperature, top_k, top_p, seeds, positions, filtered, out)
+    _check(logits, temperature, top_k, top_p, seeds, positions, filtered, out, min_p)
     if torch.compiler.is_compiling():
-        ids = _sample_tokens_op(logits, temperature, top_k, top_p, seeds, positions, filtered)
+        ids = _sample_tokens_op(logits, temperature, top_k, top_p, seeds, positions, filtered, min_p)
         return ids if out is None else out.copy_(ids)
     if out is None:
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    return _sample(logits, temperature, top_k, top_p, seeds, positions, filtered, out)
+    return _sample(logits, temperature, top_k, top_p, seeds, positions, filtered, out, min_p)
 
 
 ADVANCE_ROWS = 64  # rows a program of advance_slots
@@ -144,14 +153,17 @@ ADVANCE_ROWS = 64  # rows a program of advance_slots
 
 def advance_slots(ids: torch.Tensor, active: torch.Tensor, positions: torch.Tensor, remaining: torch.Tensor,
                   stop_ids: torch.Tensor, slots: torch.Tensor | None = None,
-                  next_inputs: torch.Tensor | None = None) -> None:
+                  next_inputs: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> None:
     """After a draw, the per-slot counters in place, in one launch (``advance_slots_ref``'s
     contract): row i's slot (``slots[i]``, distinct; default i) counts the draw if it was active
-    (``positions`` += 1, ``remaining`` -= 1) and goes inactive on one of its ``stop_ids`` or its
-    last allowed token; ``next_inputs[slot] = ids[i]`` when given (the next decode step's input).
+    (``positions`` += 1, ``remaining`` -= 1, and ``counts[slot, ids[i]]`` += 1 when given: the
+    generated-token counts ``apply_penalties`` reads) and goes inactive on one of its ``stop_ids``
+    or its last allowed token; ``next_inputs[slot] = ids[i]`` when given (the next decode step's
+    input).
 
     Args: ids [n] int64; active [S] bool; positions, remaining [S] int64; stop_ids [S, M] int64
-    (-1 pads); slots [n] int64 or None (then n <= S, the first n slots); next_inputs [S] int64.
+    (-1 pads); slots [n] int64 or None (then n <= S, the first n slots); next_inputs [S] int64;
+    counts [S, V] int32 (an id outside [0, V) is not counted).
     No host sync, static shapes (inside the decode step's CUDA graph)."""
     check_tensor("ids", ids, (torch.int64,))
     check_tensor("active", active, (torch.bool,))
@@ -174,14 +186,19 @@ def advance_slots(ids: torch.Tensor, active: torch.Tensor, positions: torch.Tens
         check_tensor("next_inputs", next_inputs, (torch.int64,))
         if next_inputs.shape != (S,) or not next_inputs.is_contiguous():
             raise ValueError(f"next_inputs: expected a contiguous [{S}] tensor, got {tuple(next_inputs.shape)}")
+    if counts is not None:
+        check_tensor("counts", counts, (torch.int32,))
+        if counts.dim() != 2 or counts.shape[0] != S or not counts.is_contiguous():
+            raise ValueError(f"counts: expected a contiguous [{S}, V] int32 tensor, got {tuple(counts.shape)}")
     check_same_device(ids=ids, active=active, positions=positions, remaining=remaining, stop_ids=stop_ids,
-                      slots=slots, next_inputs=next_inputs)
+                      slots=slots, next_inputs=next_inputs, counts=counts)
     if not use_triton(ids):
-        return advance_slots_ref(ids, active, positions, remaining, stop_ids, slots, next_inputs)
+        return advance_slots_ref(ids, active, positions, remaining, stop_ids, slots, next_inputs, counts)
     n = ids.shape[0]
     if n:
         advance_slots_kernel[(cdiv(n, ADVANCE_ROWS),)](
             ids, ids if slots is None else slots, active, positions, remaining, stop_ids,
-            ids if next_inputs is None else next_inputs, n, STOPS=stop_ids.shape[1],
+            ids if next_inputs is None else next_inputs, ids if counts is None else counts, n,
+            0 if counts is None else counts.shape[1], STOPS=stop_ids.shape[1],
             BLOCK_STOPS=max(2, next_power_of_2(stop_ids.shape[1])), BLOCK_ROWS=ADVANCE_ROWS,
-            HAS_SLOTS=slots is not None, HAS_NEXT=next_inputs is not None)
+            HAS_SLOTS=slots is not None, HAS_NEXT=next_inputs is not None, HAS_COUNTS=counts is not None)

@@ -1,0 +1,105 @@
+"""``apply_penalties``: repetition, frequency and presence penalties on a batch's logits, vLLM's
+definitions, every parameter a device tensor (one CUDA graph serves any mix of settings).
+
+Each row reads its slot's token counts, ``counts`` [S, V] int32: for slot s and token v,
+``counts[s, v] = c + PROMPT_BIT * in_prompt``, c the times v was generated so far (< PROMPT_BIT)
+and ``in_prompt`` whether v is in the slot's prompt. For row r of ``logits`` [n, V], on slot
+``slots[r]`` (default r), with x the logit in fp32 (exact):
+
+    repetition (r_r, 1 is off): x = x / r_r if x > 0 else x * r_r,   v in the prompt or generated
+    frequency  (f_r, 0 is off): x = x - f_r * c                      (vLLM: subtract f per occurrence)
+    presence   (p_r, 0 is off): x = x - p_r                          v generated at least once
+
+in that order (vLLM's ``apply_penalties``; HF's repetition penalty is the same over prompt and
+output). Numerics: fp32, each operation rounded once as separate PyTorch operations round it
+(the kernel is built without fused multiply-adds), so the kernel and ``naive.apply_penalties_ref``
+agree to the bit. A row with neutral values comes out exactly x, whatever its slot's counts hold.
+
+One launch, a program per (row, BLOCK tokens): it reads the logits (16 or 32 bits) and the counts
+(32 bits) once and writes fp32 [n, V]. The penalised logits are the sampler's input; the raw ones
+stay as they were (log-probabilities are the model's, as vLLM's default).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselm.ops.sampling.naive import PROMPT_BIT, apply_penalties_ref
+from fuselm.runtime import cdiv, check_same_device, check_tensor, use_triton
+
+_PROMPT_BIT: tl.constexpr = tl.constexpr(PROMPT_BIT)
+BLOCK = 4096  # tokens a program
+
+
+@triton.jit
+def _apply_penalties_kernel(logits_ptr, counts_ptr, slots_ptr, repetition_ptr, frequency_ptr, presence_ptr, out_ptr,
+                            n_vocab, stride_row, stride_counts, HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_vocab
+    slot = row
+    if HAS_SLOTS:
+        slot = tl.load(slots_ptr + row)
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=ok, other=0.0).to(tl.float32)
+    count = tl.load(counts_ptr + slot.to(tl.int64) * stride_counts + cols, mask=ok, other=0)
+    generated = count & (_PROMPT_BIT - 1)
+    repetition = tl.load(repetition_ptr + row)
+    frequency = tl.load(frequency_ptr + row)
+    presence = tl.load(presence_ptr + row)
+    x = tl.where(count != 0, tl.where(x > 0, tl.math.div_rn(x, repetition), x * repetition), x)
+    x = x - frequency * generated.to(tl.float32)
+    x = x - tl.where(generated > 0, presence, 0.0)
+    tl.store(out_ptr + row.to(tl.int64) * n_vocab + cols, x, mask=ok)
+
+
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
+                    presence: torch.Tensor, slots: torch.Tensor | None = None, *,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """The penalised logits [n, V] fp32 (module docstring). No host sync, static shapes.
+
+    Args:
+        logits: [n, V] fp32/fp16/bf16, the last dim contiguous (any row stride).
+        counts: [S, V] int32, each slot's generated-token counts plus PROMPT_BIT for prompt tokens.
+        repetition, frequency, presence: [n] fp32 per row (1, 0, 0: off).
+        slots: [n] int64, row r's slot (default r; then n <= S).
+        out: optional contiguous [n, V] fp32, fully written.
+    Not checked (a device read): slots in [0, S), repetition > 0.
+    """
+    check_tensor("logits", logits)
+    if logits.dim() != 2 or (logits.shape[1] > 1 and logits.stride(1) != 1):
+        raise ValueError(f"logits: expected [n, V] with the last dim contiguous, got {tuple(logits.shape)} "
+                         f"strides {tuple(logits.stride())}")
+    n_rows, n_vocab = logits.shape
+    check_tensor("counts", counts, (torch.int32,))
+    if counts.dim() != 2 or counts.shape[1] != n_vocab or not counts.is_contiguous():
+        raise ValueError(f"counts: expected a contiguous [S, V = {n_vocab}] tensor, got {tuple(counts.shape)}")
+    for name, t in (("repetition", repetition), ("frequency", frequency), ("presence", presence)):
+        check_tensor(name, t, (torch.float32,))
+        if tuple(t.shape) != (n_rows,) or not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous ({n_rows},) tensor, got {tuple(t.shape)}")
+    if slots is None:
+        if n_rows > counts.shape[0]:
+            raise ValueError(f"logits: {n_rows} rows without slots need counts of as many slots, got "
+                             f"{counts.shape[0]}")
+    else:
+        check_tensor("slots", slots, (torch.int64,))
+        if tuple(slots.shape) != (n_rows,) or not slots.is_contiguous():
+            raise ValueError(f"slots: expected a contiguous ({n_rows},) tensor, got {tuple(slots.shape)}")
+    if out is None:
+        out = torch.empty(n_rows, n_vocab, dtype=torch.float32, device=logits.device)
+    else:
+        check_tensor("out", out, (torch.float32,))
+        if tuple(out.shape) != (n_rows, n_vocab) or not out.is_contiguous():
+            raise ValueError(f"out: expected a contiguous ({n_rows}, {n_vocab}) tensor, got {tuple(out.shape)}")
+    check_same_device(logits=logits, counts=counts, repetition=repetition, frequency=frequency, presence=presence,
+                      slots=slots, out=out)
+    if not use_triton(logits):
+        return out.copy_(apply_penalties_ref(logits, counts, repetition, frequency, presence, slots))
+    if n_rows and n_vocab:
+        _apply_penalties_kernel[(n_rows, cdiv(n_vocab, BLOCK))](
+            logits, counts, counts if slots is None else slots, repetition, frequency, presence, out,
+            n_vocab, logits.stride(0), counts.stride(0), HAS_SLOTS=slots is not None, BLOCK=BLOCK,
+            num_warps=8, enable_fp_fusion=False)
+    return out
