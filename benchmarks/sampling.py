@@ -10,7 +10,9 @@ or softmax + exponential race with a full sort for top-p. ``--sweep`` also times
 kernel over launch geometries (block, warps, programs per SM), the data behind the constants of
 ``fuselm/ops/sampling/kernels.py``. Also timed: ``token_logprobs`` (the drawn tokens'
 log-probabilities, ``SamplingParams.logprobs``, which the engine runs after a step whose requests
-ask for them) beside its PyTorch definition ``token_logprobs_ref``.
+ask for them) beside its PyTorch definition ``token_logprobs_ref``; ``apply_penalties`` (the
+penalised variants' first launch) and the draw after it on its fp32 logits (their cut-offs take the
+sort).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import itertools
 
 import torch
 
-from fuselm.ops.sampling import cutoffs, keep_thresholds, sample_tokens, token_logprobs, token_logprobs_ref
+from fuselm.ops.sampling import (PROMPT_BIT, apply_penalties, cutoffs, keep_thresholds, sample_tokens, token_logprobs,
+                                 token_logprobs_ref)
 from fuselm.ops.sampling.kernels import sample_tokens_kernel, split_geometry
 from fuselm.runtime import num_sms
 from timing import bench, graph_bench
@@ -67,6 +70,14 @@ def cases(logits):
     sampled = _row_params(batch, TEMPERATURE, 1.0)
     nucleus = _row_params(batch, TEMPERATURE, TOP_P)
     qwen_defaults = _row_params(batch, 0.6, 0.95, top_k=20)  # Qwen3.5's generation_config
+    qwen_instruct = _row_params(batch, 0.7, 0.8, top_k=20)  # Qwen's non-thinking settings, with presence 1.5
+    # 300 generated tokens and a 512-token prompt marked per row; presence 1.5 (repetition 1.05: the prompt's too)
+    counts = torch.zeros(batch, logits.shape[1], dtype=torch.int32, device=logits.device)
+    counts[:, torch.randint(0, logits.shape[1], (300,))] = 1
+    counts[:, torch.randint(0, logits.shape[1], (512,))] += PROMPT_BIT
+    penalties = (torch.full((batch,), 1.05, device=logits.device), torch.zeros(batch, device=logits.device),
+                 torch.full((batch,), 1.5, device=logits.device))
+    penalised = apply_penalties(logits, counts, *penalties)
     return [
         ("previous: greedy argmax", lambda: previous_sampler(logits)),
         (f"previous: T={TEMPERATURE}", lambda: previous_sampler(logits, TEMPERATURE)),
@@ -83,6 +94,14 @@ def cases(logits):
         (f"cut-offs alone, T={TEMPERATURE} top_p={TOP_P}: cutoffs (key counts)", lambda: cutoffs(logits, *nucleus[:3])),
         ("cut-offs alone, T=0.6 top_k=20 top_p=0.95: cutoffs (key counts)",
          lambda: cutoffs(logits, *qwen_defaults[:3])),
+        ("apply_penalties (repetition 1.05, presence 1.5) -> fp32 logits",
+         lambda: apply_penalties(logits, counts, *penalties)),
+        ("sample_tokens on the penalised fp32 logits: greedy, filtered=False",
+         lambda: sample_tokens(penalised, *greedy, filtered=False, out=out)),
+        ("sample_tokens on the penalised fp32 logits: T=0.7 top_k=20 top_p=0.8 (the sort's cut-offs)",
+         lambda: sample_tokens(penalised, *qwen_instruct, filtered=True, out=out)),
+        ("sample_tokens: T=0.7 top_k=20 top_p=0.8 on the bf16 logits (key-count cut-offs)",
+         lambda: sample_tokens(logits, *qwen_instruct, filtered=True, out=out)),
         *[(f"{name}, {k} top (SamplingParams.logprobs = {k})", lambda k=k, op=op: op(logits, drawn, k))
           for k in (0, 5, 20) for name, op in (("token_logprobs_ref (PyTorch)", token_logprobs_ref),
                                                 ("token_logprobs (Triton)", token_logprobs))],

@@ -28,12 +28,15 @@
 #   ways: the sort, key counts; benchmarks/sampling.py) and engine_sampling.md (the static
 #   engine's step at batch 1 / 32 with top-p alone and with the served top-k + top-p) when that stage is named;
 #   stage logprobs: sampling.md and engine_logprobs.md (the static engine's step at batch 1 / 32 without and
-#   with SamplingParams.logprobs 5)
+#   with SamplingParams.logprobs 5); stage penalties: sampling.md and engine_penalties.md (the step at batch
+#   1 / 32, greedy and with Qwen's non-thinking sampling, each without and with presence_penalty 1.5), the
+#   penalties' GPU tests (penalties_gpu_tests.log) and their kernels under memcheck (penalties_sanitizer.log)
 # STATE_DTYPE=bfloat16: the engine and the servers keep the Gated DeltaNet states in bf16 (--state-dtype).
 # ADMISSION_WAIT_MS=N: the servers' --admission-wait-ms (default: the CLI's).
 # PROMPTS_1000=1: stage serve also runs 1000 prompts at 32 clients (vLLM's default count).
 # One device call for issue 17's bars with the HF anchor in the same run: `engine serve hf` (~9 min).
 # Usage: bash scripts/gpu_serve.sh [STAGE ...]   stages: engine serve serveN hf tests sanitizer sampling logprobs
+#   penalties
 #   (default all: ~10 min on an H100, more than one device call allows: name fewer stages per call;
 #   wheels from .whl/ as gpu_env.sh installs them)
 set -uo pipefail
@@ -205,5 +208,25 @@ if want logprobs; then  # what SamplingParams.logprobs costs: token_logprobs alo
     ENGINE_MD=engine_logprobs.md engine $batch --logprobs 5
   done
   grep -E "^(##|\| decode)|logprobs" "$OUT/engine_logprobs.md"
+fi
+if want penalties; then  # what repetition / frequency / presence penalties and min-p cost, and their GPU checks
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_sampling.py tests/test_engine.py \
+    -k "gpu or penalties or min_p or nan_or_inf or advance or variants or graph" > "$OUT/penalties_gpu_tests.log" 2>&1 \
+    || status=1
+  tail -3 "$OUT/penalties_gpu_tests.log"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python3 -m pytest -q -p no:cacheprovider tests/test_sampling.py \
+    -k "(penalties or advance or nan_or_inf or min_p or full_vocabulary) and not graph" \
+    > "$OUT/penalties_sanitizer.log" 2>&1 || status=1
+  tail -4 "$OUT/penalties_sanitizer.log"
+  python3 benchmarks/sampling.py --batch-sizes 1 32 > "$OUT/sampling.md" 2>&1 || status=1
+  grep -E "^ *B |penalis|T=0.7 top_k=20" "$OUT/sampling.md"
+  for batch in 1 32; do
+    for sampling in "" "--temperature 0.7 --top-k 20 --top-p 0.8"; do
+      ENGINE_MD=engine_penalties.md engine $batch $sampling
+      ENGINE_MD=engine_penalties.md engine $batch $sampling --presence-penalty 1.5
+    done
+  done
+  grep -E "^(##|\| decode)|penalty" "$OUT/engine_penalties.md"
 fi
 exit $status

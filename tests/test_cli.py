@@ -110,6 +110,12 @@ def test_generate_without_model_dir_is_the_random_weight_benchmark(tmp_path, cap
     assert with_logprobs["sampling"] == "greedy, logprobs 2" and with_logprobs["tokens"] == results["tokens"]
     assert main(["generate", "--max-new-tokens", "3", "--logprobs", "21", *MODEL_ARGS]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: logprobs")
+    assert main(["generate", "--prompt-len", "5", "--max-new-tokens", "3", "--batch", "2", *MODEL_ARGS,
+                 "--presence-penalty", "1.5", "--repetition-penalty", "1.2", "--out", str(tmp_path)]) == 0
+    penalised = json.loads((tmp_path / "generate.json").read_text())
+    assert penalised["sampling"] == "greedy, repetition penalty 1.2, presence penalty 1.5"
+    assert main(["generate", "--max-new-tokens", "3", "--frequency-penalty", "3", *MODEL_ARGS]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: frequency_penalty")
 
 
 def test_audit_on_the_tiny_default(tmp_path, capsys):

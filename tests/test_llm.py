@@ -193,19 +193,22 @@ def test_n_sequences_each_have_their_text_and_stream_refuses_n(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_a_generation_config_setting_the_sampler_cannot_apply_warns(checkpoint, tmp_path):
-    """generation_config.json's repetition_penalty (vLLM applies it; fuselm's sampler has none):
-    a warning names it when it is not neutral, none when it is 1."""
+def test_generation_config_penalties_and_min_p_are_defaults_and_max_new_tokens_warns(checkpoint, tmp_path):
+    """generation_config.json's repetition_penalty and min_p become the default SamplingParams (as
+    vLLM applies them); its max_new_tokens, which fuselm does not apply, gets a warning naming it."""
     for entry in checkpoint.iterdir():
         (tmp_path / entry.name).symlink_to(entry)
     generation = json.loads((checkpoint / "generation_config.json").read_text())
     (tmp_path / "generation_config.json").unlink()
-    for penalty, warns in ((1.0, False), (1.05, True)):
-        (tmp_path / "generation_config.json").write_text(json.dumps({**generation, "repetition_penalty": penalty}))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            LLM(tmp_path, dtype="float32", device="cpu", max_batch=1, max_len=32, progress=False)
-        assert any("repetition_penalty = 1.05 is not applied" in str(w.message) for w in caught) == warns
+    (tmp_path / "generation_config.json").write_text(json.dumps({**generation, "repetition_penalty": 1.05,
+                                                                 "min_p": 0.02, "max_new_tokens": 8}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = LLM(tmp_path, dtype="float32", device="cpu", max_batch=1, max_len=32, progress=False)
+    assert [str(w.message) for w in caught if "is not applied" in str(w.message)] == [
+        f"{tmp_path / 'generation_config.json'}: max_new_tokens = 8 is not applied by fuselm (vLLM would apply it)"]
+    defaults = loaded.get_default_sampling_params()
+    assert (defaults.repetition_penalty, defaults.min_p, defaults.top_k) == (1.05, 0.02, generation["top_k"])
 
 
 def test_bad_input_names_the_field_and_the_llm_keeps_working(llm):

@@ -10,6 +10,7 @@ through the real command (``fuselm serve --config tiny`` gets SIGTERM and exits 
 """
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -298,6 +299,31 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "Hi"}]
 
 
+def test_penalties_and_min_p_reach_the_engine_whole_and_streamed(server, client, llm):
+    """OpenAI's frequency_penalty / presence_penalty and vLLM's repetition_penalty / min_p (extra
+    body): the server's tokens are the LLM's with those settings beside the checkpoint's
+    defaults, whole and streamed; chat
+    takes them too."""
+    name = model_name(server)
+    fields = dict(frequency_penalty=-2.0, presence_penalty=-1.5)  # negative: repeats made likely
+    extra = {"repetition_penalty": 1.3, "min_p": 0.05, "ignore_eos": True, "return_token_ids": True}
+    options = dict(model=name, prompt="Once upon a time", max_tokens=10, temperature=0.9, seed=3, **fields)
+    whole = client.completions.create(**options, extra_body=extra).choices[0]
+    params = dataclasses.replace(llm.get_default_sampling_params(), max_tokens=10, temperature=0.9, seed=3,
+                                 ignore_eos=True, repetition_penalty=1.3, min_p=0.05, **fields)
+    expected = llm.generate("Once upon a time", params)[0].outputs[0]
+    assert whole.model_extra["token_ids"] == expected.token_ids and whole.text == expected.text
+    streamed = list(client.completions.create(**options, extra_body=extra, stream=True))
+    assert "".join(chunk.choices[0].text for chunk in streamed) == whole.text
+    plain = client.completions.create(**{**options, "frequency_penalty": 0, "presence_penalty": 0},
+                                      extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
+    assert plain.model_extra["token_ids"] != whole.model_extra["token_ids"]  # the settings mattered
+    chat = client.chat.completions.create(model=name, messages=USER, max_tokens=6, temperature=0, presence_penalty=1.5,
+                                          extra_body={"repetition_penalty": 1.2, "ignore_eos": True})
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 6
+    wait_until_idle(server)
+
+
 @pytest.mark.parametrize("path, body, status, param, message", [
     (COMPLETIONS, b"{not json", 400, None, "not valid JSON"),
     (COMPLETIONS, b"[1, 2]", 400, None, "JSON object"),
@@ -314,7 +340,11 @@ USER = [{"role": "user", "content": "Hi"}]
     (CHAT, {"messages": USER, "n": "2"}, 400, "n", "n: expected"),
     (COMPLETIONS, {"prompt": "Hi", "echo": "yes"}, 400, "echo", "echo: expected true or false"),
     (CHAT, {"messages": USER, "echo": True}, 400, "echo", "not supported"),
-    (COMPLETIONS, {"prompt": "Hi", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "presence_penalty": 2.5}, 400, "presence_penalty", "[-2, 2]"),
+    (CHAT, {"messages": USER, "frequency_penalty": "1"}, 400, "frequency_penalty", "frequency_penalty: expected"),
+    (COMPLETIONS, {"prompt": "Hi", "repetition_penalty": 0}, 400, "repetition_penalty", "> 0"),
+    (COMPLETIONS, {"prompt": "Hi", "min_p": 1.5}, 400, "min_p", "[0, 1]"),
+    (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"1": 5}}, 400, "logit_bias", "not supported"),
     (COMPLETIONS, {"prompt": "Hi", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     (COMPLETIONS, {"prompt": []}, 400, "prompt", "a non-empty list of either"),
     (COMPLETIONS, {"prompt": ["Hi", 3]}, 400, "prompt", "prompt[1]: expected a string or a list of token ids"),

@@ -98,9 +98,15 @@ def _sampling_params(llm, args):
     import dataclasses
 
     flags = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
-             "stop": args.stop}
+             "stop": args.stop, **_penalty_flags(args)}
     overrides = {field: value for field, value in flags.items() if value is not None}
     return dataclasses.replace(llm.get_default_sampling_params(), max_tokens=args.max_tokens, **overrides)
+
+
+def _penalty_flags(args) -> dict:
+    """The min-p and penalty flags given (SamplingParams' fields of the same names)."""
+    names = ("min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def _chat_template_kwargs(args) -> dict:
@@ -184,7 +190,8 @@ def _generate_benchmark(args) -> int:
                                                max_new_tokens=args.max_new_tokens, seed=args.seed, device=device,
                                                dtype=dtype, temperature=args.temperature or 0.0,
                                                top_p=1.0 if args.top_p is None else args.top_p, top_k=args.top_k or 0,
-                                               state_dtype=args.state_dtype, logprobs=args.logprobs)
+                                               state_dtype=args.state_dtype, logprobs=args.logprobs,
+                                               **_penalty_flags(args))
     print("\n" + markdown)
     write_results(args.out, "generate", results, markdown)
     return 0
@@ -259,6 +266,13 @@ def _add_sampling_arguments(command, max_tokens, max_len) -> None:
                          help="0: greedy (default: the checkpoint's; --config: 0)")
     command.add_argument("--top-p", type=float, default=None, help="default: the checkpoint's (--config: 1, off)")
     command.add_argument("--top-k", type=int, default=None, help="0: off (default: the checkpoint's; --config: 0)")
+    command.add_argument("--min-p", type=float, default=None, help="in [0, 1], 0: off (default: the checkpoint's)")
+    command.add_argument("--repetition-penalty", type=float, default=None,
+                         help="> 0, 1: off (default: the checkpoint's): over the prompt's and the reply's tokens")
+    command.add_argument("--frequency-penalty", type=float, default=None,
+                         help="in [-2, 2] (0): subtracted from a token's logit per time it was generated")
+    command.add_argument("--presence-penalty", type=float, default=None,
+                         help="in [-2, 2] (0): subtracted once a token was generated")
     command.add_argument("--stop", nargs="+", default=None, metavar="STR", help="strings that end the reply")
     command.add_argument("--max-len", type=int, default=max_len,
                          help=f"prompt + reply tokens the cache holds ({TEXT_MAX_LEN})")

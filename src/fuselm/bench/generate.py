@@ -48,13 +48,14 @@ def run_generate_benchmark(config: Qwen35Config, description: str, *, batch: int
                            max_new_tokens: int = 16, seed: int = 0, device: torch.device,
                            dtype: torch.dtype, temperature: float = 0.0, top_p: float = 1.0,
                            top_k: int = 0, state_dtype: torch.dtype | str = torch.float32,
-                           logprobs: int | None = None) -> tuple[dict, str]:
+                           logprobs: int | None = None, **penalties) -> tuple[dict, str]:
     """Build a random-weight model of ``config`` (weights and prompts from ``seed``) on ``device``
     in ``dtype``, run the batch and print what it does; returns (results for json, markdown
     table). ``description`` names the model in the output; sampling: greedy by default (each
     request seeded from ``seed`` otherwise); ``state_dtype``: the cache's Gated DeltaNet states'
     (``Engine``); ``logprobs``: every request asks for that many top log-probabilities a token
-    (``SamplingParams.logprobs``). ValueError names a bad size or sampling value."""
+    (``SamplingParams.logprobs``); ``penalties``: SamplingParams' min_p and penalty fields, for
+    every request. ValueError names a bad size or sampling value."""
     for name, value in (("batch", batch), ("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens)):
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {value}")
@@ -66,9 +67,10 @@ def run_generate_benchmark(config: Qwen35Config, description: str, *, batch: int
                     state_dtype=state_dtype)
     prompts = torch.randint(0, config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(seed))
     params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                             seed=seed + row, ignore_eos=True, logprobs=logprobs) for row in range(batch)]
+                             seed=seed + row, ignore_eos=True, logprobs=logprobs, **penalties) for row in range(batch)]
     sampling = "greedy" if temperature == 0 else f"temperature {temperature}, top-k {top_k}, top-p {top_p}"
     sampling += "" if logprobs is None else f", logprobs {logprobs}"
+    sampling += "".join(f", {name.replace('_', ' ')} {value}" for name, value in penalties.items())
     on_cpu_kernels = "Triton interpreter" if INTERPRET else "PyTorch reference"
     kernels = "Triton kernels" if device.type == "cuda" else on_cpu_kernels
     backend = f"{'CUDA graphs' if engine.runner.use_graphs else 'eager'}, {kernels}"

@@ -29,12 +29,12 @@ from fuselm.models.qwen35 import Qwen35
 from fuselm.models.qwen35.weights import read_checkpoint_config
 from fuselm.tokenizer import Tokenizer
 
-# generation_config.json fields that become the default SamplingParams (as vLLM does).
-_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k")
-# generation_config.json fields vLLM also applies (ModelConfig.get_diff_sampling_param) and fuselm
-# does not, with their neutral values: another value gets a warning (the answers, or max_new_tokens'
-# default length, differ from vLLM's on the same checkpoint).
-_GENERATION_NOT_APPLIED = {"repetition_penalty": 1, "min_p": 0, "max_new_tokens": None}
+# generation_config.json fields that become the default SamplingParams (as vLLM does:
+# ModelConfig.get_diff_sampling_param).
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# generation_config.json fields vLLM also applies and fuselm does not, with their neutral values:
+# another value gets a warning (max_new_tokens' default length differs from vLLM's).
+_GENERATION_NOT_APPLIED = {"max_new_tokens": None}
 
 
 class LLM:

@@ -17,6 +17,7 @@ are ignored, as vLLM does):
     max_tokens            (chat: max_completion_tokens wins) default: completions 16, chat the
                           rest of the context; either way at most max_len - prompt tokens
     temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos,
+    frequency_penalty, presence_penalty (OpenAI's, in [-2, 2]), repetition_penalty, min_p,
     include_stop_str_in_output, skip_special_tokens (vLLM's)            -> SamplingParams
     n                     sequences for the prompt, 1 .. MAX_N: n engine requests (seeds seed,
                           seed + 1, ... when seeded, as vLLM's), choices[i] / chunks of index i
@@ -30,7 +31,7 @@ are ignored, as vLLM does):
                           a stream), and with logprobs its tokens' too (the first one's null), as
                           lm-eval's loglikelihood requests read them
 Fields that would change the answer but are not implemented (``UNSUPPORTED_FIELDS``: chat's echo,
-vLLM's prompt_logprobs field, best_of > 1, penalties, tools, response_format, and vLLM's own: beam
+vLLM's prompt_logprobs field, best_of > 1, logit_bias, min_tokens, tools, response_format, and vLLM's own: beam
 search, guided decoding, allowed_token_ids ...) are refused with a 400 naming
 them unless they hold their neutral value.
 
@@ -115,11 +116,7 @@ def _absent_or(*neutral) -> Callable[[Any], bool]:
 # them only with the neutral value (a 400 naming the field otherwise, never a silent ignore).
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "best_of": _absent_or(1),
-    "presence_penalty": _absent_or(0),
-    "frequency_penalty": _absent_or(0),
-    "repetition_penalty": _absent_or(1),
     "logit_bias": _absent_or({}),
-    "min_p": _absent_or(0),
     "min_tokens": _absent_or(0),
     # vLLM's own (its extra_body): users of a vLLM server send them
     "use_beam_search": _absent_or(False),
@@ -197,8 +194,9 @@ def _max_tokens_field(body: Mapping, max_tokens_fields: tuple[str, ...]) -> str:
 
 
 # Request fields that go to the SamplingParams field of the same name as they are.
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-                   "include_stop_str_in_output", "skip_special_tokens", "n")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+                   "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
+                   "skip_special_tokens", "n")
 
 
 def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, prompt_tokens: int, max_len: int,
@@ -211,8 +209,8 @@ def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, pro
       left in the context (``max_len - prompt_tokens``), or all of that room when the default is
       None. ``prompt_tokens + max_tokens`` must fit in ``max_len``; errors name the field that
       set it (the last of ``max_tokens_fields`` when none did).
-    - ``SAMPLING_FIELDS`` (temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos,
-      include_stop_str_in_output, skip_special_tokens, n): the
+    - ``SAMPLING_FIELDS`` (temperature, top_p, top_k, min_p, the penalties, seed, stop,
+      stop_token_ids, ignore_eos, include_stop_str_in_output, skip_special_tokens, n): the
       body's value when set, else ``defaults``' (the checkpoint's generation_config sampling). A
       negative seed (OpenAI's are any int64) is taken modulo 2**63, the engine's seeds.
     - ``logprobs``, ``prompt_logprobs``: SamplingParams', read from the body by the endpoint (its
