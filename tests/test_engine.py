@@ -510,17 +510,17 @@ def test_sampler_variants_draw_the_same_tokens(model):
 def test_penalties_and_min_p_in_a_running_batch_give_the_reference_loops_tokens(model, monkeypatch):
     """Requests with repetition, frequency and presence penalties and min-p (greedy and seeded),
     joining a running batch at different steps beside requests without them, in prefill and
-    mixed steps, on reused slots (3 slots, 10 requests): each gives the reference loop's tokens
+    mixed steps, on reused slots (2 slots, 6 requests): each gives the reference loop's tokens
     for its settings, so a slot's counts start fresh and never leak into another request."""
-    engine = Engine(model, max_batch=3, max_len=40, seed=0, max_prefill_tokens=6)
+    engine = Engine(model, max_batch=2, max_len=40, seed=0, max_prefill_tokens=6)
     mixed_steps = count_mixed_steps(engine, monkeypatch)
-    kinds = [dict(temperature=0.0, repetition_penalty=1.6),
+    kinds = [dict(temperature=0.0, repetition_penalty=0.3),  # < 1: the prompt's tokens made likely
              dict(temperature=0.9, top_k=20, presence_penalty=1.5, frequency_penalty=0.5, seed=5),
              dict(temperature=1.2, min_p=0.1, seed=9),
              dict(temperature=0.0),
              dict(temperature=0.8, repetition_penalty=0.7, frequency_penalty=-1.0, top_p=0.9, seed=13)]
     rng = random.Random(4)
-    jobs = [(prompt(rng.randint(1, 12), 200 + i), kinds[i % 5], rng.randint(3, 9)) for i in range(10)]
+    jobs = [(prompt(rng.randint(1, 12), 200 + i), kinds[i % 5], rng.randint(3, 7)) for i in range(6)]
     reference = [model.generate(torch.tensor([p], device=DEVICE), n, eos_token_id=[], **k)[0].tolist()
                  for p, k, n in jobs]
     pending, requests = list(jobs), []
@@ -532,11 +532,11 @@ def test_penalties_and_min_p_in_a_running_batch_give_the_reference_loops_tokens(
         engine.step()
     assert [r.output_token_ids for r in requests] == reference
     assert len(mixed_steps) >= 3
-    unpenalised = [model.generate(torch.tensor([p], device=DEVICE), n, eos_token_id=[],
-                                  **{key: v for key, v in k.items() if not key.endswith("penalty")})[0].tolist()
-                   for p, k, n in jobs]
-    changed = [i for i, (p, k, n) in enumerate(jobs) if reference[i] != unpenalised[i]]
-    assert changed and all(any(key.endswith("penalty") for key in jobs[i][1]) for i in changed)  # they mattered
+    penalised = [i for i, (_, k, _) in enumerate(jobs) if any(key.endswith("penalty") for key in k)]
+    unpenalised = {i: model.generate(torch.tensor([jobs[i][0]], device=DEVICE), jobs[i][2], eos_token_id=[],
+                                     **{key: v for key, v in jobs[i][1].items() if not key.endswith("penalty")})
+                   for i in penalised}
+    assert any(reference[i] != unpenalised[i][0].tolist() for i in penalised)  # the penalties mattered
 
 
 def test_logprobs_are_the_log_softmax_of_the_logits_each_token_was_drawn_from(model, monkeypatch):

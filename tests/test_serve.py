@@ -306,11 +306,11 @@ def test_penalties_and_min_p_reach_the_engine_whole_and_streamed(server, client,
     takes them too."""
     name = model_name(server)
     fields = dict(frequency_penalty=-2.0, presence_penalty=-1.5)  # negative: repeats made likely
-    extra = {"repetition_penalty": 1.3, "min_p": 0.05, "ignore_eos": True, "return_token_ids": True}
-    options = dict(model=name, prompt="Once upon a time", max_tokens=10, temperature=0.9, seed=3, **fields)
+    extra = {"repetition_penalty": 0.2, "min_p": 0.05, "ignore_eos": True, "return_token_ids": True}  # < 1: repeats
+    options = dict(model=name, prompt="Once upon a time", max_tokens=6, temperature=0.9, seed=3, **fields)
     whole = client.completions.create(**options, extra_body=extra).choices[0]
-    params = dataclasses.replace(llm.get_default_sampling_params(), max_tokens=10, temperature=0.9, seed=3,
-                                 ignore_eos=True, repetition_penalty=1.3, min_p=0.05, **fields)
+    params = dataclasses.replace(llm.get_default_sampling_params(), max_tokens=6, temperature=0.9, seed=3,
+                                 ignore_eos=True, repetition_penalty=0.2, min_p=0.05, **fields)
     expected = llm.generate("Once upon a time", params)[0].outputs[0]
     assert whole.model_extra["token_ids"] == expected.token_ids and whole.text == expected.text
     streamed = list(client.completions.create(**options, extra_body=extra, stream=True))
@@ -318,9 +318,9 @@ def test_penalties_and_min_p_reach_the_engine_whole_and_streamed(server, client,
     plain = client.completions.create(**{**options, "frequency_penalty": 0, "presence_penalty": 0},
                                       extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
     assert plain.model_extra["token_ids"] != whole.model_extra["token_ids"]  # the settings mattered
-    chat = client.chat.completions.create(model=name, messages=USER, max_tokens=6, temperature=0, presence_penalty=1.5,
+    chat = client.chat.completions.create(model=name, messages=USER, max_tokens=3, temperature=0, presence_penalty=1.5,
                                           extra_body={"repetition_penalty": 1.2, "ignore_eos": True})
-    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 6
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 3
     wait_until_idle(server)
 
 
