@@ -508,7 +508,7 @@ def test_sampler_variants_draw_the_same_tokens(model):
 
 
 def test_penalties_and_min_p_in_a_running_batch_give_the_reference_loops_tokens(model, monkeypatch):
-    """Requests with repetition, frequency and presence penalties and min-p (greedy and seeded),
+    """Requests with repetition, frequency and presence penalties, a logit bias and min-p (greedy and seeded),
     joining a running batch at different steps beside requests without them, in prefill and
     mixed steps, on reused slots (2 slots, 6 requests): each gives the reference loop's tokens
     for its settings, so a slot's counts start fresh and never leak into another request."""
@@ -518,9 +518,10 @@ def test_penalties_and_min_p_in_a_running_batch_give_the_reference_loops_tokens(
              dict(temperature=0.9, top_k=20, presence_penalty=1.5, frequency_penalty=0.5, seed=5),
              dict(temperature=1.2, min_p=0.1, seed=9),
              dict(temperature=0.0),
-             dict(temperature=0.8, repetition_penalty=0.7, frequency_penalty=-1.0, top_p=0.9, seed=13)]
+             dict(temperature=0.8, repetition_penalty=0.7, frequency_penalty=-1.0, top_p=0.9, seed=13),
+             dict(temperature=0.0, logit_bias={5: 100.0, 9: 99.5}, presence_penalty=2.0)]
     rng = random.Random(4)
-    jobs = [(prompt(rng.randint(1, 12), 200 + i), kinds[i % 5], rng.randint(3, 7)) for i in range(6)]
+    jobs = [(prompt(rng.randint(1, 12), 200 + i), kinds[i % 6], rng.randint(3, 7)) for i in range(6)]
     reference = [model.generate(torch.tensor([p], device=DEVICE), n, eos_token_id=[], **k)[0].tolist()
                  for p, k, n in jobs]
     pending, requests = list(jobs), []
@@ -532,11 +533,15 @@ def test_penalties_and_min_p_in_a_running_batch_give_the_reference_loops_tokens(
         engine.step()
     assert [r.output_token_ids for r in requests] == reference
     assert len(mixed_steps) >= 3
-    penalised = [i for i, (_, k, _) in enumerate(jobs) if any(key.endswith("penalty") for key in k)]
+    def processed(key):
+        return key.endswith("penalty") or key == "logit_bias"
+
+    penalised = [i for i, (_, k, _) in enumerate(jobs) if any(processed(key) for key in k)]
     unpenalised = {i: model.generate(torch.tensor([jobs[i][0]], device=DEVICE), jobs[i][2], eos_token_id=[],
-                                     **{key: v for key, v in jobs[i][1].items() if not key.endswith("penalty")})
+                                     **{key: v for key, v in jobs[i][1].items() if not processed(key)})
                    for i in penalised}
     assert any(reference[i] != unpenalised[i][0].tolist() for i in penalised)  # the penalties mattered
+    assert sorted(reference[5][:2]) == [5, 9]  # the biased pair, the second after the presence penalty on the first
 
 
 def test_logprobs_are_the_log_softmax_of_the_logits_each_token_was_drawn_from(model, monkeypatch):
@@ -689,7 +694,10 @@ def test_bad_input_raises_and_the_engine_stays_usable(model, engine):
     ("prompt_logprobs", 21, "prompt_logprobs"), ("prompt_logprobs", 1.0, "prompt_logprobs"),
     ("min_p", -0.1, "min_p"), ("min_p", 1.5, "min_p"), ("repetition_penalty", 0.0, "repetition_penalty"),
     ("repetition_penalty", float("inf"), "repetition_penalty"), ("frequency_penalty", 2.5, "frequency_penalty"),
-    ("presence_penalty", -3, "presence_penalty"), ("presence_penalty", True, "presence_penalty")])
+    ("presence_penalty", -3, "presence_penalty"), ("presence_penalty", True, "presence_penalty"),
+    ("logit_bias", {1: 101}, "logit_bias"), ("logit_bias", {-1: 1.0}, "logit_bias"),
+    ("logit_bias", {"1": 1}, "logit_bias"), ("logit_bias", [1], "logit_bias"),
+    ("logit_bias", {t: 1 for t in range(257)}, "logit_bias")])
 def test_sampling_params_name_the_bad_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**{field: value})

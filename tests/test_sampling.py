@@ -822,6 +822,18 @@ def penalty_case(n_rows, n_vocab, n_slots, dtype, seed=0):
     return logits, counts, repetition, frequency, presence
 
 
+def logit_bias_case(n_slots, n_vocab, width=6, seed=0):
+    """Per slot: distinct biased ids (a count of 0 to width entries in use, an id past V, stale
+    entries past the count), biases in [-100, 100]."""
+    g = torch.Generator().manual_seed(seed)
+    width = min(width, n_vocab + 2)
+    ids = torch.stack([torch.randperm(n_vocab + 2, generator=g)[:width] for _ in range(n_slots)]).int()
+    values = (torch.rand(n_slots, width, generator=g) * 200 - 100)
+    counts = torch.randint(0, width + 1, (n_slots,), generator=g).int()
+    counts[0] = 0
+    return ids.to(DEVICE), values.to(DEVICE), counts.to(DEVICE)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_vocab", [1, 37, 5000])
 @pytest.mark.parametrize("with_slots", [False, True])
@@ -834,6 +846,24 @@ def test_apply_penalties_equals_the_reference_to_the_bit(dtype, n_vocab, with_sl
     expected = apply_penalties_ref(logits, counts, repetition, frequency, presence, slots)
     assert torch.equal(got, expected)
     assert torch.equal(got[0], logits[0].float())  # neutral row: the logits, whatever its counts
+    bias = logit_bias_case(7, n_vocab)
+    biased = apply_penalties(logits, counts, repetition, frequency, presence, slots, bias_ids=bias[0],
+                             bias_values=bias[1], bias_counts=bias[2])
+    assert torch.equal(biased, apply_penalties_ref(logits, counts, repetition, frequency, presence, slots, *bias))
+    assert n_vocab == 1 or not torch.equal(biased, got)  # some listed id is in range and in use
+
+
+def test_logit_bias_is_added_before_the_penalties():
+    """vLLM's order: a biased token is penalised with its bias in (repetition divides x + b)."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]], device=DEVICE)
+    counts = torch.tensor([[PROMPT_BIT, 1, 0, 0]], dtype=torch.int32, device=DEVICE)
+    r, f, p = (torch.tensor([v], device=DEVICE) for v in (2.0, 0.5, 0.25))
+    ids = torch.tensor([[0, 1, 3, -1]], dtype=torch.int32, device=DEVICE)
+    values = torch.tensor([[4.0, -3.0, 0.0, 9.0]], device=DEVICE)
+    got = apply_penalties(logits, counts, r, f, p, bias_ids=ids, bias_values=values,
+                          bias_counts=torch.tensor([3], dtype=torch.int32, device=DEVICE))
+    # token 0: (2 + 4) / 2; token 1: (-1 - 3) * 2 - 0.5 - 0.25; token 2: untouched; token 3: bias 0
+    assert got.cpu().tolist() == [[3.0, -8.75, 0.5, 3.0]]
 
 
 def test_apply_penalties_follow_the_definition():
@@ -864,7 +894,12 @@ def test_apply_penalties_follow_the_definition():
 def test_apply_penalties_bad_input_names_the_argument():
     logits, counts, repetition, frequency, presence = penalty_case(3, 20, 4, torch.float32)
     ok = dict(logits=logits, counts=counts, repetition=repetition, frequency=frequency, presence=presence)
+    bias = logit_bias_case(4, 20)
     cases = [({"counts": counts.long()}, "counts"), ({"counts": counts[:, :10]}, "counts"),
+             ({"bias_ids": bias[0]}, "all three"), ({"bias_ids": bias[0].long(), "bias_values": bias[1],
+                                                    "bias_counts": bias[2]}, "bias_ids"),
+             ({"bias_ids": bias[0], "bias_values": bias[1][:, :3], "bias_counts": bias[2]}, "bias_values"),
+             ({"bias_ids": bias[0], "bias_values": bias[1], "bias_counts": bias[2][:3]}, "bias_counts"),
              ({"frequency": frequency[:2]}, "frequency"), ({"presence": presence.double()}, "presence"),
              ({"logits": logits[:, ::2]}, "logits"), ({"slots": torch.zeros(2, dtype=torch.int64, device=DEVICE)},
                                                       "slots"),
@@ -886,6 +921,10 @@ def test_apply_penalties_at_the_full_vocabulary_on_gpu(n_rows):
     slots = torch.randperm(48, device=DEVICE)[:n_rows]
     expected = apply_penalties_ref(logits, counts, repetition, frequency, presence, slots)
     assert torch.equal(apply_penalties(logits, counts, repetition, frequency, presence, slots), expected)
+    bias = logit_bias_case(48, 248320, width=300)
+    assert torch.equal(apply_penalties(logits, counts, repetition, frequency, presence, slots, bias_ids=bias[0],
+                                       bias_values=bias[1], bias_counts=bias[2]),
+                       apply_penalties_ref(logits, counts, repetition, frequency, presence, slots, *bias))
     out = torch.empty(n_rows, 248320, device=DEVICE)
     graph, _ = capture_graph(lambda: apply_penalties(logits, counts, repetition, frequency, presence, slots, out=out))
     fresh = penalty_case(n_rows, 248320, 48, torch.bfloat16, seed=1)

@@ -300,7 +300,7 @@ USER = [{"role": "user", "content": "Hi"}]
 
 
 def test_penalties_and_min_p_reach_the_engine_whole_and_streamed(server, client, llm):
-    """OpenAI's frequency_penalty / presence_penalty and vLLM's repetition_penalty / min_p (extra
+    """OpenAI's frequency_penalty / presence_penalty / logit_bias and vLLM's repetition_penalty / min_p (extra
     body): the server's tokens are the LLM's with those settings beside the checkpoint's
     defaults, whole and streamed; chat
     takes them too."""
@@ -319,8 +319,15 @@ def test_penalties_and_min_p_reach_the_engine_whole_and_streamed(server, client,
                                       extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
     assert plain.model_extra["token_ids"] != whole.model_extra["token_ids"]  # the settings mattered
     chat = client.chat.completions.create(model=name, messages=USER, max_tokens=3, temperature=0, presence_penalty=1.5,
-                                          extra_body={"repetition_penalty": 1.2, "ignore_eos": True})
+                                          logit_bias={"1000": 100}, extra_body={"repetition_penalty": 1.2,
+                                                                                "ignore_eos": True})
     assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 3
+    ban = {str(t): -100 for t in whole.model_extra["token_ids"]}
+    banned = client.completions.create(**{**options, "logit_bias": ban}, extra_body=extra).choices[0]
+    assert not set(banned.model_extra["token_ids"]) & set(whole.model_extra["token_ids"])  # OpenAI's ban
+    forced = client.completions.create(model=name, prompt="Hi", max_tokens=2, temperature=0, logit_bias={"1000": 100},
+                                       extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
+    assert forced.model_extra["token_ids"] == [1000, 1000]
     wait_until_idle(server)
 
 
@@ -344,7 +351,10 @@ def test_penalties_and_min_p_reach_the_engine_whole_and_streamed(server, client,
     (CHAT, {"messages": USER, "frequency_penalty": "1"}, 400, "frequency_penalty", "frequency_penalty: expected"),
     (COMPLETIONS, {"prompt": "Hi", "repetition_penalty": 0}, 400, "repetition_penalty", "> 0"),
     (COMPLETIONS, {"prompt": "Hi", "min_p": 1.5}, 400, "min_p", "[0, 1]"),
-    (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"1": 5}}, 400, "logit_bias", "not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"one": 5}}, 400, "logit_bias", "token ids as keys"),
+    (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"1": 500}}, 400, "logit_bias", "[-100, 100]"),
+    (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"999999999": 5}}, 400, "logit_bias", "vocab_size"),
+    (COMPLETIONS, {"prompt": "Hi", "min_tokens": 5}, 400, "min_tokens", "not supported"),
     (COMPLETIONS, {"prompt": "Hi", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     (COMPLETIONS, {"prompt": []}, 400, "prompt", "a non-empty list of either"),
     (COMPLETIONS, {"prompt": ["Hi", 3]}, 400, "prompt", "prompt[1]: expected a string or a list of token ids"),

@@ -320,6 +320,9 @@ class Engine:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: {bad} are not in [0, {self.vocab_size}) (vocab_size)")
+        bad = [t for t in params.logit_bias or {} if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token ids {bad[:10]} are not in [0, {self.vocab_size}) (vocab_size)")
         stop_ids = tuple(dict.fromkeys(list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_ids))))
         request = Request(str(next(self._ids)) if request_id is None else request_id, ids, params,
                           self._seeds.getrandbits(63) if params.seed is None else params.seed, stop_ids,

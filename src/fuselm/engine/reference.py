@@ -23,6 +23,7 @@ from fuselm.ops.sampling import PROMPT_BIT, apply_penalties, sample_tokens
 def generate(model: Qwen35, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, *, min_p: float | None = None,
              repetition_penalty: float | None = None, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+             logit_bias: dict[int, float] | None = None,
              attention_mask: torch.Tensor | None = None, eos_token_id: int | Sequence[int] | None = None,
              pad_token_id: int | None = None, seed: int | None = None, return_logits: bool = False):
     """Generate up to ``max_new_tokens`` tokens per row after right-padded prompts.
@@ -36,8 +37,8 @@ def generate(model: Qwen35, input_ids: torch.Tensor, max_new_tokens: int, temper
             ``seed + r``.
         repetition_penalty (HF's and vLLM's, over the row's prompt and generated tokens),
             frequency_penalty, presence_penalty (vLLM's / OpenAI's, over the generated ones):
-            ``SamplingParams``' meanings, applied to greedy rows too; the logits returned are
-            the model's, before them.
+            and ``logit_bias`` ({token id: bias}, OpenAI's): ``SamplingParams``' meanings, applied
+            to greedy rows too; the logits returned are the model's, before them.
         eos_token_id: id or ids that end a row; None uses the config's stop ids, ``[]`` never
             stops. A finished row's later tokens are ``pad_token_id`` (default: the config's,
             else the first eos id, else 0), and it writes no more state.
@@ -52,7 +53,8 @@ def generate(model: Qwen35, input_ids: torch.Tensor, max_new_tokens: int, temper
         raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
     params = SamplingParams(temperature=temperature, top_k=top_k or 0, top_p=1.0 if top_p is None else top_p,
                             min_p=min_p or 0.0, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                            repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty)
+                            repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+                            logit_bias=logit_bias)
     stop_ids = model.config.stop_token_ids if eos_token_id is None else (
         (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id))
     vocab = model.config.vocab_size
@@ -77,7 +79,11 @@ def generate(model: Qwen35, input_ids: torch.Tensor, max_new_tokens: int, temper
         row_params["min_p"] = torch.full((B,), params.min_p, dtype=torch.float32, device=device)
     penalties = [torch.full((B,), value, dtype=torch.float32, device=device) for value in
                  (params.repetition_penalty, params.frequency_penalty, params.presence_penalty)]
-    counts = None  # each row's draws per token, + PROMPT_BIT for its prompt's (apply_penalties')
+    counts, bias = None, {}  # each row's draws per token, + PROMPT_BIT for its prompt's (apply_penalties')
+    if params.logit_bias:
+        bias = dict(bias_ids=torch.tensor([list(params.logit_bias)] * B, dtype=torch.int32, device=device),
+                    bias_values=torch.tensor([list(params.logit_bias.values())] * B, device=device),
+                    bias_counts=torch.full((B,), len(params.logit_bias), dtype=torch.int32, device=device))
     if params.penalized:
         counts = torch.zeros(B, vocab, dtype=torch.int32, device=device)
         if params.repetition_penalty != 1:
@@ -92,7 +98,7 @@ def generate(model: Qwen35, input_ids: torch.Tensor, max_new_tokens: int, temper
         if return_logits:
             step_logits.append(logits)
         positions = torch.full((B,), i, dtype=torch.int64, device=device)
-        scores = logits if counts is None else apply_penalties(logits, counts, *penalties)
+        scores = logits if counts is None else apply_penalties(logits, counts, *penalties, **bias)
         tokens = sample_tokens(scores, **row_params, positions=positions, filtered=params.filtered)
         if counts is not None:
             counts[torch.arange(B, device=device), tokens] += cache.active.int()

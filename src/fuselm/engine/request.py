@@ -18,6 +18,9 @@ MAX_LOGPROBS = 20
 """Most top log-probabilities a request may ask for per generated token (``SamplingParams.logprobs``:
 OpenAI's ``top_logprobs`` limit and vLLM's default ``max_logprobs``)."""
 
+MAX_LOGIT_BIAS = 256
+"""Most tokens a request's ``logit_bias`` may list (the engine keeps that many per slot)."""
+
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -42,8 +45,10 @@ class SamplingParams:
     repetition_penalty > 0 (1: off): logits of tokens in the prompt or generated so far divided by
     it when positive, multiplied when not; frequency_penalty and presence_penalty in [-2, 2] (0:
     off): subtracted from a token's logit per time it was generated, and once if it was (vLLM's
-    and OpenAI's definitions; ``fuselm.ops.sampling.apply_penalties``). Penalties apply to greedy
-    requests too. seed: a request with a seed gives the same tokens
+    and OpenAI's definitions; ``fuselm.ops.sampling.apply_penalties``). logit_bias: {token id:
+    bias in [-100, 100]} added to those logits before the penalties (OpenAI's; at most
+    MAX_LOGIT_BIAS tokens). Penalties and bias apply to greedy requests too. seed: a request with
+    a seed gives the same tokens
     every time, whatever else runs beside it (None: a fresh random seed per request). stop:
     strings that end the request, cut from the text. stop_token_ids: ids that end it beside the
     model's eos ids (kept in the token ids, their text left out as vLLM leaves it).
@@ -68,6 +73,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -96,6 +102,13 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not _is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name}: expected a number in [-2, 2], got {getattr(self, name)!r}")
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            if (not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS or any(
+                    not _is_int(t) or t < 0 or not _is_number(b) or not -100 <= b <= 100 for t, b in bias.items())):
+                raise ValueError(f"logit_bias: expected at most {MAX_LOGIT_BIAS} token ids (ints >= 0) mapped to "
+                                 f"numbers in [-100, 100], got {bias!r:.200}")
+            self.logit_bias = {t: float(b) for t, b in bias.items()} or None
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed: expected None or an int in [0, 2**63), got {self.seed!r}")
         if isinstance(self.stop, str):
@@ -145,8 +158,9 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """True when a penalty changes the logits before the draw (greedy requests too)."""
-        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+        """True when a penalty or a logit bias changes the logits before the draw (greedy requests too)."""
+        return (self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+                or bool(self.logit_bias))
 
 
 def params_per_prompt(params: "SamplingParams | Sequence[SamplingParams] | None", count: int) -> list["SamplingParams"]:

@@ -3,9 +3,9 @@
 ``SlotSampling`` holds, for each cache slot, the sampling parameters of the request in it
 (temperature, top-k, top-p, min-p, penalties, seed), how many tokens it has drawn (the position of
 its random stream: a request's draws depend on its seed and position only, never on its batch or
-slot), how many it may still draw, its stop ids, and (for the penalties) how many times it drew
-each token and which tokens its prompt holds (``counts`` [slots, V] int32, 1 MB a slot at
-Qwen3.5's vocabulary). ``sample_and_advance`` draws the next id of each
+slot), how many it may still draw, its stop ids, its logit bias, and (for the penalties) how many
+times it drew each token and which tokens its prompt holds (``counts`` [slots, V] int32, 1 MB a
+slot at Qwen3.5's vocabulary). ``sample_and_advance`` draws the next id of each
 row of a decode batch with its slot's parameters (the row -> slot table; by default rows are the
 first slots) (``fuselm.ops.sampling.sample_tokens``) and updates those counters and the
 cache's ``active`` flags on the device: a slot stops when it draws one of its stop ids or its
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from fuselm.engine.request import Request
+from fuselm.engine.request import MAX_LOGIT_BIAS, Request
 from fuselm.ops.sampling import PROMPT_BIT, advance_slots, apply_penalties, sample_tokens
 from fuselm.runtime import PinnedStaging
 
@@ -27,7 +27,7 @@ MAX_DEVICE_STOP_IDS = 8
 # Sampler variants, chosen on the host from the requests in a step (a decode graph is captured
 # for each): PLAIN, no request filters (greedy, or top-k, top-p and min-p off): no cut-offs;
 # FILTERED, some request filters: each row's cut-off first (``fuselm.ops.sampling.cutoffs``);
-# PENALIZED and PENALIZED_FILTERED, some request has a penalty: the logits are penalised first
+# PENALIZED and PENALIZED_FILTERED, some request has a penalty or a logit bias: the logits are penalised first
 # (``apply_penalties``, fp32: the cut-offs then take the sort) and the draws counted. Every
 # variant draws the same ids for the requests it serves as a cheaper one would.
 PLAIN, FILTERED, PENALIZED, PENALIZED_FILTERED = "plain", "filtered", "penalized", "penalized_filtered"
@@ -56,6 +56,10 @@ class SlotSampling:
         # Each slot's draws per token, + PROMPT_BIT for its prompt's tokens: kept for the requests
         # with a penalty (every step that holds one runs a penalised variant, which counts).
         self.counts = torch.zeros(max_batch, vocab_size, dtype=torch.int32, device=device)
+        # Each slot's logit bias: its first bias_counts[slot] entries (every request writes its count).
+        self.bias_ids = torch.full((max_batch, MAX_LOGIT_BIAS), -1, dtype=torch.int32, device=device)
+        self.bias_values = torch.zeros(max_batch, MAX_LOGIT_BIAS, dtype=torch.float32, device=device)
+        self.bias_counts = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.seeds = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)  # tokens drawn so far
         self.remaining = torch.zeros(max_batch, dtype=torch.int64, device=device)  # tokens still allowed
@@ -78,6 +82,15 @@ class SlotSampling:
         self.repetition.index_copy_(0, slots, column([p.repetition_penalty for p in params], torch.float32))
         self.frequency.index_copy_(0, slots, column([p.frequency_penalty for p in params], torch.float32))
         self.presence.index_copy_(0, slots, column([p.presence_penalty for p in params], torch.float32))
+        self.bias_counts.index_copy_(0, slots, column([len(p.logit_bias or ()) for p in params], torch.int32))
+        biased = [(slot, p.logit_bias) for slot, p in zip(slot_list, params) if p.logit_bias]
+        if biased:
+            rows = column([slot for slot, _ in biased], torch.int64)
+            pad = [MAX_LOGIT_BIAS - len(bias) for _, bias in biased]
+            self.bias_ids.index_copy_(0, rows, column([list(bias) + [-1] * n for (_, bias), n in zip(biased, pad)],
+                                                      torch.int32))
+            self.bias_values.index_copy_(0, rows, column([list(bias.values()) + [0.0] * n
+                                                          for (_, bias), n in zip(biased, pad)], torch.float32))
         self.seeds.index_copy_(0, slots, column([r.seed for r in requests], torch.int64))
         self.positions.index_fill_(0, slots, 0)
         self.remaining.index_copy_(0, slots, column([p.max_tokens for p in params], torch.int64))
@@ -108,7 +121,8 @@ class SlotSampling:
         penalized, filtered = variant in (PENALIZED, PENALIZED_FILTERED), variant in (FILTERED, PENALIZED_FILTERED)
         if penalized:
             logits = apply_penalties(logits, self.counts, index(self.repetition), index(self.frequency),
-                                     index(self.presence), slots)
+                                     index(self.presence), slots, bias_ids=self.bias_ids,
+                                     bias_values=self.bias_values, bias_counts=self.bias_counts)
         ids = sample_tokens(logits, index(self.temperature), index(self.top_k), index(self.top_p),
                             index(self.seeds), index(self.positions), filtered=filtered,
                             min_p=index(self.min_p) if filtered else None)

@@ -18,6 +18,7 @@ are ignored, as vLLM does):
                           rest of the context; either way at most max_len - prompt tokens
     temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos,
     frequency_penalty, presence_penalty (OpenAI's, in [-2, 2]), repetition_penalty, min_p,
+    logit_bias            {"token id": bias in [-100, 100]}, as OpenAI sends it (string keys)
     include_stop_str_in_output, skip_special_tokens (vLLM's)            -> SamplingParams
     n                     sequences for the prompt, 1 .. MAX_N: n engine requests (seeds seed,
                           seed + 1, ... when seeded, as vLLM's), choices[i] / chunks of index i
@@ -31,7 +32,7 @@ are ignored, as vLLM does):
                           a stream), and with logprobs its tokens' too (the first one's null), as
                           lm-eval's loglikelihood requests read them
 Fields that would change the answer but are not implemented (``UNSUPPORTED_FIELDS``: chat's echo,
-vLLM's prompt_logprobs field, best_of > 1, logit_bias, min_tokens, tools, response_format, and vLLM's own: beam
+vLLM's prompt_logprobs field, best_of > 1, min_tokens, tools, response_format, and vLLM's own: beam
 search, guided decoding, allowed_token_ids ...) are refused with a 400 naming
 them unless they hold their neutral value.
 
@@ -116,7 +117,6 @@ def _absent_or(*neutral) -> Callable[[Any], bool]:
 # them only with the neutral value (a 400 naming the field otherwise, never a silent ignore).
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "best_of": _absent_or(1),
-    "logit_bias": _absent_or({}),
     "min_tokens": _absent_or(0),
     # vLLM's own (its extra_body): users of a vLLM server send them
     "use_beam_search": _absent_or(False),
@@ -225,6 +225,8 @@ def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, pro
     overrides = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
     overrides.update({name: value for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs))
                       if value is not None})
+    if body.get("logit_bias") is not None:
+        overrides["logit_bias"] = _logit_bias(body["logit_bias"])
     seed = overrides.get("seed")
     if _is_int(seed) and -2**63 <= seed < 0:  # OpenAI's seeds are int64; the engine's 63-bit
         overrides["seed"] = seed % 2**63
@@ -238,6 +240,20 @@ def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, pro
                           f"{params.max_tokens} in the completion). Please reduce the prompt or "
                           f"{max_tokens_field}.", max_tokens_field)
     return params
+
+
+def _logit_bias(value) -> dict[int, float]:
+    """OpenAI's logit_bias, {"token id": bias} (JSON keys are strings), as SamplingParams takes it;
+    the ids' and biases' ranges are SamplingParams' and the engine's checks."""
+    if not isinstance(value, Mapping):
+        raise bad_request(f"logit_bias: expected an object of token ids to biases, got {value!r:.100}", "logit_bias")
+    bias = {}
+    for key, number in value.items():
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if not _is_int(token):
+            raise bad_request(f"logit_bias: expected token ids as keys, got {key!r:.50}", "logit_bias")
+        bias[token] = number
+    return bias
 
 
 # ================================================================================== requests

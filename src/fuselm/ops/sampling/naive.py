@@ -183,11 +183,21 @@ PROMPT_BIT = 1 << 30  # ``apply_penalties``' counts: this bit marks a prompt tok
 
 
 def apply_penalties_ref(logits: torch.Tensor, counts: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
-                        presence: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+                        presence: torch.Tensor, slots: torch.Tensor | None = None, bias_ids: torch.Tensor | None = None,
+                        bias_values: torch.Tensor | None = None,
+                        bias_counts: torch.Tensor | None = None) -> torch.Tensor:
     """``apply_penalties``' definition (and its CPU fallback): fp32 [n, V], each step a separate
-    fp32 operation (one rounding each), in vLLM's order: repetition over prompt and generated
-    tokens, then frequency x count, then presence over generated tokens."""
-    x = logits.float()
+    fp32 operation (one rounding each), in vLLM's order: the logit bias of each row's slot (its
+    first ``bias_counts`` entries of ``bias_ids`` / ``bias_values``; ids outside [0, V) skipped),
+    repetition over prompt and generated tokens, then frequency x count, then presence over
+    generated tokens."""
+    x = logits.float().clone()
+    rows = torch.arange(x.shape[0], device=x.device) if slots is None else slots
+    if bias_ids is not None:
+        entries = torch.arange(bias_ids.shape[1], device=x.device)
+        listed = (entries[None, :] < bias_counts[rows, None]) & (bias_ids[rows] >= 0) & (bias_ids[rows] < x.shape[1])
+        row_of = torch.arange(x.shape[0], device=x.device)[:, None].expand_as(listed)
+        x[row_of[listed], bias_ids[rows][listed].long()] += bias_values[rows][listed]
     count = counts[:x.shape[0]] if slots is None else counts[slots]
     generated = count & (PROMPT_BIT - 1)
     r = repetition[:, None]

@@ -1,5 +1,6 @@
-"""``apply_penalties``: repetition, frequency and presence penalties on a batch's logits, vLLM's
-definitions, every parameter a device tensor (one CUDA graph serves any mix of settings).
+"""``apply_penalties``: OpenAI's logit bias and repetition, frequency and presence penalties on a
+batch's logits, vLLM's definitions, every parameter a device tensor (one CUDA graph serves any mix
+of settings).
 
 Each row reads its slot's token counts, ``counts`` [S, V] int32: for slot s and token v,
 ``counts[s, v] = c + PROMPT_BIT * in_prompt``, c the times v was generated so far (< PROMPT_BIT)
@@ -11,13 +12,17 @@ and ``in_prompt`` whether v is in the slot's prompt. For row r of ``logits`` [n,
     presence   (p_r, 0 is off): x = x - p_r                          v generated at least once
 
 in that order (vLLM's ``apply_penalties``; HF's repetition penalty is the same over prompt and
-output). Numerics: fp32, each operation rounded once as separate PyTorch operations round it
+output), after the logit bias when one is given (vLLM's order): x = x + b for the slot's listed
+tokens (``bias_ids`` / ``bias_values`` [S, M], the first ``bias_counts[s]`` entries of slot s,
+distinct ids). Numerics: fp32, each operation rounded once as separate PyTorch operations round it
 (the kernel is built without fused multiply-adds), so the kernel and ``naive.apply_penalties_ref``
 agree to the bit. A row with neutral values comes out exactly x, whatever its slot's counts hold.
 
 One launch, a program per (row, BLOCK tokens): it reads the logits (16 or 32 bits) and the counts
-(32 bits) once and writes fp32 [n, V]. The penalised logits are the sampler's input; the raw ones
-stay as they were (log-probabilities are the model's, as vLLM's default).
+(32 bits) once and writes fp32 [n, V]; with a logit bias, a second launch (a program per row)
+computes the listed tokens again with their bias and writes them over. The penalised logits are
+the sampler's input; the raw ones stay as they were (log-probabilities are the model's, as vLLM's
+default).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import triton
 import triton.language as tl
 
 from fuselm.ops.sampling.naive import PROMPT_BIT, apply_penalties_ref
-from fuselm.runtime import cdiv, check_same_device, check_tensor, use_triton
+from fuselm.runtime import cdiv, check_same_device, check_tensor, next_power_of_2, use_triton
 
 _PROMPT_BIT: tl.constexpr = tl.constexpr(PROMPT_BIT)
 BLOCK = 4096  # tokens a program
@@ -44,19 +49,48 @@ def _apply_penalties_kernel(logits_ptr, counts_ptr, slots_ptr, repetition_ptr, f
         slot = tl.load(slots_ptr + row)
     x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=ok, other=0.0).to(tl.float32)
     count = tl.load(counts_ptr + slot.to(tl.int64) * stride_counts + cols, mask=ok, other=0)
-    generated = count & (_PROMPT_BIT - 1)
     repetition = tl.load(repetition_ptr + row)
     frequency = tl.load(frequency_ptr + row)
     presence = tl.load(presence_ptr + row)
+    x = _penalised(x, count, repetition, frequency, presence)
+    tl.store(out_ptr + row.to(tl.int64) * n_vocab + cols, x, mask=ok)
+
+
+@triton.jit
+def _penalised(x, count, repetition, frequency, presence):
+    """The penalties of the module docstring on fp32 ``x`` with its tokens' ``count`` entries."""
+    generated = count & (_PROMPT_BIT - 1)
     x = tl.where(count != 0, tl.where(x > 0, tl.math.div_rn(x, repetition), x * repetition), x)
     x = x - frequency * generated.to(tl.float32)
-    x = x - tl.where(generated > 0, presence, 0.0)
-    tl.store(out_ptr + row.to(tl.int64) * n_vocab + cols, x, mask=ok)
+    return x - tl.where(generated > 0, presence, 0.0)
+
+
+@triton.jit
+def _logit_bias_kernel(logits_ptr, counts_ptr, slots_ptr, repetition_ptr, frequency_ptr, presence_ptr, out_ptr,
+                       bias_ids_ptr, bias_values_ptr, bias_counts_ptr, n_vocab, stride_row, stride_counts,
+                       stride_bias, HAS_SLOTS: tl.constexpr, BLOCK_BIAS: tl.constexpr):
+    """Program per row: its slot's listed tokens, (x + b) penalised, written over the first
+    kernel's values."""
+    row = tl.program_id(0)
+    slot = row
+    if HAS_SLOTS:
+        slot = tl.load(slots_ptr + row)
+    slot = slot.to(tl.int64)
+    entries = tl.arange(0, BLOCK_BIAS)
+    listed = entries < tl.load(bias_counts_ptr + slot)
+    ids = tl.load(bias_ids_ptr + slot * stride_bias + entries, mask=listed, other=-1)
+    listed &= (ids >= 0) & (ids < n_vocab)
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + ids, mask=listed, other=0.0).to(tl.float32)
+    x = x + tl.load(bias_values_ptr + slot * stride_bias + entries, mask=listed, other=0.0)
+    count = tl.load(counts_ptr + slot * stride_counts + ids, mask=listed, other=0)
+    x = _penalised(x, count, tl.load(repetition_ptr + row), tl.load(frequency_ptr + row), tl.load(presence_ptr + row))
+    tl.store(out_ptr + row.to(tl.int64) * n_vocab + ids, x, mask=listed)
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
                     presence: torch.Tensor, slots: torch.Tensor | None = None, *,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    bias_ids: torch.Tensor | None = None, bias_values: torch.Tensor | None = None,
+                    bias_counts: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The penalised logits [n, V] fp32 (module docstring). No host sync, static shapes.
 
     Args:
@@ -64,8 +98,11 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, repetition: torc
         counts: [S, V] int32, each slot's generated-token counts plus PROMPT_BIT for prompt tokens.
         repetition, frequency, presence: [n] fp32 per row (1, 0, 0: off).
         slots: [n] int64, row r's slot (default r; then n <= S).
+        bias_ids, bias_values, bias_counts: optional logit bias per slot: [S, M] int32 token ids,
+            [S, M] fp32 biases, [S] int32 entries in use (all three or none).
         out: optional contiguous [n, V] fp32, fully written.
-    Not checked (a device read): slots in [0, S), repetition > 0.
+    Not checked (a device read): slots in [0, S), repetition > 0, a slot's biased ids distinct
+    (ids outside [0, V) are skipped).
     """
     check_tensor("logits", logits)
     if logits.dim() != 2 or (logits.shape[1] > 1 and logits.stride(1) != 1):
@@ -93,13 +130,37 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, repetition: torc
         check_tensor("out", out, (torch.float32,))
         if tuple(out.shape) != (n_rows, n_vocab) or not out.is_contiguous():
             raise ValueError(f"out: expected a contiguous ({n_rows}, {n_vocab}) tensor, got {tuple(out.shape)}")
+    bias = (bias_ids, bias_values, bias_counts)
+    if any(t is not None for t in bias):
+        _check_bias(*bias, counts.shape[0])
     check_same_device(logits=logits, counts=counts, repetition=repetition, frequency=frequency, presence=presence,
-                      slots=slots, out=out)
+                      slots=slots, out=out, bias_ids=bias_ids, bias_values=bias_values, bias_counts=bias_counts)
     if not use_triton(logits):
-        return out.copy_(apply_penalties_ref(logits, counts, repetition, frequency, presence, slots))
+        return out.copy_(apply_penalties_ref(logits, counts, repetition, frequency, presence, slots, *bias))
     if n_rows and n_vocab:
         _apply_penalties_kernel[(n_rows, cdiv(n_vocab, BLOCK))](
             logits, counts, counts if slots is None else slots, repetition, frequency, presence, out,
             n_vocab, logits.stride(0), counts.stride(0), HAS_SLOTS=slots is not None, BLOCK=BLOCK,
             num_warps=8, enable_fp_fusion=False)
+        if bias_ids is not None and bias_ids.shape[1]:
+            _logit_bias_kernel[(n_rows,)](
+                logits, counts, counts if slots is None else slots, repetition, frequency, presence, out,
+                bias_ids, bias_values, bias_counts, n_vocab, logits.stride(0), counts.stride(0), bias_ids.stride(0),
+                HAS_SLOTS=slots is not None, BLOCK_BIAS=next_power_of_2(bias_ids.shape[1]), num_warps=4,
+                enable_fp_fusion=False)
     return out
+
+
+def _check_bias(bias_ids, bias_values, bias_counts, n_slots: int) -> None:
+    if bias_ids is None or bias_values is None or bias_counts is None:
+        raise ValueError("bias_ids, bias_values, bias_counts: give all three or none")
+    check_tensor("bias_ids", bias_ids, (torch.int32,))
+    check_tensor("bias_values", bias_values, (torch.float32,))
+    check_tensor("bias_counts", bias_counts, (torch.int32,))
+    if bias_ids.dim() != 2 or bias_ids.shape[0] != n_slots or not bias_ids.is_contiguous():
+        raise ValueError(f"bias_ids: expected a contiguous [S = {n_slots}, M] tensor, got {tuple(bias_ids.shape)}")
+    if tuple(bias_values.shape) != tuple(bias_ids.shape) or not bias_values.is_contiguous():
+        raise ValueError(f"bias_values: expected a contiguous {tuple(bias_ids.shape)} tensor like bias_ids, got "
+                         f"{tuple(bias_values.shape)}")
+    if tuple(bias_counts.shape) != (n_slots,) or not bias_counts.is_contiguous():
+        raise ValueError(f"bias_counts: expected a contiguous ({n_slots},) tensor, got {tuple(bias_counts.shape)}")
