@@ -541,7 +541,7 @@ def test_penalties_and_min_p_in_a_running_batch_give_the_reference_loops_tokens(
                                      **{key: v for key, v in jobs[i][1].items() if not processed(key)})
                    for i in penalised}
     assert any(reference[i] != unpenalised[i][0].tolist() for i in penalised)  # the penalties mattered
-    assert sorted(reference[5][:2]) == [5, 9]  # the biased pair, the second after the presence penalty on the first
+    assert set(reference[5]) <= {5, 9}  # +100 and +99.5 over logits of a few units
 
 
 def test_logprobs_are_the_log_softmax_of_the_logits_each_token_was_drawn_from(model, monkeypatch):
