@@ -48,8 +48,8 @@ class SamplingParams:
     and OpenAI's definitions; ``fuselm.ops.sampling.apply_penalties``). logit_bias: {token id:
     bias in [-100, 100]} added to those logits before the penalties (OpenAI's; at most
     MAX_LOGIT_BIAS tokens). Penalties and bias apply to greedy requests too. seed: a request with
-    a seed gives the same tokens
-    every time, whatever else runs beside it (None: a fresh random seed per request). stop:
+    a seed gives the same tokens every time, whatever else runs beside it (None: a fresh random
+    seed per request). stop:
     strings that end the request, cut from the text. stop_token_ids: ids that end it beside the
     model's eos ids (kept in the token ids, their text left out as vLLM leaves it).
     ignore_eos: do not stop at the model's eos ids (stop_token_ids still stop).
