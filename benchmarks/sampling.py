@@ -100,6 +100,8 @@ def cases(logits):
          lambda: sample_tokens(penalised, *greedy, filtered=False, out=out)),
         ("sample_tokens on the penalised fp32 logits: T=0.7 top_k=20 top_p=0.8 (the sort's cut-offs)",
          lambda: sample_tokens(penalised, *qwen_instruct, filtered=True, out=out)),
+        ("sample_tokens on the penalised fp32 logits: T=0.7 top_k=20 top_p=0.8, max_top_k=64 (topk's cut-offs)",
+         lambda: sample_tokens(penalised, *qwen_instruct, filtered=True, max_top_k=64, out=out)),
         ("sample_tokens: T=0.7 top_k=20 top_p=0.8 on the bf16 logits (key-count cut-offs)",
          lambda: sample_tokens(logits, *qwen_instruct, filtered=True, out=out)),
         *[(f"{name}, {k} top (SamplingParams.logprobs = {k})", lambda k=k, op=op: op(logits, drawn, k))

@@ -499,7 +499,10 @@ def test_sampler_variants_draw_the_same_tokens(model):
     assert sampling.sampler_variant([engine.add_request(prompt(3, 1), greedy(2))]) == sampling.PLAIN
     penalized = engine.add_request(prompt(3, 2), greedy(2, presence_penalty=0.5))
     assert sampling.sampler_variant(requests[:1] + [penalized]) == sampling.PENALIZED
-    assert sampling.sampler_variant(requests + [penalized]) == sampling.PENALIZED_FILTERED
+    assert sampling.sampler_variant(requests + [penalized]) == sampling.PENALIZED_FILTERED  # top-p alone
+    qwen = engine.add_request(prompt(3, 4), SamplingParams(max_tokens=2, temperature=0.7, top_k=20, top_p=0.8,
+                                                           presence_penalty=1.5))
+    assert sampling.sampler_variant([qwen, penalized, requests[0]]) == sampling.PENALIZED_TOP_K
     min_p = engine.add_request(prompt(3, 3), SamplingParams(max_tokens=2, min_p=0.2))
     assert sampling.sampler_variant([min_p]) == sampling.FILTERED
     engine.run()

@@ -419,6 +419,36 @@ def test_min_p_cutoffs_match_the_definition():
         assert torch.equal(cutoffs_of_16_bit_logits(x16, *p16[:3], m16, replicas=1), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_small_top_k_cut_offs_equal_the_sort(dtype):
+    """``max_top_k``: cut-offs from the K largest logits equal the sort's for rows with top-k in
+    [1, K] (top-p, min-p on or off), rows with only min-p, rows with nothing; ties with the k-th
+    value past the K candidates (a row of 300 equal values) are counted in."""
+    from fuselm.ops.sampling.cutoffs import small_top_k_thresholds
+
+    gen = torch.Generator().manual_seed(11)
+    n_rows, n_vocab, K = 64, 700, 16
+    logits = (torch.randint(0, 40, (n_rows, n_vocab), generator=gen) * 0.25).to(DEVICE, dtype)
+    logits[3, :300] = logits[3].max()  # 300 ties at the top: every top-k value is the max
+    logits[4, :] = 1.0
+    temperature = (torch.rand(n_rows, generator=gen) * 2 + 0.2).tolist()
+    top_k = [int(k) for k in torch.randint(1, K + 1, (n_rows,), generator=gen)]
+    top_p = [float(p) for p in torch.rand(n_rows, generator=gen).clamp(0.02, 1.0)]
+    for r in range(0, n_rows, 8):  # nothing, and min-p alone
+        top_k[r], top_p[r] = 0, 1.0
+    params = row_params(temperature, top_k, top_p)
+    min_p = torch.where(torch.rand(n_rows, generator=gen) < 0.5, torch.rand(n_rows, generator=gen), 0.0).to(DEVICE)
+    min_p[::16] = 0.0
+    for m in (None, min_p):
+        expected = keep_thresholds(logits, *params[:3], m)
+        assert torch.equal(small_top_k_thresholds(logits, *params[:3], m, K), expected)
+        assert torch.equal(cutoffs(logits, *params[:3], m, max_top_k=K), expected)
+    ids = sample_tokens(logits.float(), *params, min_p=min_p, max_top_k=K)
+    assert torch.equal(ids, sample_tokens_ref(logits.float(), *params, min_p=min_p))
+    with pytest.raises(ValueError, match="max_top_k"):
+        sample_tokens(logits.float(), *params, max_top_k=0)
+
+
 def test_min_p_distribution_and_kernel_ids():
     """min_p 0.3 at T 1 keeps the tokens with p >= 0.3 p_max; the kernel draws the reference's
     ids with min-p on (fp32 logits: the sort's cut-offs; bf16: the key counts')."""

@@ -27,19 +27,27 @@ MAX_DEVICE_STOP_IDS = 8
 # Sampler variants, chosen on the host from the requests in a step (a decode graph is captured
 # for each): PLAIN, no request filters (greedy, or top-k, top-p and min-p off): no cut-offs;
 # FILTERED, some request filters: each row's cut-off first (``fuselm.ops.sampling.cutoffs``);
-# PENALIZED and PENALIZED_FILTERED, some request has a penalty or a logit bias: the logits are penalised first
-# (``apply_penalties``, fp32: the cut-offs then take the sort) and the draws counted. Every
-# variant draws the same ids for the requests it serves as a cheaper one would.
-PLAIN, FILTERED, PENALIZED, PENALIZED_FILTERED = "plain", "filtered", "penalized", "penalized_filtered"
-SAMPLER_VARIANTS = (PLAIN, FILTERED, PENALIZED, PENALIZED_FILTERED)
+# PENALIZED, PENALIZED_TOP_K and PENALIZED_FILTERED, some request has a penalty or a logit bias:
+# the logits are penalised first (``apply_penalties``, into fp32) and the draws counted; fp32
+# cut-offs come from the SMALL_TOP_K largest logits when every filtering request's top-p rides on
+# a top-k of at most that many (PENALIZED_TOP_K: Qwen's settings, top-k 20), else from a sort of
+# each row (PENALIZED_FILTERED). Every variant draws the same ids for the requests it serves as a
+# cheaper one would.
+PLAIN, FILTERED, PENALIZED = "plain", "filtered", "penalized"
+PENALIZED_TOP_K, PENALIZED_FILTERED = "penalized_top_k", "penalized_filtered"
+SAMPLER_VARIANTS = (PLAIN, FILTERED, PENALIZED, PENALIZED_TOP_K, PENALIZED_FILTERED)
+SMALL_TOP_K = 64
 
 
 def sampler_variant(requests) -> str:
     """The cheapest sampler variant that serves every one of ``requests``."""
-    filtered = any(r.params.filtered for r in requests)
-    if any(r.params.penalized for r in requests):
-        return PENALIZED_FILTERED if filtered else PENALIZED
-    return FILTERED if filtered else PLAIN
+    filtering = [r.params for r in requests if r.params.filtered]
+    if not any(r.params.penalized for r in requests):
+        return FILTERED if filtering else PLAIN
+    if not filtering:
+        return PENALIZED
+    small = all(p.top_p == 1 or 1 <= p.top_k <= SMALL_TOP_K for p in filtering)
+    return PENALIZED_TOP_K if small else PENALIZED_FILTERED
 
 
 class SlotSampling:
@@ -118,14 +126,16 @@ class SlotSampling:
         variants one before it (``apply_penalties``, into fp32 logits of its own)."""
         n = logits.shape[0]
         index = (lambda t: t[:n]) if slots is None else (lambda t: t[slots])
-        penalized, filtered = variant in (PENALIZED, PENALIZED_FILTERED), variant in (FILTERED, PENALIZED_FILTERED)
+        penalized = variant in (PENALIZED, PENALIZED_TOP_K, PENALIZED_FILTERED)
+        filtered = variant in (FILTERED, PENALIZED_TOP_K, PENALIZED_FILTERED)
         if penalized:
             logits = apply_penalties(logits, self.counts, index(self.repetition), index(self.frequency),
                                      index(self.presence), slots, bias_ids=self.bias_ids,
                                      bias_values=self.bias_values, bias_counts=self.bias_counts)
         ids = sample_tokens(logits, index(self.temperature), index(self.top_k), index(self.top_p),
                             index(self.seeds), index(self.positions), filtered=filtered,
-                            min_p=index(self.min_p) if filtered else None)
+                            min_p=index(self.min_p) if filtered else None,
+                            max_top_k=SMALL_TOP_K if variant == PENALIZED_TOP_K else None)
         advance_slots(ids, active, self.positions, self.remaining, self.stop_ids, slots, next_inputs,
                       self.counts if penalized else None)
         return ids

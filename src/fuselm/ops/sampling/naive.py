@@ -145,7 +145,7 @@ def keep_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     in_top_k = ordered >= kth
     # Unnormalised probabilities in sorted order, float64: exp((logit - max) / T), 0 outside top-k.
     t = torch.where(temperature > 0, temperature, 1.0).double()[:, None]
-    weight = ordered.double().sub_(ordered[:, :1].double()).div_(t).exp_().mul_(in_top_k)
+    weight = (ordered.double() - ordered[:, :1].double()).div_(t).exp_().mul_(in_top_k)  # (a new tensor for fp64 too)
     total = weight.sum(dim=-1, keepdim=True)
     mass_before = exclusive_prefix_sums(weight)
     p = top_p.double()[:, None]

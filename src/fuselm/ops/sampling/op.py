@@ -70,32 +70,34 @@ def _check(logits, temperature, top_k, top_p, seeds, positions, filtered, out, m
     check_same_device(logits=logits, **{name: t for (name, _), t in zip(_ROW_PARAMETERS, params)}, out=out)
 
 
-def _sample(logits, temperature, top_k, top_p, seeds, positions, filtered: bool, out, min_p=None) -> torch.Tensor:
+def _sample(logits, temperature, top_k, top_p, seeds, positions, filtered: bool, out, min_p=None,
+            max_top_k=None) -> torch.Tensor:
     if out.numel() == 0:
         return out
     if not use_triton(logits):
         return out.copy_(sample_tokens_ref(logits, temperature, top_k, top_p, seeds, positions, filtered=filtered,
                                            min_p=min_p))
-    thresholds = cutoffs(logits, temperature, top_k, top_p, min_p) if filtered else None
+    thresholds = cutoffs(logits, temperature, top_k, top_p, min_p, max_top_k) if filtered else None
     return sample_tokens_kernel(logits, temperature, thresholds, seeds, positions, out)
 
 
 @torch.library.custom_op("fuselm::sample_tokens", mutates_args=())
 def _sample_tokens_op(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                       seeds: torch.Tensor, positions: torch.Tensor, filtered: bool,
-                      min_p: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      min_p: Optional[torch.Tensor] = None, max_top_k: Optional[int] = None) -> torch.Tensor:
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    return _sample(logits, temperature, top_k, top_p, seeds, positions, filtered, out, min_p)
+    return _sample(logits, temperature, top_k, top_p, seeds, positions, filtered, out, min_p, max_top_k)
 
 
 @_sample_tokens_op.register_fake
-def _(logits, temperature, top_k, top_p, seeds, positions, filtered, min_p=None):
+def _(logits, temperature, top_k, top_p, seeds, positions, filtered, min_p=None, max_top_k=None):
     return torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   seeds: torch.Tensor, positions: torch.Tensor, *, filtered: bool = True,
-                  min_p: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                  min_p: torch.Tensor | None = None, max_top_k: int | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """One token id per row, greedy or sampled per row; CUDA-graph capturable.
 
     Args:
@@ -115,6 +117,9 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
             graph is captured for one value.
         min_p: optional [B] fp32 in [0, 1]; keep the tokens at least min_p times as likely as the
             most likely one (0 or None is off; applied with ``filtered`` only).
+        max_top_k: a static promise, made on the host, that every row with top_p < 1 has
+            1 <= top_k <= max_top_k: the cut-offs of logits that are not 16-bit then come from the
+            max_top_k largest logits rather than a sort of each row (``cutoffs``).
         out: optional contiguous [B] int64 buffer, fully overwritten (e.g. a graph's static output).
     Returns:
         ids: [B] int64 (``out`` when given).
@@ -140,12 +145,14 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     range they are still safe: top_p <= 0 keeps the argmax, top_k < 0 is off.
     """
     _check(logits, temperature, top_k, top_p, seeds, positions, filtered, out, min_p)
+    if max_top_k is not None and (not isinstance(max_top_k, int) or isinstance(max_top_k, bool) or max_top_k < 1):
+        raise ValueError(f"max_top_k: expected None or an int >= 1, got {max_top_k!r}")
     if torch.compiler.is_compiling():
-        ids = _sample_tokens_op(logits, temperature, top_k, top_p, seeds, positions, filtered, min_p)
+        ids = _sample_tokens_op(logits, temperature, top_k, top_p, seeds, positions, filtered, min_p, max_top_k)
         return ids if out is None else out.copy_(ids)
     if out is None:
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    return _sample(logits, temperature, top_k, top_p, seeds, positions, filtered, out, min_p)
+    return _sample(logits, temperature, top_k, top_p, seeds, positions, filtered, out, min_p, max_top_k)
 
 
 ADVANCE_ROWS = 64  # rows a program of advance_slots
