@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from fuselm.ops.sampling.kernels import cutoffs_of_16_bit_logits
-from fuselm.ops.sampling.naive import keep_thresholds
+from fuselm.ops.sampling.naive import keep_thresholds, with_min_p
 from fuselm.runtime import use_triton
 
 
@@ -66,9 +66,4 @@ def small_top_k_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_
     kept = in_top_k & ((mass_before < p * total) | (p >= 1))
     n_kept = kept.sum(dim=-1).clamp(min=1)
     cutoff = candidates.gather(-1, (n_kept - 1)[:, None]).squeeze(-1).float()
-    cutoff = torch.where(k_on, cutoff, float("-inf"))
-    if min_p is None:
-        return cutoff
-    min_p = min_p.double()
-    min_p_cut = (top[:, 0] + t[:, 0] * torch.log(torch.where(min_p > 0, min_p, 1.0))).float()
-    return torch.where(min_p > 0, torch.maximum(cutoff, min_p_cut), cutoff)
+    return with_min_p(torch.where(k_on, cutoff, float("-inf")), top[:, 0], t[:, 0], min_p)

@@ -154,10 +154,17 @@ def keep_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     n_kept = kept.sum(dim=-1).clamp(min=1)
     cutoff = ordered.gather(-1, (n_kept - 1)[:, None]).squeeze(-1).float()
     cutoff = torch.where(k_on | (top_p < 1), cutoff, float("-inf"))  # neither top-k nor top-p: no cut-off
+    return with_min_p(cutoff, ordered[:, 0], t[:, 0], min_p)
+
+
+def with_min_p(cutoff: torch.Tensor, largest: torch.Tensor, t: torch.Tensor,
+               min_p: torch.Tensor | None) -> torch.Tensor:
+    """Cut-offs [B] fp32 raised to min-p's where min_p > 0: fp32(largest + t log(min_p)), computed in
+    float64 (``largest``: each row's largest logit; ``t``: its temperature, 1 for greedy rows)."""
     if min_p is None:
         return cutoff
     min_p = min_p.double()
-    min_p_cut = (ordered[:, 0].double() + t[:, 0] * torch.log(torch.where(min_p > 0, min_p, 1.0))).float()
+    min_p_cut = (largest.double() + t * torch.log(torch.where(min_p > 0, min_p, 1.0))).float()
     return torch.where(min_p > 0, torch.maximum(cutoff, min_p_cut), cutoff)
 
 
@@ -198,7 +205,7 @@ def apply_penalties_ref(logits: torch.Tensor, counts: torch.Tensor, repetition: 
         listed = (entries[None, :] < bias_counts[rows, None]) & (bias_ids[rows] >= 0) & (bias_ids[rows] < x.shape[1])
         row_of = torch.arange(x.shape[0], device=x.device)[:, None].expand_as(listed)
         x[row_of[listed], bias_ids[rows][listed].long()] += bias_values[rows][listed]
-    count = counts[:x.shape[0]] if slots is None else counts[slots]
+    count = counts[rows]
     generated = count & (PROMPT_BIT - 1)
     r = repetition[:, None]
     x = torch.where(count != 0, torch.where(x > 0, x / r, x * r), x)
