@@ -306,6 +306,9 @@ def test_special_tokens_and_vocabulary(tokenizer, reference):
     ids = tokenizer.encode("<|im_start|>user\nhi<|im_end|>")
     assert ids[0] == 248045 and ids[-1] == IM_END_ID
     assert tokenizer.decode(ids, skip_special_tokens=True) == "user\nhi"
+    # chat markup is not special (Qwen's files): decoding keeps it for the reasoning and tool-call parsers
+    markup = "<think>\nhm\n</think>\n\n<tool_call>\n<function=f>\n</function>\n</tool_call><|im_end|>"
+    assert tokenizer.decode(tokenizer.encode(markup), skip_special_tokens=True) == markup.removesuffix("<|im_end|>")
     assert tokenizer.encode("x", add_special_tokens=True) == tokenizer.encode("x")  # no post-processor tokens
 
 

