@@ -161,6 +161,10 @@ def test_a_bad_sampling_flag_is_one_error_line(checkpoint, capsys):
     (["serve", "--config", "tiny", "--stall-dump", "d.txt", "--stall-dump-ms", "0"], "--stall-dump-ms: expected > 0"),
     (["serve", "--config", "tiny", "--stall-dump", "d.txt", "--stall-dump-wait-ms", "-2"],
      "--stall-dump-wait-ms: expected > 0"),
+    (["serve", "some-dir", "--enable-auto-tool-choice"], "--enable-auto-tool-choice and --tool-call-parser go together"),
+    (["serve", "some-dir", "--tool-call-parser", "qwen3_coder"], "go together"),
+    (["serve", "some-dir", "--tool-call-parser", "hermes"], "invalid choice: 'hermes'"),
+    (["serve", "--config", "tiny", "--reasoning-parser", "qwen3"], "need a checkpoint's tokenizer"),
 ])
 def test_bad_command_lines_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -175,3 +179,11 @@ def test_serve_takes_vllms_flag_names():
 
     args = build_parser().parse_args(["serve", "--config", "tiny", "--max-num-seqs", "4", "--max-model-len", "128"])
     assert (args.max_batch, args.max_len) == (4, 128)
+
+
+def test_serve_reply_parser_names_are_the_servers():
+    from fuselm import cli
+    from fuselm.serve import reply_parser
+
+    assert (cli.REASONING_PARSERS, cli.TOOL_CALL_PARSERS) == (reply_parser.REASONING_PARSERS,
+                                                              reply_parser.TOOL_CALL_PARSERS)

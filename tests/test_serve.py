@@ -298,6 +298,8 @@ def test_stop_strings_and_stop_token_ids_end_answers_whole_and_streamed(server, 
 # ==================================================================================== bad requests
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "Hi"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "A city's weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}
 
 
 def test_penalties_and_min_p_reach_the_engine_whole_and_streamed(server, client, llm):
@@ -395,6 +397,27 @@ def test_penalties_and_min_p_reach_the_engine_whole_and_streamed(server, client,
      "not supported"),
     (CHAT, {"messages": USER, "allowed_token_ids": [1, 2]}, 400, "allowed_token_ids", "not supported"),
     (CHAT, {"messages": USER, "chat_template": "{{ messages }}"}, 400, "chat_template", "not supported"),
+    # tools: this server runs no tool-call parser
+    (CHAT, {"messages": USER, "tools": [WEATHER]}, 400, "tool_choice", "--enable-auto-tool-choice"),
+    (CHAT, {"messages": USER, "tools": [WEATHER], "tool_choice": "required"}, 400, "tool_choice", "guided decoding"),
+    (CHAT, {"messages": USER, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "w"}}},
+     400, "tool_choice", "guided decoding"),
+    (CHAT, {"messages": USER, "tools": [WEATHER], "tool_choice": "any"}, 400, "tool_choice", 'expected "auto"'),
+    (CHAT, {"messages": USER, "tools": {"name": "w"}}, 400, "tools", "expected a list"),
+    (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "a b"}}]}, 400, "tools",
+     "tools[0].function.name"),
+    (CHAT, {"messages": USER, "tools": [{"type": "retrieval"}]}, 400, "tools", "tools[0]: expected"),
+    (CHAT, {"messages": USER, "functions": [WEATHER["function"]]}, 400, "functions", "not supported"),
+    (CHAT, {"messages": USER, "tools": [WEATHER], "tool_choice": "none", "parallel_tool_calls": "no"}, 400,
+     "parallel_tool_calls", "true or false"),
+    (CHAT, {"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "w", "arguments": "{not json"}}]}]}, 400, "messages",
+     "messages[1].tool_calls[0].function.arguments: not JSON"),
+    (CHAT, {"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "w", "arguments": "[1]"}}]}]}, 400, "messages",
+     "expected a JSON object"),
+    (CHAT, {"messages": [*USER, {"role": "assistant", "content": "a", "reasoning": 5}]}, 400, "messages",
+     "messages[1].reasoning: expected a string"),
 ])
 def test_bad_requests_get_openai_error_json_naming_the_field(server, path, body, status, param, message):
     code, answer = post(server, path, raw=body) if isinstance(body, bytes) else post(server, path, body)
@@ -603,6 +626,73 @@ def test_a_chat_without_max_tokens_gets_what_the_kv_cache_holds(checkpoint):
                                                 extra_body={"ignore_eos": True})
         assert answer.choices[0].finish_reason == "length"
         assert answer.usage.prompt_tokens + answer.usage.completion_tokens == 32
+    finally:
+        server.stop()
+
+
+def test_tools_and_earlier_tool_calls_reach_the_chat_template(server, llm):
+    """A conversation with an earlier turn's tool call (arguments as OpenAI sends them, JSON text),
+    its reasoning under vLLM's name and the call's result, with tools: rendered as the template
+    renders them with arguments as a dict and the reasoning as reasoning_content (vLLM's /tokenize
+    shows what chat sends)."""
+    messages = [*USER, {"role": "assistant", "content": None, "reasoning": "the user wants weather", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12C"}]
+    code, answer = post(server, "/tokenize", {"messages": messages, "tools": [WEATHER], "tool_choice": "none"})
+    template_messages = [messages[0], {**messages[1], "reasoning_content": "the user wants weather", "tool_calls": [
+        {**messages[1]["tool_calls"][0], "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        messages[2]]
+    prompt = llm.tokenizer.apply_chat_template(template_messages, tools=[WEATHER], add_generation_prompt=True)
+    assert "<parameter=city>\nOslo" in prompt and '"name": "get_weather"' in prompt
+    assert "the user wants weather" in prompt and "<tool_response>\n12C" in prompt
+    assert code == 200 and answer["tokens"] == llm.tokenizer.encode(prompt)
+
+
+def test_a_server_with_reply_parsers_answers_what_they_read_in_the_text_whole_and_streamed(checkpoint):
+    """``fuselm serve --reasoning-parser qwen3 --enable-auto-tool-choice --tool-call-parser
+    qwen3_coder``: a chat with tools (tool_choice "auto") answers what ``ReplyParsing`` reads in the
+    reply's text (random weights write what they write; tests/test_reply_parser.py has the formats),
+    whole and streamed through the official client's stream helper alike."""
+    from fuselm.serve.reply_parser import ReplyParsing
+
+    llm = LLM(checkpoint, dtype="float32", device="cpu", max_batch=1, max_len=128, seed=0, progress=False)
+    model = dataclasses.replace(ServedModel.from_llm(llm), reasoning_parser="qwen3", tool_call_parser="qwen3_coder")
+    server = ServerThread(model)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "Weather in Paris?"}]
+        tools = [{"type": "function", "function": {"name": "get_weather"}}]  # (a short prompt: a fast test)
+        options = dict(model=model_name(server), messages=messages, tools=tools, max_completion_tokens=4,
+                       temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+        whole = client.chat.completions.create(**options)
+        (choice,) = whole.choices
+        prompt = llm.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+        assert whole.usage.prompt_tokens == len(llm.tokenizer.encode(prompt))
+        text = llm.tokenizer.decode(choice.model_extra["token_ids"], skip_special_tokens=True)
+        reply = ReplyParsing.of_prompt(prompt, reasoning=True, tools=tools).parse(text)
+        assert reply.reasoning  # the prompt opened a think block: what runs before </think> is reasoning
+        message = choice.message
+        assert (message.content, message.model_extra["reasoning"], message.model_extra["reasoning_content"]) == (
+            reply.content or None, reply.reasoning, reply.reasoning)
+        assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
+            (c.name, c.arguments) for c in reply.tool_calls]
+        assert choice.finish_reason == ("tool_calls" if reply.tool_calls else "length")
+
+        with client.chat.completions.stream(**options) as stream:
+            events = list(stream)
+            final = stream.current_completion_snapshot.choices[0]  # (get_final_completion refuses "length")
+        chunks = [event.chunk for event in events if event.type == "chunk"]
+        assert "".join(chunk.choices[0].delta.model_extra.get("reasoning", "") for chunk in chunks if chunk.choices) \
+            == reply.reasoning
+        # (the first chunk's delta is {"role": "assistant", "content": ""}, as OpenAI's and vLLM's)
+        assert (final.message.content or None) == message.content and final.finish_reason == choice.finish_reason
+        assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls or []] == [
+            (c.name, c.arguments) for c in reply.tool_calls]
+
+        # tool_choice "none": the tools are in the prompt, the reply's calls are not parsed
+        none = client.chat.completions.create(**options, tool_choice="none")
+        assert none.usage == whole.usage and none.choices[0].message.tool_calls is None
+        assert none.choices[0].message.model_extra["reasoning"] == message.model_extra["reasoning"]
     finally:
         server.stop()
 

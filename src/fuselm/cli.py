@@ -38,6 +38,8 @@ TEXT_MAX_TOKENS, TEXT_MAX_LEN = 256, 4096
 # benchmarks/NOTES.md 87); three steps (256) or one (544) cost more; 2048 gave ITL p99 14x the
 # median (whole prompts in one step; NOTES 65).
 SERVE_MAX_PREFILL_TOKENS = 288
+# fuselm.serve.reply_parser.REASONING_PARSERS and TOOL_CALL_PARSERS (no import here: lazy)
+REASONING_PARSERS, TOOL_CALL_PARSERS = ("qwen3",), ("qwen3_coder",)
 # fuselm.serve.async_engine.ADMISSION_WAIT_S and MAX_ADMISSION_WAIT_S, in ms (no import here: lazy)
 SERVE_ADMISSION_WAIT_MS, SERVE_MAX_ADMISSION_WAIT_MS = 3.0, 50.0
 BENCH_PROMPT_LEN, BENCH_MAX_NEW_TOKENS, BENCH_BATCH = 32, 16, 1
@@ -154,6 +156,12 @@ def _serve(args) -> int:
     if not 0 <= args.admission_wait_ms <= SERVE_MAX_ADMISSION_WAIT_MS:
         args.command_parser.error(f"--admission-wait-ms: expected 0..{SERVE_MAX_ADMISSION_WAIT_MS:g}, got "
                                   f"{args.admission_wait_ms:g}")
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        args.command_parser.error("--enable-auto-tool-choice and --tool-call-parser go together (vLLM's flags): "
+                                  "tool_choice \"auto\" parses the reply's calls with the named parser")
+    if args.model_dir is None and (args.reasoning_parser or args.tool_call_parser):
+        args.command_parser.error("--reasoning-parser and --tool-call-parser parse chat replies, which need a "
+                                  "checkpoint's tokenizer (MODEL_DIR); --config serves token-id prompts only")
     options = dict(max_batch=args.max_batch, max_len=args.max_len, seed=args.seed, name=args.served_model_name,
                    max_prefill_tokens=args.max_prefill_tokens, kv_cache_tokens=args.kv_cache_tokens,
                    state_dtype=args.state_dtype)
@@ -173,7 +181,7 @@ def _serve(args) -> int:
                       stall_dump=args.stall_dump, stall_dump_s=args.stall_dump_ms / 1e3,
                       stall_dump_wait_s=args.stall_dump_wait_ms and args.stall_dump_wait_ms / 1e3, **options)
     try:
-        run_server(spec, args.host, args.port)
+        run_server(spec, args.host, args.port, args.reasoning_parser, args.tool_call_parser)
     except OSError as error:  # the address cannot be listened on
         raise ValueError(f"--host/--port: {error}") from None
     return 0
@@ -441,6 +449,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --stall-dump, also write the stacks when a step's wait for the step before it (its "
                             "device time, then reading its ids) takes longer than this (default: not watched; keep it "
                             "above the slowest normal step)")
+    serve.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                       help="split chat replies' reasoning (<think> ... </think>) into message.reasoning and "
+                            "reasoning_content, as vLLM's qwen3 parser")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="chat requests with tools (tool_choice \"auto\") get the reply's calls as tool_calls; "
+                            "needs --tool-call-parser")
+    serve.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                       help="the tool-call format: qwen3_coder (Qwen3.5's <tool_call><function=...> XML, as vLLM's)")
     _add_model_arguments(serve, "seeds the sampling seeds of requests without one (and --config's weights)")
     _add_state_dtype_argument(serve)
     serve.set_defaults(run=_serve, command_parser=serve)

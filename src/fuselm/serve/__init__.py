@@ -6,6 +6,8 @@
                        answers out as messages; EngineClient: requests as asyncio streams;
                        AsyncEngine: the loop on a thread of this process
     engine_process.py  EngineProcess: the loop in a process of its own (what fuselm serve runs)
+    reply_parser.py    chat replies split into reasoning, content and tool calls (vLLM's qwen3
+                       reasoning parser and qwen3_coder tool-call parser)
     app.py             the aiohttp app: /health, /v1/models, /v1/completions, /v1/chat/completions;
                        ServedModel (a checkpoint's LLM, or random weights without a tokenizer)
 

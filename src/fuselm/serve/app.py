@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import gc
 import json
@@ -50,8 +51,9 @@ from fuselm.serve.async_engine import (ADMISSION_WAIT_S, AsyncEngine, EngineClie
                                        RequestStream)
 from fuselm.serve.engine_process import EngineProcess, EngineSpec, gc_recorder
 from fuselm.serve.protocol import (APIError, ChatFormat, CompletionFormat, GenerationRequest, Prompt, ResponseFormat,
-                                   bad_request, check_model, detokenize_response, echo_of, in_batch, model_list,
-                                   parse_chat_request, parse_completion_request, token_usage, tokenize_response)
+                                   bad_request, check_model, check_reply_parsers, detokenize_response, echo_of,
+                                   in_batch, model_list, parse_chat_request, parse_completion_request, token_usage,
+                                   tokenize_response)
 from fuselm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -65,8 +67,9 @@ class ServedModel:
     """What a server serves: the ``engine`` (None on the HTTP side of an engine process), its
     ``name`` (the ``model`` of requests and answers), the ``tokenizer`` (None: token-id prompts
     only; ``no_tokenizer_reason`` says why in errors), the sampling defaults of requests
-    (``default_params``: the checkpoint's generation_config) and the checkpoint directory it
-    came from (``model_dir``; None: random weights)."""
+    (``default_params``: the checkpoint's generation_config), the checkpoint directory it
+    came from (``model_dir``; None: random weights) and the parsers of chat replies
+    (``reasoning_parser``, ``tool_call_parser``: ``fuselm.serve.reply_parser``'s names, or None)."""
 
     name: str
     engine: Engine | None
@@ -74,6 +77,11 @@ class ServedModel:
     default_params: SamplingParams
     no_tokenizer_reason: str = ""
     model_dir: str | None = None
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+
+    def __post_init__(self):
+        check_reply_parsers(self.reasoning_parser, self.tool_call_parser)
 
     @classmethod
     def from_llm(cls, llm, name: str | None = None) -> ServedModel:
@@ -191,7 +199,8 @@ class OpenAIServer:
         body = await _json_body(request)
         check_model(body, self.model.name)
         generation = await _off_loop(parse_chat_request, body, self.model.tokenizer, self.model.default_params,
-                                     self.engine.max_len, self.model.no_tokenizer_reason)
+                                     self.engine.max_len, self.model.no_tokenizer_reason, self.model.reasoning_parser,
+                                     self.model.tool_call_parser)
         return await self._generate(request, generation, ChatFormat)
 
     # ------------------------------------------------------------------------ generation
@@ -233,8 +242,7 @@ class OpenAIServer:
                                len(generation.prompts)) from None
             if error is not None:
                 raise error
-            answer = format_class(request_id, self.model.name, generation.return_token_ids, generation.logprobs,
-                                  self.model.tokenizer)
+            answer = format_class.for_request(request_id, self.model.name, generation, self.model.tokenizer)
             prompts = [prompt for _, prompt, _ in sequences]
             if generation.stream:
                 return await self._stream(request, streams, answer, generation, prompts)
@@ -371,10 +379,13 @@ def build_app(model: ServedModel, engine: EngineClient | None = None, max_queue:
     return app
 
 
-def run_server(spec: EngineSpec, host: str = "127.0.0.1", port: int = 8000) -> None:
+def run_server(spec: EngineSpec, host: str = "127.0.0.1", port: int = 8000, reasoning_parser: str | None = None,
+               tool_call_parser: str | None = None) -> None:
     """Serve what ``spec`` builds on ``host:port`` until SIGINT or SIGTERM, then shut down
     cleanly (stop listening, abort unfinished requests, stop the engine process) and return. The
-    engine runs in a process of its own (``EngineProcess``); this one only speaks HTTP."""
+    engine runs in a process of its own (``EngineProcess``); this one only speaks HTTP, and parses
+    chat replies with ``reasoning_parser`` and ``tool_call_parser`` (``ServedModel``'s)."""
+    check_reply_parsers(reasoning_parser, tool_call_parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = EngineProcess(spec)
     info = engine.launch()
@@ -382,7 +393,8 @@ def run_server(spec: EngineSpec, host: str = "127.0.0.1", port: int = 8000) -> N
     if spec.step_log is not None:
         gc.callbacks.append(gc_recorder(http_pauses))
     try:
-        model = ServedModel.from_engine_info(info)
+        model = dataclasses.replace(ServedModel.from_engine_info(info), reasoning_parser=reasoning_parser,
+                                    tool_call_parser=tool_call_parser)
         print(f"fuselm serve: {model.name} (max_batch {info['max_batch']}, max_len {info['max_len']}, "
               f"{'text and token-id prompts' if model.tokenizer is not None else 'token-id prompts only'}; "
               f"engine process {engine.process.pid})", file=sys.stderr, flush=True)

@@ -10,7 +10,15 @@ are ignored, as vLLM does):
     model                 must be the served name when given (404 otherwise)
     prompt                completions: a string or a list of token ids, or a list of either (a
                           batch: choices[p n + i] is prompt p's sequence i)
-    messages              chat: a list of {"role", "content"} (content: a string or text parts)
+    messages              chat: a list of {"role", "content"} (content: a string or text parts;
+                          an assistant's tool_calls with JSON-text arguments, and its reasoning
+                          as "reasoning" or "reasoning_content", reach the template as Qwen's reads them)
+    tools, tool_choice, parallel_tool_calls
+                          chat: OpenAI's function tools, rendered by the chat template; with
+                          tool_choice "auto" (the default when tools are given) the server's tool-call
+                          parser turns the reply's calls into ``tool_calls`` (finish_reason
+                          "tool_calls"); "none" renders the tools and parses nothing. Forcing a call
+                          ("required", a named function) needs guided decoding: a 400
     chat_template_kwargs  chat: extra template variables, e.g. {"enable_thinking": false}
     reasoning_effort      chat: a template variable too, as vLLM passes it
     add_generation_prompt chat: default true
@@ -32,9 +40,13 @@ are ignored, as vLLM does):
                           a stream), and with logprobs its tokens' too (the first one's null), as
                           lm-eval's loglikelihood requests read them
 Fields that would change the answer but are not implemented (``UNSUPPORTED_FIELDS``: chat's echo,
-vLLM's prompt_logprobs field, best_of > 1, min_tokens, tools, response_format, and vLLM's own: beam
-search, guided decoding, allowed_token_ids ...) are refused with a 400 naming
+vLLM's prompt_logprobs field, best_of > 1, min_tokens, the legacy functions, response_format, and
+vLLM's own: beam search, guided decoding, allowed_token_ids ...) are refused with a 400 naming
 them unless they hold their neutral value.
+
+Chat replies are parsed (``fuselm.serve.reply_parser``) when the server runs a reasoning parser
+(the message's ``reasoning``, and ``reasoning_content`` as DeepSeek and SGLang name it, beside its
+``content``) or a tool-call parser (``tool_calls``); streamed chunks carry the same fields as deltas.
 
 Responses: ``CompletionFormat`` and ``ChatFormat`` write OpenAI's answer and stream-chunk JSON
 for their endpoint; ``token_usage``, ``model_list`` and ``APIError.body`` the rest.
@@ -43,6 +55,7 @@ for their endpoint; ``token_usage``, ``model_list`` and ``APIError.body`` the re
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import time
@@ -50,6 +63,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from fuselm.engine.request import MAX_LOGPROBS, Logprob, SamplingParams, TokenLogprobs
+from fuselm.serve.reply_parser import REASONING_PARSERS, TOOL_CALL_PARSERS, ReplyParser, ReplyParsing
 
 MAX_N = 128
 """Largest ``n`` (sequences a request asks for per prompt) taken: OpenAI's limit."""
@@ -141,8 +155,6 @@ CHAT_UNSUPPORTED_FIELDS = {
     "continue_final_message": _absent_or(False),
     "chat_template": _absent_or(),
     "documents": _absent_or([]),
-    "tools": _absent_or([]),
-    "tool_choice": _absent_or("none", "auto"),
     "functions": _absent_or([]),
     "function_call": _absent_or("none", "auto"),
     "modalities": _absent_or(["text"]),
@@ -284,6 +296,7 @@ class GenerationRequest:
     prompt_field: str
     max_tokens_field: str
     echo: bool = False
+    reply_parsing: ReplyParsing | None = None  # chat: how its replies are parsed (None: not at all)
 
     @property
     def logprobs(self) -> int | None:
@@ -432,12 +445,118 @@ def _check_messages(messages) -> None:
         elif content is not None and not isinstance(content, str):
             raise bad_request(f"messages[{index}].content: expected a string or a list of text parts, got "
                               f"{content!r:.100}", "messages")
+        for name in ("reasoning", "reasoning_content"):
+            if message.get(name) is not None and not isinstance(message[name], str):
+                raise bad_request(f"messages[{index}].{name}: expected a string, got {message[name]!r:.100}",
+                                  "messages")
+
+
+def _template_tool_calls(index: int, calls) -> list[dict]:
+    """An assistant message's ``tool_calls`` as chat templates read them: each function's
+    ``arguments`` a dict (OpenAI sends a JSON object's text)."""
+    where = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad_request(f"{where}: expected a list of tool calls, got {calls!r:.100}", "messages")
+    converted = []
+    for k, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise bad_request(f"{where}[{k}]: expected {{'type': 'function', 'function': {{'name', 'arguments'}}}}, "
+                              f"got {call!r:.100}", "messages")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as error:
+                raise bad_request(f"{where}[{k}].function.arguments: not JSON ({error})", "messages") from None
+        arguments = {} if arguments is None else arguments
+        if not isinstance(arguments, Mapping):
+            raise bad_request(f"{where}[{k}].function.arguments: expected a JSON object, got {arguments!r:.100}",
+                              "messages")
+        converted.append({**call, "function": {**function, "arguments": arguments}})
+    return converted
+
+
+def _template_messages(messages: list) -> list[dict]:
+    """The request's (checked) messages as the chat template reads them: content always present (an
+    assistant turn of tool calls has none: null), tool calls' arguments as dicts, an assistant's
+    ``reasoning`` (vLLM's name) also as ``reasoning_content`` (Qwen's templates' name)."""
+    converted = []
+    for index, message in enumerate(messages):
+        message = {**message, "content": message.get("content")}
+        if message.get("reasoning") is not None and message.get("reasoning_content") is None:
+            message["reasoning_content"] = message["reasoning"]
+        if message.get("tool_calls") is not None:
+            message["tool_calls"] = _template_tool_calls(index, message["tool_calls"])
+        converted.append(message)
+    return converted
+
+
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def _check_tools(tools) -> list | None:
+    """A chat request's ``tools``: None, or a list of OpenAI function tools ({"type": "function",
+    "function": {"name", "description"?, "parameters"?: a JSON schema object}})."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad_request(f"tools: expected a list of {{'type': 'function', 'function': ...}} objects, got "
+                          f"{tools!r:.100}", "tools")
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(function, Mapping) or tool.get("type", "function") != "function":
+            raise bad_request(f"tools[{index}]: expected {{'type': 'function', 'function': {{'name', 'description', "
+                              f"'parameters'}}}}, got {tool!r:.100}", "tools")
+        name = function.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise bad_request(f"tools[{index}].function.name: expected 1-64 letters, digits, '_', '-', '.' or ':', "
+                              f"got {name!r:.100}", "tools")
+        if function.get("description") is not None and not isinstance(function["description"], str):
+            raise bad_request(f"tools[{index}].function.description: expected a string", "tools")
+        if function.get("parameters") is not None and not isinstance(function["parameters"], Mapping):
+            raise bad_request(f"tools[{index}].function.parameters: expected a JSON schema object, got "
+                              f"{function['parameters']!r:.100}", "tools")
+    return tools
+
+
+def _parsed_tools(body: Mapping, tools: list | None, tool_call_parser: str | None) -> list | None:
+    """The tools whose calls the reply is parsed for (None: no tool parsing): the request's, under
+    ``tool_choice`` "auto" (its default when tools are given); a 400 when the server has no
+    tool-call parser for them, or when the choice would force a call."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice not in ("auto", "none"):
+        forced = choice == "required" or isinstance(choice, Mapping)
+        raise bad_request(f"tool_choice: {choice!r:.100} is not supported: " + (
+            "forcing a tool call needs guided decoding, which this server does not have; use \"auto\""
+            if forced else "expected \"auto\" or \"none\""), "tool_choice")
+    if choice == "none" or not tools:
+        return None
+    if tool_call_parser is None:
+        raise bad_request("\"auto\" tool choice needs a tool-call parser: start the server with "
+                          "--enable-auto-tool-choice --tool-call-parser qwen3_coder (or send tool_choice \"none\")",
+                          "tool_choice")
+    return tools
 
 
 def _chat_prompt(body: Mapping, tokenizer) -> str:
-    """The chat template's rendering of the request's messages."""
+    """The chat template's rendering of the request's messages (and tools)."""
     messages = body.get("messages")
     _check_messages(messages)
+    tools = _check_tools(body.get("tools"))
+    template_kwargs = _template_kwargs(body)
+    add_generation_prompt = _optional_bool(body, "add_generation_prompt", True)
+    try:
+        return tokenizer.apply_chat_template(_template_messages(messages), add_generation_prompt=add_generation_prompt,
+                                             tools=tools, **template_kwargs)
+    except (ValueError, TypeError) as error:  # the template's own checks, or values it cannot use
+        raise bad_request(str(error), "messages") from None
+
+
+def _template_kwargs(body: Mapping) -> dict:
+    """The request's extra chat template variables: ``chat_template_kwargs``, ``reasoning_effort``."""
     template_kwargs = body.get("chat_template_kwargs")
     if template_kwargs is None:
         template_kwargs = {}
@@ -452,14 +571,7 @@ def _chat_prompt(body: Mapping, tokenizer) -> str:
     reserved = [name for name in _RESERVED_TEMPLATE_VARIABLES if name in template_kwargs]
     if reserved:
         raise bad_request(f"chat_template_kwargs: {reserved} are set by the request itself", "chat_template_kwargs")
-    add_generation_prompt = _optional_bool(body, "add_generation_prompt", True)
-    # a message without content (an assistant turn of tool calls) reaches the template as null
-    messages = [{**message, "content": message.get("content")} for message in messages]
-    try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                             **template_kwargs)
-    except (ValueError, TypeError) as error:  # the template's own checks, or values it cannot use
-        raise bad_request(str(error), "messages") from None
+    return dict(template_kwargs)
 
 
 def _chat_logprobs(body: Mapping) -> int | None:
@@ -475,15 +587,24 @@ def _chat_logprobs(body: Mapping) -> int | None:
 
 
 def parse_chat_request(body: Mapping, tokenizer, defaults: SamplingParams, max_len: int,
-                       no_tokenizer_reason: str = "") -> GenerationRequest:
+                       no_tokenizer_reason: str = "", reasoning_parser: str | None = None,
+                       tool_call_parser: str | None = None) -> GenerationRequest:
     """Check a ``/v1/chat/completions`` body (the module docstring lists the fields), render its
     messages with the checkpoint's chat template and tokenize them (``tokenizer`` None: a 400,
-    ``no_tokenizer_reason`` says why)."""
+    ``no_tokenizer_reason`` says why). ``reasoning_parser`` and ``tool_call_parser``: the
+    server's (``reply_parser.REASONING_PARSERS``, ``TOOL_CALL_PARSERS``; None: none)."""
     _reject_unsupported(body, CHAT_UNSUPPORTED_FIELDS)
+    check_reply_parsers(reasoning_parser, tool_call_parser)
     if tokenizer is None:
         raise bad_request(f"chat needs a tokenizer and a chat template, and this server has none "
                           f"({no_tokenizer_reason}): use /v1/completions with a list of token ids", "messages")
     text = _chat_prompt(body, tokenizer)
+    parsed_tools = _parsed_tools(body, body.get("tools"), tool_call_parser)
+    parallel_tool_calls = _optional_bool(body, "parallel_tool_calls", True)
+    reply_parsing = None
+    if reasoning_parser is not None or parsed_tools is not None:
+        reply_parsing = ReplyParsing.of_prompt(text, reasoning_parser is not None, parsed_tools,
+                                               None if parallel_tool_calls else 1)
     ids = _encode(tokenizer, text, "messages")
     _check_prompt_length(len(ids), max_len, "messages")
     max_tokens_fields = ("max_completion_tokens", "max_tokens")
@@ -493,7 +614,15 @@ def parse_chat_request(body: Mapping, tokenizer, defaults: SamplingParams, max_l
     stream, include_usage = _stream_options(body)
     return GenerationRequest([Prompt(text, ids, params)], stream, include_usage,
                              _optional_bool(body, "return_token_ids", False), "messages",
-                             _max_tokens_field(body, max_tokens_fields))
+                             _max_tokens_field(body, max_tokens_fields), reply_parsing=reply_parsing)
+
+
+def check_reply_parsers(reasoning_parser: str | None, tool_call_parser: str | None) -> None:
+    """ValueError naming the argument unless each parser is None or one this server has."""
+    for name, value, known in (("reasoning_parser", reasoning_parser, REASONING_PARSERS),
+                               ("tool_call_parser", tool_call_parser, TOOL_CALL_PARSERS)):
+        if value is not None and value not in known:
+            raise ValueError(f"{name}: expected one of {list(known)} or None, got {value!r}")
 
 
 # ================================================================================== tokenizer routes
@@ -591,6 +720,11 @@ class ResponseFormat:
         self.request_id, self.model, self.return_token_ids = request_id, model, return_token_ids
         self.logprobs, self.tokenizer = logprobs, tokenizer
         self.created = int(time.time())
+
+    @classmethod
+    def for_request(cls, request_id: str, model: str, generation: GenerationRequest, tokenizer=None):
+        """The answer format of a checked request (its token ids, logprobs and reply parsing)."""
+        return cls(request_id, model, generation.return_token_ids, generation.logprobs, tokenizer)
 
     def _answer(self, object_name: str, choices: list[dict], **extra) -> dict:
         return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
@@ -694,9 +828,59 @@ class CompletionFormat(ResponseFormat):
 class ChatFormat(ResponseFormat):
     """``/v1/chat/completions``: a ``chat.completion`` with the assistant's ``message`` per choice,
     or ``chat.completion.chunk`` s: first ``delta: {"role": "assistant", "content": ""}`` per
-    choice, then ``delta: {"content": ...}``."""
+    choice, then ``delta: {"content": ...}``. With ``reply_parsing`` (``reply_parser``) the reply
+    is split: the message has ``content`` (null when empty), ``reasoning`` and
+    ``reasoning_content`` (a reasoning parser; null when none) and ``tool_calls`` (a list, when
+    tools are parsed); a delta has those that grew (each tool call whole, with its ``index``), and
+    finish_reason "stop" becomes "tool_calls" when the reply called a tool."""
 
     id_prefix, object_name, chunk_object_name = "chatcmpl-", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, *args, reply_parsing: ReplyParsing | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reply_parsing = reply_parsing
+        self._parsers: dict[int, ReplyParser] = {}  # a stream's, by choice index
+
+    @classmethod
+    def for_request(cls, request_id: str, model: str, generation: GenerationRequest, tokenizer=None):
+        return cls(request_id, model, generation.return_token_ids, generation.logprobs, tokenizer,
+                   reply_parsing=generation.reply_parsing)
+
+    @staticmethod
+    def _finish_reason(finish_reason: str | None, tool_calls: int) -> str | None:
+        return "tool_calls" if tool_calls and finish_reason == "stop" else finish_reason
+
+    def _message(self, text: str) -> tuple[dict, int]:
+        """(the whole reply's message, the number of tool calls in it)."""
+        parsing = self.reply_parsing
+        if parsing is None:
+            return {"role": "assistant", "content": text}, 0
+        reply = parsing.parse(text)
+        message = {"role": "assistant", "content": reply.content or None}
+        if parsing.reasoning:
+            message["reasoning"] = message["reasoning_content"] = reply.reasoning or None
+        if parsing.tools is not None:
+            message["tool_calls"] = [call.to_json() for call in reply.tool_calls]
+        return message, len(reply.tool_calls)
+
+    def _delta(self, index: int, text: str, last: bool) -> tuple[dict, int]:
+        """(the delta of choice ``index``'s new ``text``, the number of tool calls it has made so far)."""
+        parsing = self.reply_parsing
+        if parsing is None:
+            return ({"content": text} if text else {}), 0
+        parser = self._parsers.setdefault(index, parsing.parser())
+        earlier_calls = parser.tool_calls
+        reply = parser.feed(text)
+        if last:
+            reply += parser.finish()
+        delta = {}
+        if reply.reasoning:
+            delta["reasoning"] = delta["reasoning_content"] = reply.reasoning
+        if reply.content:
+            delta["content"] = reply.content
+        if reply.tool_calls:
+            delta["tool_calls"] = [call.to_json(earlier_calls + k) for k, call in enumerate(reply.tool_calls)]
+        return delta, parser.tool_calls
 
     def _token_bytes(self, token_id: int) -> list[int]:
         return list(self._token(token_id).encode() if self.tokenizer is None else self.tokenizer.token_bytes(token_id))
@@ -723,9 +907,9 @@ class ChatFormat(ResponseFormat):
     def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str,
                stop_reason: str | int | None = None, logprobs: list[TokenLogprobs] | None = None,
                echo: Echo | None = None) -> dict:
-        choice = {"index": index, "message": {"role": "assistant", "content": text},
-                  "logprobs": self._logprobs(token_ids, logprobs), "finish_reason": finish_reason,
-                  "stop_reason": stop_reason}
+        message, tool_calls = self._message(text)
+        choice = {"index": index, "message": message, "logprobs": self._logprobs(token_ids, logprobs),
+                  "finish_reason": self._finish_reason(finish_reason, tool_calls), "stop_reason": stop_reason}
         return self._with_token_ids(choice, token_ids)
 
     def first_chunks(self, n: int = 1) -> list[dict]:
@@ -736,7 +920,7 @@ class ChatFormat(ResponseFormat):
     def chunk(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
               stop_reason: str | int | None = None, logprobs: list[TokenLogprobs] | None = None,
               echo: Echo | None = None) -> dict:
-        choice = {"index": index, "delta": {"content": text} if text else {},
-                  "logprobs": self._logprobs(token_ids, logprobs), "finish_reason": finish_reason,
-                  "stop_reason": stop_reason}
+        delta, tool_calls = self._delta(index, text, finish_reason is not None)
+        choice = {"index": index, "delta": delta, "logprobs": self._logprobs(token_ids, logprobs),
+                  "finish_reason": self._finish_reason(finish_reason, tool_calls), "stop_reason": stop_reason}
         return self._answer(self.chunk_object_name, [self._with_token_ids(choice, token_ids)])
