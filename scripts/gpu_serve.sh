@@ -211,12 +211,13 @@ if want logprobs; then  # what SamplingParams.logprobs costs: token_logprobs alo
 fi
 if want penalties; then  # what repetition / frequency / presence penalties and min-p cost, and their GPU checks
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_sampling.py tests/test_engine.py \
-    -k "gpu or penalties or min_p or nan_or_inf or advance or variants or graph" > "$OUT/penalties_gpu_tests.log" 2>&1 \
+    -k "gpu or penalties or min_p or min_tokens or banned or nan_or_inf or advance or variants or graph" \
+    > "$OUT/penalties_gpu_tests.log" 2>&1 \
     || status=1
   tail -3 "$OUT/penalties_gpu_tests.log"
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest -q -p no:cacheprovider tests/test_sampling.py \
-    -k "(penalties or advance or nan_or_inf or min_p or full_vocabulary) and not graph" \
+    -k "(penalties or banned or advance or nan_or_inf or min_p or full_vocabulary) and not graph" \
     > "$OUT/penalties_sanitizer.log" 2>&1 || status=1
   tail -4 "$OUT/penalties_sanitizer.log"
   python3 benchmarks/sampling.py --batch-sizes 1 32 > "$OUT/sampling.md" 2>&1 || status=1

@@ -617,6 +617,30 @@ def test_stop_ids_end_a_request_and_leave_the_others(model, engine):
     assert outputs[1].outputs[0].token_ids == second
 
 
+def test_min_tokens_keeps_stop_ids_out_until_then_as_the_reference_loop(model, engine):
+    """min_tokens: the stop ids' logits are -inf until a request has that many tokens (greedy and
+    seeded, beside a request without it): the reference loop's tokens; a stop id drawn after then
+    ends the request. More stop ids than the device holds with min_tokens: a ValueError."""
+    p0, p1 = prompt(9, 11), prompt(5, 12)
+    free = token_ids(engine.generate([p0], greedy(8)))[0]
+    stop = free[1]  # the greedy reply's second token: it would end the request at 2 tokens
+    jobs = [(p0, dict(temperature=0.0), 4), (p0, dict(temperature=1.0, seed=7), 3), (p1, dict(temperature=0.0), 0)]
+    reference = [model.generate(torch.tensor([p], device=DEVICE), 8, eos_token_id=[stop], min_tokens=m, **k)[0]
+                 for p, k, m in jobs]
+    reference = [ids[: ids.tolist().index(stop) + 1].tolist() if stop in ids.tolist() else ids.tolist()
+                 for ids in reference]
+    outputs = engine.generate([p for p, _, _ in jobs], [SamplingParams(max_tokens=8, ignore_eos=True, min_tokens=m,
+                                                                       stop_token_ids=[stop], **k)
+                                                        for _, k, m in jobs])
+    assert token_ids(outputs) == reference
+    assert stop not in reference[0][:4] and len(reference[0]) > 2  # the ban mattered
+    assert all(stop not in ids[:m] for ids, (_, _, m) in zip(reference, jobs))
+    with pytest.raises(ValueError, match="min_tokens: a request with min_tokens may have 8 stop ids at most"):
+        engine.add_request(p0, SamplingParams(max_tokens=4, min_tokens=1, stop_token_ids=list(range(9))))
+    with pytest.raises(ValueError, match="min_tokens: expected an int in"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
 def test_model_eos_stops_unless_ignore_eos(model):
     p = prompt(9, 13)
     free = token_ids(Engine(model, max_batch=2, max_len=32).generate([p], greedy(8)))[0]

@@ -883,6 +883,48 @@ def test_apply_penalties_equals_the_reference_to_the_bit(dtype, n_vocab, with_sl
     assert n_vocab == 1 or not torch.equal(biased, got)  # some listed id is in range and in use
 
 
+def ban_case(n_slots, n_vocab, seed=0):
+    """Per slot: banned ids (-1 pads, an id past V, repeats), positions and ban lengths (some slots
+    under their ban, some past it, some without one)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-1, n_vocab + 1, (n_slots, 8), generator=g)
+    positions = torch.randint(0, 6, (n_slots,), generator=g)
+    until = torch.randint(0, 6, (n_slots,), generator=g)
+    return ids.to(DEVICE), until.to(DEVICE), positions.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_banned_tokens_are_minus_inf_while_under_the_ban(dtype, with_bias):
+    """min_tokens' ban: a slot's banned ids come out -inf while its position is under its ban
+    length, whatever their bias (the ban is the last write), and are otherwise untouched; the
+    kernel equals the reference to the bit, with and without slots."""
+    n_vocab = 37
+    logits, counts, repetition, frequency, presence = penalty_case(5, n_vocab, 7, dtype)
+    bias = logit_bias_case(7, n_vocab) if with_bias else (None, None, None)
+    ban = ban_case(7, n_vocab)
+    ban[0][2, :3] = torch.tensor([4, 4, 9])  # slot 2: a repeated id, and banned now
+    ban[1][2], ban[2][2] = 3, 2
+    if with_bias:
+        bias[0][2, 0], bias[2][2] = 4, 1  # banned and biased: -inf wins
+    for slots in (None, torch.tensor([6, 0, 2, 3, 5], device=DEVICE)):
+        rows = torch.arange(5, device=DEVICE) if slots is None else slots
+        got = apply_penalties(logits, counts, repetition, frequency, presence, slots, bias_ids=bias[0],
+                              bias_values=bias[1], bias_counts=bias[2], banned_ids=ban[0], banned_until=ban[1],
+                              positions=ban[2])
+        assert torch.equal(got, apply_penalties_ref(logits, counts, repetition, frequency, presence, slots, *bias, *ban))
+        free = apply_penalties(logits, counts, repetition, frequency, presence, slots, bias_ids=bias[0],
+                               bias_values=bias[1], bias_counts=bias[2])
+        for row, slot in enumerate(rows.tolist()):
+            banned = {t for t in ban[0][slot].tolist() if 0 <= t < n_vocab} if ban[2][slot] < ban[1][slot] else set()
+            minus_inf = {t for t in range(n_vocab) if got[row, t] == float("-inf")}
+            assert minus_inf == banned, (row, slot)
+            kept = [t for t in range(n_vocab) if t not in banned]
+            assert torch.equal(got[row, kept], free[row, kept])
+        assert got[2, 4] == float("-inf")  # row 2: slot 2 either way, banned now
+    assert bool((ban[2] < ban[1]).any()) and bool((ban[2] >= ban[1]).any())  # both cases occur
+
+
 def test_logit_bias_is_added_before_the_penalties():
     """vLLM's order: a biased token is penalised with its bias in (repetition divides x + b)."""
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]], device=DEVICE)
@@ -955,6 +997,14 @@ def test_apply_penalties_at_the_full_vocabulary_on_gpu(n_rows):
     assert torch.equal(apply_penalties(logits, counts, repetition, frequency, presence, slots, bias_ids=bias[0],
                                        bias_values=bias[1], bias_counts=bias[2]),
                        apply_penalties_ref(logits, counts, repetition, frequency, presence, slots, *bias))
+    ban = ban_case(48, 248320)
+    ban[0][:, 0] = bias[0][:, 0].long()  # banned and biased: the ban's -inf is the last write
+    for with_bias in (bias, (None, None, None)):
+        assert torch.equal(apply_penalties(logits, counts, repetition, frequency, presence, slots,
+                                           bias_ids=with_bias[0], bias_values=with_bias[1], bias_counts=with_bias[2],
+                                           banned_ids=ban[0], banned_until=ban[1], positions=ban[2]),
+                           apply_penalties_ref(logits, counts, repetition, frequency, presence, slots, *with_bias,
+                                               *ban))
     out = torch.empty(n_rows, 248320, device=DEVICE)
     graph, _ = capture_graph(lambda: apply_penalties(logits, counts, repetition, frequency, presence, slots, out=out))
     fresh = penalty_case(n_rows, 248320, 48, torch.bfloat16, seed=1)

@@ -774,3 +774,17 @@ def test_token_bytes_of_a_vocabulary_that_is_not_byte_level():
     """Without a byte-level decoder a token's bytes are the UTF-8 of its decoded text."""
     words = Tokenizer(tokenizers.Tokenizer(tokenizers.models.WordLevel({"héllo": 0, "[UNK]": 1}, unk_token="[UNK]")))
     assert words.token_bytes(0) == "héllo".encode() and words.token_text(0) == "héllo"
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    """min_tokens (vLLM's): no stop string ends the text before that many ids were fed; the first
+    one completed at or after it does, and a min_tokens of 0 changes nothing."""
+    ids = tokenizer.encode("one STOP two STOP three")
+    first_stop_ends = next(k for k in range(1, len(ids) + 1) if "STOP" in tokenizer.decode(ids[:k]))
+    assert first_stop_ends < len(ids) - 1
+    cases = {0: "one ", first_stop_ends: "one ", first_stop_ends + 1: "one STOP two "}
+    for min_tokens, text in cases.items():
+        pieces, detokenizer = _stream(tokenizer, ids, stop=["STOP"], min_tokens=min_tokens)
+        assert "".join(pieces) == detokenizer.text == text and detokenizer.stop_reason == "STOP", min_tokens
+    pieces, detokenizer = _stream(tokenizer, ids, stop=["STOP"], min_tokens=len(ids))  # both completed before
+    assert "".join(pieces) == tokenizer.decode(ids) and not detokenizer.stopped

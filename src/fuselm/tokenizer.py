@@ -492,10 +492,11 @@ class Tokenizer:
     # -- streaming ---------------------------------------------------------------------------
 
     def detokenizer(self, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = False,
-                    stop: Sequence[str] | None = None,
-                    include_stop_str_in_output: bool = False) -> IncrementalDetokenizer:
+                    stop: Sequence[str] | None = None, include_stop_str_in_output: bool = False,
+                    min_tokens: int = 0) -> IncrementalDetokenizer:
         """A new ``IncrementalDetokenizer`` for one request's generated ids (see there)."""
-        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens, stop, include_stop_str_in_output)
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens, stop, include_stop_str_in_output,
+                                      min_tokens)
 
 
 class IncrementalDetokenizer:
@@ -512,7 +513,9 @@ class IncrementalDetokenizer:
     (after it with ``include_stop_str_in_output``), ``.stopped`` is True, ``.stop_reason`` is
     that string, and later ``feed`` calls return "".
     When several could end the text, the one that is complete first (earliest end) wins, so the
-    result does not depend on how the text was split into tokens.
+    result does not depend on how the text was split into tokens. With ``min_tokens`` no stop
+    string ends the text before that many ids were fed (vLLM's); one the min_tokens-th id's text
+    completes still does.
 
     Decoding goes through ``tokenizers.decoders.DecodeStream``, prefilled with the end of the
     prompt so that the first generated token decodes as it does inside the whole sequence."""
@@ -522,7 +525,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None,
                  skip_special_tokens: bool = False, stop: Sequence[str] | None = None,
-                 include_stop_str_in_output: bool = False):
+                 include_stop_str_in_output: bool = False, min_tokens: int = 0):
         if stop is None:
             stop = ()
         elif isinstance(stop, str) or not all(isinstance(string, str) and string for string in stop):
@@ -531,6 +534,8 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = skip_special_tokens
         self._stop = tuple(stop)
         self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
+        self._fed = 0  # ids fed so far
         prefill = [] if prompt_ids is None else [int(token_id) for token_id in prompt_ids[-self._PREFILL_TOKENS:]]
         if prefill and tokenizer.decode(prefill, skip_special_tokens).endswith("\ufffd"):
             prefill = []  # the prompt ends inside a character: the generated text starts on its own
@@ -548,6 +553,7 @@ class IncrementalDetokenizer:
             raise RuntimeError("feed after flush: the request has ended")
         if self.stopped:
             return ""
+        self._fed += 1
         chunk = self._stream.step(self._tokenizer.backend, int(token_id))
         if chunk is None:
             self._undecoded_ids.append(int(token_id))
@@ -575,7 +581,8 @@ class IncrementalDetokenizer:
         starts at the unreturned part.)"""
         pending = self.text[self._released:]
         first_end, first_stop = None, None
-        for string in self._stop:
+        # before min_tokens ids no stop string ends the text (a held-back start may still complete one)
+        for string in self._stop if self._fed >= self._min_tokens else ():
             start = pending.find(string)
             if start >= 0:
                 end = start + len(string)

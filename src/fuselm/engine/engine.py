@@ -44,7 +44,7 @@ import torch
 from fuselm.engine.request import (FinishReason, Logprob, Request, RequestOutput, SamplingParams, TokenLogprobs,
                                    is_token_ids, params_per_prompt, samples_output)
 from fuselm.engine.runner import DEFAULT_GRAPH_BATCH_SIZES, ModelRunner
-from fuselm.engine.sampling import sampler_variant
+from fuselm.engine.sampling import MAX_DEVICE_STOP_IDS, sampler_variant
 from fuselm.engine.scheduler import Scheduler
 from fuselm.models.qwen35 import Qwen35
 from fuselm.models.qwen35.cache import PAGE_SIZE
@@ -324,6 +324,9 @@ class Engine:
         if bad:
             raise ValueError(f"logit_bias: token ids {bad[:10]} are not in [0, {self.vocab_size}) (vocab_size)")
         stop_ids = tuple(dict.fromkeys(list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_ids))))
+        if params.min_tokens and len(stop_ids) > MAX_DEVICE_STOP_IDS:  # the device bans the ones it holds
+            raise ValueError(f"min_tokens: a request with min_tokens may have {MAX_DEVICE_STOP_IDS} stop ids at most "
+                             f"(stop_token_ids and the model's eos ids), got {len(stop_ids)}")
         request = Request(str(next(self._ids)) if request_id is None else request_id, ids, params,
                           self._seeds.getrandbits(63) if params.seed is None else params.seed, stop_ids,
                           prompt=prompt, detokenizer=detokenizer)
@@ -372,7 +375,9 @@ class Engine:
                 request.prompt_logprobs = request.pending_prompt_logprobs.entries(request.prompt_token_ids,
                                                                                   request.params.prompt_logprobs)
                 request.pending_prompt_logprobs = None
-        if token in request.stop_ids:  # stop_reason: the id when the request asked for it (vLLM: None at eos)
+        # (before min_tokens no stop id is drawn: the sampler bans them; the detokenizer's stop strings wait too)
+        if token in request.stop_ids and len(request.output_token_ids) >= request.params.min_tokens:
+            # stop_reason: the id when the request asked for it (vLLM: None at eos)
             request.finish_reason = FinishReason.STOP
             request.stop_reason = token if token in request.params.stop_token_ids else None
             if request.detokenizer is not None and request.params.include_stop_str_in_output:

@@ -23,7 +23,7 @@ from fuselm.ops.sampling import PROMPT_BIT, apply_penalties, sample_tokens
 def generate(model: Qwen35, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, *, min_p: float | None = None,
              repetition_penalty: float | None = None, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-             logit_bias: dict[int, float] | None = None,
+             logit_bias: dict[int, float] | None = None, min_tokens: int = 0,
              attention_mask: torch.Tensor | None = None, eos_token_id: int | Sequence[int] | None = None,
              pad_token_id: int | None = None, seed: int | None = None, return_logits: bool = False):
     """Generate up to ``max_new_tokens`` tokens per row after right-padded prompts.
@@ -39,6 +39,7 @@ def generate(model: Qwen35, input_ids: torch.Tensor, max_new_tokens: int, temper
             frequency_penalty, presence_penalty (vLLM's / OpenAI's, over the generated ones):
             and ``logit_bias`` ({token id: bias}, OpenAI's): ``SamplingParams``' meanings, applied
             to greedy rows too; the logits returned are the model's, before them.
+        min_tokens: the stop ids are not drawn (their logits -inf) before a row has that many tokens.
         eos_token_id: id or ids that end a row; None uses the config's stop ids, ``[]`` never
             stops. A finished row's later tokens are ``pad_token_id`` (default: the config's,
             else the first eos id, else 0), and it writes no more state.
@@ -54,7 +55,7 @@ def generate(model: Qwen35, input_ids: torch.Tensor, max_new_tokens: int, temper
     params = SamplingParams(temperature=temperature, top_k=top_k or 0, top_p=1.0 if top_p is None else top_p,
                             min_p=min_p or 0.0, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                             repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
-                            logit_bias=logit_bias)
+                            logit_bias=logit_bias, max_tokens=max(max_new_tokens, 1), min_tokens=min_tokens)
     stop_ids = model.config.stop_token_ids if eos_token_id is None else (
         (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id))
     vocab = model.config.vocab_size
@@ -99,6 +100,8 @@ def generate(model: Qwen35, input_ids: torch.Tensor, max_new_tokens: int, temper
             step_logits.append(logits)
         positions = torch.full((B,), i, dtype=torch.int64, device=device)
         scores = logits if counts is None else apply_penalties(logits, counts, *penalties, **bias)
+        if i < min_tokens and stop is not None:
+            scores = scores.float().index_fill(1, stop, float("-inf"))
         tokens = sample_tokens(scores, **row_params, positions=positions, filtered=params.filtered)
         if counts is not None:
             counts[torch.arange(B, device=device), tokens] += cache.active.int()

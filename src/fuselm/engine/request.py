@@ -52,7 +52,9 @@ class SamplingParams:
     seed per request). stop:
     strings that end the request, cut from the text. stop_token_ids: ids that end it beside the
     model's eos ids (kept in the token ids, their text left out as vLLM leaves it).
-    ignore_eos: do not stop at the model's eos ids (stop_token_ids still stop).
+    ignore_eos: do not stop at the model's eos ids (stop_token_ids still stop). min_tokens (in [0,
+    max_tokens]): no stop id can be drawn, and no stop string ends the request, before that many
+    tokens (vLLM's: the stop ids' logits are -inf until then).
     include_stop_str_in_output: the stop string (or the stop id's text) that ended the request
     stays at the end of the text. skip_special_tokens: special tokens are left out of the text
     (vLLM's default; off, they are decoded like any other). These two only shape the text.
@@ -78,6 +80,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1
@@ -124,6 +127,9 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens: expected an int in [0, max_tokens = {self.max_tokens}], got "
+                             f"{self.min_tokens!r}")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n: expected an int >= 1, got {self.n!r}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -145,7 +151,7 @@ class SamplingParams:
     def detokenizer_options(self) -> dict:
         """``Tokenizer.detokenizer``'s keyword options for a request with these params."""
         return {"skip_special_tokens": self.skip_special_tokens, "stop": self.stop,
-                "include_stop_str_in_output": self.include_stop_str_in_output}
+                "include_stop_str_in_output": self.include_stop_str_in_output, "min_tokens": self.min_tokens}
 
     @property
     def greedy(self) -> bool:
@@ -158,9 +164,10 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """True when a penalty or a logit bias changes the logits before the draw (greedy requests too)."""
+        """True when a penalty, a logit bias or min_tokens changes the logits before the draw (greedy
+        requests too)."""
         return (self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
-                or bool(self.logit_bias))
+                or bool(self.logit_bias) or self.min_tokens > 0)
 
 
 def params_per_prompt(params: "SamplingParams | Sequence[SamplingParams] | None", count: int) -> list["SamplingParams"]:

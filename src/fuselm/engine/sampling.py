@@ -3,7 +3,7 @@
 ``SlotSampling`` holds, for each cache slot, the sampling parameters of the request in it
 (temperature, top-k, top-p, min-p, penalties, seed), how many tokens it has drawn (the position of
 its random stream: a request's draws depend on its seed and position only, never on its batch or
-slot), how many it may still draw, its stop ids, its logit bias, and (for the penalties) how many
+slot), how many it may still draw, its stop ids (banned until its min_tokens), its logit bias, and (for the penalties) how many
 times it drew each token and which tokens its prompt holds (``counts`` [slots, V] int32, 1 MB a
 slot at Qwen3.5's vocabulary). ``sample_and_advance`` draws the next id of each
 row of a decode batch with its slot's parameters (the row -> slot table; by default rows are the
@@ -71,6 +71,7 @@ class SlotSampling:
         self.seeds = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)  # tokens drawn so far
         self.remaining = torch.zeros(max_batch, dtype=torch.int64, device=device)  # tokens still allowed
+        self.min_tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)  # stop ids banned until then
         self.stop_ids = torch.full((max_batch, MAX_DEVICE_STOP_IDS), -1, dtype=torch.int64, device=device)
 
     def assign(self, requests: list[Request], slots: list[int], staging: PinnedStaging) -> None:
@@ -102,6 +103,7 @@ class SlotSampling:
         self.seeds.index_copy_(0, slots, column([r.seed for r in requests], torch.int64))
         self.positions.index_fill_(0, slots, 0)
         self.remaining.index_copy_(0, slots, column([p.max_tokens for p in params], torch.int64))
+        self.min_tokens.index_copy_(0, slots, column([p.min_tokens for p in params], torch.int64))
         stop = [list(r.stop_ids[:MAX_DEVICE_STOP_IDS]) + [-1] * (MAX_DEVICE_STOP_IDS - len(r.stop_ids[:MAX_DEVICE_STOP_IDS]))
                 for r in requests]
         self.stop_ids.index_copy_(0, slots, column(stop, torch.int64))
@@ -131,7 +133,8 @@ class SlotSampling:
         if penalized:
             logits = apply_penalties(logits, self.counts, index(self.repetition), index(self.frequency),
                                      index(self.presence), slots, bias_ids=self.bias_ids,
-                                     bias_values=self.bias_values, bias_counts=self.bias_counts)
+                                     bias_values=self.bias_values, bias_counts=self.bias_counts,
+                                     banned_ids=self.stop_ids, banned_until=self.min_tokens, positions=self.positions)
         ids = sample_tokens(logits, index(self.temperature), index(self.top_k), index(self.top_p),
                             index(self.seeds), index(self.positions), filtered=filtered,
                             min_p=index(self.min_p) if filtered else None,

@@ -27,7 +27,7 @@ are ignored, as vLLM does):
     temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos,
     frequency_penalty, presence_penalty (OpenAI's, in [-2, 2]), repetition_penalty, min_p,
     logit_bias            {"token id": bias in [-100, 100]}, as OpenAI sends it (string keys)
-    include_stop_str_in_output, skip_special_tokens (vLLM's)            -> SamplingParams
+    include_stop_str_in_output, skip_special_tokens, min_tokens (vLLM's)  -> SamplingParams
     n                     sequences for the prompt, 1 .. MAX_N: n engine requests (seeds seed,
                           seed + 1, ... when seeded, as vLLM's), choices[i] / chunks of index i
     stream, stream_options.include_usage
@@ -40,7 +40,7 @@ are ignored, as vLLM does):
                           a stream), and with logprobs its tokens' too (the first one's null), as
                           lm-eval's loglikelihood requests read them
 Fields that would change the answer but are not implemented (``UNSUPPORTED_FIELDS``: chat's echo,
-vLLM's prompt_logprobs field, best_of > 1, min_tokens, the legacy functions, response_format, and
+vLLM's prompt_logprobs field, best_of > 1, the legacy functions, response_format, and
 vLLM's own: beam search, guided decoding, allowed_token_ids ...) are refused with a 400 naming
 them unless they hold their neutral value.
 
@@ -131,7 +131,6 @@ def _absent_or(*neutral) -> Callable[[Any], bool]:
 # them only with the neutral value (a 400 naming the field otherwise, never a silent ignore).
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "best_of": _absent_or(1),
-    "min_tokens": _absent_or(0),
     # vLLM's own (its extra_body): users of a vLLM server send them
     "use_beam_search": _absent_or(False),
     "length_penalty": _absent_or(1),
@@ -208,7 +207,7 @@ def _max_tokens_field(body: Mapping, max_tokens_fields: tuple[str, ...]) -> str:
 # Request fields that go to the SamplingParams field of the same name as they are.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
                    "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
-                   "skip_special_tokens", "n")
+                   "skip_special_tokens", "n", "min_tokens")
 
 
 def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, prompt_tokens: int, max_len: int,

@@ -191,13 +191,15 @@ PROMPT_BIT = 1 << 30  # ``apply_penalties``' counts: this bit marks a prompt tok
 
 def apply_penalties_ref(logits: torch.Tensor, counts: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
                         presence: torch.Tensor, slots: torch.Tensor | None = None, bias_ids: torch.Tensor | None = None,
-                        bias_values: torch.Tensor | None = None,
-                        bias_counts: torch.Tensor | None = None) -> torch.Tensor:
+                        bias_values: torch.Tensor | None = None, bias_counts: torch.Tensor | None = None,
+                        banned_ids: torch.Tensor | None = None, banned_until: torch.Tensor | None = None,
+                        positions: torch.Tensor | None = None) -> torch.Tensor:
     """``apply_penalties``' definition (and its CPU fallback): fp32 [n, V], each step a separate
     fp32 operation (one rounding each), in vLLM's order: the logit bias of each row's slot (its
     first ``bias_counts`` entries of ``bias_ids`` / ``bias_values``; ids outside [0, V) skipped),
     repetition over prompt and generated tokens, then frequency x count, then presence over
-    generated tokens."""
+    generated tokens; last, -inf over each row's slot's ``banned_ids`` (ids outside [0, V) skipped)
+    while ``positions[slot] < banned_until[slot]``."""
     x = logits.float().clone()
     rows = torch.arange(x.shape[0], device=x.device) if slots is None else slots
     if bias_ids is not None:
@@ -210,7 +212,13 @@ def apply_penalties_ref(logits: torch.Tensor, counts: torch.Tensor, repetition: 
     r = repetition[:, None]
     x = torch.where(count != 0, torch.where(x > 0, x / r, x * r), x)
     x = x - frequency[:, None] * generated.float()
-    return x - torch.where(generated > 0, presence[:, None], 0.0)
+    x = x - torch.where(generated > 0, presence[:, None], 0.0)
+    if banned_ids is not None:
+        ids = banned_ids[rows]
+        banned = (positions[rows] < banned_until[rows])[:, None] & (ids >= 0) & (ids < x.shape[1])
+        row_of = torch.arange(x.shape[0], device=x.device)[:, None].expand_as(banned)
+        x[row_of[banned], ids[banned]] = float("-inf")
+    return x
 
 
 def advance_slots_ref(ids, active, positions, remaining, stop_ids, slots=None, next_inputs=None, counts=None) -> None:
