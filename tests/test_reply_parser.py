@@ -100,7 +100,8 @@ def test_max_tool_calls_drops_the_calls_past_it():
     ("2.5e3", {"type": "number"}, 2500.0), ("nan", {"type": "number"}, "nan"), ("inf", {"type": "number"}, "inf"),
     ("True", {"type": "boolean"}, True), ("no", {"type": "boolean"}, "no"), ("null", {"type": "integer"}, None),
     ("null", {"type": "string"}, "null"), (" 12 ", {"type": "string"}, " 12 "), ("12", None, "12"),
-    ('{"a": 1}', {"type": "object"}, {"a": 1}), ("[1]", {"type": "object"}, "[1]"), ("[1, 2]", {"type": "array"}, [1, 2]),
+    ('{"a": 1}', {"type": "object"}, {"a": 1}), ("[1]", {"type": "object"}, "[1]"),
+    ("[1, 2]", {"type": "array"}, [1, 2]),
     ("{bad", {"type": "object"}, "{bad"), ("3", {"type": ["null", "integer"]}, 3), ("3", {"enum": [1, 3]}, "3"),
 ])
 def test_arguments_convert_by_their_schema_type(value, schema, expected):

@@ -912,7 +912,8 @@ def test_banned_tokens_are_minus_inf_while_under_the_ban(dtype, with_bias):
         got = apply_penalties(logits, counts, repetition, frequency, presence, slots, bias_ids=bias[0],
                               bias_values=bias[1], bias_counts=bias[2], banned_ids=ban[0], banned_until=ban[1],
                               positions=ban[2])
-        assert torch.equal(got, apply_penalties_ref(logits, counts, repetition, frequency, presence, slots, *bias, *ban))
+        expected = apply_penalties_ref(logits, counts, repetition, frequency, presence, slots, *bias, *ban)
+        assert torch.equal(got, expected)
         free = apply_penalties(logits, counts, repetition, frequency, presence, slots, bias_ids=bias[0],
                                bias_values=bias[1], bias_counts=bias[2])
         for row, slot in enumerate(rows.tolist()):

@@ -3,10 +3,10 @@
 ``SlotSampling`` holds, for each cache slot, the sampling parameters of the request in it
 (temperature, top-k, top-p, min-p, penalties, seed), how many tokens it has drawn (the position of
 its random stream: a request's draws depend on its seed and position only, never on its batch or
-slot), how many it may still draw, its stop ids (banned until its min_tokens), its logit bias, and (for the penalties) how many
-times it drew each token and which tokens its prompt holds (``counts`` [slots, V] int32, 1 MB a
-slot at Qwen3.5's vocabulary). ``sample_and_advance`` draws the next id of each
-row of a decode batch with its slot's parameters (the row -> slot table; by default rows are the
+slot), how many it may still draw, its stop ids (banned until its min_tokens), its logit bias,
+and (for the penalties) how many times it drew each token and which tokens its prompt holds
+(``counts`` [slots, V] int32, 1 MB a slot at Qwen3.5's vocabulary). ``sample_and_advance`` draws
+the next id of each row of a decode batch with its slot's parameters (the row -> slot table; by default rows are the
 first slots) (``fuselm.ops.sampling.sample_tokens``) and updates those counters and the
 cache's ``active`` flags on the device: a slot stops when it draws one of its stop ids or its
 last allowed token. No host sync, static shapes: it runs inside the decode step's CUDA graph.
@@ -27,12 +27,12 @@ MAX_DEVICE_STOP_IDS = 8
 # Sampler variants, chosen on the host from the requests in a step (a decode graph is captured
 # for each): PLAIN, no request filters (greedy, or top-k, top-p and min-p off): no cut-offs;
 # FILTERED, some request filters: each row's cut-off first (``fuselm.ops.sampling.cutoffs``);
-# PENALIZED, PENALIZED_TOP_K and PENALIZED_FILTERED, some request has a penalty or a logit bias:
-# the logits are penalised first (``apply_penalties``, into fp32) and the draws counted; fp32
-# cut-offs come from the SMALL_TOP_K largest logits when every filtering request's top-p rides on
-# a top-k of at most that many (PENALIZED_TOP_K: Qwen's settings, top-k 20), else from a sort of
-# each row (PENALIZED_FILTERED). Every variant draws the same ids for the requests it serves as a
-# cheaper one would.
+# PENALIZED, PENALIZED_TOP_K and PENALIZED_FILTERED, some request has a penalty, a logit bias or
+# min_tokens (``SamplingParams.penalized``): the logits are penalised (and stop ids banned) first
+# (``apply_penalties``, into fp32) and the draws counted; fp32 cut-offs come from the SMALL_TOP_K
+# largest logits when every filtering request's top-p rides on a top-k of at most that many
+# (PENALIZED_TOP_K: Qwen's settings, top-k 20), else from a sort of each row (PENALIZED_FILTERED).
+# Every variant draws the same ids for the requests it serves as a cheaper one would.
 PLAIN, FILTERED, PENALIZED = "plain", "filtered", "penalized"
 PENALIZED_TOP_K, PENALIZED_FILTERED = "penalized_top_k", "penalized_filtered"
 SAMPLER_VARIANTS = (PLAIN, FILTERED, PENALIZED, PENALIZED_TOP_K, PENALIZED_FILTERED)

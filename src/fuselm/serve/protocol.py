@@ -519,11 +519,11 @@ def _check_tools(tools) -> list | None:
     return tools
 
 
-def _parsed_tools(body: Mapping, tools: list | None, tool_call_parser: str | None) -> list | None:
-    """The tools whose calls the reply is parsed for (None: no tool parsing): the request's, under
-    ``tool_choice`` "auto" (its default when tools are given); a 400 when the server has no
-    tool-call parser for them, or when the choice would force a call."""
-    choice = body.get("tool_choice")
+def _parsed_tools(body: Mapping, tool_call_parser: str | None) -> list | None:
+    """The tools whose calls the reply is parsed for (None: no tool parsing): the request's (checked
+    by ``_chat_prompt``), under ``tool_choice`` "auto" (its default when tools are given); a 400
+    when the server has no tool-call parser for them, or when the choice would force a call."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
     if choice is None:
         choice = "auto" if tools else "none"
     if choice not in ("auto", "none"):
@@ -598,7 +598,7 @@ def parse_chat_request(body: Mapping, tokenizer, defaults: SamplingParams, max_l
         raise bad_request(f"chat needs a tokenizer and a chat template, and this server has none "
                           f"({no_tokenizer_reason}): use /v1/completions with a list of token ids", "messages")
     text = _chat_prompt(body, tokenizer)
-    parsed_tools = _parsed_tools(body, body.get("tools"), tool_call_parser)
+    parsed_tools = _parsed_tools(body, tool_call_parser)
     parallel_tool_calls = _optional_bool(body, "parallel_tool_calls", True)
     reply_parsing = None
     if reasoning_parser is not None or parsed_tools is not None:

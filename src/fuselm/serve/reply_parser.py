@@ -173,7 +173,7 @@ class ReplyParser:
         if end == "marker" or (end == "final" and (self._state == _REASONING or self.tool_calls)):
             text = text.rstrip(self._trailing)
         elif end is None:
-            kept = text.rstrip(self._trailing) if self._trailing else text
+            kept = text.rstrip(self._trailing)  # ("" strips nothing)
             text, self._held = kept, text[len(kept):]
         if self._state == _REASONING:
             out.reasoning += text

@@ -22,9 +22,9 @@ agree to the bit. A row with neutral values comes out exactly x, whatever its sl
 
 One launch, a program per (row, BLOCK tokens): it reads the logits (16 or 32 bits) and the counts
 (32 bits) once and writes fp32 [n, V]; with a logit bias or a ban, a second launch (a program per
-row) computes the biased tokens again with their bias and writes them over, then the banned ones. The penalised logits are
-the sampler's input; the raw ones stay as they were (log-probabilities are the model's, as vLLM's
-default).
+row) computes the biased tokens again with their bias and writes them over, then the banned ones.
+The penalised logits are the sampler's input; the raw ones stay as they were (log-probabilities are
+the model's, as vLLM's default).
 """
 
 from __future__ import annotations
