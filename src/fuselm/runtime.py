@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import math
 import os
 from typing import Sequence
@@ -52,9 +53,26 @@ def capture_graph(fn):
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         out = fn()
     return graph, out
+
+
+@contextlib.contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, pool=None):
+    """``torch.cuda.graph(graph, pool=pool)`` with Python's garbage collector off inside (as it was
+    before, after): a collection that runs inside a capture and frees objects holding CUDA
+    resources (another engine's graphs, pinned buffers, events) makes calls a capture forbids, and
+    the capture fails ("operation failed due to a previous error during capture"). torch.cuda.graph
+    collects once before it begins."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def cdiv(x: int, y: int) -> int:

@@ -49,7 +49,7 @@ from fuselm.engine.sampling import SAMPLER_VARIANTS, SlotSampling, sampler_varia
 from fuselm.models.qwen35 import Qwen35
 from fuselm.models.qwen35.cache import PAGE_SIZE
 from fuselm.ops.sampling import token_logprobs
-from fuselm.runtime import PinnedStaging, cublaslt_preferred
+from fuselm.runtime import PinnedStaging, cublaslt_preferred, graph_capture
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +260,7 @@ class ModelRunner:
         with cublaslt_preferred(self.device):
             result = body(inputs)
             self._graph_inputs[key] = inputs
-            with torch.cuda.graph(graph, pool=self._pool):
+            with graph_capture(graph, pool=self._pool):
                 self._graph_outputs[key] = body(inputs)
         self._graphs[key] = graph
         logger.info("graph %s: warm-up run and capture in %.2f s (%d graphs)", key, time.perf_counter() - began,
@@ -383,7 +383,7 @@ class ModelRunner:
                                   (("sample", batch, variant),
                                    lambda: self._next_inputs(self.decode_logits[:batch], batch, variant))):
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self._pool):
+                    with graph_capture(graph, pool=self._pool):
                         self._graph_outputs[key] = body()
                     self._pool = graph.pool()
                     self._graphs[key] = graph
