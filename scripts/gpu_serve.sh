@@ -30,13 +30,15 @@
 #   stage logprobs: sampling.md and engine_logprobs.md (the static engine's step at batch 1 / 32 without and
 #   with SamplingParams.logprobs 5); stage penalties: sampling.md and engine_penalties.md (the step at batch
 #   1 / 32, greedy and with Qwen's non-thinking sampling, each without and with presence_penalty 1.5), the
-#   penalties' GPU tests (penalties_gpu_tests.log) and their kernels under memcheck (penalties_sanitizer.log)
+#   penalties' GPU tests (penalties_gpu_tests.log) and their kernels under memcheck (penalties_sanitizer.log);
+#   stage structured: structured outputs' GPU tests (structured_gpu_tests.log), the bitmask kernel under memcheck
+#   (structured_sanitizer.log), the 9B step with constrained requests (structured_outputs.md / .json)
 # STATE_DTYPE=bfloat16: the engine and the servers keep the Gated DeltaNet states in bf16 (--state-dtype).
 # ADMISSION_WAIT_MS=N: the servers' --admission-wait-ms (default: the CLI's).
 # PROMPTS_1000=1: stage serve also runs 1000 prompts at 32 clients (vLLM's default count).
 # One device call for issue 17's bars with the HF anchor in the same run: `engine serve hf` (~9 min).
 # Usage: bash scripts/gpu_serve.sh [STAGE ...]   stages: engine serve serveN hf tests sanitizer sampling logprobs
-#   penalties
+#   penalties structured
 #   (default all: ~10 min on an H100, more than one device call allows: name fewer stages per call;
 #   wheels from .whl/ as gpu_env.sh installs them)
 set -uo pipefail
@@ -229,5 +231,18 @@ if want penalties; then  # what repetition / frequency / presence penalties and 
     done
   done
   grep -E "^(##|\| decode)|penalty" "$OUT/engine_penalties.md"
+fi
+if want structured; then  # structured outputs: the GPU tests (engine steps with masks through the graphs, the
+  # bitmask kernel at the full vocabulary and in a graph; test_engine whole: the decode path they split), the
+  # bitmask kernel under memcheck, and what a constrained request costs a 9B decode step (structured_outputs.md)
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_structured_outputs.py tests/test_engine.py \
+    tests/test_sampling.py -k "not test_sampling or bitmask" > "$OUT/structured_gpu_tests.log" 2>&1 || status=1
+  tail -3 "$OUT/structured_gpu_tests.log"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python3 -m pytest -q -p no:cacheprovider tests/test_sampling.py -k "bitmask and not graph" \
+    > "$OUT/structured_sanitizer.log" 2>&1 || status=1
+  tail -4 "$OUT/structured_sanitizer.log"
+  timeout 240 python3 benchmarks/structured_outputs.py --out "$OUT" > "$OUT/structured_outputs.log" 2>&1 || status=1
+  tail -12 "$OUT/structured_outputs.log"
 fi
 exit $status

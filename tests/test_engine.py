@@ -72,7 +72,7 @@ def test_engine_keeps_the_recurrent_states_in_state_dtype(model):
 def count_mixed_steps(engine, monkeypatch) -> list:
     """Record each mixed (prefill + decode) step the engine's runner takes."""
     calls, mixed = [], engine.runner.mixed
-    monkeypatch.setattr(engine.runner, "mixed", lambda *args: calls.append(args) or mixed(*args))
+    monkeypatch.setattr(engine.runner, "mixed", lambda *args, **kwargs: calls.append(args) or mixed(*args, **kwargs))
     return calls
 
 
@@ -106,7 +106,8 @@ def test_a_request_left_in_a_high_slot_decodes_in_the_smallest_batch(model, monk
     table), with the tokens it gets alone; seeded sampling too."""
     engine = Engine(model, max_batch=4, max_len=32, graph_batch_sizes=(1, 2, 4), seed=0)
     batches, decode = [], engine.runner.decode
-    monkeypatch.setattr(engine.runner, "decode", lambda batch, variant: batches.append(batch) or decode(batch, variant))
+    monkeypatch.setattr(engine.runner, "decode",
+                        lambda batch, variant, **kwargs: batches.append(batch) or decode(batch, variant, **kwargs))
     prompts = [prompt(5 + i, 130 + i) for i in range(4)]
     params = [greedy(2), greedy(3), greedy(2),
               SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=11, ignore_eos=True)]

@@ -225,3 +225,31 @@ def test_chat_requests_choose_their_reply_parsing(tokenizer):
     assert error.value.param == "tool_choice"
     with pytest.raises(ValueError, match="tool_call_parser: expected one of"):
         parsing({}, tool_call_parser="hermes")
+
+
+def test_a_forced_reply_is_its_calls_and_a_cut_short_one_stays_content():
+    """tool_choice forced (a grammar made the reply JSON): a named function's arguments are the
+    reply's object as written, "required" replies a list of {name, parameters}; streamed in any
+    pieces the same; JSON cut short (max_tokens) stays content; reasoning before it still splits;
+    ``forced_call_schema`` is what the grammar follows (vLLM's)."""
+    from fuselm.serve.reply_parser import forced_call_schema
+
+    named = ReplyParsing.of_prompt(THINKING_PROMPT, True, [WEATHER], forced="get_weather")
+    assert parsed(named.parse('Sunny?\n</think>\n\n{"city": "Oslo", "days": 2}')) == (
+        "Sunny?", "", [("get_weather", {"city": "Oslo", "days": 2})])
+    assert named.parse('x</think>{"city": "Oslo"').content == '{"city": "Oslo"'  # cut short: no call
+    required = ReplyParsing.of_prompt(NO_THINKING_PROMPT, False, [WEATHER], forced="required")
+    reply = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_weather", "parameters": {}}]'
+    whole = parsed(required.parse(reply))
+    assert whole == ("", "", [("get_weather", {"city": "Paris"}), ("get_weather", {})])
+    rng = random.Random(3)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(reply)), 5))
+        assert streamed(required, [reply[a:b] for a, b in zip([0] + cuts, cuts + [len(reply)])]) == whole
+    first_only = ReplyParsing.of_prompt(NO_THINKING_PROMPT, False, [WEATHER], max_tool_calls=1, forced="required")
+    assert len(first_only.parse(reply).tool_calls) == 1
+    assert forced_call_schema([WEATHER], "get_weather") == WEATHER["function"]["parameters"]
+    schema = forced_call_schema([WEATHER, {"type": "function", "function": {"name": "ping"}}], "required", 1)
+    assert schema["maxItems"] == 1 and schema["minItems"] == 1
+    assert [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]] == [["get_weather"], ["ping"]]
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}

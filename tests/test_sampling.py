@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from conftest import DEVICE
-from fuselm.ops.sampling import (PROMPT_BIT, apply_penalties, apply_penalties_ref, cutoffs, gumbel_noise_ref,
+from fuselm.ops.sampling import (PROMPT_BIT, apply_penalties, apply_penalties_ref, apply_token_bitmask,
+                                 apply_token_bitmask_ref, cutoffs, gumbel_noise_ref,
                                  keep_thresholds, random_bits_ref, sample_tokens, sample_tokens_ref, token_logprobs,
                                  token_logprobs_ref)
 from fuselm.ops.sampling.kernels import (
@@ -1013,3 +1014,70 @@ def test_apply_penalties_at_the_full_vocabulary_on_gpu(n_rows):
         static.copy_(new)
     graph.replay()
     assert torch.equal(out, apply_penalties_ref(logits, counts, repetition, frequency, presence, slots))
+
+
+# ==================================================================================== token bitmasks
+def bitmask_case(n_rows, n_vocab, n_masks, n_words, dtype, seed=0, device=DEVICE):
+    """Random logits [n_rows, V], random int32 words [n_masks, n_words] (every bit pattern, the
+    sign bit included) and distinct rows [n_masks]."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n_rows, n_vocab, generator=generator).to(dtype).to(device)
+    words = torch.randint(-2**31, 2**31, (n_masks, n_words), generator=generator, dtype=torch.int64)
+    rows = torch.randperm(n_rows, generator=generator)[:n_masks]
+    return logits, words.to(torch.int32).to(device), rows.to(device)
+
+
+def allowed_by_definition(words: torch.Tensor, n_vocab: int) -> torch.Tensor:
+    """[m, V] bools, token by token from the words as Python ints: bit v % 32 of word v // 32."""
+    rows = []
+    for row in words.tolist():
+        rows.append([v // 32 < len(row) and bool((row[v // 32] >> (v % 32)) & 1) for v in range(n_vocab)])
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_vocab, n_words", [(77, 3), (77, 2), (4099, 129), (33, 1)])
+def test_apply_token_bitmask_equals_the_definition(dtype, n_vocab, n_words):
+    """Masked rows are -inf exactly where their words do not allow the token (tokens past the
+    words included), every other value and row untouched; the kernel equals the reference."""
+    logits, words, rows = bitmask_case(5, n_vocab, 3, n_words, dtype)
+    before = logits.clone()
+    result = apply_token_bitmask(logits, words, rows)
+    assert result is logits
+    expected = before.clone()
+    expected[rows.cpu()] = before[rows.cpu()].masked_fill(~allowed_by_definition(words.cpu(), n_vocab).to(DEVICE),
+                                                          float("-inf"))
+    assert torch.equal(logits, expected)
+    assert torch.equal(apply_token_bitmask_ref(before.clone(), words, rows), expected)
+    assert torch.equal(apply_token_bitmask(before.clone(), words[:0], rows[:0]), before)  # no masks: untouched
+
+
+def test_apply_token_bitmask_bad_input_names_the_argument():
+    logits, words, rows = bitmask_case(4, 40, 2, 2, torch.float32)
+    with pytest.raises(TypeError, match="bitmask"):
+        apply_token_bitmask(logits, words.long(), rows)
+    with pytest.raises(TypeError, match="rows"):
+        apply_token_bitmask(logits, words, rows.int())
+    with pytest.raises(ValueError, match="rows"):
+        apply_token_bitmask(logits, words, rows[:1])
+    with pytest.raises(ValueError, match="logits"):
+        apply_token_bitmask(logits[:, ::2], words, rows)
+    with pytest.raises(TypeError, match="logits"):
+        apply_token_bitmask(logits.int(), words, rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_masks", [1, 32])
+def test_apply_token_bitmask_at_the_full_vocabulary_on_gpu(n_masks):
+    """Qwen3.5's vocabulary, bf16 logits of 32 rows: the kernel equals the reference, also in a
+    CUDA graph with new masks."""
+    logits, words, rows = bitmask_case(32, 248320, n_masks, 7760, torch.bfloat16)
+    expected = apply_token_bitmask_ref(logits.clone(), words, rows)
+    assert torch.equal(apply_token_bitmask(logits.clone(), words, rows), expected)
+    static = logits.clone()
+    graph, _ = capture_graph(lambda: apply_token_bitmask(static, words, rows))
+    fresh_logits, fresh_words, _ = bitmask_case(32, 248320, n_masks, 7760, torch.bfloat16, seed=1)
+    static.copy_(fresh_logits)
+    words.copy_(fresh_words)
+    graph.replay()
+    assert torch.equal(static, apply_token_bitmask_ref(fresh_logits.clone(), fresh_words, rows))

@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -393,16 +394,31 @@ def test_penalties_and_min_p_reach_the_engine_whole_and_streamed(server, client,
     # vLLM's own fields that would change the answer
     (COMPLETIONS, {"prompt": "Hi", "use_beam_search": True}, 400, "use_beam_search", "not supported"),
     (COMPLETIONS, {"prompt": "Hi", "skip_special_tokens": "no"}, 400, "skip_special_tokens", "a bool"),
-    (COMPLETIONS, {"prompt": "Hi", "guided_choice": ["a", "b"]}, 400, "guided_choice", "not supported"),
-    (COMPLETIONS, {"prompt": "Hi", "response_format": {"type": "json_object"}}, 400, "response_format",
-     "not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "structural_tag": "x"}, 400, "structural_tag", "not supported"),
+    # structured outputs
+    (COMPLETIONS, {"prompt": "Hi", "guided_regex": "[a-"}, 400, "guided_regex", "guided_regex: regex"),
+    (COMPLETIONS, {"prompt": "Hi", "guided_choice": []}, 400, "guided_choice", "guided_choice.choice"),
+    (CHAT, {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+     "response_format", "'schema'"),
+    (CHAT, {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "nothing"}}}}, 400, "response_format", "response_format: json"),
+    (CHAT, {"messages": USER, "response_format": {"type": "xml"}}, 400, "response_format", "response_format.type"),
+    (CHAT, {"messages": USER, "response_format": "json"}, 400, "response_format", "expected an object"),
+    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}, "guided_regex": "a+"}, 400, "guided_regex",
+     "only one of"),
+    (COMPLETIONS, {"prompt": "Hi", "structured_outputs": {"regex": "a+", "whitespace_pattern": " "}}, 400,
+     "structured_outputs", "['whitespace_pattern'] are not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "structured_outputs": {"regex": "a+"}, "min_tokens": 2}, 400, "min_tokens",
+     "cannot be combined with structured_outputs"),
     (CHAT, {"messages": USER, "allowed_token_ids": [1, 2]}, 400, "allowed_token_ids", "not supported"),
     (CHAT, {"messages": USER, "chat_template": "{{ messages }}"}, 400, "chat_template", "not supported"),
     # tools: this server runs no tool-call parser
     (CHAT, {"messages": USER, "tools": [WEATHER]}, 400, "tool_choice", "--enable-auto-tool-choice"),
-    (CHAT, {"messages": USER, "tools": [WEATHER], "tool_choice": "required"}, 400, "tool_choice", "guided decoding"),
+    (CHAT, {"messages": USER, "tool_choice": "required"}, 400, "tool_choice", '"required" needs tools'),
     (CHAT, {"messages": USER, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "w"}}},
-     400, "tool_choice", "guided decoding"),
+     400, "tool_choice", "'w' is not among the request's tools"),
+    (CHAT, {"messages": USER, "tools": [WEATHER], "tool_choice": {"type": "function"}}, 400, "tool_choice",
+     "expected {'type': 'function'"),
     (CHAT, {"messages": USER, "tools": [WEATHER], "tool_choice": "any"}, 400, "tool_choice", 'expected "auto"'),
     (CHAT, {"messages": USER, "tools": {"name": "w"}}, 400, "tools", "expected a list"),
     (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "a b"}}]}, 400, "tools",
@@ -426,6 +442,75 @@ def test_bad_requests_get_openai_error_json_naming_the_field(server, path, body,
     error = answer["error"]
     assert error["code"] == status and error["param"] == param and message in error["message"]
     assert error["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+
+
+def test_structured_outputs_follow_their_grammar_whole_and_streamed(server, client):
+    """response_format json_schema (chat) and json_object, vLLM's structured_outputs choice and its
+    older guided_regex (completions), greedy and seeded: the text follows the grammar and the
+    answer ends at the eos the complete grammar leaves; streamed equals whole."""
+    name = model_name(server)
+    # (llguidance's schema option: no free whitespace, which random weights would write to the end)
+    schema = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"}},
+              "required": ["pet", "ok"], "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+    chat = dict(model=name, messages=USER, max_completion_tokens=40, temperature=0,
+                response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}})
+    whole = client.chat.completions.create(**chat).choices[0]
+    answer = json.loads(whole.message.content)
+    assert answer["pet"] in ("cat", "dog") and isinstance(answer["ok"], bool) and whole.finish_reason == "stop"
+    streamed = client.chat.completions.create(**chat, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == whole.message.content
+    any_object = client.chat.completions.create(**{**chat, "max_completion_tokens": 8,
+                                                   "response_format": {"type": "json_object"}}).choices[0]
+    assert any_object.message.content.lstrip().startswith("{")
+    for extra, check in (({"structured_outputs": {"choice": ["red", "green", "blue"]}},
+                          lambda text: text in ("red", "green", "blue")),
+                         ({"guided_regex": "[0-9]{2}:[0-9]{2}"}, lambda text: re.fullmatch("[0-9]{2}:[0-9]{2}", text))):
+        options = dict(model=name, prompt="Pick", max_tokens=12, temperature=0.9, seed=4, extra_body=extra)
+        choice = client.completions.create(**options).choices[0]
+        assert check(choice.text) and choice.finish_reason == "stop", choice.text
+        assert "".join(c.choices[0].text for c in client.completions.create(**options, stream=True)) == choice.text
+    wait_until_idle(server)
+
+
+def test_a_forced_tool_call_comes_back_as_the_call_whole_and_streamed(checkpoint):
+    """tool_choice a named function (finish_reason "stop", as OpenAI's) or "required" ("tool_calls";
+    parallel_tool_calls false: one call), without a tool-call parser: a grammar makes the reply the
+    call's JSON, which comes back as ``tool_calls`` (no content), whole and streamed alike. (A
+    server of its own: tools make the prompt longer than the module's max_len.)"""
+    from fuselm.engine.request import SamplingParams
+    from fuselm.serve.protocol import APIError, parse_chat_request
+
+    units = {"type": "function", "function": {"name": "set_units", "parameters": {
+        "type": "object", "properties": {"unit": {"enum": ["C", "F"]}, "alerts": {"type": "boolean"}},
+        "required": ["unit", "alerts"], "additionalProperties": False}}}
+    llm = LLM(checkpoint, dtype="float32", device="cpu", max_batch=1, max_len=224, seed=0, progress=False)
+    server = ServerThread(ServedModel.from_llm(llm))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for choice, finish in (({"type": "function", "function": {"name": "set_units"}}, "stop"),
+                               ("required", "tool_calls")):
+            options = dict(model=model_name(server), messages=USER, tools=[units], tool_choice=choice,
+                           parallel_tool_calls=False, max_completion_tokens=40, temperature=0)
+            whole = client.chat.completions.create(**options).choices[0]
+            (call,) = whole.message.tool_calls
+            arguments = json.loads(call.function.arguments)
+            assert call.function.name == "set_units" and arguments["unit"] in ("C", "F")
+            assert isinstance(arguments["alerts"], bool) and whole.message.content is None
+            assert whole.finish_reason == finish and call.id.startswith("call_")
+            if choice == "required":
+                continue  # (the stream's path is the named one's: one stream keeps the test short)
+            chunks = [chunk.choices[0] for chunk in client.chat.completions.create(**options, stream=True)
+                      if chunk.choices]
+            streamed = [c for chunk in chunks for c in chunk.delta.tool_calls or ()]
+            assert [(c.index, c.function.name, c.function.arguments) for c in streamed] == [
+                (0, "set_units", call.function.arguments)]
+            assert not "".join(chunk.delta.content or "" for chunk in chunks) and chunks[-1].finish_reason == finish
+    finally:
+        server.stop()
+    with pytest.raises(APIError, match="response_format: a forced tool call") as refused:  # one grammar a request
+        parse_chat_request({"messages": USER, "tools": [units], "tool_choice": "required",
+                            "response_format": {"type": "json_object"}}, llm.tokenizer, SamplingParams(), 224)
+    assert refused.value.param == "response_format"
 
 
 def test_unknown_routes_methods_and_large_bodies_get_openai_error_json(server):

@@ -7,12 +7,15 @@
                   a row -> slot table
     scheduler.py  Scheduler: waiting queue, slot and decode row per running request
     engine.py     Engine: the loop (add_request, step, generate), pipelined one step deep
+    structured_outputs.py  grammars of constrained requests: the allowed next tokens as bitmasks
     llm.py        LLM: a checkpoint directory, text in and out, chat
     reference.py  the eager reference loop behind Qwen35.generate (tests)
     audit.py      kernels / graph launches / host syncs per decode step; parity with HF
 """
 
 from fuselm.engine.engine import Engine
-from fuselm.engine.request import CompletionOutput, Logprob, Request, RequestOutput, SamplingParams
+from fuselm.engine.request import (CompletionOutput, Logprob, Request, RequestOutput, SamplingParams,
+                                   StructuredOutputsParams)
 
-__all__ = ["Engine", "SamplingParams", "Request", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["Engine", "SamplingParams", "StructuredOutputsParams", "Request", "RequestOutput", "CompletionOutput",
+           "Logprob"]

@@ -46,6 +46,7 @@ from fuselm.engine.request import (FinishReason, Logprob, Request, RequestOutput
 from fuselm.engine.runner import DEFAULT_GRAPH_BATCH_SIZES, ModelRunner
 from fuselm.engine.sampling import MAX_DEVICE_STOP_IDS, sampler_variant
 from fuselm.engine.scheduler import Scheduler
+from fuselm.engine.structured_outputs import GrammarCompiler, bitmask_words
 from fuselm.models.qwen35 import Qwen35
 from fuselm.models.qwen35.cache import PAGE_SIZE
 from fuselm.ops.sampling import token_logprobs
@@ -93,6 +94,7 @@ class _Launched:
     def __init__(self, ids: torch.Tensor, requests: dict[int, Request], staging: PinnedStaging, timed: bool = False,
                  logits: torch.Tensor | None = None):
         self.requests = dict(requests)
+        self.taken = False  # read and appended (``Engine._read``: once)
         self.staging, self.step = staging, staging.steps
         asked = [r.params.logprobs for r in self.requests.values() if r.params.logprobs is not None]
         device = [ids] + (list(token_logprobs(logits, ids, max(asked))) if asked else [])
@@ -163,13 +165,21 @@ class Engine:
             ``--mamba-ssm-cache-dtype auto``): every kernel still computes in fp32, each step's new
             state is rounded once into the cache; half the state bytes a decode step moves (9B,
             batch 32: 1.6 of 3.2 GB).
+        tokenizer: a ``fuselm.tokenizer.Tokenizer`` for requests with ``structured_outputs``
+            (their grammars are compiled over its vocabulary; ``LLM`` and the server give theirs).
+
+    Structured outputs: a step that draws for a constrained request reads the step before's ids
+    as soon as its forward pass is queued (not after the step's launches), advances those
+    requests' grammars, writes their allowed-token bitmasks while the device runs the forward,
+    and masks the logits before the draw (decode steps then run their forward and their draw as
+    two graphs). The device stays busy while that host work is shorter than a forward pass.
     """
 
     def __init__(self, model: Qwen35, max_batch: int = 8, max_len: int = 4096,
                  graph_batch_sizes: Sequence[int] = DEFAULT_GRAPH_BATCH_SIZES, *,
                  max_prefill_tokens: int | None = None, kv_cache_tokens: int | None = None,
                  page_size: int = PAGE_SIZE, seed: int | None = None, use_graphs: bool | None = None,
-                 state_dtype: torch.dtype | str = torch.float32):
+                 state_dtype: torch.dtype | str = torch.float32, tokenizer=None):
         if kv_cache_tokens is not None:
             check_positive_int("kv_cache_tokens", kv_cache_tokens)
         num_pages = None if kv_cache_tokens is None else -(-kv_cache_tokens // max(1, page_size))
@@ -196,6 +206,8 @@ class Engine:
         self._watched = self._watched_before = ("span", 0, 0.0, None)
         self.vocab_size = model.config.vocab_size
         self.eos_ids = model.config.stop_token_ids
+        self.grammars = None if tokenizer is None else GrammarCompiler(tokenizer, self.vocab_size, self.eos_ids)
+        self._read_ahead: list[Request] = []  # requests a launch's grammar masks read early, for the next read()
         self._seeds = random.Random(seed)
         self._ids = itertools.count()
         self._in_flight: list[_Launched] = []  # the last step's launches, read in the next step
@@ -293,9 +305,12 @@ class Engine:
 
     # ------------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, *,
-                    request_id: str | None = None, prompt: str | None = None, detokenizer=None) -> Request:
+                    request_id: str | None = None, prompt: str | None = None, detokenizer=None,
+                    grammar_starts_after: int | None = None) -> Request:
         """Queue one request; ValueError/TypeError naming the argument when it cannot run (the
-        engine and every other request are left as they were)."""
+        engine and every other request are left as they were). ``grammar_starts_after``: with
+        ``params.structured_outputs``, a token id before which the output is free (a reasoning
+        model's end-of-thinking id: the grammar constrains the answer)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params: expected a SamplingParams, got {type(params).__name__}")
@@ -334,6 +349,11 @@ class Engine:
         if pages > cache.num_pages:
             raise ValueError(f"max_tokens: {len(ids)} prompt tokens + max_tokens {params.max_tokens} need {pages} K/V "
                              f"pages of {cache.page_size} tokens; the cache has {cache.num_pages} (kv_cache_tokens)")
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError("structured_outputs: this engine has no tokenizer to compile grammars over "
+                                 "(Engine(..., tokenizer=...); LLM and the server give theirs)")
+            request.grammar = self.grammars.compile(params.structured_outputs, grammar_starts_after)
         if params.prompt_logprobs is not None:  # queued now on the device, read with the first token
             request.pending_prompt_logprobs = _PromptLogprobs(self.runner.prompt_logprobs(ids, params.prompt_logprobs))
         self.scheduler.add(request)
@@ -361,11 +381,13 @@ class Engine:
             self.runner.release([request.slot])
         self.scheduler.finish(request)  # (the next launch gives the runner the rows it leaves)
 
-    def _append(self, request: Request, token: int, now: float, logprobs: TokenLogprobs | None = None) -> None:
+    def _append(self, request: Request, token: int, now: float, logprobs: TokenLogprobs | None = None,
+                refused: bool = False) -> None:
         """One new token of a running request (and its ``logprobs`` when the request asks for
         them): record it, detokenize, check stop conditions in vLLM's order (stop ids, stop
-        strings, length) and end the request when one holds. A stop id's text is left out, as
-        vLLM leaves it, unless ``include_stop_str_in_output``."""
+        strings, length; then a complete grammar) and end the request when one holds. A stop id's
+        text is left out, as vLLM leaves it, unless ``include_stop_str_in_output``. ``refused``:
+        the request's grammar (which ``_read`` advanced by the token) could not take it."""
         request.output_token_ids.append(token)
         if logprobs is not None:
             request.output_logprobs.append(logprobs)
@@ -375,6 +397,10 @@ class Engine:
                 request.prompt_logprobs = request.pending_prompt_logprobs.entries(request.prompt_token_ids,
                                                                                   request.params.prompt_logprobs)
                 request.pending_prompt_logprobs = None
+        grammar = request.grammar
+        if refused:  # (the draw was masked: not expected)
+            logger.warning("request %s: its grammar refused token %d (%s); ending it", request.request_id, token,
+                           grammar.error)
         # (before min_tokens no stop id is drawn: the sampler bans them; the detokenizer's stop strings wait too)
         if token in request.stop_ids and len(request.output_token_ids) >= request.params.min_tokens:
             # stop_reason: the id when the request asked for it (vLLM: None at eos)
@@ -390,22 +416,35 @@ class Engine:
                 request.finish_reason, request.stop_reason = FinishReason.STOP, detokenizer.stop_reason
             elif len(request.output_token_ids) >= request.params.max_tokens:
                 request.finish_reason = FinishReason.LENGTH
+            elif refused or (grammar is not None and grammar.complete and not self._eos_stops(request)):
+                # (a complete grammar allows only the eos ids: drawn next, they end the request, unless it ignores them)
+                request.finish_reason, request.stop_reason = FinishReason.STOP, None
         if request.finished:
             if request.detokenizer is not None:
                 request._new_text.append(request.detokenizer.flush())
             self._finish(request)
 
+    def _eos_stops(self, request: Request) -> bool:
+        return any(token in request.stop_ids for token in self.eos_ids)
+
     def _read(self, launched: _Launched) -> list[Request]:
-        """Append a finished decode step's ids to the requests that were running in it."""
+        """Append a finished decode step's ids to the requests that were running in it (once:
+        nothing when it was read already)."""
+        if launched.taken:
+            return []
+        launched.taken = True
         (ids, logprobs), now = launched.read(), time.perf_counter()
-        updated = []
-        for index, request in launched.requests.items():
-            if not request.finished:
-                entry = None if request.params.logprobs is None else _token_logprobs(ids[index], index, logprobs,
-                                                                                    request.params.logprobs)
-                self._append(request, ids[index], now, entry)
-                updated.append(request)
-        return updated
+        running = [(index, request) for index, request in launched.requests.items() if not request.finished]
+        constrained = [(index, request) for index, request in running if request.grammar is not None]
+        refused = set()
+        if constrained:  # the grammars advance together (on llguidance's threads)
+            verdicts = self.grammars.accept_tokens([(request.grammar, ids[index]) for index, request in constrained])
+            refused = {index for (index, _), verdict in zip(constrained, verdicts) if not verdict}
+        for index, request in running:
+            entry = None if request.params.logprobs is None else _token_logprobs(ids[index], index, logprobs,
+                                                                                request.params.logprobs)
+            self._append(request, ids[index], now, entry, refused=index in refused)
+        return [request for _, request in running]
 
     def step(self) -> list[Request]:
         """``launch()`` this step, then ``read()`` the one before: returns the requests that got a
@@ -444,21 +483,23 @@ class Engine:
         if timed:
             started = torch.cuda.Event(enable_timing=True)
             started.record()
+        completing = [request for request, start, count in plan if request.completes_prompt(start, count)]
         if mixed:
             # The prompts this pass completes draw their first ids with its decode rows (in their rows).
-            completing = [request for request, start, count in plan if request.completes_prompt(start, count)]
-            logits, ids = self.runner.mixed(plan, *self._decode_shape(decoding, completing))
             running = {**decoding, **{request.row: request for request in completing}}
+            logits, ids = self.runner.mixed(plan, *self._decode_shape(decoding, completing),
+                                            masks=self._grammar_masks(running))
             pending.append(_Launched(ids, running, staging, timed, logits))
         elif plan:
-            completed, logits, first = self.runner.prefill(plan)
+            completed, logits, first = self.runner.prefill(plan, masks=self._grammar_masks(dict(enumerate(completing))))
             prefilled = _Launched(first, dict(enumerate(completed)), staging, timed, logits)
         for request, _, count in plan:
             self.scheduler.prefilled(request, count)
         if not mixed:
             decoding = self.scheduler.decoding()
             if decoding:
-                logits, ids = self.runner.decode(*self._decode_shape(decoding))
+                masks = self._grammar_masks(decoding, [] if prefilled is None else [prefilled])
+                logits, ids = self.runner.decode(*self._decode_shape(decoding), masks=masks)
                 pending.append(_Launched(ids, decoding, staging, timed, logits))
         if self._stall_watch is not None:  # the host's span between steps ends at the launches; the wait begins
             self._watch("wait")
@@ -489,7 +530,7 @@ class Engine:
         if self._launched is None:
             raise RuntimeError("read: no step was launched (call launch() first)")
         (pending, prefilled, entry), self._launched = self._launched, None
-        updated = []
+        updated, self._read_ahead = self._read_ahead, []
         for launched in self._in_flight:
             updated += self._read(launched)
         if prefilled is not None:
@@ -510,6 +551,27 @@ class Engine:
         if self._stall_watch is not None:  # from this read to the next launches, if one follows
             self._watch("span", armed=self.has_unfinished_requests())
         return updated
+
+    def _grammar_masks(self, drawing: dict[int, Request], unread: Sequence[_Launched] = ()) -> Callable | None:
+        """For a draw over ``drawing`` (row -> request) holding constrained requests: the function
+        the runner calls once the step's forward pass is queued, which reads the launches not yet
+        read (the step before's, and ``unread``: the ids the grammars have not seen), advances
+        those requests (``_append``), and returns (rows, bitmask [rows, words] int32 in pinned
+        memory) of the requests whose grammar constrains this draw. None without such requests."""
+        if all(request.grammar is None for request in drawing.values()):
+            return None
+
+        def masks() -> tuple[list[int], torch.Tensor]:
+            for launched in list(self._in_flight) + list(unread):
+                self._read_ahead += self._read(launched)
+            self._in_flight = []
+            rows = [row for row, request in drawing.items()
+                    if request.grammar is not None and not request.finished and request.grammar.constrains]
+            bitmask = self.runner.staging.host((len(rows), bitmask_words(self.vocab_size)), torch.int32)
+            self.grammars.fill_bitmasks([drawing[row].grammar for row in rows], bitmask)
+            return rows, bitmask
+
+        return masks
 
     def capture_mixed_graphs(self) -> int:
         """Capture, before any request runs, the mixed prefill + decode graphs that one prompt

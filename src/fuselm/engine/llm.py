@@ -58,7 +58,8 @@ class LLM:
         read_checkpoint_config(directory)  # a missing directory or config.json is named before anything loads
         self.tokenizer = Tokenizer.from_pretrained(directory)
         self.model = Qwen35.from_pretrained(directory, dtype=dtype, device=device, progress=progress)
-        self.engine = Engine(self.model, max_batch=max_batch, max_len=max_len, seed=seed, **engine_options)
+        self.engine = Engine(self.model, max_batch=max_batch, max_len=max_len, seed=seed, tokenizer=self.tokenizer,
+                             **engine_options)
         generation_file = directory / "generation_config.json"
         generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
         self._defaults = {k: generation[k] for k in _GENERATION_DEFAULTS if generation.get(k) is not None}

@@ -36,6 +36,48 @@ def is_token_ids(value) -> bool:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output to a language (vLLM's ``StructuredOutputsParams``): exactly one
+    of ``json`` (a JSON schema, as a dict or its JSON text), ``regex`` (a regular expression, Rust's
+    regex syntax), ``choice`` (a non-empty list of strings: the output is one of them), ``grammar``
+    (a Lark grammar, or llama.cpp's GBNF) or ``json_object`` (True: any JSON object).
+    ``disable_any_whitespace``: JSON without free whitespace between tokens (vLLM's option; by
+    default the model may lay JSON out as it likes). Before each draw the request's grammar masks
+    the tokens that cannot come next (``fuselm.engine.structured_outputs``); once the grammar is
+    complete only the eos ids remain. Types are checked here; the grammar itself when the request
+    is added (ValueError naming ``structured_outputs`` with the grammar compiler's message)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: expected exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json: expected a JSON schema (a dict or its JSON text), got "
+                             f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name}: expected a non-empty string, got {value!r:.100}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice: expected a non-empty list of non-empty strings, got "
+                             f"{self.choice!r:.200}")
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"structured_outputs.{name}: expected a bool, got {value!r}")
+
+
+@dataclass
 class SamplingParams:
     """How one request samples and when it stops.
 
@@ -64,6 +106,9 @@ class SamplingParams:
     rank under the model's distribution, and the k most likely tokens' (``CompletionOutput.logprobs``,
     as vLLM's). prompt_logprobs: the same for each prompt token after the ones before it
     (``RequestOutput.prompt_logprobs``; a pass over the prompt of its own beside the prefill).
+    structured_outputs: a ``StructuredOutputsParams`` (JSON schema, regex, choice, grammar): the
+    output follows it (tokens it does not allow are -inf before the draw, so logprobs see them so,
+    as vLLM's); not with min_tokens (the grammar decides where the output may end).
     Every field is checked on construction: ValueError naming the field.
     """
 
@@ -86,6 +131,7 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -136,6 +182,13 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name}: expected None or an int in [0, {MAX_LOGPROBS}], got {value!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs: expected None or a StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}")
+            if self.min_tokens:
+                raise ValueError("min_tokens: cannot be combined with structured_outputs (the grammar decides where "
+                                 "the output may end)")
 
     def samples(self) -> list["SamplingParams"]:
         """The ``n`` requests these params stand for, each with n = 1: sample i gets seed
@@ -278,6 +331,7 @@ class Request:
     stop_reason: str | int | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
     _new_text: list[str] = field(default_factory=list, repr=False)  # detokenized, not yet taken
+    grammar: object | None = field(default=None, repr=False)  # with params.structured_outputs: its GrammarMatcher
     pending_prompt_logprobs: object | None = field(default=None, repr=False)  # the engine's, until its first token
 
     def take_new_text(self) -> str:

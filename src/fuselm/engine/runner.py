@@ -33,13 +33,20 @@ added) and per sampler variant (``engine.sampling.SAMPLER_VARIANTS``), all in on
 pool; the table is a permutation of the slots, so rows past the running requests hold idle
 slots: inactive, they write no DeltaNet state and put their K/V in the cache's scratch page.
 Without CUDA (or ``use_graphs=False``) the same step runs eagerly.
+
+Token masks (structured outputs): ``prefill``, ``mixed`` and ``decode`` take ``masks``, a function
+called once the step's forward pass is queued and before its draw, returning (rows, bitmask
+[rows, ceil(V / 32)] int32 host words): those rows' disallowed tokens are -inf when drawn
+(``apply_token_bitmask``). A decode step with masks runs its forward pass as a graph of its own
+(``("logits", b)``: the decode step without its draw, into ``decode_logits``; captured on first
+use, after an eager run that is that step) and then the (b, variant) sampler graph.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +55,7 @@ from fuselm.engine.request import MAX_LOGPROBS, Request
 from fuselm.engine.sampling import SAMPLER_VARIANTS, SlotSampling, sampler_variant
 from fuselm.models.qwen35 import Qwen35
 from fuselm.models.qwen35.cache import PAGE_SIZE
-from fuselm.ops.sampling import token_logprobs
+from fuselm.ops.sampling import apply_token_bitmask, token_logprobs
 from fuselm.runtime import PinnedStaging, cublaslt_preferred, graph_capture
 
 logger = logging.getLogger(__name__)
@@ -98,7 +105,8 @@ class ModelRunner:
         self.sampling = SlotSampling(max_batch, model.config.vocab_size, self.device)
         # Pinned host memory for each step's small copies (admissions' inputs, ids read back):
         # the engine calls staging.next_step() before each step's launches.
-        self.staging = PinnedStaging(self.device)
+        # (2 MiB a step: room for 64 rows of structured outputs' bitmasks at Qwen3.5's vocabulary, 31 KB each)
+        self.staging = PinnedStaging(self.device, nbytes=2 << 20)
         self.input_tokens = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
         # The decode batch's row -> slot table, a permutation of the slots (graphs read its first b
         # rows); ``set_rows`` rewrites it between steps, from this host copy.
@@ -140,21 +148,22 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------ prefill
     @torch.no_grad()
-    def prefill(self, plan: list[tuple[Request, int, int]]) -> tuple[list[Request], torch.Tensor, torch.Tensor]:
+    def prefill(self, plan: list[tuple[Request, int, int]],
+                masks: Callable | None = None) -> tuple[list[Request], torch.Tensor, torch.Tensor]:
         """Prefill ``plan``'s chunks: (request, first prompt position, tokens), each request with
         its ``slot`` and ``pages`` set, in one right-padded ``model.prefill_step``. Requests whose
         prompt ends with this chunk get their first token drawn and their slot activated; the
         others stay inactive until their last chunk. Returns (those requests, the logits [n, V]
         their first ids were drawn from, those ids [n]), on the device: not yet read, so the
         caller can launch a decode step behind them first; other slots are untouched. No host
-        sync."""
+        sync. ``masks``' rows index those requests (module docstring)."""
         packed, key = self._admit(plan)
         logits = self._run_graph(("prefill",) + key, packed, lambda inputs: self._prefill_body(inputs, key[2]))
-        return self._first_tokens(plan, logits)
+        return self._first_tokens(plan, logits, masks)
 
     @torch.no_grad()
-    def mixed(self, plan: list[tuple[Request, int, int]], batch: int,
-              variant: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def mixed(self, plan: list[tuple[Request, int, int]], batch: int, variant: str,
+              masks: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step over rows 0 .. batch-1 (as :meth:`decode`) and ``plan``'s prompt chunks
         (as :meth:`prefill`) in one ``model.mixed_step``: the chunks ride on the decode step's
         read of the weights instead of taking a step of their own between decode steps. The
@@ -164,7 +173,7 @@ class ModelRunner:
         last token's logits go into that row of the decode logits and the slot turns active
         before the draw; ``variant`` must cover its request too). Returns (logits [batch, V], ids
         [batch]) by row, on the device (a completed prompt's first id and its logits in its row;
-        static buffers, valid until the next step)."""
+        static buffers, valid until the next step). ``masks``: by row (module docstring)."""
         for request, start, count in plan:  # host lists only: a drifted table would draw from the wrong row
             row = request.row
             if request.completes_prompt(start, count) and not (
@@ -175,6 +184,7 @@ class ModelRunner:
         packed, key = self._admit(plan, batch)
         body = lambda inputs: self._mixed_body(inputs, batch, key[2])  # noqa: E731
         self._run_graph(("mixed", batch) + key, packed, body)
+        self._apply_masks(self.decode_logits[:batch], masks)
         return self.decode_logits[:batch], self._sample_decode_logits(batch, variant)
 
     def capture_mixed_graphs(self, longest_chunk: dict[int, int]) -> int:
@@ -267,8 +277,8 @@ class ModelRunner:
                     len(self._graphs))
         return result
 
-    def _first_tokens(self, plan: list[tuple[Request, int, int]],
-                      logits: torch.Tensor) -> tuple[list[Request], torch.Tensor, torch.Tensor]:
+    def _first_tokens(self, plan: list[tuple[Request, int, int]], logits: torch.Tensor,
+                      masks: Callable | None = None) -> tuple[list[Request], torch.Tensor, torch.Tensor]:
         """Draw the first token of each request whose prompt this plan completed, from its row
         of ``logits`` [>= rows, V]; it becomes the slot's next decode input. Returns (those
         requests, their rows of the logits, their ids)."""
@@ -279,6 +289,7 @@ class ModelRunner:
         slots = self.staging.to_device(torch.tensor([r.slot for r in completed], dtype=torch.int64))
         rows = self.staging.to_device(torch.tensor(ends, dtype=torch.int64))
         logits = logits[rows]
+        self._apply_masks(logits, masks)
         first = self.sampling.sample_and_advance(logits, self.cache.active, sampler_variant(completed), slots,
                                                  self.input_tokens)
         return completed, logits, first
@@ -309,6 +320,15 @@ class ModelRunner:
         self.decode_logits[:batch].copy_(decode_logits)
         self.decode_logits.index_copy_(0, rows, logits)
         self.cache.active.index_copy_(0, slots, completes.bool())
+
+    def _apply_masks(self, logits: torch.Tensor, masks: Callable | None) -> None:
+        """-inf, in place, over the tokens ``masks()`` disallows in its rows of ``logits``."""
+        if masks is None:
+            return
+        rows, bitmask = masks()
+        if rows:
+            apply_token_bitmask(logits, bitmask.to(self.device, non_blocking=True),
+                                self.staging.to_device(torch.tensor(rows, dtype=torch.int64)))
 
     def _sample_decode_logits(self, batch: int, variant: str) -> torch.Tensor:
         """The next ids [batch] (by row) drawn from ``decode_logits[:batch]``: a graph replay, or
@@ -348,6 +368,28 @@ class ModelRunner:
         """One decode step over rows 0 .. batch-1: (logits [batch, V], ids [batch])."""
         logits = self.model.decode_step(self.input_tokens, self.cache, self.row_slots[:batch])
         return logits, self._next_inputs(logits, batch, variant)
+
+    @torch.no_grad()
+    def _decode_logits(self, batch: int) -> None:
+        """A decode step's forward pass over rows 0 .. batch-1 into ``decode_logits[:batch]``, no
+        draw: the ("logits", batch) graph, captured the first time (after an eager run, which is
+        this step: a capture runs nothing), or eager."""
+        def body():
+            self.decode_logits[:batch].copy_(self.model.decode_step(self.input_tokens, self.cache,
+                                                                    self.row_slots[:batch]))
+
+        key = ("logits", batch)
+        if key in self._graphs:
+            self._graphs[key].replay()
+            return
+        body()
+        if self.use_graphs:
+            began = time.perf_counter()
+            graph = torch.cuda.CUDAGraph()
+            with graph_capture(graph, pool=self._pool):
+                body()
+            self._graphs[key] = graph
+            logger.info("graph %s: captured in %.2f s (%d graphs)", key, time.perf_counter() - began, len(self._graphs))
 
     def _next_inputs(self, logits: torch.Tensor, batch: int, variant: str) -> torch.Tensor:
         """A decode step's ids [batch] from its logits [batch, V], row n's drawn with slot
@@ -389,10 +431,15 @@ class ModelRunner:
                     self._graphs[key] = graph
         torch.cuda.synchronize(self.device)
 
-    def decode(self, batch: int, variant: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, batch: int, variant: str, masks: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step over rows 0 .. batch-1 (``batch`` one of ``batch_sizes``; row n decodes
         the slot ``set_rows`` gave it): a graph replay, or eager. Returns (logits [batch, V],
-        ids [batch]) by row: in a graph, its static buffers (valid until the next step)."""
+        ids [batch]) by row: in a graph, its static buffers (valid until the next step). With
+        ``masks`` (module docstring): the forward pass, the masks, then the draw."""
+        if masks is not None:
+            self._decode_logits(batch)
+            self._apply_masks(self.decode_logits[:batch], masks)
+            return self.decode_logits[:batch], self._sample_decode_logits(batch, variant)
         if self.use_graphs:
             self._graphs[batch, variant].replay()
             return self._graph_outputs[batch, variant]

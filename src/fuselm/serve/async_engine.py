@@ -136,6 +136,7 @@ class Submit:
     params: SamplingParams
     prompt: str | None
     submitted: float  # time.perf_counter() on the client's side: the request's arrival (one clock per host)
+    grammar_starts_after: int | None = None  # Engine.add_request's
 
 
 @dataclass
@@ -250,7 +251,8 @@ class EngineLoop:
             detokenizer = None if self.tokenizer is None else self.tokenizer.detokenizer(
                 submit.prompt_token_ids, **submit.params.detokenizer_options)
             request = self.engine.add_request(submit.prompt_token_ids, submit.params, request_id=submit.request_id,
-                                              prompt=submit.prompt, detokenizer=detokenizer)
+                                              prompt=submit.prompt, detokenizer=detokenizer,
+                                              grammar_starts_after=submit.grammar_starts_after)
         except Exception as error:  # ValueError / TypeError: a bad request; anything else fails it alone
             self._answer(("accepted", submit.request_id, error))
             return
@@ -343,8 +345,9 @@ class EngineClient:
         return self._accepting
 
     async def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
-                     prompt: str | None = None) -> RequestStream:
-        """Queue a request and wait until the engine loop has taken it (``Engine.add_request``);
+                     prompt: str | None = None, grammar_starts_after: int | None = None) -> RequestStream:
+        """Queue a request and wait until the engine loop has taken it (``Engine.add_request``, which
+        takes ``grammar_starts_after`` too);
         returns its ``RequestStream``. Raises what ``add_request`` raised (ValueError / TypeError
         naming the field for a request it cannot run), ``QueueFullError``, or
         ``EngineUnavailableError``. A submitter cancelled while waiting has its request aborted."""
@@ -356,7 +359,8 @@ class EngineClient:
         accepted = asyncio.get_running_loop().create_future()
         stream = self._streams[request_id] = RequestStream(request_id)
         self._accepted[request_id] = accepted
-        if not self._send(Submit(request_id, list(prompt_token_ids), params, prompt, time.perf_counter())):
+        if not self._send(Submit(request_id, list(prompt_token_ids), params, prompt, time.perf_counter(),
+                                 grammar_starts_after)):
             self._end(self._closed_reason or "the engine is not running")
         try:
             await accepted

@@ -17,8 +17,9 @@ are ignored, as vLLM does):
                           chat: OpenAI's function tools, rendered by the chat template; with
                           tool_choice "auto" (the default when tools are given) the server's tool-call
                           parser turns the reply's calls into ``tool_calls`` (finish_reason
-                          "tool_calls"); "none" renders the tools and parses nothing. Forcing a call
-                          ("required", a named function) needs guided decoding: a 400
+                          "tool_calls"); "none" renders the tools and parses nothing; "required" or a
+                          named function force a call (vLLM's way: a grammar makes the reply the
+                          call's compact JSON, returned as ``tool_calls``; no parser needed)
     chat_template_kwargs  chat: extra template variables, e.g. {"enable_thinking": false}
     reasoning_effort      chat: a template variable too, as vLLM passes it
     add_generation_prompt chat: default true
@@ -39,10 +40,16 @@ are ignored, as vLLM does):
     echo                  completions: the prompt comes back before the text (the first chunk of
                           a stream), and with logprobs its tokens' too (the first one's null), as
                           lm-eval's loglikelihood requests read them
+    response_format       {"type": "text"}, {"type": "json_object"} (any JSON object) or {"type":
+                          "json_schema", "json_schema": {"name", "schema", ...}}: the output follows
+                          the schema (structured outputs: ``SamplingParams.structured_outputs``)
+    structured_outputs    (vLLM's) {"json" | "regex" | "choice" | "grammar" | "json_object": ...,
+                          "disable_any_whitespace"?}; vLLM's older guided_json, guided_regex,
+                          guided_choice, guided_grammar likewise (one of these fields at most)
 Fields that would change the answer but are not implemented (``UNSUPPORTED_FIELDS``: chat's echo,
-vLLM's prompt_logprobs field, best_of > 1, the legacy functions, response_format, and
-vLLM's own: beam search, guided decoding, allowed_token_ids ...) are refused with a 400 naming
-them unless they hold their neutral value.
+vLLM's prompt_logprobs field, best_of > 1, the legacy functions, and vLLM's own: beam search,
+structural tags, allowed_token_ids ...) are refused with a 400 naming them unless they hold their
+neutral value.
 
 Chat replies are parsed (``fuselm.serve.reply_parser``) when the server runs a reasoning parser
 (the message's ``reasoning``, and ``reasoning_content`` as DeepSeek and SGLang name it, beside its
@@ -62,8 +69,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from fuselm.engine.request import MAX_LOGPROBS, Logprob, SamplingParams, TokenLogprobs
-from fuselm.serve.reply_parser import REASONING_PARSERS, TOOL_CALL_PARSERS, ReplyParser, ReplyParsing
+from fuselm.engine.request import MAX_LOGPROBS, Logprob, SamplingParams, StructuredOutputsParams, TokenLogprobs
+from fuselm.engine.structured_outputs import check_grammar
+from fuselm.serve.reply_parser import (REASONING_PARSERS, THINK_END, TOOL_CALL_PARSERS, ReplyParser, ReplyParsing,
+                                      forced_call_schema)
 
 MAX_N = 128
 """Largest ``n`` (sequences a request asks for per prompt) taken: OpenAI's limit."""
@@ -140,12 +149,8 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "truncate_prompt_tokens": _absent_or(),
     "prompt_logprobs": _absent_or(),
     "logits_processors": _absent_or(),
-    "structured_outputs": _absent_or(),
-    "guided_json": _absent_or(),
-    "guided_regex": _absent_or(),
-    "guided_choice": _absent_or(),
-    "guided_grammar": _absent_or(),
-    "response_format": _absent_or({"type": "text"}),
+    "guided_whitespace_pattern": _absent_or(),
+    "structural_tag": _absent_or(),
 }
 COMPLETION_UNSUPPORTED_FIELDS = {**UNSUPPORTED_FIELDS, "suffix": _absent_or("")}
 CHAT_UNSUPPORTED_FIELDS = {
@@ -212,7 +217,8 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
 
 def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, prompt_tokens: int, max_len: int,
                                  default_max_tokens: int | None, max_tokens_fields: tuple[str, ...],
-                                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+                                 logprobs: int | None = None, prompt_logprobs: int | None = None,
+                                 forced_grammar: StructuredOutputsParams | None = None) -> SamplingParams:
     """The one mapping from a request body to ``SamplingParams``.
 
     - ``max_tokens``: the first of ``max_tokens_fields`` the body sets (chat:
@@ -226,6 +232,8 @@ def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, pro
       negative seed (OpenAI's are any int64) is taken modulo 2**63, the engine's seeds.
     - ``logprobs``, ``prompt_logprobs``: SamplingParams', read from the body by the endpoint (its
       fields differ).
+    - structured outputs: the body's (``structured_outputs_of_request``), or ``forced_grammar`` (a
+      chat request's forced tool call); not both.
     SamplingParams checks every value; a bad one is an APIError 400 naming the request field."""
     room = max_len - prompt_tokens
     max_tokens_field = _max_tokens_field(body, max_tokens_fields)
@@ -238,19 +246,89 @@ def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, pro
                       if value is not None})
     if body.get("logit_bias") is not None:
         overrides["logit_bias"] = _logit_bias(body["logit_bias"])
+    structured, structured_field = structured_outputs_of_request(body)
+    if structured is not None and forced_grammar is not None:
+        raise bad_request(f"{structured_field}: a forced tool call (tool_choice) already constrains the output",
+                          structured_field)
+    if forced_grammar is not None:
+        structured, structured_field = forced_grammar, "tool_choice"
+    if structured is not None:
+        overrides["structured_outputs"] = structured
     seed = overrides.get("seed")
     if _is_int(seed) and -2**63 <= seed < 0:  # OpenAI's seeds are int64; the engine's 63-bit
         overrides["seed"] = seed % 2**63
     try:
         params = dataclasses.replace(defaults, max_tokens=max_tokens, **overrides)
     except (ValueError, TypeError) as error:
-        raise bad_request(str(error), param_named_by(error, {"max_tokens": max_tokens_field})) from None
+        raise bad_request(str(error), param_named_by(error, {"max_tokens": max_tokens_field,
+                                                             "structured_outputs": structured_field})) from None
     if params.max_tokens > room:
         raise bad_request(f"This model's maximum context length is {max_len} tokens. However, you requested "
                           f"{prompt_tokens + params.max_tokens} tokens ({prompt_tokens} in the prompt, "
                           f"{params.max_tokens} in the completion). Please reduce the prompt or "
                           f"{max_tokens_field}.", max_tokens_field)
     return params
+
+
+# vLLM's older structured-output fields: each is one StructuredOutputsParams field.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+# StructuredOutputsParams fields a request's ``structured_outputs`` may set; vLLM's others are refused
+# unless neutral (its backend choice is ignored: there is one).
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
+_STRUCTURED_IGNORED = ("backend", "disable_fallback")
+
+
+def structured_outputs_of_request(body: Mapping) -> tuple[StructuredOutputsParams | None, str | None]:
+    """(the request's ``StructuredOutputsParams`` or None, the field that set it): from
+    ``response_format`` (json_object, json_schema), ``structured_outputs`` or a ``guided_*`` field,
+    at most one of them; the grammar compiles (a 400 naming the field otherwise: the check needs no
+    vocabulary, the engine compiles it again over its tokenizer's)."""
+    given = [name for name in ("response_format", "structured_outputs", *GUIDED_FIELDS) if body.get(name) is not None]
+    response_format = body.get("response_format")
+    if response_format is not None:
+        if not isinstance(response_format, Mapping):
+            raise bad_request(f"response_format: expected an object with a 'type', got {response_format!r:.100}",
+                              "response_format")
+        if response_format.get("type") == "text":
+            given.remove("response_format")
+    if len(given) > 1:
+        raise bad_request(f"{given[1]}: only one of {given} may constrain the output", given[1])
+    if not given:
+        return None, None
+    field = given[0]
+    if field == "response_format":
+        kind = response_format.get("type")
+        if kind == "json_object":
+            options = {"json_object": True}
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, Mapping) else None
+            if schema is None:
+                raise bad_request("response_format.json_schema: expected an object with a 'schema' (and a 'name')",
+                                  field)
+            options = {"json": schema}
+        else:
+            raise bad_request(f"response_format.type: expected \"text\", \"json_object\" or \"json_schema\", got "
+                              f"{kind!r:.100}", field)
+    elif field == "structured_outputs":
+        value = body[field]
+        if not isinstance(value, Mapping):
+            raise bad_request(f"structured_outputs: expected an object, got {value!r:.100}", field)
+        unknown = [key for key, item in value.items()
+                   if key not in _STRUCTURED_KEYS + _STRUCTURED_IGNORED and item not in (None, False)]
+        if unknown:
+            raise bad_request(f"structured_outputs: {unknown} are not supported by this server (it takes "
+                              f"{list(_STRUCTURED_KEYS)})", field)
+        options = {key: value[key] for key in _STRUCTURED_KEYS if value.get(key) is not None}
+    else:
+        options = {GUIDED_FIELDS[field]: body[field]}
+    try:
+        params = StructuredOutputsParams(**options)
+        check_grammar(params)
+    except ValueError as error:
+        raise bad_request(str(error).replace("structured_outputs", field, 1), field) from None
+    return params, field
 
 
 def _logit_bias(value) -> dict[int, float]:
@@ -296,6 +374,7 @@ class GenerationRequest:
     max_tokens_field: str
     echo: bool = False
     reply_parsing: ReplyParsing | None = None  # chat: how its replies are parsed (None: not at all)
+    grammar_starts_after: int | None = None  # structured outputs after the thinking: the end-of-thinking id
 
     @property
     def logprobs(self) -> int | None:
@@ -519,25 +598,40 @@ def _check_tools(tools) -> list | None:
     return tools
 
 
-def _parsed_tools(body: Mapping, tool_call_parser: str | None) -> list | None:
-    """The tools whose calls the reply is parsed for (None: no tool parsing): the request's (checked
-    by ``_chat_prompt``), under ``tool_choice`` "auto" (its default when tools are given); a 400
-    when the server has no tool-call parser for them, or when the choice would force a call."""
+def _tool_choice(body: Mapping, tool_call_parser: str | None) -> tuple[list | None, str | None]:
+    """(the tools whose calls the reply is parsed for, None: no tool parsing; the forced call:
+    "required", a function's name, or None). The tools are the request's (checked by
+    ``_chat_prompt``). ``tool_choice`` "auto" (the default when tools are given) parses the reply's
+    calls with the server's tool-call parser (a 400 without one); "required" and a named function
+    ({"type": "function", "function": {"name"}}) force a call through a grammar (vLLM's: no parser
+    needed); "none" parses nothing."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if choice is None:
         choice = "auto" if tools else "none"
-    if choice not in ("auto", "none"):
-        forced = choice == "required" or isinstance(choice, Mapping)
-        raise bad_request(f"tool_choice: {choice!r:.100} is not supported: " + (
-            "forcing a tool call needs guided decoding, which this server does not have; use \"auto\""
-            if forced else "expected \"auto\" or \"none\""), "tool_choice")
+    if isinstance(choice, Mapping):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise bad_request(f"tool_choice: expected {{'type': 'function', 'function': {{'name': ...}}}}, got "
+                              f"{choice!r:.100}", "tool_choice")
+        if name not in [(tool.get("function") or {}).get("name") for tool in tools or ()]:
+            raise bad_request(f"tool_choice: the function {name!r:.100} is not among the request's tools",
+                              "tool_choice")
+        return tools, name
+    if choice not in ("auto", "none", "required"):
+        raise bad_request(f"tool_choice: expected \"auto\", \"none\", \"required\" or a named function, got "
+                          f"{choice!r:.100}", "tool_choice")
+    if choice == "required":
+        if not tools:
+            raise bad_request("tool_choice: \"required\" needs tools", "tool_choice")
+        return tools, "required"
     if choice == "none" or not tools:
-        return None
+        return None, None
     if tool_call_parser is None:
         raise bad_request("\"auto\" tool choice needs a tool-call parser: start the server with "
                           "--enable-auto-tool-choice --tool-call-parser qwen3_coder (or send tool_choice \"none\")",
                           "tool_choice")
-    return tools
+    return tools, None
 
 
 def _chat_prompt(body: Mapping, tokenizer) -> str:
@@ -598,22 +692,31 @@ def parse_chat_request(body: Mapping, tokenizer, defaults: SamplingParams, max_l
         raise bad_request(f"chat needs a tokenizer and a chat template, and this server has none "
                           f"({no_tokenizer_reason}): use /v1/completions with a list of token ids", "messages")
     text = _chat_prompt(body, tokenizer)
-    parsed_tools = _parsed_tools(body, tool_call_parser)
-    parallel_tool_calls = _optional_bool(body, "parallel_tool_calls", True)
+    parsed_tools, forced = _tool_choice(body, tool_call_parser)
+    max_tool_calls = None if _optional_bool(body, "parallel_tool_calls", True) else 1
     reply_parsing = None
     if reasoning_parser is not None or parsed_tools is not None:
-        reply_parsing = ReplyParsing.of_prompt(text, reasoning_parser is not None, parsed_tools,
-                                               None if parallel_tool_calls else 1)
+        reply_parsing = ReplyParsing.of_prompt(text, reasoning_parser is not None, parsed_tools, max_tool_calls,
+                                               forced)
+    # (compact JSON: a forced call is read by a program, and free whitespace only costs tokens)
+    forced_grammar = None if forced is None else StructuredOutputsParams(
+        json=forced_call_schema(parsed_tools, forced, max_tool_calls), disable_any_whitespace=True)
     ids = _encode(tokenizer, text, "messages")
     _check_prompt_length(len(ids), max_len, "messages")
     max_tokens_fields = ("max_completion_tokens", "max_tokens")
     params = sampling_params_from_request(body, defaults, prompt_tokens=len(ids), max_len=max_len,
                                           default_max_tokens=None, max_tokens_fields=max_tokens_fields,
-                                          logprobs=_chat_logprobs(body))
+                                          logprobs=_chat_logprobs(body), forced_grammar=forced_grammar)
     stream, include_usage = _stream_options(body)
+    # With a reasoning parser and the prompt's think block open, the grammar constrains the answer
+    # after it (vLLM's reasoning-aware structured outputs).
+    starts_after = None
+    if params.structured_outputs is not None and reply_parsing is not None and reply_parsing.opened_by_prompt:
+        starts_after = tokenizer.token_to_id(THINK_END)
     return GenerationRequest([Prompt(text, ids, params)], stream, include_usage,
                              _optional_bool(body, "return_token_ids", False), "messages",
-                             _max_tokens_field(body, max_tokens_fields), reply_parsing=reply_parsing)
+                             _max_tokens_field(body, max_tokens_fields), reply_parsing=reply_parsing,
+                             grammar_starts_after=starts_after)
 
 
 def check_reply_parsers(reasoning_parser: str | None, tool_call_parser: str | None) -> None:
@@ -845,9 +948,10 @@ class ChatFormat(ResponseFormat):
         return cls(request_id, model, generation.return_token_ids, generation.logprobs, tokenizer,
                    reply_parsing=generation.reply_parsing)
 
-    @staticmethod
-    def _finish_reason(finish_reason: str | None, tool_calls: int) -> str | None:
-        return "tool_calls" if tool_calls and finish_reason == "stop" else finish_reason
+    def _finish_reason(self, finish_reason: str | None, tool_calls: int) -> str | None:
+        """"tool_calls" for a stop with calls, but after a named forced call ("stop", as OpenAI's and vLLM's)."""
+        named = self.reply_parsing is not None and self.reply_parsing.forced not in (None, "required")
+        return "tool_calls" if tool_calls and finish_reason == "stop" and not named else finish_reason
 
     def _message(self, text: str) -> tuple[dict, int]:
         """(the whole reply's message, the number of tool calls in it)."""

@@ -28,6 +28,11 @@ one say the same, however the text is cut into pieces.
   Whitespace around a call is dropped, but for what separates text after it from earlier content.
   ``max_tool_calls`` (``parallel_tool_calls`` false: 1)
   drops the calls past it.
+- Forced calls (``ReplyParsing.forced``: a request's ``tool_choice`` "required" or a named
+  function, whose grammar makes the reply JSON, as vLLM's): the content is the call and comes
+  back as calls at the reply's end, not as text. A named function's arguments are the reply's
+  JSON object as written; "required" replies ``[{"name": ..., "parameters": {...}}, ...]``, each
+  item a call. A reply that is not that JSON (cut short by max_tokens) stays content.
 """
 
 from __future__ import annotations
@@ -93,13 +98,14 @@ class ReplyParsing:
     opened_by_prompt: bool = False
     tools: tuple[Mapping, ...] | None = None
     max_tool_calls: int | None = None
+    forced: str | None = None  # "required", or the function a named tool_choice forces (module docstring)
 
     @classmethod
     def of_prompt(cls, prompt: str, reasoning: bool, tools: Sequence[Mapping] | None = None,
-                  max_tool_calls: int | None = None) -> ReplyParsing:
+                  max_tool_calls: int | None = None, forced: str | None = None) -> ReplyParsing:
         """The parsing of replies to ``prompt`` (the rendered chat prompt's text)."""
         opened = reasoning and prompt.rstrip().endswith(THINK_START)
-        return cls(reasoning, opened, None if tools is None else tuple(tools), max_tool_calls)
+        return cls(reasoning, opened, None if tools is None else tuple(tools), max_tool_calls, forced)
 
     def parser(self) -> ReplyParser:
         """A parser for one reply (one per choice of a stream)."""
@@ -129,7 +135,8 @@ class ReplyParser:
 
     def __init__(self, parsing: ReplyParsing):
         self.parsing = parsing
-        self.parse_tools = parsing.tools is not None
+        self.parse_tools = parsing.tools is not None and parsing.forced is None
+        self._forced_text = ""  # a forced call's JSON, until the reply ends
         self._properties = _parameter_schemas(parsing.tools or ())
         self.tool_calls = 0  # calls returned so far
         self._buffer = ""
@@ -149,7 +156,15 @@ class ReplyParser:
         if self._done:
             raise RuntimeError("ReplyParser.finish called twice")
         self._done = True
-        return self._run(final=True)
+        out = self._run(final=True)
+        if self.parsing.forced is not None:
+            calls = _forced_calls(self._forced_text, self.parsing.forced)
+            if calls is None:
+                out.content += self._forced_text
+            else:
+                out.tool_calls += calls if self.parsing.max_tool_calls is None else calls[:self.parsing.max_tool_calls]
+                self.tool_calls += len(out.tool_calls)
+        return out
 
     # -- sections ------------------------------------------------------------------------------
     def _enter(self, state: str, after_call: bool = False) -> None:
@@ -177,6 +192,8 @@ class ReplyParser:
             text, self._held = kept, text[len(kept):]
         if self._state == _REASONING:
             out.reasoning += text
+        elif self.parsing.forced is not None:
+            self._forced_text += text
         else:
             out.content += text
             self._has_content = self._has_content or bool(text)
@@ -232,6 +249,41 @@ class ReplyParser:
             else:  # <tool_call>: a call begins (and ends the reasoning)
                 self._buffer = buffer[index + len(TOOL_CALL_START):]
                 self._state = _TOOL_CALL
+
+
+def _forced_calls(text: str, forced: str) -> list[ToolCall] | None:
+    """A forced reply's calls (module docstring), or None when its text is not the JSON they take."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if forced != "required":
+        return [ToolCall(forced, text.strip())] if isinstance(value, dict) else None
+    if not isinstance(value, list) or not all(
+            isinstance(item, dict) and isinstance(item.get("name"), str) and isinstance(item.get("parameters"), dict)
+            for item in value):
+        return None
+    return [ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value]
+
+
+def forced_call_schema(tools: Sequence[Mapping], forced: str, max_calls: int | None = None) -> dict:
+    """The JSON schema a forced reply follows (vLLM's): a named function's parameters (any object
+    when it has none), or for "required" a list of at least one ``{"name", "parameters"}`` item of
+    the tools (at most ``max_calls``)."""
+    def parameters(function: Mapping) -> Mapping:
+        schema = function.get("parameters")
+        return schema if isinstance(schema, Mapping) and schema else {"type": "object"}
+
+    functions = [tool.get("function") or {} for tool in tools]
+    if forced != "required":
+        return dict(next(parameters(f) for f in functions if f.get("name") == forced))
+    items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]},
+                                               "parameters": parameters(f)},
+              "required": ["name", "parameters"]} for f in functions]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if max_calls is not None:
+        schema["maxItems"] = max_calls
+    return schema
 
 
 def _parameter_schemas(tools: Sequence[Mapping]) -> dict[str, Mapping]:

@@ -255,3 +255,16 @@ def token_logprobs_ref(logits: torch.Tensor, ids: torch.Tensor,
     rank = (x > drawn).sum(dim=-1) + 1
     top, top_ids = x.topk(min(num_top, x.shape[-1]), dim=-1)
     return (drawn - log_normalizer).view(-1), rank, top - log_normalizer, top_ids
+
+
+def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``apply_token_bitmask``'s definition (and its CPU fallback), in place: row ``rows[i]`` of
+    ``logits`` [n, V] is -inf wherever bit v % 32 of ``bitmask[i, v // 32]`` is clear (tokens past
+    32 W included); returns ``logits``."""
+    n_vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :n_vocab].bool()  # [m, min(V, 32 W)]
+    allowed = torch.zeros(bitmask.shape[0], n_vocab, dtype=torch.bool, device=logits.device)
+    allowed[:, :bits.shape[1]] = bits
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits

@@ -1,0 +1,186 @@
+"""Structured outputs: a request's grammar masks its logits before each draw.
+
+The engine under test is test_engine's two-layer model (fp32, seeded random weights) over a
+byte-level vocabulary: 256 byte tokens and an eos (the tokenizer is built here, so the tests run
+fast on the CPU and, on a GPU, through the decode graphs). The reference is an eager loop of the
+model's prefill and decode steps that masks the logits with the grammar's bitmask and draws with
+``sample_tokens`` at the request's seed and position: a constrained request must give exactly
+its tokens, alone or beside others (whose tokens must not change either), greedy or sampled.
+"""
+
+import json
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from fuselm.engine import Engine, SamplingParams
+from fuselm.engine.request import StructuredOutputsParams
+from fuselm.engine.structured_outputs import GrammarCompiler, bitmask_words
+from fuselm.models.qwen35.presets import random_qwen35, tiny_config
+from fuselm.ops.sampling import sample_tokens
+
+pytest.importorskip("llguidance")
+
+EOS = 256
+VOCAB = 264  # 256 bytes, the eos, padding rows no token stands for
+NAME_SCHEMA = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"}},
+               "required": ["pet", "ok"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers
+
+    from fuselm.tokenizer import Tokenizer, _bytes_to_unicode
+
+    alphabet = _bytes_to_unicode()
+    backend = Backend(models.BPE({alphabet[b]: b for b in range(256)}, []))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<eos>"])
+    return Tokenizer(backend, {"eos_token": "<eos>"})
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = replace(tiny_config(vocab_size=VOCAB), num_hidden_layers=2, layer_types=("linear_attention",
+                                                                                      "full_attention"),
+                     eos_token_id=EOS)
+    return random_qwen35(config, dtype=torch.float32, device=DEVICE, seed=3)
+
+
+@pytest.fixture(scope="module")
+def engine(model, tokenizer):
+    return Engine(model, max_batch=4, max_len=64, seed=0, tokenizer=tokenizer)
+
+
+def prompt(tokenizer, text):
+    return tokenizer.encode(text)
+
+
+def allowed_tokens(matcher, vocab=VOCAB) -> torch.Tensor:
+    words = torch.zeros(bitmask_words(vocab), dtype=torch.int32)
+    matcher.fill_bitmask(words)
+    bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten()[:vocab].bool()
+
+
+def reference(model, tokenizer, prompt_ids, params: SamplingParams) -> list[int]:
+    """The request's tokens from an eager loop that masks with its grammar (fresh) and draws with
+    its seed at each position."""
+    matcher = GrammarCompiler(tokenizer, VOCAB, [EOS]).compile(params.structured_outputs)
+    cache = model.new_cache(1, len(prompt_ids) + params.max_tokens)
+    logits = model.prefill(torch.tensor([prompt_ids], device=DEVICE), cache)
+    tokens = []
+    for position in range(params.max_tokens):
+        scores = logits.masked_fill(~allowed_tokens(matcher).to(DEVICE), float("-inf"))
+        token = int(sample_tokens(scores, torch.tensor([params.temperature], device=DEVICE),
+                                  torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.ones(1, device=DEVICE),
+                                  torch.tensor([params.seed], device=DEVICE), torch.tensor([position], device=DEVICE),
+                                  filtered=False))
+        tokens.append(token)
+        assert matcher.accept(token)
+        if token == EOS:
+            break
+        logits = model.decode_step(torch.tensor([token], device=DEVICE), cache)
+    return tokens
+
+
+def structured(max_tokens=40, temperature=0.0, seed=7, **grammar):
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                          structured_outputs=StructuredOutputsParams(**grammar))
+
+
+def test_a_constrained_request_draws_the_masked_models_tokens_alone_and_beside_others(model, tokenizer, engine):
+    """Greedy and sampled requests under a JSON schema, a regex and a choice each give the
+    reference loop's tokens (its text follows the grammar and the request ends at the eos);
+    unconstrained requests running beside them give their solo tokens."""
+    jobs = [(prompt(tokenizer, "Pet: "), structured(json=NAME_SCHEMA, disable_any_whitespace=True)),
+            (prompt(tokenizer, "Code"), structured(temperature=1.0, seed=11, regex=r"[A-Z]{2}-[0-9]{3}")),
+            (prompt(tokenizer, "Say"), structured(temperature=0.8, seed=5, choice=["yes", "no", "not today"])),
+            (prompt(tokenizer, "Free text"), SamplingParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True))]
+    free_alone = engine.generate([jobs[3][0]], jobs[3][1])[0].outputs[0].token_ids
+    outputs = engine.generate([p for p, _ in jobs], [sp for _, sp in jobs])
+    for (prompt_ids, params), output in zip(jobs[:3], outputs):
+        assert output.outputs[0].token_ids == reference(model, tokenizer, prompt_ids, params)
+        assert output.outputs[0].finish_reason == "stop" and output.outputs[0].token_ids[-1] == EOS
+    text = [tokenizer.decode(o.outputs[0].token_ids[:-1]) for o in outputs[:3]]
+    assert json.loads(text[0])["pet"] in ("cat", "dog")
+    assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", text[1]) and text[2] in ("yes", "no", "not today")
+    assert outputs[3].outputs[0].token_ids == free_alone
+
+
+def test_constrained_requests_joining_a_running_batch_get_their_solo_tokens(model, tokenizer, engine):
+    """Constrained requests added while others decode (mixed prefill + decode steps, the draw of a
+    completing prompt masked in its row; decode steps with masks) and n = 3 samples, each with a
+    grammar of its own: every request gives its reference tokens."""
+    early = engine.add_request(prompt(tokenizer, "Long free run"),
+                               SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    engine.step()
+    engine.step()
+    params = structured(temperature=1.0, seed=21, regex=r"(ab|cd)+!")
+    params = replace(params, n=3)
+    added = engine.add_requests([{"prompt_token_ids": prompt(tokenizer, "Q"), "params": params}])[0]
+    engine.step()
+    late = engine.add_request(prompt(tokenizer, "Pet"), structured(json=NAME_SCHEMA, disable_any_whitespace=True))
+    engine.run()
+    for request in added + [late]:
+        assert request.output_token_ids == reference(model, tokenizer, request.prompt_token_ids, request.params)
+    assert len({tuple(r.output_token_ids) for r in added}) > 1  # three seeds, three draws
+    alone = Engine(model, max_batch=1, max_len=64).generate([early.prompt_token_ids], early.params)
+    assert early.output_token_ids == alone[0].outputs[0].token_ids
+
+
+def test_a_complete_grammar_ends_a_request_that_ignores_eos(tokenizer, engine):
+    """With ignore_eos the eos the complete grammar allows would not end the request: the engine
+    ends it when the grammar is complete (the eos not drawn); max_tokens still cuts an
+    unfinished one."""
+    params = replace(structured(choice=["maybe"]), ignore_eos=True)
+    (output,) = engine.generate([prompt(tokenizer, "Well")], params)
+    assert tokenizer.decode(output.outputs[0].token_ids) == "maybe" and output.outputs[0].finish_reason == "stop"
+    (cut,) = engine.generate([prompt(tokenizer, "Well")], structured(max_tokens=3, choice=["maybe"]))
+    assert tokenizer.decode(cut.outputs[0].token_ids) == "may" and cut.outputs[0].finish_reason == "length"
+
+
+def test_logprobs_of_a_constrained_request_are_of_its_masked_logits(tokenizer, engine):
+    """A constrained request's logprobs (vLLM's: the distribution it was drawn from): the
+    disallowed tokens are -inf, so its top tokens are allowed ones and a forced token has
+    log-probability 0."""
+    params = replace(structured(choice=["xyz"]), logprobs=3)
+    (output,) = engine.generate([prompt(tokenizer, "Hm")], params)
+    completion = output.outputs[0]
+    assert tokenizer.decode(completion.token_ids[:-1]) == "xyz"
+    for token, entry in zip(completion.token_ids, completion.logprobs):
+        assert entry[token].logprob == pytest.approx(0.0, abs=1e-5) and entry[token].rank == 1
+
+
+@pytest.mark.parametrize("grammar, message", [
+    ({"regex": "[a-"}, "structured_outputs: regex"),
+    ({"json": {"type": "nothing"}}, "structured_outputs: json"),
+    ({"json": "{not json"}, "structured_outputs.json: not valid JSON"),
+    ({"grammar": "start: undefined_rule"}, "structured_outputs: grammar"),
+])
+def test_a_grammar_that_does_not_compile_is_refused_naming_the_field(tokenizer, engine, grammar, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        engine.add_request(prompt(tokenizer, "x"), structured(**grammar))
+    assert not engine.has_unfinished_requests()
+
+
+def test_bad_structured_outputs_are_refused_naming_the_argument(model, tokenizer):
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="structured_outputs.choice"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match="structured_outputs.json"):
+        StructuredOutputsParams(json=5)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+"))
+    with pytest.raises(ValueError, match="structured_outputs: expected None or a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"regex": "a"})
+    with pytest.raises(ValueError, match="no tokenizer"):
+        Engine(model, max_batch=1, max_len=64).add_request([1, 2], structured(regex="a"))
