@@ -104,7 +104,7 @@ def main() -> None:
         prompts = torch.randint(0, 248000, (batch, args.prompt_len), generator=generator).tolist()
         cases = [("free", 0), ("one constrained", 1), ("all constrained", batch)] if batch > 1 else \
             [("free", 0), ("constrained", 1)]
-        run(engine, prompts, batch, min(16, args.max_tokens))  # graph captures and first compiles out of the measured runs
+        run(engine, prompts, batch, min(16, args.max_tokens))  # captures and compiles out of the measured runs
         base = None
         for name, constrained in cases:
             measured = [run(engine, prompts, constrained, args.max_tokens) for _ in range(args.runs)]

@@ -236,7 +236,8 @@ if want structured; then  # structured outputs: the GPU tests (engine steps with
   # bitmask kernel at the full vocabulary and in a graph; test_engine whole: the decode path they split), the
   # bitmask kernel under memcheck, and what a constrained request costs a 9B decode step (structured_outputs.md)
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_structured_outputs.py tests/test_engine.py \
-    tests/test_sampling.py -k "not test_sampling or bitmask" > "$OUT/structured_gpu_tests.log" 2>&1 || status=1
+    tests/test_sampling.py::test_apply_token_bitmask_at_the_full_vocabulary_on_gpu \
+    > "$OUT/structured_gpu_tests.log" 2>&1 || status=1
   tail -3 "$OUT/structured_gpu_tests.log"
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest -q -p no:cacheprovider tests/test_sampling.py -k "bitmask and not graph" \

@@ -3,7 +3,8 @@ from fuselm.ops.sampling.cutoffs import cutoffs
 from fuselm.ops.sampling.kernels import SamplingGeometry, choose_geometry
 from fuselm.ops.sampling.logprobs import token_logprobs
 from fuselm.ops.sampling.naive import (PROMPT_BIT, advance_slots_ref, apply_penalties_ref, apply_token_bitmask_ref,
-                                       gumbel_noise_ref, keep_thresholds, random_bits_ref, sample_tokens_ref, token_logprobs_ref)
+                                       gumbel_noise_ref, keep_thresholds, random_bits_ref, sample_tokens_ref,
+                                       token_logprobs_ref)
 from fuselm.ops.sampling.op import advance_slots, sample_tokens
 from fuselm.ops.sampling.penalties import apply_penalties
 
