@@ -141,6 +141,28 @@ def test_chat_prompt_equals_transformers_apply_chat_template(llm, checkpoint):
     assert chat.prompt_token_ids.count(248045) == 5  # <|im_start|>: one special token per turn
     two = llm.chat([conversation[:2], conversation], greedy(2))
     assert [o.prompt for o in two] == [llm.tokenizer.apply_chat_template(c) for c in (conversation[:2], conversation)]
+    # continue_final_message: a prefilled reply left open, cut where transformers cuts it
+    for prefilled in ([*conversation, {"role": "assistant", "content": "The answer is "}],
+                      [*conversation, {"role": "assistant", "content": [{"type": "text", "text": "Seven"}]}]):
+        for kwargs in ({}, {"enable_thinking": False}):
+            ours = llm.tokenizer.apply_chat_template(prefilled, add_generation_prompt=False,
+                                                     continue_final_message=True, **kwargs)
+            theirs = hf_tokenizer.apply_chat_template(prefilled, add_generation_prompt=False, tokenize=False,
+                                                      continue_final_message=True, **kwargs)
+            assert ours == theirs and not ours.endswith("<|im_end|>\n"), (prefilled[-1], kwargs)
+    with pytest.raises(ValueError, match="continue_final_message: not with add_generation_prompt"):
+        llm.tokenizer.apply_chat_template(conversation, continue_final_message=True)
+    # LLM.chat takes them too (vLLM's), and tools (rendered prompts seen by generate: a tool prompt is
+    # longer than this LLM's max_len)
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    sent = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llm, "generate", lambda prompts, *args: sent.extend(prompts))
+        llm.chat(prefilled, add_generation_prompt=False, continue_final_message=True)
+        llm.chat(conversation, tools=[tool])
+    render = llm.tokenizer.apply_chat_template
+    assert sent == [render(prefilled, add_generation_prompt=False, continue_final_message=True),
+                    render(conversation, tools=[tool])] and "get_time" in sent[1]
 
 
 def test_stop_strings_are_cut_and_streams_equal_the_text(llm):

@@ -245,6 +245,66 @@ def test_echo_puts_the_prompt_and_its_logprobs_first_whole_and_streamed(server, 
     assert text_only.text == choice.text and text_only.logprobs is None
 
 
+def test_prompt_logprobs_are_vllms_field_in_its_places(server, client, llm):
+    """vLLM's ``prompt_logprobs`` k: per prompt token (null first) its log-probability, rank and the k
+    most likely tokens, keyed by token id with the decoded token: in each completion choice (both of
+    n = 2, and beside echo's larger k), beside the choices of a chat answer; the values are the
+    model's log_softmax over the prompt (fp32, computed here apart from the server)."""
+    ids = llm.tokenizer.encode("The capital of France is")
+    with torch.no_grad():
+        expected = torch.log_softmax(llm.model(torch.tensor([ids])).float()[0], dim=-1)
+
+    def check(entries, prompt_ids):
+        assert entries[0] is None and len(entries) == len(prompt_ids)
+        for position, (token, entry) in enumerate(zip(prompt_ids[1:], entries[1:])):
+            row = expected[position]
+            assert str(token) in entry and len(entry) <= 3
+            assert entry[str(token)]["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
+            assert entry[str(token)]["rank"] == 1 + int((row > row[token]).sum())
+            assert entry[str(token)]["decoded_token"] == llm.tokenizer.token_text(token)
+            assert sorted(v["rank"] for v in entry.values() if v["rank"] <= 2) == [1, 2]  # the k = 2 most likely
+
+    options = dict(model=model_name(server), prompt=ids, max_tokens=1, temperature=0, n=2,
+                   extra_body={"prompt_logprobs": 2})
+    choices = client.completions.create(**options).choices
+    for choice in choices:
+        check(choice.model_extra["prompt_logprobs"], ids)
+    echoed = client.completions.create(**{**options, "n": 1, "echo": True, "logprobs": 4}).choices[0]
+    check(echoed.model_extra["prompt_logprobs"], ids)  # (the engine computed 4; the field asked 2)
+    assert len(echoed.logprobs.top_logprobs[1]) >= 4
+    chat = client.chat.completions.create(model=model_name(server), messages=USER, max_completion_tokens=1,
+                                          temperature=0, extra_body={"prompt_logprobs": 0})
+    chat_ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(USER, add_generation_prompt=True))
+    with torch.no_grad():
+        expected = torch.log_softmax(llm.model(torch.tensor([chat_ids])).float()[0], dim=-1)
+    entries = chat.model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(chat_ids)
+    for position, (token, entry) in enumerate(zip(chat_ids[1:], entries[1:])):
+        assert entry[str(token)]["logprob"] == pytest.approx(expected[position, token].item(), abs=1e-4)
+    wait_until_idle(server)
+
+
+def test_a_prefilled_reply_is_continued_and_echoed_whole_and_streamed(server, client, llm):
+    """vLLM's continue_final_message (with add_generation_prompt false): the prompt ends inside the
+    last (assistant) message, as the template cut there renders it; echo puts that message's text
+    before the reply's content, whole and in the first chunk of a stream."""
+    messages = [*USER, {"role": "assistant", "content": "Hello, I am"}]
+    options = dict(model=model_name(server), messages=messages, max_completion_tokens=3, temperature=0,
+                   extra_body={"continue_final_message": True, "add_generation_prompt": False, "echo": True,
+                               "ignore_eos": True})
+    whole = client.chat.completions.create(**options)
+    prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert prompt.endswith("Hello, I am") and whole.usage.prompt_tokens == len(llm.tokenizer.encode(prompt))
+    content = whole.choices[0].message.content
+    assert content.startswith("Hello, I am") and len(content) > len("Hello, I am")
+    chunks = list(client.chat.completions.create(**options, stream=True))
+    assert chunks[0].choices[0].delta.content == "Hello, I am"
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == content
+    plain = client.chat.completions.create(**{**options, "extra_body": {**options["extra_body"], "echo": False}})
+    assert "Hello, I am" + plain.choices[0].message.content == content
+    wait_until_idle(server)
+
+
 def test_chat_logprobs_streamed_equal_whole(server, client, llm):
     """/v1/chat/completions with logprobs and top_logprobs = k: each token's text, bytes and
     log-probability, and the k most likely in rank order (greedy: the sampled one first); the
@@ -352,7 +412,8 @@ def test_penalties_and_min_p_reach_the_engine_whole_and_streamed(server, client,
     (COMPLETIONS, {"prompt": "Hi", "n": 129}, 400, "n", "n: expected"),
     (CHAT, {"messages": USER, "n": "2"}, 400, "n", "n: expected"),
     (COMPLETIONS, {"prompt": "Hi", "echo": "yes"}, 400, "echo", "echo: expected true or false"),
-    (CHAT, {"messages": USER, "echo": True}, 400, "echo", "not supported"),
+    (CHAT, {"messages": USER, "continue_final_message": True}, 400, "continue_final_message",
+     "needs add_generation_prompt false"),
     (COMPLETIONS, {"prompt": "Hi", "presence_penalty": 2.5}, 400, "presence_penalty", "[-2, 2]"),
     (CHAT, {"messages": USER, "frequency_penalty": "1"}, 400, "frequency_penalty", "frequency_penalty: expected"),
     (COMPLETIONS, {"prompt": "Hi", "repetition_penalty": 0}, 400, "repetition_penalty", "> 0"),
@@ -381,7 +442,8 @@ def test_penalties_and_min_p_reach_the_engine_whole_and_streamed(server, client,
     (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens", "max_tokens"),
     (COMPLETIONS, {"prompt": "Hi", "logprobs": 21}, 400, "logprobs", "logprobs: expected None or an int in [0, 20]"),
     (COMPLETIONS, {"prompt": "Hi", "logprobs": True}, 400, "logprobs", "logprobs: expected"),
-    (COMPLETIONS, {"prompt": "Hi", "prompt_logprobs": 1}, 400, "prompt_logprobs", "not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "prompt_logprobs": 21}, 400, "prompt_logprobs", "[0, 20]"),
+    (CHAT, {"messages": USER, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs", "with stream"),
     (CHAT, {"messages": USER, "logprobs": 1}, 400, "logprobs", "logprobs: expected true or false"),
     (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "logprobs must be true"),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "[0, 20]"),

@@ -323,6 +323,27 @@ def _template_special_tokens(config: Mapping) -> dict[str, str]:
     return tokens
 
 
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker of where a continued message ends
+
+
+def _with_continue_tag(messages: Sequence[Mapping]) -> tuple[list[dict], str]:
+    """(a copy of ``messages`` whose last text ends with ``_CONTINUE_TAG``, that text before it)."""
+    messages = [dict(message) for message in messages]
+    content = messages[-1].get("content")
+    if isinstance(content, str):
+        messages[-1]["content"] = content + _CONTINUE_TAG
+        return messages, content
+    if isinstance(content, (list, tuple)):
+        parts = [dict(part) if isinstance(part, Mapping) else part for part in content]
+        for part in reversed(parts):
+            if isinstance(part, dict) and "text" in part:
+                text = part["text"]
+                part["text"] = text + _CONTINUE_TAG
+                messages[-1]["content"] = parts
+                return messages, text
+    raise ValueError("continue_final_message: the final message has no text to continue")
+
+
 def _check_messages(messages) -> None:
     """Raise ValueError naming ``messages`` unless it is one conversation: a non-empty list of dicts
     that each have a "role" and a "content" key."""
@@ -463,7 +484,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,
                             tools: Sequence[Mapping] | None = None, documents: Sequence[Mapping] | None = None,
-                            **kwargs) -> str:
+                            continue_final_message: bool = False, **kwargs) -> str:
         """The prompt text of one conversation, rendered from the checkpoint's jinja template
         exactly as transformers 5.17's ``apply_chat_template(messages, tools=..., documents=...,
         add_generation_prompt=..., tokenize=False, **kwargs)`` renders it.
@@ -474,9 +495,17 @@ class Tokenizer:
 
         ``messages``: a non-empty list of dicts with "role" and "content" (one conversation);
         ``tools`` and ``documents``: lists of dicts (JSON schemas; documents with title/text).
+        ``continue_final_message``: the prompt ends inside the last message (its text left open for
+        the model to continue, e.g. a prefilled assistant reply), cut where transformers cuts it
+        (after a marker appended to that text); not with ``add_generation_prompt``.
         Raises ValueError naming the bad argument, and ValueError carrying the template's message
         when the template fails (``raise_exception(...)`` or a jinja error)."""
         _check_messages(messages)
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError("continue_final_message: not with add_generation_prompt (the prompt would end "
+                                 "with a new turn, not inside the last message)")
+            messages, final_text = _with_continue_tag(messages)
         for name, value in (("tools", tools), ("documents", documents)):
             if value is not None and (not isinstance(value, (list, tuple))
                                       or not all(isinstance(entry, Mapping) for entry in value)):
@@ -484,10 +513,18 @@ class Tokenizer:
         template = _compile_chat_template(self._select_chat_template(tools))
         variables = {**self.template_special_tokens, **kwargs}
         try:
-            return template.render(messages=messages, tools=tools, documents=documents,
-                                   add_generation_prompt=add_generation_prompt, **variables)
+            rendered = template.render(messages=messages, tools=tools, documents=documents,
+                                       add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.exceptions.TemplateError as error:
             raise ValueError(f"chat template error: {error.message}") from error
+        if not continue_final_message:
+            return rendered
+        if final_text.strip() not in rendered or _CONTINUE_TAG.strip() not in rendered:
+            raise ValueError("continue_final_message: the chat template drops part of the final message, which "
+                             "cannot be continued")
+        end = rendered.rindex(_CONTINUE_TAG.strip())
+        # (a template that keeps the tag's trailing space keeps the message's spacing; else strip it as transformers)
+        return rendered[:end] if rendered[end:end + len(_CONTINUE_TAG)] == _CONTINUE_TAG else rendered[:end].rstrip()
 
     # -- streaming ---------------------------------------------------------------------------
 

@@ -124,17 +124,20 @@ class LLM:
 
     def chat(self, messages, params: SamplingParams | Sequence[SamplingParams] | None = None,
              chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-             stream: Callable[[Request], None] | None = None) -> list[RequestOutput]:
+             stream: Callable[[Request], None] | None = None, *, continue_final_message: bool = False,
+             tools: Sequence[dict] | None = None) -> list[RequestOutput]:
         """Reply to a conversation (a list of {"role", "content"} messages) or a list of
         conversations: each is rendered by the checkpoint's chat template
-        (``chat_template_kwargs`` go to the template, e.g. ``{"enable_thinking": False}``) and
-        generated as ``generate`` does."""
+        (``chat_template_kwargs`` go to the template, e.g. ``{"enable_thinking": False}``; ``tools``:
+        OpenAI function tools; ``continue_final_message``: continue the last message, with
+        ``add_generation_prompt`` False, as vLLM's) and generated as ``generate`` does."""
         conversations = [messages] if messages and isinstance(messages, (list, tuple)) \
             and isinstance(messages[0], dict) else messages
         if not isinstance(conversations, (list, tuple)) or not conversations:
             raise ValueError(f"messages: expected a conversation (a list of role/content dicts) or a list of them, "
                              f"got {messages!r}")
         prompts = [self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      tools=tools, continue_final_message=continue_final_message,
                                                       **(chat_template_kwargs or {}))
                    for conversation in conversations]
         return self.generate(prompts, params, stream)

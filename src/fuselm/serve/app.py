@@ -272,7 +272,13 @@ class OpenAIServer:
                                  completion.stop_reason, completion.logprobs, echo)
                    for index, (completion, echo) in enumerate(zip(completions, echoes))]
         usage = token_usage(generation.prompt_tokens, sum(len(c.token_ids) for c in completions))
-        return web.json_response(answer.response(choices, usage))
+        response = answer.response(choices, usage)
+        if generation.prompt_logprobs is not None:  # a prompt's first sequence computed them for its others
+            by_prompt = {id(prompt): delta.output.prompt_logprobs for prompt, delta in zip(prompts, last)
+                         if delta.output.prompt_logprobs is not None}
+            response = answer.with_prompt_logprobs(response, [by_prompt.get(id(prompt)) for prompt in prompts],
+                                                   generation.prompt_logprobs)
+        return web.json_response(response)
 
     async def _stream(self, request: web.Request, streams: list[RequestStream], answer: ResponseFormat,
                       generation: GenerationRequest, prompts: list[Prompt]) -> web.StreamResponse:

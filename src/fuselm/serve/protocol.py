@@ -23,6 +23,11 @@ are ignored, as vLLM does):
     chat_template_kwargs  chat: extra template variables, e.g. {"enable_thinking": false}
     reasoning_effort      chat: a template variable too, as vLLM passes it
     add_generation_prompt chat: default true
+    continue_final_message
+                          chat (vLLM's): the prompt ends inside the last message (a prefilled
+                          assistant reply the model continues); needs add_generation_prompt false
+    echo                  chat (vLLM's): the last message's text, when it is the assistant's, comes
+                          back before the reply's content (in the first chunk of a stream)
     max_tokens            (chat: max_completion_tokens wins) default: completions 16, chat the
                           rest of the context; either way at most max_len - prompt tokens
     temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos,
@@ -40,15 +45,19 @@ are ignored, as vLLM does):
     echo                  completions: the prompt comes back before the text (the first chunk of
                           a stream), and with logprobs its tokens' too (the first one's null), as
                           lm-eval's loglikelihood requests read them
+    prompt_logprobs       (vLLM's) k in [0, MAX_LOGPROBS]: each prompt token's log-probability and
+                          rank, and the k most likely tokens there, in vLLM's shape (a list, null for
+                          the first token, of {"token id": {"logprob", "rank", "decoded_token"}}):
+                          completions per choice, chat beside the choices; not with stream
     response_format       {"type": "text"}, {"type": "json_object"} (any JSON object) or {"type":
                           "json_schema", "json_schema": {"name", "schema", ...}}: the output follows
                           the schema (structured outputs: ``SamplingParams.structured_outputs``)
     structured_outputs    (vLLM's) {"json" | "regex" | "choice" | "grammar" | "json_object": ...,
                           "disable_any_whitespace"?}; vLLM's older guided_json, guided_regex,
                           guided_choice, guided_grammar likewise (one of these fields at most)
-Fields that would change the answer but are not implemented (``UNSUPPORTED_FIELDS``: chat's echo,
-vLLM's prompt_logprobs field, best_of > 1, the legacy functions, and vLLM's own: beam search,
-structural tags, allowed_token_ids ...) are refused with a 400 naming them unless they hold their
+Fields that would change the answer but are not implemented (``UNSUPPORTED_FIELDS``: best_of > 1,
+the legacy functions, and vLLM's own: beam search, structural tags, allowed_token_ids
+...) are refused with a 400 naming them unless they hold their
 neutral value.
 
 Chat replies are parsed (``fuselm.serve.reply_parser``) when the server runs a reasoning parser
@@ -147,7 +156,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "allowed_token_ids": _absent_or(),
     "bad_words": _absent_or([]),
     "truncate_prompt_tokens": _absent_or(),
-    "prompt_logprobs": _absent_or(),
     "logits_processors": _absent_or(),
     "guided_whitespace_pattern": _absent_or(),
     "structural_tag": _absent_or(),
@@ -155,8 +163,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
 COMPLETION_UNSUPPORTED_FIELDS = {**UNSUPPORTED_FIELDS, "suffix": _absent_or("")}
 CHAT_UNSUPPORTED_FIELDS = {
     **UNSUPPORTED_FIELDS,
-    "echo": _absent_or(False),
-    "continue_final_message": _absent_or(False),
     "chat_template": _absent_or(),
     "documents": _absent_or([]),
     "functions": _absent_or([]),
@@ -374,6 +380,8 @@ class GenerationRequest:
     max_tokens_field: str
     echo: bool = False
     reply_parsing: ReplyParsing | None = None  # chat: how its replies are parsed (None: not at all)
+    prompt_logprobs: int | None = None  # vLLM's field: the answer carries the prompt's logprobs
+    echo_text: str | None = None  # chat's echo: the last (assistant) message's text, before the reply
     grammar_starts_after: int | None = None  # structured outputs after the thinking: the end-of-thinking id
 
     @property
@@ -467,6 +475,19 @@ def _check_prompt_length(prompt_tokens: int, max_len: int, field: str) -> None:
                           f"{prompt_tokens} tokens, which leaves no room for a completion.", field)
 
 
+def _prompt_logprobs_field(body: Mapping) -> int | None:
+    """vLLM's ``prompt_logprobs`` of a request (None: not asked); a 400 with stream (vLLM's rule)."""
+    value = body.get("prompt_logprobs")
+    if value is None:
+        return None
+    if not _is_int(value) or not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(f"prompt_logprobs: expected an int in [0, {MAX_LOGPROBS}], got {value!r:.100}",
+                          "prompt_logprobs")
+    if body.get("stream"):
+        raise bad_request("prompt_logprobs: not available with stream", "prompt_logprobs")
+    return value
+
+
 def _completion_logprobs(body: Mapping):
     """SamplingParams.logprobs of a completion request: its ``logprobs`` (false: off, as absent)."""
     logprobs = body.get("logprobs")
@@ -484,13 +505,17 @@ def parse_completion_request(body: Mapping, tokenizer, defaults: SamplingParams,
         raise bad_request(f"{len(items)} prompts x n = {body.get('n') or 1} are {sequences} sequences; a request may "
                           f"ask for {MAX_REQUEST_SEQUENCES} at most", "prompt" if len(items) > 1 else "n")
     echo, logprobs = _optional_bool(body, "echo", False), _completion_logprobs(body)
+    asked = _prompt_logprobs_field(body)
+    # the engine computes one top count a prompt: the larger of echo's (with logprobs) and the field's
+    wanted = [k for k in (logprobs if echo else None, asked) if isinstance(k, int) and not isinstance(k, bool)]
+    prompt_logprobs = max(wanted) if wanted else None
     for index, (text, ids) in enumerate(items):
         try:
             _check_prompt_length(len(ids), max_len, "prompt")
             params = sampling_params_from_request(body, defaults, prompt_tokens=len(ids), max_len=max_len,
                                                   default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
                                                   max_tokens_fields=("max_tokens",), logprobs=logprobs,
-                                                  prompt_logprobs=logprobs if echo else None)
+                                                  prompt_logprobs=prompt_logprobs)
         except APIError as error:
             raise in_batch(error, index, len(items)) from None
         prompts.append(Prompt(text, ids, params))
@@ -499,11 +524,12 @@ def parse_completion_request(body: Mapping, tokenizer, defaults: SamplingParams,
                           f"stop_token_ids", "stop")
     stream, include_usage = _stream_options(body)
     return_token_ids = _optional_bool(body, "return_token_ids", tokenizer is None)
-    return GenerationRequest(prompts, stream, include_usage, return_token_ids, "prompt", "max_tokens", echo)
+    return GenerationRequest(prompts, stream, include_usage, return_token_ids, "prompt", "max_tokens", echo,
+                             prompt_logprobs=asked)
 
 
 # Names apply_chat_template takes itself: a chat_template_kwargs entry may not set them.
-_RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools", "documents")
+_RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools", "documents", "continue_final_message")
 
 
 def _check_messages(messages) -> None:
@@ -641,9 +667,14 @@ def _chat_prompt(body: Mapping, tokenizer) -> str:
     tools = _check_tools(body.get("tools"))
     template_kwargs = _template_kwargs(body)
     add_generation_prompt = _optional_bool(body, "add_generation_prompt", True)
+    continue_final_message = _optional_bool(body, "continue_final_message", False)
+    if continue_final_message and add_generation_prompt:
+        raise bad_request("continue_final_message: needs add_generation_prompt false (the prompt ends inside the "
+                          "last message, not with a new turn)", "continue_final_message")
     try:
         return tokenizer.apply_chat_template(_template_messages(messages), add_generation_prompt=add_generation_prompt,
-                                             tools=tools, **template_kwargs)
+                                             tools=tools, continue_final_message=continue_final_message,
+                                             **template_kwargs)
     except (ValueError, TypeError) as error:  # the template's own checks, or values it cannot use
         raise bad_request(str(error), "messages") from None
 
@@ -704,9 +735,11 @@ def parse_chat_request(body: Mapping, tokenizer, defaults: SamplingParams, max_l
     ids = _encode(tokenizer, text, "messages")
     _check_prompt_length(len(ids), max_len, "messages")
     max_tokens_fields = ("max_completion_tokens", "max_tokens")
+    asked = _prompt_logprobs_field(body)
     params = sampling_params_from_request(body, defaults, prompt_tokens=len(ids), max_len=max_len,
                                           default_max_tokens=None, max_tokens_fields=max_tokens_fields,
-                                          logprobs=_chat_logprobs(body), forced_grammar=forced_grammar)
+                                          logprobs=_chat_logprobs(body), prompt_logprobs=asked,
+                                          forced_grammar=forced_grammar)
     stream, include_usage = _stream_options(body)
     # With a reasoning parser and the prompt's think block open, the grammar constrains the answer
     # after it (vLLM's reasoning-aware structured outputs).
@@ -716,7 +749,21 @@ def parse_chat_request(body: Mapping, tokenizer, defaults: SamplingParams, max_l
     return GenerationRequest([Prompt(text, ids, params)], stream, include_usage,
                              _optional_bool(body, "return_token_ids", False), "messages",
                              _max_tokens_field(body, max_tokens_fields), reply_parsing=reply_parsing,
-                             grammar_starts_after=starts_after)
+                             grammar_starts_after=starts_after, prompt_logprobs=asked,
+                             echo_text=_chat_echo(body))
+
+
+def _chat_echo(body: Mapping) -> str | None:
+    """vLLM's chat ``echo``: the last message's text when it is the assistant's (None: no echo)."""
+    if not _optional_bool(body, "echo", False):
+        return None
+    last = body["messages"][-1]
+    if last.get("role") != "assistant":
+        return None
+    content = last.get("content")
+    if isinstance(content, list):
+        return "".join(part["text"] for part in content)
+    return content or ""
 
 
 def check_reply_parsers(reasoning_parser: str | None, tool_call_parser: str | None) -> None:
@@ -860,6 +907,21 @@ class ResponseFormat:
         """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
         return self._answer(self.chunk_object_name, [], usage=usage)
 
+    def prompt_logprobs(self, entries: list[TokenLogprobs | None], num_top: int) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs`` JSON: per prompt token None (the first) or {"token id":
+        {"logprob", "rank", "decoded_token"}} of the token and the ``num_top`` most likely."""
+        return [None if entry is None else {
+            str(token): {"logprob": _json_logprob(logprob.logprob), "rank": logprob.rank,
+                         "decoded_token": self._token(token)}
+            for k, (token, logprob) in enumerate(entry.items()) if k == 0 or logprob.rank <= num_top}
+            for entry in entries]
+
+    def with_prompt_logprobs(self, response: dict, per_choice: list[list | None], num_top: int) -> dict:
+        """The whole ``response`` with each choice's prompt logprobs (vLLM's place: in each choice)."""
+        for choice, entries in zip(response["choices"], per_choice):
+            choice["prompt_logprobs"] = None if entries is None else self.prompt_logprobs(entries, num_top)
+        return response
+
 
 def _json_logprob(logprob: float) -> float:
     """A log-probability JSON can carry: -inf as -9999.0 (OpenAI's and vLLM's)."""
@@ -934,19 +996,21 @@ class ChatFormat(ResponseFormat):
     is split: the message has ``content`` (null when empty), ``reasoning`` and
     ``reasoning_content`` (a reasoning parser; null when none) and ``tool_calls`` (a list, when
     tools are parsed); a delta has those that grew (each tool call whole, with its ``index``), and
-    finish_reason "stop" becomes "tool_calls" when the reply called a tool."""
+    finish_reason "stop" becomes "tool_calls" when the reply called a tool. ``echo_text`` (chat's
+    echo) comes before each choice's content: in the message, in the first chunk's delta."""
 
     id_prefix, object_name, chunk_object_name = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, *args, reply_parsing: ReplyParsing | None = None, **kwargs):
+    def __init__(self, *args, reply_parsing: ReplyParsing | None = None, echo_text: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.reply_parsing = reply_parsing
+        self.echo_text = echo_text  # (chat's echo) before each choice's content
         self._parsers: dict[int, ReplyParser] = {}  # a stream's, by choice index
 
     @classmethod
     def for_request(cls, request_id: str, model: str, generation: GenerationRequest, tokenizer=None):
         return cls(request_id, model, generation.return_token_ids, generation.logprobs, tokenizer,
-                   reply_parsing=generation.reply_parsing)
+                   reply_parsing=generation.reply_parsing, echo_text=generation.echo_text)
 
     def _finish_reason(self, finish_reason: str | None, tool_calls: int) -> str | None:
         """"tool_calls" for a stop with calls, but after a named forced call ("stop", as OpenAI's and vLLM's)."""
@@ -955,11 +1019,11 @@ class ChatFormat(ResponseFormat):
 
     def _message(self, text: str) -> tuple[dict, int]:
         """(the whole reply's message, the number of tool calls in it)."""
-        parsing = self.reply_parsing
+        parsing, echo = self.reply_parsing, self.echo_text or ""
         if parsing is None:
-            return {"role": "assistant", "content": text}, 0
+            return {"role": "assistant", "content": echo + text}, 0
         reply = parsing.parse(text)
-        message = {"role": "assistant", "content": reply.content or None}
+        message = {"role": "assistant", "content": echo + reply.content or None}
         if parsing.reasoning:
             message["reasoning"] = message["reasoning_content"] = reply.reasoning or None
         if parsing.tools is not None:
@@ -984,6 +1048,11 @@ class ChatFormat(ResponseFormat):
         if reply.tool_calls:
             delta["tool_calls"] = [call.to_json(earlier_calls + k) for k, call in enumerate(reply.tool_calls)]
         return delta, parser.tool_calls
+
+    def with_prompt_logprobs(self, response: dict, per_choice: list[list | None], num_top: int) -> dict:
+        """The chat answer with its prompt's logprobs beside the choices (vLLM's place)."""
+        entries = per_choice[0] if per_choice else None
+        return {**response, "prompt_logprobs": None if entries is None else self.prompt_logprobs(entries, num_top)}
 
     def _token_bytes(self, token_id: int) -> list[int]:
         return list(self._token(token_id).encode() if self.tokenizer is None else self.tokenizer.token_bytes(token_id))
@@ -1016,7 +1085,8 @@ class ChatFormat(ResponseFormat):
         return self._with_token_ids(choice, token_ids)
 
     def first_chunks(self, n: int = 1) -> list[dict]:
-        return [self._answer(self.chunk_object_name, [{"index": index, "delta": {"role": "assistant", "content": ""},
+        return [self._answer(self.chunk_object_name, [{"index": index,
+                                                       "delta": {"role": "assistant", "content": self.echo_text or ""},
                                                        "logprobs": None, "finish_reason": None}])
                 for index in range(n)]
 
