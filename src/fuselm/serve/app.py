@@ -88,7 +88,10 @@ class ServedModel:
         """An ``LLM``'s engine and tokenizer (its structured outputs' vocabulary tables built now,
         ~1.5 s at Qwen3.5's vocabulary, not when a first request stalls the running ones); name:
         default the checkpoint directory's name."""
-        llm.engine.grammars.warm_up()
+        try:
+            llm.engine.grammars.warm_up()
+        except ValueError as error:  # (llguidance missing, no eos id: constrained requests get a 400 naming it)
+            logger.warning("structured outputs unavailable: %s", error)
         return cls(name or Path(llm.model_dir).resolve().name, llm.engine, llm.tokenizer,
                    llm.get_default_sampling_params(), model_dir=str(llm.model_dir))
 
