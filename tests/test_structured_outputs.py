@@ -184,3 +184,17 @@ def test_bad_structured_outputs_are_refused_naming_the_argument(model, tokenizer
         SamplingParams(structured_outputs={"regex": "a"})
     with pytest.raises(ValueError, match="no tokenizer"):
         Engine(model, max_batch=1, max_len=64).add_request([1, 2], structured(regex="a"))
+
+
+def test_a_grammar_that_starts_after_a_token_leaves_the_output_free_until_it(tokenizer, engine):
+    """grammar_starts_after (a reasoning model's end-of-thinking id): the grammar constrains only
+    what follows that token. A logit bias makes it the first token drawn (the bias cannot bring
+    it back later: the grammar's -inf stays -inf)."""
+    marker = tokenizer.encode("|")[0]
+    params = replace(structured(regex="[0-9]{2}"), logit_bias={marker: 100.0})
+    request = engine.add_request(prompt(tokenizer, "Think"), params, grammar_starts_after=marker)
+    engine.run()
+    tokens = request.output_token_ids
+    assert tokens[0] == marker and re.fullmatch("[0-9]{2}", tokenizer.decode(tokens[1:3])) and tokens[3:] == [EOS]
+    (plain,) = engine.generate([prompt(tokenizer, "Think")], params)  # constrained from the first token
+    assert re.fullmatch("[0-9]{2}", tokenizer.decode(plain.outputs[0].token_ids[:-1]))

@@ -56,9 +56,8 @@ are ignored, as vLLM does):
                           "disable_any_whitespace"?}; vLLM's older guided_json, guided_regex,
                           guided_choice, guided_grammar likewise (one of these fields at most)
 Fields that would change the answer but are not implemented (``UNSUPPORTED_FIELDS``: best_of > 1,
-the legacy functions, and vLLM's own: beam search, structural tags, allowed_token_ids
-...) are refused with a 400 naming them unless they hold their
-neutral value.
+the legacy functions, and vLLM's own: beam search, structural tags, allowed_token_ids ...) are
+refused with a 400 naming them unless they hold their neutral value.
 
 Chat replies are parsed (``fuselm.serve.reply_parser``) when the server runs a reasoning parser
 (the message's ``reasoning``, and ``reasoning_content`` as DeepSeek and SGLang name it, beside its
