@@ -35,6 +35,10 @@ def is_token_ids(value) -> bool:
     return isinstance(value, (list, tuple)) and bool(value) and all(_is_int(t) for t in value)
 
 
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+"""``StructuredOutputsParams``' fields of which a request sets exactly one."""
+
+
 @dataclass
 class StructuredOutputsParams:
     """Constrain a request's output to a language (vLLM's ``StructuredOutputsParams``): exactly one
@@ -55,8 +59,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self):
-        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
-                 if getattr(self, name) not in (None, False)]
+        given = [name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured_outputs: expected exactly one of json, regex, choice, grammar, json_object; "
                              f"got {given or 'none'}")
@@ -75,6 +78,11 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"structured_outputs.{name}: expected a bool, got {value!r}")
+
+    @property
+    def kind(self) -> str:
+        """The field that is set (one of ``STRUCTURED_OUTPUT_KINDS``)."""
+        return next(name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False))
 
 
 @dataclass

@@ -264,14 +264,19 @@ class ModelRunner:
             self.staging.copy_(self._graph_inputs[key], packed)
             self._graphs[key].replay()
             return self._graph_outputs[key]
-        began = time.perf_counter()
-        inputs = packed.to(self.device)
-        graph = torch.cuda.CUDAGraph()
+        inputs = self._graph_inputs[key] = packed.to(self.device)
         with cublaslt_preferred(self.device):
-            result = body(inputs)
-            self._graph_inputs[key] = inputs
-            with graph_capture(graph, pool=self._pool):
-                self._graph_outputs[key] = body(inputs)
+            return self._capture_on_first_use(key, lambda: body(inputs))
+
+    def _capture_on_first_use(self, key: tuple, body):
+        """``body()`` run eagerly (this step's work, which also warms its kernels), then captured
+        as ``key``'s graph in the shared pool (a capture runs nothing); returns the eager run's
+        result (the graph's static outputs go to ``_graph_outputs[key]``)."""
+        began = time.perf_counter()
+        result = body()
+        graph = torch.cuda.CUDAGraph()
+        with graph_capture(graph, pool=self._pool):
+            self._graph_outputs[key] = body()
         self._graphs[key] = graph
         logger.info("graph %s: warm-up run and capture in %.2f s (%d graphs)", key, time.perf_counter() - began,
                     len(self._graphs))
@@ -381,15 +386,10 @@ class ModelRunner:
         key = ("logits", batch)
         if key in self._graphs:
             self._graphs[key].replay()
-            return
-        body()
-        if self.use_graphs:
-            began = time.perf_counter()
-            graph = torch.cuda.CUDAGraph()
-            with graph_capture(graph, pool=self._pool):
-                body()
-            self._graphs[key] = graph
-            logger.info("graph %s: captured in %.2f s (%d graphs)", key, time.perf_counter() - began, len(self._graphs))
+        elif self.use_graphs:
+            self._capture_on_first_use(key, body)
+        else:
+            body()
 
     def _next_inputs(self, logits: torch.Tensor, batch: int, variant: str) -> torch.Tensor:
         """A decode step's ids [batch] from its logits [batch, V], row n's drawn with slot

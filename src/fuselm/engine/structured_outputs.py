@@ -23,15 +23,13 @@ structured outputs).
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from typing import Sequence
 
 import torch
 
 from fuselm.engine.request import StructuredOutputsParams
-
-logger = logging.getLogger(__name__)
+from fuselm.runtime import cdiv
 
 
 def _llguidance():
@@ -49,12 +47,6 @@ class GrammarMatcher:
         self._matcher = matcher
         self.starts_after = starts_after
         self.started = starts_after is None
-
-    def copy(self) -> GrammarMatcher:
-        """An independent matcher in the same state (one per sample of an n > 1 request)."""
-        twin = GrammarMatcher(self._matcher.deep_copy(), self.starts_after)
-        twin.started = self.started
-        return twin
 
     @property
     def constrains(self) -> bool:
@@ -130,7 +122,7 @@ class GrammarCompiler:
         tokenizer = self._tokenizer()
         matcher = llguidance.LLMatcher(tokenizer, grammar_of(params), log_level=0)
         if matcher.is_error():
-            raise ValueError(f"structured_outputs: {_field_of(params)}: {matcher.get_error()}")
+            raise ValueError(f"structured_outputs: {params.kind}: {matcher.get_error()}")
         return GrammarMatcher(matcher, starts_after)
 
 
@@ -203,14 +195,9 @@ def check_grammar(params: StructuredOutputsParams) -> None:
     vocabulary needed: a server checks requests before they reach the engine)."""
     message = _llguidance().LLMatcher.validate_grammar(grammar_of(params))
     if message:
-        raise ValueError(f"structured_outputs: {_field_of(params)}: {message}")
-
-
-def _field_of(params: StructuredOutputsParams) -> str:
-    return next(name for name in ("json", "regex", "choice", "grammar", "json_object")
-                if getattr(params, name) not in (None, False))
+        raise ValueError(f"structured_outputs: {params.kind}: {message}")
 
 
 def bitmask_words(vocab_size: int) -> int:
     """int32 words of one row's bitmask."""
-    return (vocab_size + 31) // 32
+    return cdiv(vocab_size, 32)

@@ -280,7 +280,7 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
                  "guided_grammar": "grammar"}
 # StructuredOutputsParams fields a request's ``structured_outputs`` may set; vLLM's others are refused
 # unless neutral (its backend choice is ignored: there is one).
-_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
+_STRUCTURED_KEYS = tuple(field.name for field in dataclasses.fields(StructuredOutputsParams))
 _STRUCTURED_IGNORED = ("backend", "disable_fallback")
 
 
