@@ -43,3 +43,33 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+
+
+# A byte-level vocabulary for engine tests that need a tokenizer (structured outputs, bad words):
+# 256 byte tokens and an eos, under logits of BYTE_VOCAB columns (the rest: padding rows no token
+# stands for), and a two-layer model (fp32, seeded random weights) over it.
+BYTE_EOS = 256
+BYTE_VOCAB = 264
+
+
+def byte_tokenizer():
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers
+
+    from fuselm.tokenizer import Tokenizer, _bytes_to_unicode
+
+    alphabet = _bytes_to_unicode()
+    backend = Backend(models.BPE({alphabet[b]: b for b in range(256)}, []))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<eos>"])
+    return Tokenizer(backend, {"eos_token": "<eos>"})
+
+
+def byte_level_model():
+    from dataclasses import replace
+
+    from fuselm.models.qwen35.presets import random_qwen35, tiny_config
+
+    config = replace(tiny_config(vocab_size=BYTE_VOCAB), num_hidden_layers=2,
+                     layer_types=("linear_attention", "full_attention"), eos_token_id=BYTE_EOS)
+    return random_qwen35(config, dtype=torch.float32, device=DEVICE, seed=3)

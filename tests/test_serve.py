@@ -32,6 +32,7 @@ openai = pytest.importorskip("openai")
 
 from fuselm.engine import Engine  # noqa: E402
 from fuselm.engine.llm import LLM  # noqa: E402
+from fuselm.engine.token_masks import bad_words_token_ids  # noqa: E402
 from fuselm.serve import SERVER, ServedModel, build_app  # noqa: E402
 
 MAX_BATCH, MAX_LEN, MAX_QUEUE = 2, 64, 2
@@ -397,6 +398,45 @@ def test_penalties_and_min_p_reach_the_engine_whole_and_streamed(server, client,
     wait_until_idle(server)
 
 
+def test_allowed_token_ids_bad_words_and_prompt_truncation_reach_the_engine(server, client, llm):
+    """vLLM's allowed_token_ids, bad_words and truncate_prompt_tokens (extra body): the server's
+    tokens are an engine's of its own with those settings, whole and streamed; the allowed ids
+    are all it draws, the bad word's tokens never follow one another, and a truncated prompt
+    counts only its kept tokens."""
+    name = model_name(server)
+    prompt, ids = "Once upon a time there", llm.tokenizer.encode("Once upon a time there")
+    options = dict(model=name, prompt=prompt, max_tokens=6, temperature=0.9, seed=3)
+    free = client.completions.create(**options, extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
+    bad_word = llm.tokenizer.decode(free.model_extra["token_ids"][:2])
+    allowed = sorted(set(free.model_extra["token_ids"][2:]) | {11, 12, 13})
+    cases = [({"allowed_token_ids": allowed}, {"allowed_token_ids": allowed}),
+             ({"bad_words": [bad_word]}, {"bad_words": [bad_word]}),
+             ({"truncate_prompt_tokens": 3}, {"truncate_prompt_tokens": 3})]
+    answers = []
+    for extra, fields in cases:
+        answer = client.completions.create(**options, extra_body={**extra, "ignore_eos": True, "return_token_ids": True})
+        streamed = client.completions.create(**options, extra_body={**extra, "ignore_eos": True}, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in streamed) == answer.choices[0].text
+        answers.append(answer)
+    wait_until_idle(server)  # (the server's engine thread may still be stepping; the interpreter is not thread-safe)
+    alone = Engine(llm.model, max_batch=1, max_len=MAX_LEN, tokenizer=llm.tokenizer)
+    defaults = dataclasses.replace(llm.get_default_sampling_params(), max_tokens=6, temperature=0.9, seed=3,
+                                   ignore_eos=True)
+    for (extra, fields), answer in zip(cases, answers):
+        expected = alone.generate([ids], dataclasses.replace(defaults, **fields))[0].outputs[0]
+        assert answer.choices[0].model_extra["token_ids"] == expected.token_ids, extra
+    allowed_ids, unbad_ids = (answer.choices[0].model_extra["token_ids"] for answer in answers[:2])
+    assert set(allowed_ids) <= set(allowed)
+    for sequence in bad_words_token_ids([bad_word], llm.tokenizer):
+        assert all(tuple(unbad_ids[i:i + len(sequence)]) != sequence for i in range(len(unbad_ids)))
+    assert answers[2].usage.prompt_tokens == 3
+    chat = client.chat.completions.create(model=name, messages=USER, max_tokens=3, temperature=0,
+                                          extra_body={"allowed_token_ids": [11], "ignore_eos": True,
+                                                      "truncate_prompt_tokens": 4, "return_token_ids": True})
+    assert chat.choices[0].model_extra["token_ids"] == [11, 11, 11] and chat.usage.prompt_tokens == 4
+    wait_until_idle(server)
+
+
 @pytest.mark.parametrize("path, body, status, param, message", [
     (COMPLETIONS, b"{not json", 400, None, "not valid JSON"),
     (COMPLETIONS, b"[1, 2]", 400, None, "JSON object"),
@@ -456,7 +496,20 @@ def test_penalties_and_min_p_reach_the_engine_whole_and_streamed(server, client,
     # vLLM's own fields that would change the answer
     (COMPLETIONS, {"prompt": "Hi", "use_beam_search": True}, 400, "use_beam_search", "not supported"),
     (COMPLETIONS, {"prompt": "Hi", "skip_special_tokens": "no"}, 400, "skip_special_tokens", "a bool"),
-    (COMPLETIONS, {"prompt": "Hi", "structural_tag": "x"}, 400, "structural_tag", "not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "structural_tag": "x"}, 400, "structural_tag", "structural_tag: not valid JSON"),
+    (COMPLETIONS, {"prompt": "Hi", "structural_tag": '{"structures": [], "triggers": ["<"]}'}, 400, "structural_tag",
+     "at least one structure"),
+    (CHAT, {"messages": USER, "response_format": {"type": "structural_tag", "structures": [
+        {"begin": "<a>", "schema": {}, "end": "</a>"}], "triggers": ["<b"]}}, 400, "response_format",
+     "no trigger in ['<b'] starts the begin '<a>'"),
+    (CHAT, {"messages": USER, "response_format": {"type": "structural_tag", "format": {}}}, 400, "response_format",
+     "\"format\" form is not supported"),
+    (COMPLETIONS, {"prompt": "Hi", "allowed_token_ids": []}, 400, "allowed_token_ids", "a non-empty list"),
+    (COMPLETIONS, {"prompt": "Hi", "allowed_token_ids": [10**9]}, 400, "allowed_token_ids", "vocab_size"),
+    (CHAT, {"messages": USER, "bad_words": ["ok", " "]}, 400, "bad_words", "not blank"),
+    (COMPLETIONS, {"prompt": "Hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens",
+     f"expected -1 or an int in [1, {MAX_LEN}]"),
+    (CHAT, {"messages": USER, "truncate_prompt_tokens": MAX_LEN + 1}, 400, "truncate_prompt_tokens", "(max_len)"),
     # structured outputs
     (COMPLETIONS, {"prompt": "Hi", "guided_regex": "[a-"}, 400, "guided_regex", "guided_regex: regex"),
     (COMPLETIONS, {"prompt": "Hi", "guided_choice": []}, 400, "guided_choice", "guided_choice.choice"),
@@ -472,7 +525,6 @@ def test_penalties_and_min_p_reach_the_engine_whole_and_streamed(server, client,
      "structured_outputs", "['whitespace_pattern'] are not supported"),
     (COMPLETIONS, {"prompt": "Hi", "structured_outputs": {"regex": "a+"}, "min_tokens": 2}, 400, "min_tokens",
      "cannot be combined with structured_outputs"),
-    (CHAT, {"messages": USER, "allowed_token_ids": [1, 2]}, 400, "allowed_token_ids", "not supported"),
     (CHAT, {"messages": USER, "chat_template": "{{ messages }}"}, 400, "chat_template", "not supported"),
     # tools: this server runs no tool-call parser
     (CHAT, {"messages": USER, "tools": [WEATHER]}, 400, "tool_choice", "--enable-auto-tool-choice"),

@@ -1,11 +1,11 @@
 """Structured outputs: a request's grammar masks its logits before each draw.
 
-The engine under test is test_engine's two-layer model (fp32, seeded random weights) over a
-byte-level vocabulary: 256 byte tokens and an eos (the tokenizer is built here, so the tests run
-fast on the CPU and, on a GPU, through the decode graphs). The reference is an eager loop of the
-model's prefill and decode steps that masks the logits with the grammar's bitmask and draws with
-``sample_tokens`` at the request's seed and position: a constrained request must give exactly
-its tokens, alone or beside others (whose tokens must not change either), greedy or sampled.
+The engine under test is conftest's byte-level model: two layers (fp32, seeded random weights)
+over 256 byte tokens and an eos (so the tests run fast on the CPU and, on a GPU, through the
+decode graphs). The reference is an eager loop of the model's prefill and decode steps that
+masks the logits with the grammar's bitmask and draws with ``sample_tokens`` at the request's
+seed and position: a constrained request must give exactly its tokens, alone or beside others
+(whose tokens must not change either), greedy or sampled.
 """
 
 import json
@@ -15,41 +15,28 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import BYTE_EOS, BYTE_VOCAB, DEVICE, byte_level_model, byte_tokenizer
 from fuselm.engine import Engine, SamplingParams
 from fuselm.engine.request import StructuredOutputsParams
-from fuselm.engine.structured_outputs import GrammarCompiler, bitmask_words
-from fuselm.models.qwen35.presets import random_qwen35, tiny_config
+from fuselm.engine.structured_outputs import GrammarCompiler
+from fuselm.engine.token_masks import bitmask_words
 from fuselm.ops.sampling import sample_tokens
 
 pytest.importorskip("llguidance")
 
-EOS = 256
-VOCAB = 264  # 256 bytes, the eos, padding rows no token stands for
+EOS, VOCAB = BYTE_EOS, BYTE_VOCAB
 NAME_SCHEMA = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"}},
                "required": ["pet", "ok"], "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers
-
-    from fuselm.tokenizer import Tokenizer, _bytes_to_unicode
-
-    alphabet = _bytes_to_unicode()
-    backend = Backend(models.BPE({alphabet[b]: b for b in range(256)}, []))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(["<eos>"])
-    return Tokenizer(backend, {"eos_token": "<eos>"})
+    return byte_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def model():
-    config = replace(tiny_config(vocab_size=VOCAB), num_hidden_layers=2, layer_types=("linear_attention",
-                                                                                      "full_attention"),
-                     eos_token_id=EOS)
-    return random_qwen35(config, dtype=torch.float32, device=DEVICE, seed=3)
+    return byte_level_model()
 
 
 @pytest.fixture(scope="module")
@@ -198,3 +185,22 @@ def test_a_grammar_that_starts_after_a_token_leaves_the_output_free_until_it(tok
     assert tokens[0] == marker and re.fullmatch("[0-9]{2}", tokenizer.decode(tokens[1:3])) and tokens[3:] == [EOS]
     (plain,) = engine.generate([prompt(tokenizer, "Think")], params)  # constrained from the first token
     assert re.fullmatch("[0-9]{2}", tokenizer.decode(plain.outputs[0].token_ids[:-1]))
+
+
+def test_a_structural_tag_leaves_text_free_and_makes_each_trigger_a_tagged_json_value(tokenizer, engine):
+    """vLLM's structural tag: free text, but a trigger ("<", which a logit bias makes the model
+    write) goes on as a structure's begin, a JSON value of its schema and its end; a text that
+    breaks the tag is refused by the grammar, one that keeps it is taken."""
+    schema = {**NAME_SCHEMA, "x-guidance": {"whitespace_flexible": False}}
+    tag = {"structures": [{"begin": "<pet>", "schema": schema, "end": "</pet>"}], "triggers": ["<"]}
+    params = replace(structured(max_tokens=48, temperature=0.8, structural_tag=tag),
+                     logit_bias={tokenizer.encode("<")[0]: 100.0})
+    (output,) = engine.generate([prompt(tokenizer, "Tags")], params)
+    text = tokenizer.decode(output.outputs[0].token_ids)
+    tagged = re.findall(r"<pet>(.*?)</pet>", text)
+    assert tagged and all(json.loads(value)["pet"] in ("cat", "dog") for value in tagged), text
+    assert text.startswith("<pet>") and re.fullmatch(r"(<pet>[^<]*</pet>)*(<[^<]*)?", text), text
+    grammars = GrammarCompiler(tokenizer, VOCAB, [EOS])
+    for text, taken in (('free <pet>{"pet":"cat","ok":true}</pet> more', True), ("free <cat>", False)):
+        matcher = grammars.compile(StructuredOutputsParams(structural_tag=json.dumps(tag)))
+        assert all(matcher.accept(token) for token in prompt(tokenizer, text)) == taken, text

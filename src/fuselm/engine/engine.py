@@ -46,7 +46,9 @@ from fuselm.engine.request import (FinishReason, Logprob, Request, RequestOutput
 from fuselm.engine.runner import DEFAULT_GRAPH_BATCH_SIZES, ModelRunner
 from fuselm.engine.sampling import MAX_DEVICE_STOP_IDS, sampler_variant
 from fuselm.engine.scheduler import Scheduler
-from fuselm.engine.structured_outputs import GrammarCompiler, bitmask_words
+from fuselm.engine.structured_outputs import GrammarCompiler
+from fuselm.engine.token_masks import (TokenMasks, allowed_bitmask, bad_words_token_ids, banned_by_bad_words,
+                                       bitmask_words, fill_bans)
 from fuselm.models.qwen35 import Qwen35
 from fuselm.models.qwen35.cache import PAGE_SIZE
 from fuselm.ops.sampling import token_logprobs
@@ -166,13 +168,15 @@ class Engine:
             state is rounded once into the cache; half the state bytes a decode step moves (9B,
             batch 32: 1.6 of 3.2 GB).
         tokenizer: a ``fuselm.tokenizer.Tokenizer`` for requests with ``structured_outputs``
-            (their grammars are compiled over its vocabulary; ``LLM`` and the server give theirs).
+            (their grammars are compiled over its vocabulary) or ``bad_words`` (encoded with it);
+            ``LLM`` and the server give theirs.
 
-    Structured outputs: a step that draws for a constrained request reads the step before's ids
-    as soon as its forward pass is queued (not after the step's launches), advances those
-    requests' grammars, writes their allowed-token bitmasks while the device runs the forward,
-    and masks the logits before the draw (decode steps then run their forward and their draw as
-    two graphs). The device stays busy while that host work is shorter than a forward pass.
+    Token masks (structured outputs, allowed_token_ids, bad_words; ``engine.token_masks``): a
+    step that draws for a masked request reads the step before's ids as soon as its forward pass
+    is queued (not after the step's launches) when a grammar or a bad word needs them, advances
+    those requests' grammars, writes the bitmasks while the device runs the forward, and masks
+    the logits before the draw (decode steps then run their forward and their draw as two
+    graphs). The device stays busy while that host work is shorter than a forward pass.
     """
 
     def __init__(self, model: Qwen35, max_batch: int = 8, max_len: int = 4096,
@@ -206,8 +210,9 @@ class Engine:
         self._watched = self._watched_before = ("span", 0, 0.0, None)
         self.vocab_size = model.config.vocab_size
         self.eos_ids = model.config.stop_token_ids
+        self.tokenizer = tokenizer
         self.grammars = None if tokenizer is None else GrammarCompiler(tokenizer, self.vocab_size, self.eos_ids)
-        self._read_ahead: list[Request] = []  # requests a launch's grammar masks read early, for the next read()
+        self._read_ahead: list[Request] = []  # requests a launch's token masks read early, for the next read()
         self._seeds = random.Random(seed)
         self._ids = itertools.count()
         self._in_flight: list[_Launched] = []  # the last step's launches, read in the next step
@@ -326,6 +331,11 @@ class Engine:
             raise ValueError("prompt: empty prompt (0 tokens); every request needs at least one token")
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
             raise ValueError(f"prompt_token_ids: token ids must be ints in [0, {self.vocab_size}) (vocab_size)")
+        if params.truncate_prompt_tokens is not None:  # (vLLM's: the last k tokens; -1: the context's length)
+            keep = self.max_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            if keep > self.max_len:
+                raise ValueError(f"truncate_prompt_tokens: {keep} is more than max_len = {self.max_len}")
+            ids = ids[-keep:]
         if len(ids) >= self.max_len:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room in max_len = {self.max_len} "
                              f"(prompt + max_tokens must fit)")
@@ -338,7 +348,16 @@ class Engine:
         bad = [t for t in params.logit_bias or {} if t >= self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias: token ids {bad[:10]} are not in [0, {self.vocab_size}) (vocab_size)")
+        bad = [t for t in params.allowed_token_ids or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"allowed_token_ids: token ids {bad[:10]} are not in [0, {self.vocab_size}) (vocab_size)")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words: this engine has no tokenizer to encode them with (Engine(..., tokenizer=...); "
+                             "LLM and the server give theirs)")
         stop_ids = tuple(dict.fromkeys(list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_ids))))
+        if params.min_tokens and params.allowed_token_ids and set(params.allowed_token_ids) <= set(stop_ids):
+            raise ValueError("allowed_token_ids: every allowed id is a stop id, and min_tokens bans those: nothing "
+                             "could be drawn")
         if params.min_tokens and len(stop_ids) > MAX_DEVICE_STOP_IDS:  # the device bans the ones it holds
             raise ValueError(f"min_tokens: a request with min_tokens may have {MAX_DEVICE_STOP_IDS} stop ids at most "
                              f"(stop_token_ids and the model's eos ids), got {len(stop_ids)}")
@@ -354,6 +373,10 @@ class Engine:
                 raise ValueError("structured_outputs: this engine has no tokenizer to compile grammars over "
                                  "(Engine(..., tokenizer=...); LLM and the server give theirs)")
             request.grammar = self.grammars.compile(params.structured_outputs, grammar_starts_after)
+        if params.allowed_token_ids:
+            request.allowed_mask = allowed_bitmask(params.allowed_token_ids, self.vocab_size)
+        if params.bad_words:
+            request.bad_words_ids = bad_words_token_ids(params.bad_words, self.tokenizer)
         if params.prompt_logprobs is not None:  # queued now on the device, read with the first token
             request.pending_prompt_logprobs = _PromptLogprobs(self.runner.prompt_logprobs(ids, params.prompt_logprobs))
         self.scheduler.add(request)
@@ -488,17 +511,17 @@ class Engine:
             # The prompts this pass completes draw their first ids with its decode rows (in their rows).
             running = {**decoding, **{request.row: request for request in completing}}
             logits, ids = self.runner.mixed(plan, *self._decode_shape(decoding, completing),
-                                            masks=self._grammar_masks(running))
+                                            masks=self._token_masks(running))
             pending.append(_Launched(ids, running, staging, timed, logits))
         elif plan:
-            completed, logits, first = self.runner.prefill(plan, masks=self._grammar_masks(dict(enumerate(completing))))
+            completed, logits, first = self.runner.prefill(plan, masks=self._token_masks(dict(enumerate(completing))))
             prefilled = _Launched(first, dict(enumerate(completed)), staging, timed, logits)
         for request, _, count in plan:
             self.scheduler.prefilled(request, count)
         if not mixed:
             decoding = self.scheduler.decoding()
             if decoding:
-                masks = self._grammar_masks(decoding, [] if prefilled is None else [prefilled])
+                masks = self._token_masks(decoding, [] if prefilled is None else [prefilled])
                 logits, ids = self.runner.decode(*self._decode_shape(decoding), masks=masks)
                 pending.append(_Launched(ids, decoding, staging, timed, logits))
         if self._stall_watch is not None:  # the host's span between steps ends at the launches; the wait begins
@@ -552,24 +575,39 @@ class Engine:
             self._watch("span", armed=self.has_unfinished_requests())
         return updated
 
-    def _grammar_masks(self, drawing: dict[int, Request], unread: Sequence[_Launched] = ()) -> Callable | None:
-        """For a draw over ``drawing`` (row -> request) holding constrained requests: the function
-        the runner calls once the step's forward pass is queued, which reads the launches not yet
-        read (the step before's, and ``unread``: the ids the grammars have not seen), advances
-        those requests (``_append``), and returns (rows, bitmask [rows, words] int32 in pinned
-        memory) of the requests whose grammar constrains this draw. None without such requests."""
-        if all(request.grammar is None for request in drawing.values()):
+    def _token_masks(self, drawing: dict[int, Request], unread: Sequence[_Launched] = ()) -> Callable | None:
+        """For a draw over ``drawing`` (row -> request) holding masked requests (``Request.masked``):
+        the function the runner calls once the step's forward pass is queued. When a grammar or a
+        bad word of several tokens needs the tokens drawn so far, it first reads the launches not yet read (the step
+        before's, and ``unread``) and appends their ids (``_append``); it returns the draw's
+        ``TokenMasks`` (bitmasks in this step's pinned memory). None without masked requests."""
+        masked = {row: request for row, request in drawing.items() if request.masked}
+        if not masked:
             return None
+        words = bitmask_words(self.vocab_size)
 
-        def masks() -> tuple[list[int], torch.Tensor]:
-            for launched in list(self._in_flight) + list(unread):
-                self._read_ahead += self._read(launched)
-            self._in_flight = []
-            rows = [row for row, request in drawing.items()
-                    if request.grammar is not None and not request.finished and request.grammar.constrains]
-            bitmask = self.runner.staging.host((len(rows), bitmask_words(self.vocab_size)), torch.int32)
-            self.grammars.fill_bitmasks([drawing[row].grammar for row in rows], bitmask)
-            return rows, bitmask
+        def masks() -> TokenMasks:
+            if any(request.grammar is not None or any(len(words) > 1 for words in request.bad_words_ids)
+                   for request in masked.values()):
+                for launched in list(self._in_flight) + list(unread):
+                    self._read_ahead += self._read(launched)
+                self._in_flight = []
+            live = {row: request for row, request in masked.items() if not request.finished}
+            grammar_rows = [row for row, request in live.items()
+                            if request.grammar is not None and request.grammar.constrains]
+            grammar = self.runner.staging.host((len(grammar_rows), words), torch.int32)
+            if grammar_rows:
+                self.grammars.fill_bitmasks([live[row].grammar for row in grammar_rows], grammar)
+            bans = []  # (row, allowed, banned)
+            for row, request in live.items():
+                banned = banned_by_bad_words(request.bad_words_ids, request.output_token_ids)
+                if request.allowed_mask is not None or banned:
+                    bans.append((row, request.allowed_mask, banned))
+            ban_mask = self.runner.staging.host((len(bans), words), torch.int32)
+            for (_, allowed, banned), ban_row in zip(bans, ban_mask):
+                fill_bans(ban_row, allowed, banned)
+            raw_logprobs = any(live[row].params.logprobs is not None for row, _, _ in bans)
+            return TokenMasks(grammar_rows, grammar, [row for row, _, _ in bans], ban_mask, raw_logprobs)
 
         return masks
 

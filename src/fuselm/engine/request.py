@@ -35,7 +35,7 @@ def is_token_ids(value) -> bool:
     return isinstance(value, (list, tuple)) and bool(value) and all(_is_int(t) for t in value)
 
 
-STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 """``StructuredOutputsParams``' fields of which a request sets exactly one."""
 
 
@@ -44,7 +44,11 @@ class StructuredOutputsParams:
     """Constrain a request's output to a language (vLLM's ``StructuredOutputsParams``): exactly one
     of ``json`` (a JSON schema, as a dict or its JSON text), ``regex`` (a regular expression, Rust's
     regex syntax), ``choice`` (a non-empty list of strings: the output is one of them), ``grammar``
-    (a Lark grammar, or llama.cpp's GBNF) or ``json_object`` (True: any JSON object).
+    (a Lark grammar, or llama.cpp's GBNF), ``json_object`` (True: any JSON object) or
+    ``structural_tag`` (free text in which each trigger string starts a tagged JSON object:
+    ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``, as a dict or its JSON
+    text: after a trigger the output is some structure's begin, a JSON value of its schema and
+    its end; vLLM's structural tags in the form its llguidance backend takes).
     ``disable_any_whitespace``: JSON without free whitespace between tokens (vLLM's option; by
     default the model may lay JSON out as it likes). Before each draw the request's grammar masks
     the tokens that cannot come next (``fuselm.engine.structured_outputs``); once the grammar is
@@ -56,16 +60,18 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict | None = None
     disable_any_whitespace: bool = False
 
     def __post_init__(self):
         given = [name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(f"structured_outputs: expected exactly one of json, regex, choice, grammar, json_object; "
+            raise ValueError(f"structured_outputs: expected exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; "
                              f"got {given or 'none'}")
-        if self.json is not None and not isinstance(self.json, (str, dict)):
-            raise ValueError(f"structured_outputs.json: expected a JSON schema (a dict or its JSON text), got "
-                             f"{type(self.json).__name__}")
+        for name in ("json", "structural_tag"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), (str, dict)):
+                raise ValueError(f"structured_outputs.{name}: expected a dict or its JSON text, got "
+                                 f"{type(getattr(self, name)).__name__}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -117,6 +123,11 @@ class SamplingParams:
     structured_outputs: a ``StructuredOutputsParams`` (JSON schema, regex, choice, grammar): the
     output follows it (tokens it does not allow are -inf before the draw, so logprobs see them so,
     as vLLM's); not with min_tokens (the grammar decides where the output may end).
+    allowed_token_ids: a non-empty list of the only ids that may be drawn; bad_words: strings the
+    output may not contain as token sequences (vLLM's: a word's last token is banned where the
+    output ends with its other tokens; ``engine.token_masks``; the engine needs a tokenizer). Both
+    limit the draw and not the logprobs (vLLM's raw logprobs). truncate_prompt_tokens: keep only
+    the prompt's last k tokens (k >= 1; -1: the engine's max_len, as vLLM's -1 is the model's).
     Every field is checked on construction: ValueError naming the field.
     """
 
@@ -140,6 +151,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -197,6 +211,21 @@ class SamplingParams:
             if self.min_tokens:
                 raise ValueError("min_tokens: cannot be combined with structured_outputs (the grammar decides where "
                                  "the output may end)")
+        if self.allowed_token_ids is not None:
+            if (not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
+                    or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
+                raise ValueError(f"allowed_token_ids: expected a non-empty list of token ids (ints >= 0), got "
+                                 f"{self.allowed_token_ids!r:.200}")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or any(
+                    not isinstance(w, str) or not w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words: expected a list of strings that are not blank, got "
+                                 f"{self.bad_words!r:.200}")
+            self.bad_words = list(self.bad_words) or None
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or not (k == -1 or k >= 1)):
+            raise ValueError(f"truncate_prompt_tokens: expected None, -1 or an int >= 1, got {k!r}")
 
     def samples(self) -> list["SamplingParams"]:
         """The ``n`` requests these params stand for, each with n = 1: sample i gets seed
@@ -340,6 +369,8 @@ class Request:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
     _new_text: list[str] = field(default_factory=list, repr=False)  # detokenized, not yet taken
     grammar: object | None = field(default=None, repr=False)  # with params.structured_outputs: its GrammarMatcher
+    allowed_mask: object | None = field(default=None, repr=False)  # with params.allowed_token_ids: a bitmask row
+    bad_words_ids: list[tuple[int, ...]] = field(default_factory=list, repr=False)  # params.bad_words' sequences
     pending_prompt_logprobs: object | None = field(default=None, repr=False)  # the engine's, until its first token
 
     def take_new_text(self) -> str:
@@ -352,6 +383,12 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def masked(self) -> bool:
+        """Some of its draws are masked (a grammar, allowed_token_ids or bad_words:
+        ``engine.token_masks``)."""
+        return self.grammar is not None or self.allowed_mask is not None or bool(self.bad_words_ids)
 
     @property
     def prompt_computed(self) -> bool:

@@ -34,12 +34,15 @@ pool; the table is a permutation of the slots, so rows past the running requests
 slots: inactive, they write no DeltaNet state and put their K/V in the cache's scratch page.
 Without CUDA (or ``use_graphs=False``) the same step runs eagerly.
 
-Token masks (structured outputs): ``prefill``, ``mixed`` and ``decode`` take ``masks``, a function
-called once the step's forward pass is queued and before its draw, returning (rows, bitmask
-[rows, ceil(V / 32)] int32 host words): those rows' disallowed tokens are -inf when drawn
-(``apply_token_bitmask``). A decode step with masks runs its forward pass as a graph of its own
-(``("logits", b)``: the decode step without its draw, into ``decode_logits``; captured on first
-use, after an eager run that is that step) and then the (b, variant) sampler graph.
+Token masks (``engine.token_masks``): ``prefill``, ``mixed`` and ``decode`` take ``masks``, a
+function called once the step's forward pass is queued and before its draw, returning the draw's
+``TokenMasks`` (bitmasks as int32 host words): the rows' disallowed tokens are -inf when drawn
+(``apply_token_bitmask``), the grammars' before the logits are returned (their logprobs see
+them), the bans' only in what the sampler reads (the logits returned are a copy from before
+them when a banned row's request wants logprobs). A decode step with masks runs its forward pass
+as a graph of its own (``("logits", b)``: the decode step without its draw, into
+``decode_logits``; captured on first use, after an eager run that is that step) and then the
+(b, variant) sampler graph.
 """
 
 from __future__ import annotations
@@ -154,7 +157,7 @@ class ModelRunner:
         its ``slot`` and ``pages`` set, in one right-padded ``model.prefill_step``. Requests whose
         prompt ends with this chunk get their first token drawn and their slot activated; the
         others stay inactive until their last chunk. Returns (those requests, the logits [n, V]
-        their first ids were drawn from, those ids [n]), on the device: not yet read, so the
+        their first ids were drawn from (bans aside: module docstring), those ids [n]), on the device: not yet read, so the
         caller can launch a decode step behind them first; other slots are untouched. No host
         sync. ``masks``' rows index those requests (module docstring)."""
         packed, key = self._admit(plan)
@@ -184,8 +187,8 @@ class ModelRunner:
         packed, key = self._admit(plan, batch)
         body = lambda inputs: self._mixed_body(inputs, batch, key[2])  # noqa: E731
         self._run_graph(("mixed", batch) + key, packed, body)
-        self._apply_masks(self.decode_logits[:batch], masks)
-        return self.decode_logits[:batch], self._sample_decode_logits(batch, variant)
+        logits = self._apply_masks(self.decode_logits[:batch], masks)
+        return logits, self._sample_decode_logits(batch, variant)
 
     def capture_mixed_graphs(self, longest_chunk: dict[int, int]) -> int:
         """Capture now the mixed graphs of one prompt chunk beside each decode batch size b in
@@ -294,10 +297,10 @@ class ModelRunner:
         slots = self.staging.to_device(torch.tensor([r.slot for r in completed], dtype=torch.int64))
         rows = self.staging.to_device(torch.tensor(ends, dtype=torch.int64))
         logits = logits[rows]
-        self._apply_masks(logits, masks)
+        unbanned = self._apply_masks(logits, masks)
         first = self.sampling.sample_and_advance(logits, self.cache.active, sampler_variant(completed), slots,
                                                  self.input_tokens)
-        return completed, logits, first
+        return completed, unbanned, first
 
     @staticmethod
     def _unpack(inputs: torch.Tensor):
@@ -326,11 +329,19 @@ class ModelRunner:
         self.decode_logits.index_copy_(0, rows, logits)
         self.cache.active.index_copy_(0, slots, completes.bool())
 
-    def _apply_masks(self, logits: torch.Tensor, masks: Callable | None) -> None:
-        """-inf, in place, over the tokens ``masks()`` disallows in its rows of ``logits``."""
+    def _apply_masks(self, logits: torch.Tensor, masks: Callable | None) -> torch.Tensor:
+        """-inf, in place, over the tokens ``masks()`` (``TokenMasks``) disallows in its rows of
+        ``logits``. Returns the logits the draw's logprobs are of: ``logits``, or a copy taken
+        before the bans when a banned row's request wants logprobs."""
         if masks is None:
-            return
-        rows, bitmask = masks()
+            return logits
+        token_masks = masks()
+        self._mask(logits, token_masks.grammar_rows, token_masks.grammar)
+        unbanned = logits.clone() if token_masks.ban_rows and token_masks.raw_logprobs else logits
+        self._mask(logits, token_masks.ban_rows, token_masks.bans)
+        return unbanned
+
+    def _mask(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
         if rows:
             apply_token_bitmask(logits, bitmask.to(self.device, non_blocking=True),
                                 self.staging.to_device(torch.tensor(rows, dtype=torch.int64)))
@@ -438,8 +449,8 @@ class ModelRunner:
         ``masks`` (module docstring): the forward pass, the masks, then the draw."""
         if masks is not None:
             self._decode_logits(batch)
-            self._apply_masks(self.decode_logits[:batch], masks)
-            return self.decode_logits[:batch], self._sample_decode_logits(batch, variant)
+            logits = self._apply_masks(self.decode_logits[:batch], masks)
+            return logits, self._sample_decode_logits(batch, variant)
         if self.use_graphs:
             self._graphs[batch, variant].replay()
             return self._graph_outputs[batch, variant]

@@ -6,9 +6,9 @@
     matcher.accept(token_id)       # after the draw
 
 The grammars are llguidance's (the library vLLM and SGLang offer as a backend): a JSON schema, a
-regex, a choice of strings or a Lark / GBNF grammar compiles to an ``LLMatcher`` over the
-tokenizer's vocabulary (``LLTokenizer``: built once per compiler from the tokenizer's
-tokenizer.json, ~1.5 s at Qwen3.5's 248k tokens; ``warm_up`` builds it ahead). A mask costs
+regex, a choice of strings, a Lark / GBNF grammar or a structural tag compiles to an
+``LLMatcher`` over the tokenizer's vocabulary (``LLTokenizer``: built once per compiler from the
+tokenizer's tokenizer.json, ~1.5 s at Qwen3.5's 248k tokens; ``warm_up`` builds it ahead). A mask costs
 ~0.1-0.2 ms of host time per request and step (measured on this machine for a JSON schema);
 the engine computes it while the device runs the step's forward pass and applies it with
 ``fuselm.ops.sampling.apply_token_bitmask`` before the draw. Ids past the tokenizer's vocabulary
@@ -29,7 +29,6 @@ from typing import Sequence
 import torch
 
 from fuselm.engine.request import StructuredOutputsParams
-from fuselm.runtime import cdiv
 
 
 def _llguidance():
@@ -165,17 +164,48 @@ class GrammarCompiler:
         return verdicts
 
 
+def _json_value(value, name: str):
+    """``value``, or the value its JSON text holds (ValueError naming ``structured_outputs.<name>``)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"structured_outputs.{name}: not valid JSON text: {error}") from None
+
+
+def _structural_tag_grammar(spec) -> str:
+    """A structural tag's grammar (vLLM's legacy form, as its llguidance backend builds it): free
+    text, each trigger starting one of the structures whose begin it starts."""
+    llguidance = _llguidance()
+    spec = _json_value(spec, "structural_tag")
+    structures = spec.get("structures") if isinstance(spec, dict) else None
+    triggers = spec.get("triggers") if isinstance(spec, dict) else None
+    if (not isinstance(structures, list) or not structures or not isinstance(triggers, list)
+            or any(not isinstance(t, str) or not t for t in triggers)
+            or any(not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not isinstance(s.get("end"), str)
+                   or not isinstance(s.get("schema"), (dict, bool)) for s in structures)):
+        raise ValueError('structured_outputs.structural_tag: expected {"structures": [{"begin": str, "schema": '
+                         '{JSON schema}, "end": str}, ...], "triggers": [str, ...]} with at least one structure')
+    tags = []
+    for structure in structures:
+        trigger = next((t for t in triggers if structure["begin"].startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"structured_outputs.structural_tag: no trigger in {triggers!r:.200} starts the begin "
+                             f"{structure['begin']!r:.100}")
+        tags.append(llguidance.StructTag(trigger=trigger, begin=structure["begin"], grammar=structure["schema"],
+                                         end=structure["end"]))
+    return llguidance.StructTag.to_grammar(tags)
+
+
 def grammar_of(params: StructuredOutputsParams) -> str:
     """The llguidance grammar of ``params`` (not yet checked)."""
     llguidance = _llguidance()
     json_options = {"whitespace_flexible": not params.disable_any_whitespace}
+    if params.structural_tag is not None:
+        return _structural_tag_grammar(params.structural_tag)
     if params.json is not None or params.json_object:
-        schema = {"type": "object"} if params.json_object else params.json
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"structured_outputs.json: not valid JSON text: {error}") from None
+        schema = {"type": "object"} if params.json_object else _json_value(params.json, "json")
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"structured_outputs.json: expected a JSON schema object, got "
                              f"{type(schema).__name__}")
@@ -196,8 +226,3 @@ def check_grammar(params: StructuredOutputsParams) -> None:
     message = _llguidance().LLMatcher.validate_grammar(grammar_of(params))
     if message:
         raise ValueError(f"structured_outputs: {params.kind}: {message}")
-
-
-def bitmask_words(vocab_size: int) -> int:
-    """int32 words of one row's bitmask."""
-    return cdiv(vocab_size, 32)

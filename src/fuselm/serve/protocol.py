@@ -33,7 +33,11 @@ are ignored, as vLLM does):
     temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos,
     frequency_penalty, presence_penalty (OpenAI's, in [-2, 2]), repetition_penalty, min_p,
     logit_bias            {"token id": bias in [-100, 100]}, as OpenAI sends it (string keys)
-    include_stop_str_in_output, skip_special_tokens, min_tokens (vLLM's)  -> SamplingParams
+    include_stop_str_in_output, skip_special_tokens, min_tokens, allowed_token_ids, bad_words
+                          (vLLM's)  -> SamplingParams
+    truncate_prompt_tokens
+                          (vLLM's) k >= 1: only the prompt's last k tokens are kept (after the chat
+                          template); -1: the last max_len
     n                     sequences for the prompt, 1 .. MAX_N: n engine requests (seeds seed,
                           seed + 1, ... when seeded, as vLLM's), choices[i] / chunks of index i
     stream, stream_options.include_usage
@@ -49,15 +53,18 @@ are ignored, as vLLM does):
                           rank, and the k most likely tokens there, in vLLM's shape (a list, null for
                           the first token, of {"token id": {"logprob", "rank", "decoded_token"}}):
                           completions per choice, chat beside the choices; not with stream
-    response_format       {"type": "text"}, {"type": "json_object"} (any JSON object) or {"type":
+    response_format       {"type": "text"}, {"type": "json_object"} (any JSON object), {"type":
                           "json_schema", "json_schema": {"name", "schema", ...}}: the output follows
-                          the schema (structured outputs: ``SamplingParams.structured_outputs``)
-    structured_outputs    (vLLM's) {"json" | "regex" | "choice" | "grammar" | "json_object": ...,
-                          "disable_any_whitespace"?}; vLLM's older guided_json, guided_regex,
-                          guided_choice, guided_grammar likewise (one of these fields at most)
+                          the schema (structured outputs: ``SamplingParams.structured_outputs``), or
+                          vLLM's {"type": "structural_tag", "structures": [{"begin", "schema", "end"}],
+                          "triggers": [...]}: free text in which each trigger starts a tagged JSON value
+    structured_outputs    (vLLM's) {"json" | "regex" | "choice" | "grammar" | "json_object" |
+                          "structural_tag": ..., "disable_any_whitespace"?}; vLLM's older guided_json,
+                          guided_regex, guided_choice, guided_grammar and structural_tag (JSON text)
+                          likewise (one of these fields at most)
 Fields that would change the answer but are not implemented (``UNSUPPORTED_FIELDS``: best_of > 1,
-the legacy functions, and vLLM's own: beam search, structural tags, allowed_token_ids ...) are
-refused with a 400 naming them unless they hold their neutral value.
+the legacy functions, and vLLM's own: beam search, logits processors ...) are refused with a 400
+naming them unless they hold their neutral value.
 
 Chat replies are parsed (``fuselm.serve.reply_parser``) when the server runs a reasoning parser
 (the message's ``reasoning``, and ``reasoning_content`` as DeepSeek and SGLang name it, beside its
@@ -152,12 +159,8 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _absent_or(False),
     "length_penalty": _absent_or(1),
     "spaces_between_special_tokens": _absent_or(True),
-    "allowed_token_ids": _absent_or(),
-    "bad_words": _absent_or([]),
-    "truncate_prompt_tokens": _absent_or(),
     "logits_processors": _absent_or(),
     "guided_whitespace_pattern": _absent_or(),
-    "structural_tag": _absent_or(),
 }
 COMPLETION_UNSUPPORTED_FIELDS = {**UNSUPPORTED_FIELDS, "suffix": _absent_or("")}
 CHAT_UNSUPPORTED_FIELDS = {
@@ -217,7 +220,7 @@ def _max_tokens_field(body: Mapping, max_tokens_fields: tuple[str, ...]) -> str:
 # Request fields that go to the SamplingParams field of the same name as they are.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
                    "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
-                   "skip_special_tokens", "n", "min_tokens")
+                   "skip_special_tokens", "n", "min_tokens", "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
 
 
 def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, prompt_tokens: int, max_len: int,
@@ -275,9 +278,10 @@ def sampling_params_from_request(body: Mapping, defaults: SamplingParams, *, pro
     return params
 
 
-# vLLM's older structured-output fields: each is one StructuredOutputsParams field.
+# vLLM's older structured-output fields (its top-level structural_tag too): each is one
+# StructuredOutputsParams field.
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                 "guided_grammar": "grammar"}
+                 "guided_grammar": "grammar", "structural_tag": "structural_tag"}
 # StructuredOutputsParams fields a request's ``structured_outputs`` may set; vLLM's others are refused
 # unless neutral (its backend choice is ignored: there is one).
 _STRUCTURED_KEYS = tuple(field.name for field in dataclasses.fields(StructuredOutputsParams))
@@ -313,9 +317,14 @@ def structured_outputs_of_request(body: Mapping) -> tuple[StructuredOutputsParam
                 raise bad_request("response_format.json_schema: expected an object with a 'schema' (and a 'name')",
                                   field)
             options = {"json": schema}
+        elif kind == "structural_tag":
+            if response_format.get("format") is not None:
+                raise bad_request("response_format: a structural tag's \"format\" form is not supported; send "
+                                  "\"structures\" and \"triggers\"", field)
+            options = {"structural_tag": {key: response_format.get(key) for key in ("structures", "triggers")}}
         else:
-            raise bad_request(f"response_format.type: expected \"text\", \"json_object\" or \"json_schema\", got "
-                              f"{kind!r:.100}", field)
+            raise bad_request(f"response_format.type: expected \"text\", \"json_object\", \"json_schema\" or "
+                              f"\"structural_tag\", got {kind!r:.100}", field)
     elif field == "structured_outputs":
         value = body[field]
         if not isinstance(value, Mapping):
@@ -466,6 +475,18 @@ def in_batch(error: APIError, index: int, count: int) -> APIError:
     return APIError(error.status, f"prompt[{index}]: {message}", error.param)
 
 
+def truncated_prompt(body: Mapping, ids: list[int], max_len: int) -> list[int]:
+    """The prompt's ids the request keeps: with ``truncate_prompt_tokens`` k, the last k (-1: the
+    last max_len, as vLLM's), else all; a 400 naming the field for another value."""
+    keep = body.get("truncate_prompt_tokens")
+    if keep is None:
+        return ids
+    if not _is_int(keep) or not (keep == -1 or 1 <= keep <= max_len):
+        raise bad_request(f"truncate_prompt_tokens: expected -1 or an int in [1, {max_len}] (max_len), got "
+                          f"{keep!r:.100}", "truncate_prompt_tokens")
+    return ids[-(max_len if keep == -1 else keep):]
+
+
 def _check_prompt_length(prompt_tokens: int, max_len: int, field: str) -> None:
     if prompt_tokens == 0:
         raise bad_request(f"{field}: the prompt is empty (0 tokens)", field)
@@ -510,6 +531,9 @@ def parse_completion_request(body: Mapping, tokenizer, defaults: SamplingParams,
     prompt_logprobs = max(wanted) if wanted else None
     for index, (text, ids) in enumerate(items):
         try:
+            kept = truncated_prompt(body, ids, max_len)
+            if len(kept) < len(ids):  # (echo sends back what the model read)
+                text, ids = None, kept
             _check_prompt_length(len(ids), max_len, "prompt")
             params = sampling_params_from_request(body, defaults, prompt_tokens=len(ids), max_len=max_len,
                                                   default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
@@ -731,7 +755,7 @@ def parse_chat_request(body: Mapping, tokenizer, defaults: SamplingParams, max_l
     # (compact JSON: a forced call is read by a program, and free whitespace only costs tokens)
     forced_grammar = None if forced is None else StructuredOutputsParams(
         json=forced_call_schema(parsed_tools, forced, max_tool_calls), disable_any_whitespace=True)
-    ids = _encode(tokenizer, text, "messages")
+    ids = truncated_prompt(body, _encode(tokenizer, text, "messages"), max_len)
     _check_prompt_length(len(ids), max_len, "messages")
     max_tokens_fields = ("max_completion_tokens", "max_tokens")
     asked = _prompt_logprobs_field(body)
