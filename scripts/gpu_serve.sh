@@ -31,8 +31,8 @@
 #   with SamplingParams.logprobs 5); stage penalties: sampling.md and engine_penalties.md (the step at batch
 #   1 / 32, greedy and with Qwen's non-thinking sampling, each without and with presence_penalty 1.5), the
 #   penalties' GPU tests (penalties_gpu_tests.log) and their kernels under memcheck (penalties_sanitizer.log);
-#   stage structured: structured outputs' GPU tests (structured_gpu_tests.log), the bitmask kernel under memcheck
-#   (structured_sanitizer.log), the 9B step with constrained requests (structured_outputs.md / .json)
+#   stage structured: token masks' GPU tests (structured_gpu_tests.log), the bitmask kernel under memcheck
+#   (structured_sanitizer.log), the 9B step with constrained / allowed-ids / bad-words requests (structured_outputs.md)
 # STATE_DTYPE=bfloat16: the engine and the servers keep the Gated DeltaNet states in bf16 (--state-dtype).
 # ADMISSION_WAIT_MS=N: the servers' --admission-wait-ms (default: the CLI's).
 # PROMPTS_1000=1: stage serve also runs 1000 prompts at 32 clients (vLLM's default count).
@@ -232,11 +232,12 @@ if want penalties; then  # what repetition / frequency / presence penalties and 
   done
   grep -E "^(##|\| decode)|penalty" "$OUT/engine_penalties.md"
 fi
-if want structured; then  # structured outputs: the GPU tests (engine steps with masks through the graphs, the
-  # bitmask kernel at the full vocabulary and in a graph; test_engine whole: the decode path they split), the
-  # bitmask kernel under memcheck, and what a constrained request costs a 9B decode step (structured_outputs.md)
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_structured_outputs.py tests/test_engine.py \
-    tests/test_sampling.py::test_apply_token_bitmask_at_the_full_vocabulary_on_gpu \
+if want structured; then  # token masks: the GPU tests (engine steps with grammars, allowed ids and bad words
+  # through the graphs, the bitmask kernel at the full vocabulary and in a graph; test_engine whole: the decode
+  # path they split), the bitmask kernel under memcheck, and what masked requests cost a 9B decode step
+  # (structured_outputs.md)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_structured_outputs.py tests/test_token_masks.py \
+    tests/test_engine.py tests/test_sampling.py::test_apply_token_bitmask_at_the_full_vocabulary_on_gpu \
     > "$OUT/structured_gpu_tests.log" 2>&1 || status=1
   tail -3 "$OUT/structured_gpu_tests.log"
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 \

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from fuselm.runtime import cdiv
@@ -47,13 +48,18 @@ class TokenMasks:
     raw_logprobs: bool = False
 
 
+def _bits(token_ids) -> tuple[np.ndarray, np.ndarray]:
+    """(word index, bit as a uint32) of each token id."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    return ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32))
+
+
 def allowed_bitmask(token_ids: Iterable[int], vocab_size: int) -> torch.Tensor:
     """A bitmask row [ceil(vocab_size / 32)] int32 that allows ``token_ids`` (ints in [0,
     vocab_size)) and nothing else."""
-    ids = torch.tensor(sorted(set(token_ids)), dtype=torch.int64)
-    words = torch.zeros(bitmask_words(vocab_size), dtype=torch.int64)
-    words.index_put_((ids >> 5,), torch.ones_like(ids) << (ids & 31), accumulate=True)  # distinct bits: sum = or
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the words' bits as int32
+    words = np.zeros(bitmask_words(vocab_size), dtype=np.uint32)
+    np.bitwise_or.at(words, *_bits(list(token_ids)))
+    return torch.from_numpy(words.view(np.int32))
 
 
 def bad_words_token_ids(words: Sequence[str], tokenizer) -> list[tuple[int, ...]]:
@@ -84,13 +90,13 @@ def banned_by_bad_words(sequences: Sequence[tuple[int, ...]], output_token_ids: 
     return banned
 
 
-def fill_bans(row: torch.Tensor, allowed: torch.Tensor | None, banned: Iterable[int]) -> None:
-    """Write into ``row`` (a bitmask row, in place) the tokens ``allowed`` allows (None: all) less
-    the ``banned`` ones."""
+def fill_bans(row: torch.Tensor, allowed: torch.Tensor | None, banned: Sequence[int]) -> None:
+    """Write into ``row`` (a contiguous CPU bitmask row, in place) the tokens ``allowed`` allows
+    (None: all) less the ``banned`` ones."""
     if allowed is None:
         row.fill_(-1)
     else:
         row.copy_(allowed)
-    for token in banned:
-        bit = 1 << (token & 31)
-        row[token >> 5] &= ~(bit - 2**32 if bit >= 2**31 else bit)  # (the bit as an int32)
+    if len(banned):
+        words, bits = _bits(banned)
+        np.bitwise_and.at(row.numpy().view(np.uint32), words, ~bits)
