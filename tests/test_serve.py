@@ -45,8 +45,8 @@ class ServerThread:
     path of run_app's SIGINT / SIGTERM handling: ``runner.cleanup()`` (stop listening, on_shutdown,
     wait for the handlers, on_cleanup)."""
 
-    def __init__(self, model: ServedModel, max_queue: int | None = None, engine=None):
-        self.app = build_app(model, engine, max_queue)
+    def __init__(self, model: ServedModel, max_queue: int | None = None, engine=None, api_keys=()):
+        self.app = build_app(model, engine, max_queue, api_keys=api_keys)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop", daemon=True)
         self._thread.start()
@@ -137,6 +137,36 @@ def test_models_and_health(server, client, checkpoint):
         async with aiohttp.ClientSession() as session, session.get(server.url + "/health") as response:
             return response.status
     assert asyncio.run(health()) == 200
+
+
+def test_an_api_key_guards_the_v1_routes(checkpoint):
+    """Keys (vLLM's --api-key): a /v1 request without one, or with a wrong one, gets a 401 in
+    OpenAI's error JSON (the official client raises AuthenticationError); with one of the keys it
+    is served; /health and /tokenize stay open. (A server of its own.)"""
+    llm = LLM(checkpoint, dtype="float32", device="cpu", max_batch=1, max_len=MAX_LEN, seed=0, progress=False)
+    server = ServerThread(ServedModel.from_llm(llm), api_keys=["key-one", "key-two"])
+    try:
+        code, answer = post(server, COMPLETIONS, {"prompt": "Hi", "max_tokens": 1})
+        assert code == 401 and answer["error"]["type"] == "AuthenticationError" and "API key" in answer["error"][
+            "message"]
+        for key in ("key-three", "key-one-and-more", "key"):
+            wrong = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+            with pytest.raises(openai.AuthenticationError):
+                wrong.models.list()
+        right = openai.OpenAI(base_url=server.url + "/v1", api_key="key-two", max_retries=0, timeout=120)
+        assert right.models.list().data[0].id == model_name(server)
+        completion = right.completions.create(model=model_name(server), prompt="Hi", max_tokens=2, temperature=0)
+        assert completion.usage.completion_tokens >= 1
+        assert post(server, "/tokenize", {"prompt": "Hi"})[0] == 200
+
+        async def health():
+            async with aiohttp.ClientSession() as session, session.get(server.url + "/health") as response:
+                return response.status
+        assert asyncio.run(health()) == 200
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="api_keys"):
+        build_app(ServedModel.from_llm(llm), api_keys=[" "])
 
 
 def test_completion_streamed_equals_whole(server, client, llm):

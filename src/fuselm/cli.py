@@ -25,6 +25,7 @@ exit status 1.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -162,6 +163,9 @@ def _serve(args) -> int:
     if args.model_dir is None and (args.reasoning_parser or args.tool_call_parser):
         args.command_parser.error("--reasoning-parser and --tool-call-parser parse chat replies, which need a "
                                   "checkpoint's tokenizer (MODEL_DIR); --config serves token-id prompts only")
+    api_keys = args.api_key or ([os.environ["FUSELM_API_KEY"]] if os.environ.get("FUSELM_API_KEY") else [])
+    if any(not key.strip() for key in api_keys):
+        args.command_parser.error("--api-key: expected non-empty keys")
     options = dict(max_batch=args.max_batch, max_len=args.max_len, seed=args.seed, name=args.served_model_name,
                    max_prefill_tokens=args.max_prefill_tokens, kv_cache_tokens=args.kv_cache_tokens,
                    state_dtype=args.state_dtype)
@@ -181,7 +185,7 @@ def _serve(args) -> int:
                       stall_dump=args.stall_dump, stall_dump_s=args.stall_dump_ms / 1e3,
                       stall_dump_wait_s=args.stall_dump_wait_ms and args.stall_dump_wait_ms / 1e3, **options)
     try:
-        run_server(spec, args.host, args.port, args.reasoning_parser, args.tool_call_parser)
+        run_server(spec, args.host, args.port, args.reasoning_parser, args.tool_call_parser, api_keys)
     except OSError as error:  # the address cannot be listened on
         raise ValueError(f"--host/--port: {error}") from None
     return 0
@@ -449,6 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --stall-dump, also write the stacks when a step's wait for the step before it (its "
                             "device time, then reading its ids) takes longer than this (default: not watched; keep it "
                             "above the slowest normal step)")
+    serve.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                       help="requests under /v1 must send 'Authorization: Bearer KEY' with one of these keys, "
+                            "else 401 (vLLM's flag; default: the FUSELM_API_KEY environment variable, if set)")
     serve.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                        help="split chat replies' reasoning (<think> ... </think>) into message.reasoning and "
                             "reasoning_content, as vLLM's qwen3 parser")

@@ -13,8 +13,9 @@ embedding). The routes see the same ``EngineClient`` either way.
     POST /detokenize           vLLM's: the text of token ids
 
 Request fields and answer shapes: ``fuselm.serve.protocol``. Every error is OpenAI's error JSON
-with its HTTP status: 400 a bad field (named in ``param``), 404 an unknown model, 503 a full
-queue or an engine that is not running, 500 a bug. A request is checked (prompt tokenized,
+with its HTTP status: 400 a bad field (named in ``param``), 401 a missing or wrong API key (a
+server started with keys checks them on the /v1 routes, as vLLM's ``--api-key``), 404 an unknown
+model, 503 a full queue or an engine that is not running, 500 a bug. A request is checked (prompt tokenized,
 SamplingParams built, ``Engine.add_request`` run by the engine loop) before anything of its
 answer is sent, so a bad request is a 400 even when streamed.
 
@@ -35,6 +36,8 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import hashlib
+import hmac
 import json
 import logging
 import sys
@@ -42,6 +45,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from aiohttp import web
 
@@ -369,19 +373,46 @@ async def _openai_errors(request: web.Request, handler):
         return web.json_response(APIError(500, f"internal error: {error!r}").body, status=500)
 
 
+def _api_key_check(api_keys: Sequence[str]):
+    """A middleware that answers 401 (OpenAI's error JSON) to a request under /v1 whose
+    ``Authorization`` header is not ``Bearer <one of api_keys>`` (vLLM's ``--api-key``: /health,
+    /tokenize and /detokenize stay open). Keys are compared by their SHA-256 digests in constant
+    time, every key every time."""
+    digests = [hashlib.sha256(key.encode()).digest() for key in api_keys]
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path.startswith("/v1") and request.method != "OPTIONS":
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            digest = hashlib.sha256(token.strip().encode()).digest()
+            matched = False
+            for known in digests:
+                matched |= hmac.compare_digest(digest, known)
+            if scheme.lower() != "bearer" or not matched:
+                raise APIError(401, "Incorrect or missing API key: send the header 'Authorization: Bearer <key>' "
+                                    "with a key the server was started with (--api-key)")
+        return await handler(request)
+
+    return check
+
+
 def build_app(model: ServedModel, engine: EngineClient | None = None, max_queue: int | None = None,
-              admission_wait: float = ADMISSION_WAIT_S) -> web.Application:
+              admission_wait: float = ADMISSION_WAIT_S, api_keys: Sequence[str] = ()) -> web.Application:
     """The aiohttp application serving ``model`` (routes: module docstring) through ``engine``
     (default: an ``AsyncEngine`` over ``model.engine`` on a thread of this process, holding at
     most ``max_queue`` waiting requests and waiting ``admission_wait`` s for a closed-loop
-    client's next request); ``app[SERVER]`` is its ``OpenAIServer``. Run it with
+    client's next request); ``app[SERVER]`` is its ``OpenAIServer``. With ``api_keys``, requests
+    under /v1 must bring one (``Authorization: Bearer <key>``; 401 otherwise). Run it with
     ``handler_cancellation=True`` so that a client that goes away has its request aborted
     (``run_server`` does)."""
+    if any(not isinstance(key, str) or not key.strip() for key in api_keys):
+        raise ValueError("api_keys: expected non-empty strings")
     if engine is None:
         engine = AsyncEngine(model.engine, tokenizer=model.tokenizer, max_queue=max_queue,
                              admission_wait=admission_wait)
     server = OpenAIServer(model, engine)
-    app = web.Application(middlewares=[_openai_errors], client_max_size=MAX_REQUEST_BYTES)
+    middlewares = [_openai_errors] + ([_api_key_check(api_keys)] if api_keys else [])
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_REQUEST_BYTES)
     app[SERVER] = server
     app.add_routes([web.get("/health", server.health), web.get("/v1/models", server.models),
                     web.post("/v1/completions", server.completions),
@@ -393,12 +424,15 @@ def build_app(model: ServedModel, engine: EngineClient | None = None, max_queue:
 
 
 def run_server(spec: EngineSpec, host: str = "127.0.0.1", port: int = 8000, reasoning_parser: str | None = None,
-               tool_call_parser: str | None = None) -> None:
+               tool_call_parser: str | None = None, api_keys: Sequence[str] = ()) -> None:
     """Serve what ``spec`` builds on ``host:port`` until SIGINT or SIGTERM, then shut down
     cleanly (stop listening, abort unfinished requests, stop the engine process) and return. The
     engine runs in a process of its own (``EngineProcess``); this one only speaks HTTP, and parses
-    chat replies with ``reasoning_parser`` and ``tool_call_parser`` (``ServedModel``'s)."""
+    chat replies with ``reasoning_parser`` and ``tool_call_parser`` (``ServedModel``'s).
+    ``api_keys``: as ``build_app``'s."""
     check_reply_parsers(reasoning_parser, tool_call_parser)
+    if any(not isinstance(key, str) or not key.strip() for key in api_keys):
+        raise ValueError("api_keys: expected non-empty strings")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = EngineProcess(spec)
     info = engine.launch()
@@ -413,7 +447,7 @@ def run_server(spec: EngineSpec, host: str = "127.0.0.1", port: int = 8000, reas
               f"engine process {engine.process.pid})", file=sys.stderr, flush=True)
         gc.collect()
         gc.freeze()  # the objects loaded at start-up stay out of the collections
-        web.run_app(build_app(model, engine), host=host, port=port, handler_cancellation=True,
+        web.run_app(build_app(model, engine, api_keys=api_keys), host=host, port=port, handler_cancellation=True,
                     print=lambda message: print(message, file=sys.stderr, flush=True))
     finally:
         engine.stop()  # (when serving never began or ended abnormally; after a shutdown, nothing)
