@@ -34,6 +34,7 @@ from fuselm.engine import Engine  # noqa: E402
 from fuselm.engine.llm import LLM  # noqa: E402
 from fuselm.engine.token_masks import bad_words_token_ids  # noqa: E402
 from fuselm.serve import SERVER, ServedModel, build_app  # noqa: E402
+from fuselm.serve.metrics import metrics_available  # noqa: E402
 
 MAX_BATCH, MAX_LEN, MAX_QUEUE = 2, 64, 2
 LONG = 50  # max_tokens of a request that is still running when the test acts on it
@@ -167,6 +168,68 @@ def test_an_api_key_guards_the_v1_routes(checkpoint):
         server.stop()
     with pytest.raises(ValueError, match="api_keys"):
         build_app(ServedModel.from_llm(llm), api_keys=[" "])
+
+
+def scrape(server) -> dict:
+    """GET /metrics parsed: {(sample name, labels without model_name): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def get():
+        async with aiohttp.ClientSession() as session, session.get(server.url + "/metrics") as response:
+            assert response.status == 200 and response.headers["Content-Type"].startswith("text/plain")
+            return await response.text()
+    samples = {}
+    for family in text_string_to_metric_families(asyncio.run(get())):
+        for sample in family.samples:
+            assert sample.labels.pop("model_name") == model_name(server)
+            samples[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+    return samples
+
+
+def test_metrics_count_requests_tokens_and_latencies(server, client, llm):
+    """GET /metrics (Prometheus' text format; vLLM's metrics, named fuselm:*): a request of 3
+    tokens and a streamed one of 2 add two "length" successes, 5 generated tokens, their prompt
+    tokens, two TTFT and end-to-end observations and an inter-token interval per later step; an
+    idle engine reads 0 running, 0 waiting, no K/V page held."""
+    pytest.importorskip("prometheus_client")
+    name = model_name(server)
+    before = scrape(server)
+    client.completions.create(model=name, prompt="Hi there", max_tokens=3, temperature=0,
+                              extra_body={"ignore_eos": True})
+    list(client.completions.create(model=name, prompt="Hi there", max_tokens=2, temperature=0, stream=True,
+                                   extra_body={"ignore_eos": True}))
+    wait_until_idle(server)
+    after = scrape(server)
+
+    def added(sample, **labels):
+        key = (sample, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert added("fuselm:request_success_total", finished_reason="length") == 2
+    assert added("fuselm:generation_tokens_total") == 5
+    assert added("fuselm:prompt_tokens_total") == 2 * len(llm.tokenizer.encode("Hi there"))
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prompt_tokens",
+                      "request_generation_tokens"):
+        assert added(f"fuselm:{histogram}_count") == 2, histogram
+    assert added("fuselm:request_generation_tokens_sum") == 5
+    assert 1 <= added("fuselm:inter_token_latency_seconds_count") <= 3  # (a step's tokens arrive together)
+    assert 0 < added("fuselm:e2e_request_latency_seconds_sum") < 120
+    assert after["fuselm:time_to_first_token_seconds_bucket", (("le", "+Inf"),)] == after[
+        "fuselm:time_to_first_token_seconds_count", ()]
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert after[f"fuselm:{gauge}", ()] == 0, gauge
+    stream = client.completions.create(model=name, prompt="Hi", max_tokens=LONG, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))  # its first chunk: the request holds a slot and its pages
+    during = scrape(server)
+    stream.close()  # the server aborts it
+    assert during["fuselm:num_requests_running", ()] == 1 and 0 < during["fuselm:kv_cache_usage_perc", ()] <= 1
+    deadline = time.monotonic() + 15
+    while added("fuselm:request_success_total", finished_reason="abort") < 1:
+        assert time.monotonic() < deadline, "the aborted request was not counted"
+        time.sleep(0.05)
+        after = scrape(server)
+    wait_until_idle(server)
 
 
 def test_completion_streamed_equals_whole(server, client, llm):
@@ -1301,10 +1364,12 @@ def test_fuselm_serve_config_tiny_takes_token_ids_and_exits_0_on_sigterm(tmp_pat
                 ids_answer = response.status, await response.json()
             async with session.post(url + COMPLETIONS, json={"prompt": "text"}) as response:
                 text_answer = response.status, await response.json()
-            return ids_answer, text_answer
+            async with session.get(url + "/metrics") as response:
+                metrics = await response.text()
+            return ids_answer, text_answer, metrics
 
     try:
-        (ids_status, ids_answer), (text_status, text_answer) = asyncio.run(use())
+        (ids_status, ids_answer), (text_status, text_answer), metrics = asyncio.run(use())
         process.send_signal(signal.SIGTERM)
         output = process.communicate(timeout=30)[0].decode()
     finally:
@@ -1313,6 +1378,10 @@ def test_fuselm_serve_config_tiny_takes_token_ids_and_exits_0_on_sigterm(tmp_pat
     assert ids_status == 200 and ids_answer["model"] == "tiny"
     assert len(ids_answer["choices"][0]["token_ids"]) == ids_answer["usage"]["completion_tokens"] >= 1
     assert text_status == 400 and "no tokenizer" in text_answer["error"]["message"]
+    if metrics_available():  # the engine process's counts reach the HTTP process's /metrics
+        generated = ids_answer["usage"]["completion_tokens"]
+        assert f'fuselm:generation_tokens_total{{model_name="tiny"}} {float(generated)}' in metrics, metrics
+        assert 'fuselm:num_requests_running{model_name="tiny"} 0.0' in metrics
     assert process.returncode == 0, output
     entries = [json.loads(line) for line in step_log.read_text().splitlines()]
     steps = [entry for entry in entries if entry["kind"] != "gc"]

@@ -389,6 +389,16 @@ class Engine:
         """Requests queued for a slot (not yet admitted)."""
         return len(self.scheduler.waiting)
 
+    def num_running_requests(self) -> int:
+        """Requests holding a slot (prefilling or decoding)."""
+        return self.scheduler.rows_in_use()
+
+    def kv_cache_usage(self) -> float:
+        """The fraction of the attention K/V pages requests hold (a request takes its prompt +
+        max_tokens pages when it starts)."""
+        num_pages = self.runner.cache.num_pages
+        return (num_pages - self.scheduler.free_pages) / num_pages
+
     def abort(self, request: Request) -> None:
         """End a request now (its slot is freed; an in-flight step's ids for it are dropped)."""
         if not request.finished:

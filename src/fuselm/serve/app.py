@@ -11,6 +11,7 @@ embedding). The routes see the same ``EngineClient`` either way.
     POST /v1/chat/completions  the assistant's reply to "messages"; "stream" likewise
     POST /tokenize             vLLM's: the token ids of a prompt, or of messages as chat renders them
     POST /detokenize           vLLM's: the text of token ids
+    GET  /metrics              Prometheus' scrape: vLLM's metrics, named fuselm:* (``fuselm.serve.metrics``)
 
 Request fields and answer shapes: ``fuselm.serve.protocol``. Every error is OpenAI's error JSON
 with its HTTP status: 400 a bad field (named in ``param``), 401 a missing or wrong API key (a
@@ -54,6 +55,7 @@ from fuselm.engine.request import SamplingParams
 from fuselm.serve.async_engine import (ADMISSION_WAIT_S, AsyncEngine, EngineClient, EngineUnavailableError,
                                        RequestStream)
 from fuselm.serve.engine_process import EngineProcess, EngineSpec, gc_recorder
+from fuselm.serve.metrics import ServerMetrics, metrics_available
 from fuselm.serve.protocol import (APIError, ChatFormat, CompletionFormat, GenerationRequest, Prompt, ResponseFormat,
                                    bad_request, check_model, check_reply_parsers, detokenize_response, echo_of,
                                    in_batch, model_list, parse_chat_request, parse_completion_request, token_usage,
@@ -182,6 +184,14 @@ class OpenAIServer:
         if self.engine.alive:
             return web.Response(status=200)
         raise APIError(503, "the engine is not running")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus' scrape (``fuselm.serve.metrics``)."""
+        if self.engine.metrics is None:
+            raise APIError(404, "no metrics: this server runs without prometheus_client (pip install "
+                                "prometheus_client)")
+        return web.Response(body=self.engine.metrics.render(),
+                            headers={"Content-Type": ServerMetrics.CONTENT_TYPE})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(model_list(self.model.name, self.created, self.engine.max_len))
@@ -410,6 +420,10 @@ def build_app(model: ServedModel, engine: EngineClient | None = None, max_queue:
     if engine is None:
         engine = AsyncEngine(model.engine, tokenizer=model.tokenizer, max_queue=max_queue,
                              admission_wait=admission_wait)
+    if metrics_available():
+        engine.metrics = ServerMetrics(model.name, engine.max_len)
+    else:
+        logger.warning("prometheus_client is not installed: the server runs without /metrics")
     server = OpenAIServer(model, engine)
     middlewares = [_openai_errors] + ([_api_key_check(api_keys)] if api_keys else [])
     app = web.Application(middlewares=middlewares, client_max_size=MAX_REQUEST_BYTES)
@@ -417,7 +431,8 @@ def build_app(model: ServedModel, engine: EngineClient | None = None, max_queue:
     app.add_routes([web.get("/health", server.health), web.get("/v1/models", server.models),
                     web.post("/v1/completions", server.completions),
                     web.post("/v1/chat/completions", server.chat_completions),
-                    web.post("/tokenize", server.tokenize), web.post("/detokenize", server.detokenize)])
+                    web.post("/tokenize", server.tokenize), web.post("/detokenize", server.detokenize),
+                    web.get("/metrics", server.metrics)])
     app.on_startup.append(server.on_startup)
     app.on_shutdown.append(server.on_shutdown)
     return app

@@ -6,12 +6,14 @@ Pieces:
   ``launch``, ``read`` and ``abort`` runs on it, so the engine needs no locks), takes commands
   (submit, abort, stop) in the order they were sent and answers with plain picklable messages:
   ``("accepted", request_id, error)`` (the error that refused a submission, or None), ``("deltas",
-  [(request_id, RequestDelta), ...])`` (a step's new tokens, detokenized and stop-string checked
-  here, one message for many requests) and, at its exit, ``("closed", reason)``. When no request is
+  [(request_id, RequestDelta), ...], EngineStats)`` (a step's new tokens, detokenized and
+  stop-string checked here, one message for many requests, and the engine's state after it) and,
+  at its exit, ``("closed", reason)``. When no request is
   unfinished it blocks on its commands (no busy loop); while requests run it takes the commands
   that came in between two steps.
 - ``EngineClient``: the event loop's side: ``submit`` (a ``RequestStream`` per request),
-  ``abort``, ``shutdown``; it routes the answers to their streams.
+  ``abort``, ``shutdown``; it routes the answers to their streams (and, given ``metrics``, records
+  them: ``fuselm.serve.metrics``).
 - ``AsyncEngine``: the loop on a thread of this process, its answers handed to the event loop
   with ``call_soon_threadsafe``: in-process use and tests.
 - ``fuselm.serve.engine_process.EngineProcess``: the loop in a process of its own, answers over a
@@ -58,6 +60,7 @@ import torch
 
 from fuselm.engine.engine import Engine
 from fuselm.engine.request import Request, RequestOutput, SamplingParams, TokenLogprobs
+from fuselm.serve.metrics import EngineStats, ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -236,7 +239,8 @@ class EngineLoop:
             running = self._running.pop(command.request_id, None)
             if running is not None:
                 self.engine.abort(running.request)
-                self._answer(("deltas", [(command.request_id, RequestDelta("", [], error="aborted"))]))
+                self._answer(("deltas", [(command.request_id, RequestDelta("", [], error="aborted"))],
+                              self._stats()))
 
     def _accept(self, submit: Submit) -> None:
         """``add_request`` for a submission (its detokenizer built here), then answer whether it
@@ -282,7 +286,11 @@ class EngineLoop:
                 delta = RequestDelta(text, new_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
             deltas.append((request.request_id, delta))
         if deltas:
-            self._answer(("deltas", deltas))
+            self._answer(("deltas", deltas, self._stats()))
+
+    def _stats(self) -> EngineStats:
+        return EngineStats(self.engine.num_running_requests(), self.engine.num_waiting_requests(),
+                           self.engine.kv_cache_usage())
 
     def _close(self, reason: str) -> None:
         """The loop's exit: answer ``("closed", reason)`` (the client then ends every unfinished
@@ -313,6 +321,7 @@ class EngineClient:
         self._accepted: dict[str, asyncio.Future] = {}  # submitted, not yet answered
         self._accepting = False
         self._closed_reason: str | None = None
+        self.metrics: ServerMetrics | None = None  # (the server's: records every request's deltas)
 
     def _send(self, command) -> bool:
         raise NotImplementedError
@@ -359,7 +368,10 @@ class EngineClient:
         accepted = asyncio.get_running_loop().create_future()
         stream = self._streams[request_id] = RequestStream(request_id)
         self._accepted[request_id] = accepted
-        if not self._send(Submit(request_id, list(prompt_token_ids), params, prompt, time.perf_counter(),
+        submitted = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.submitted(request_id, len(prompt_token_ids), submitted)
+        if not self._send(Submit(request_id, list(prompt_token_ids), params, prompt, submitted,
                                  grammar_starts_after)):
             self._end(self._closed_reason or "the engine is not running")
         try:
@@ -385,13 +397,20 @@ class EngineClient:
             accepted = self._accepted.pop(request_id, None)
             if error is not None:
                 self._streams.pop(request_id, None)
+                if self.metrics is not None:
+                    self.metrics.refused(request_id)
             if accepted is not None and not accepted.done():  # (done: its submitter gave up)
                 accepted.set_result(None) if error is None else accepted.set_exception(error)
         elif kind == "deltas":
+            now = time.perf_counter()
             for request_id, delta in message[1]:
                 stream = self._streams.pop(request_id, None) if delta.last else self._streams.get(request_id)
                 if stream is not None:
                     stream._deltas.put_nowait(delta)
+                if self.metrics is not None:
+                    self.metrics.delta(request_id, delta, now)
+            if self.metrics is not None:
+                self.metrics.engine_stats = message[2]
         elif kind == "closed":
             self._end(message[1])
 
@@ -404,9 +423,16 @@ class EngineClient:
             if not future.done():
                 future.set_exception(EngineUnavailableError(reason))
         streams, self._streams = self._streams, {}
+        now = time.perf_counter()
         for request_id, stream in streams.items():
             if request_id not in accepted:
                 stream._deltas.put_nowait(RequestDelta("", [], error=reason))
+            if self.metrics is not None and request_id in accepted:
+                self.metrics.refused(request_id)
+            elif self.metrics is not None:
+                self.metrics.delta(request_id, RequestDelta("", [], error=reason), now)
+        if self.metrics is not None:
+            self.metrics.engine_stats = EngineStats()
 
 
 class AsyncEngine(EngineClient):
