@@ -14,6 +14,7 @@
 #   5. GPU tests of the serving path; compute-sanitizer memcheck of the sampling kernel
 # Writes to $OUT (default ./gpu_out):
 #   serve.md (every bench-serve table), serve.json (their JSON), serve_poisson.png, engine.md,
+#   metrics_default.txt (stage serve: the server's /metrics after its benches),
 #   server_*.log (each server's log tail: graph captures), steps_*.md (benchmarks/step_log.py: step
 #   durations by kind, per benchmark run; the slowest steps' host spans and garbage collections),
 #   steps_N.jsonl (stage serveN: the raw step log; stage serve: steps_default.jsonl.gz),
@@ -128,6 +129,9 @@ if want serve; then
   echo "Poisson rate: $rate req/s (80% of the 32-client throughput)"
   bench serve_poisson --num-prompts 96 --request-rate "$rate" --burstiness 1 --max-concurrency 32 --goodput ttft:500
   cp "$work/serve_poisson.png" "$OUT/" 2>/dev/null
+  # the server's own Prometheus metrics over the whole run (its TTFT / inter-token histograms)
+  python3 -c "import urllib.request; print(urllib.request.urlopen('$url/metrics').read().decode())" \
+    > "$OUT/metrics_default.txt" 2>&1 || status=1
   stop
   host_state "after the server" >> "$OUT/host_state.txt"
   tail -c 20000 "$work/server_.log" > "$OUT/server_default.log"

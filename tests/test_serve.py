@@ -712,6 +712,20 @@ def test_a_forced_tool_call_comes_back_as_the_call_whole_and_streamed(checkpoint
             assert [(c.index, c.function.name, c.function.arguments) for c in streamed] == [
                 (0, "set_units", call.function.arguments)]
             assert not "".join(chunk.delta.content or "" for chunk in chunks) and chunks[-1].finish_reason == finish
+        # the Responses API: the forced call as a function_call item, whole and streamed
+        flat = {"type": "function", **units["function"]}
+        options = dict(model=model_name(server), input="Hi", tools=[flat], max_output_tokens=40, temperature=0,
+                       tool_choice={"type": "function", "name": "set_units"})
+        answer = client.responses.create(**options)
+        (item,) = answer.output
+        assert item.type == "function_call" and item.name == "set_units" and item.call_id.startswith("call_")
+        assert json.loads(item.arguments)["unit"] in ("C", "F") and answer.status == "completed"
+        with client.responses.stream(**options) as stream:
+            events = list(stream)
+            final = stream.get_final_response()
+        assert [e.delta for e in events if e.type == "response.function_call_arguments.delta"] == [item.arguments]
+        assert [(i.type, i.name, i.arguments) for i in final.output] == [("function_call", "set_units",
+                                                                          item.arguments)]
     finally:
         server.stop()
     with pytest.raises(APIError, match="response_format: a forced tool call") as refused:  # one grammar a request
@@ -986,8 +1000,122 @@ def test_a_server_with_reply_parsers_answers_what_they_read_in_the_text_whole_an
         none = client.chat.completions.create(**options, tool_choice="none")
         assert none.usage == whole.usage and none.choices[0].message.tool_calls is None
         assert none.choices[0].message.model_extra["reasoning"] == message.model_extra["reasoning"]
+
+        # the Responses API over the same path: the reply's parts as output items, in order
+        flat_tools = [{"type": "function", "name": "get_weather"}]
+        answer = client.responses.create(model=model_name(server), input="Weather in Paris?", tools=flat_tools,
+                                         max_output_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+        expected = [("reasoning", reply.reasoning)] + ([("message", reply.content)] if reply.content else []) + [
+            ("function_call", (c.name, c.arguments)) for c in reply.tool_calls]
+        assert [(item.type, item.content[0].text if item.type == "reasoning" else item.content[0].text
+                 if item.type == "message" else (item.name, item.arguments)) for item in answer.output] == expected
+        assert answer.usage.input_tokens == whole.usage.prompt_tokens
+        assert answer.usage.output_tokens == whole.usage.completion_tokens == 4
+        think_end = llm.tokenizer.token_to_id("</think>")
+        ids = choice.model_extra["token_ids"]
+        assert answer.usage.output_tokens_details.reasoning_tokens == (ids.index(think_end) + 1 if think_end in ids
+                                                                       else len(ids))
+        with client.responses.stream(model=model_name(server), input="Weather in Paris?", tools=flat_tools,
+                                     max_output_tokens=4, temperature=0, extra_body={"ignore_eos": True}) as stream:
+            streamed = list(stream)[-1].response  # (response.incomplete: get_final_response wants "completed")
+        assert [item.model_dump(exclude={"id", "call_id"}) for item in streamed.output] == [
+            item.model_dump(exclude={"id", "call_id"}) for item in answer.output]
+        assert streamed.status == answer.status and streamed.usage == answer.usage
     finally:
         server.stop()
+
+
+# ==================================================================================== Responses API
+def test_responses_give_the_chat_reply_whole_and_streamed(server, client, llm):
+    """POST /v1/responses (the official client's responses.create and its stream helper): a string
+    input is the chat's user message, instructions and developer items its one system message; the
+    output text, usage and status are the chat answer's; the stream's events come in OpenAI's order
+    with consecutive sequence numbers, and their text deltas make the whole answer's text."""
+    name = model_name(server)
+    options = dict(model=name, max_output_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    answer = client.responses.create(input="Hi", **options)
+    chat = client.chat.completions.create(model=name, messages=USER, max_completion_tokens=4, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert answer.object == "response" and answer.id.startswith("resp_") and answer.model == name
+    assert answer.output_text == chat.choices[0].message.content and len(answer.output) == 1
+    assert (answer.usage.input_tokens, answer.usage.output_tokens) == (chat.usage.prompt_tokens, 4)
+    assert answer.status == "incomplete" and answer.incomplete_details.reason == "max_output_tokens"
+    assert answer.output[0].status == "incomplete" and answer.usage.output_tokens_details.reasoning_tokens == 0
+
+    events = list(client.responses.create(input="Hi", stream=True, **options))
+    types = [event.type for event in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer.output_text
+    assert events[-1].response.output_text == answer.output_text and events[-1].response.usage == answer.usage
+    with client.responses.stream(input="Hi", **options) as stream:  # (get_final_response wants "completed")
+        helped = list(stream)
+    assert helped[-1].type == "response.incomplete" and helped[-1].response.output_text == answer.output_text
+
+    # instructions and input items: the chat of the same messages
+    items = [{"role": "developer", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+             {"role": "user", "content": "Again"}]
+    answer = client.responses.create(input=items, instructions="You are a bot.", **options)
+    messages = [{"role": "system", "content": "You are a bot.\n\nBe brief."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Again"}]
+    chat = client.chat.completions.create(model=name, messages=messages, max_completion_tokens=4, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert answer.output_text == chat.choices[0].message.content
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens
+    wait_until_idle(server)
+
+
+def test_responses_chat_body_turns_items_into_messages():
+    """Function calls and their outputs become an assistant turn's tool_calls and tool messages; a
+    reasoning item goes with the next assistant turn; tools and tool_choice take chat's shape."""
+    from fuselm.serve.responses import chat_body_of
+
+    body = {"input": [{"role": "user", "content": "Weather?"},
+                      {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Look it up."}]},
+                      {"type": "function_call", "call_id": "c1", "name": "get", "arguments": "{}"},
+                      {"type": "function_call", "call_id": "c2", "name": "get", "arguments": "{\"x\": 1}"},
+                      {"type": "function_call_output", "call_id": "c1", "output": "12C"},
+                      {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text",
+                                                                                  "text": "3C"}]}],
+            "tools": [{"type": "function", "name": "get", "parameters": {"type": "object"}}],
+            "tool_choice": {"type": "function", "name": "get"}, "max_output_tokens": 9,
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
+            "reasoning": {"effort": "low"}, "top_k": 5}
+    chat = chat_body_of(body)
+    assert chat["messages"] == [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "reasoning": "Look it up.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "get", "arguments": "{\"x\": 1}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "12C"}, {"role": "tool", "tool_call_id": "c2",
+                                                                   "content": "3C"}]
+    assert chat["tools"] == [{"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "get"}}
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object"}}}
+    assert (chat["max_completion_tokens"], chat["reasoning_effort"], chat["top_k"]) == (9, "low", 5)
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"max_output_tokens": 3}, "input", "input is required"),
+    ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id", "not supported"),
+    ({"input": "Hi", "truncation": "auto"}, "truncation", "not supported"),
+    ({"input": "Hi", "include": ["message.output_text.logprobs"]}, "include", "not supported"),
+    ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools", "only function tools"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "text parts"),
+    ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
+    ({"input": "Hi", "text": {"format": {"type": "xml"}}}, "text", "text.type"),
+    ({"input": "Hi", "n": 2}, "n", "not a Responses field"),
+])
+def test_bad_responses_requests_get_a_400_naming_the_responses_field(server, body, param, message):
+    code, answer = post(server, "/v1/responses", body)
+    assert code == 400 and answer["error"]["param"] == param and message in answer["error"]["message"], answer
 
 
 # ==================================================================================== concurrency

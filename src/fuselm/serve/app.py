@@ -9,6 +9,7 @@ embedding). The routes see the same ``EngineClient`` either way.
     GET  /v1/models            the served model, in OpenAI's list format
     POST /v1/completions       a prompt's completion; "stream": true for server-sent events
     POST /v1/chat/completions  the assistant's reply to "messages"; "stream" likewise
+    POST /v1/responses         OpenAI's Responses API over the chat path (``fuselm.serve.responses``)
     POST /tokenize             vLLM's: the token ids of a prompt, or of messages as chat renders them
     POST /detokenize           vLLM's: the text of token ids
     GET  /metrics              Prometheus' scrape: vLLM's metrics, named fuselm:* (``fuselm.serve.metrics``)
@@ -60,6 +61,7 @@ from fuselm.serve.protocol import (APIError, ChatFormat, CompletionFormat, Gener
                                    bad_request, check_model, check_reply_parsers, detokenize_response, echo_of,
                                    in_batch, model_list, parse_chat_request, parse_completion_request, token_usage,
                                    tokenize_response)
+from fuselm.serve.responses import ResponsesFormat, chat_body_of, responses_error
 from fuselm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -157,10 +159,12 @@ async def _off_loop(function, *args):
     return await asyncio.get_running_loop().run_in_executor(None, functools.partial(function, *args))
 
 
-async def _send_event(response: web.StreamResponse, data: dict | str) -> None:
-    """One server-sent event ``data: <json>`` (or ``data: [DONE]``)."""
+async def _send_event(response: web.StreamResponse, data: dict | str, named: bool = False) -> None:
+    """One server-sent event ``data: <json>`` (or ``data: [DONE]``), after ``event: <its type>``
+    when ``named``."""
     text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    await response.write(f"data: {text}\n\n".encode())
+    event = f"event: {data['type']}\n" if named and isinstance(data, dict) else ""
+    await response.write(f"{event}data: {text}\n\n".encode())
 
 
 class OpenAIServer:
@@ -223,13 +227,27 @@ class OpenAIServer:
                                      self.model.tool_call_parser)
         return await self._generate(request, generation, ChatFormat)
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API over the chat path (``fuselm.serve.responses``)."""
+        body = await _json_body(request)
+        check_model(body, self.model.name)
+        try:
+            generation = await _off_loop(parse_chat_request, chat_body_of(body), self.model.tokenizer,
+                                         self.model.default_params, self.engine.max_len,
+                                         self.model.no_tokenizer_reason, self.model.reasoning_parser,
+                                         self.model.tool_call_parser)
+        except APIError as error:
+            raise responses_error(error) from None
+        generation = dataclasses.replace(generation, prompt_field="input", max_tokens_field="max_output_tokens")
+        return await self._generate(request, generation, ResponsesFormat, body=body)
+
     # ------------------------------------------------------------------------ generation
     async def _generate(self, request: web.Request, generation: GenerationRequest,
-                        format_class: type[ResponseFormat]) -> web.StreamResponse:
+                        format_class: type[ResponseFormat], **format_options) -> web.StreamResponse:
         """Submit a checked request to the engine, one engine request per sequence (n for each
-        prompt; choice p n + i is prompt p's sequence i), and answer it, whole or streamed.
-        Whatever ends the handler early (the client gone, an error, one sequence refused) aborts
-        every sequence."""
+        prompt; choice p n + i is prompt p's sequence i), and answer it, whole or streamed, in
+        ``format_class`` (``for_request`` takes ``format_options``). Whatever ends the handler
+        early (the client gone, an error, one sequence refused) aborts every sequence."""
         request_id = format_class.id_prefix + uuid.uuid4().hex
         sequences = [(index, prompt, params) for index, prompt in enumerate(generation.prompts)
                      for params in prompt.params.samples()]
@@ -263,7 +281,8 @@ class OpenAIServer:
                                len(generation.prompts)) from None
             if error is not None:
                 raise error
-            answer = format_class.for_request(request_id, self.model.name, generation, self.model.tokenizer)
+            answer = format_class.for_request(request_id, self.model.name, generation, self.model.tokenizer,
+                                              **format_options)
             prompts = [prompt for _, prompt, _ in sequences]
             if generation.stream:
                 return await self._stream(request, streams, answer, generation, prompts)
@@ -299,20 +318,23 @@ class OpenAIServer:
 
     async def _stream(self, request: web.Request, streams: list[RequestStream], answer: ResponseFormat,
                       generation: GenerationRequest, prompts: list[Prompt]) -> web.StreamResponse:
-        """Server-sent events: a chunk per step that made a sequence's text final (and its last one
-        with the finish_reason), the sequences' chunks interleaved as they come, each with its
-        choice index; the usage chunk when asked for, then ``[DONE]``. A request cut short ends with an
-        error event (OpenAI's error JSON) before ``[DONE]``."""
+        """Server-sent events: the format's chunks of each step that made a sequence's text final
+        (and of its last one, with the finish_reason), the sequences' interleaved as they come, each
+        with its choice index; then its closing chunks (chat and completions: the usage chunk when
+        asked for, then ``[DONE]``). A request cut short ends with the format's error event
+        (OpenAI's error JSON), then its closing chunks for a stream cut short."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        completion_tokens, echoed = 0, set()
+        completion_tokens, echoed, named, cut = 0, set(), answer.named_events, False
         try:
             for chunk in answer.first_chunks(len(streams)):
-                await _send_event(response, chunk)
+                await _send_event(response, chunk, named)
             async with contextlib.aclosing(_deltas(streams)) as deltas:
                 async for index, delta in deltas:
                     if delta.error is not None:
-                        await _send_event(response, APIError(503, f"the request was cut short: {delta.error}").body)
+                        error = APIError(503, f"the request was cut short: {delta.error}")
+                        await _send_event(response, answer.error_chunk(error), named)
+                        cut = True
                         break
                     completion_tokens += len(delta.token_ids)
                     echo = None  # the prompt, before a sequence's first text (echo)
@@ -321,13 +343,12 @@ class OpenAIServer:
                         echo = echo_of(generation, prompts[index], delta.prompt_logprobs, self.model.tokenizer)
                     if delta.text or delta.last or answer.return_token_ids or delta.logprobs or echo is not None:
                         stop_reason = None if delta.output is None else delta.output.outputs[0].stop_reason
-                        await _send_event(response, answer.chunk(index, delta.text, delta.token_ids,
-                                                                 delta.finish_reason, stop_reason, delta.logprobs,
-                                                                 echo))
-            if generation.include_usage:
-                await _send_event(response, answer.usage_chunk(token_usage(generation.prompt_tokens,
-                                                                           completion_tokens)))
-            await _send_event(response, "[DONE]")
+                        for chunk in answer.chunks(index, delta.text, delta.token_ids, delta.finish_reason,
+                                                   stop_reason, delta.logprobs, echo):
+                            await _send_event(response, chunk, named)
+            usage = token_usage(generation.prompt_tokens, completion_tokens)
+            for chunk in answer.closing_chunks(usage, generation.include_usage, cut):
+                await _send_event(response, chunk, named)
             await response.write_eof()
         except ConnectionResetError:  # the client went away; _generate aborts the request
             pass
@@ -431,6 +452,7 @@ def build_app(model: ServedModel, engine: EngineClient | None = None, max_queue:
     app.add_routes([web.get("/health", server.health), web.get("/v1/models", server.models),
                     web.post("/v1/completions", server.completions),
                     web.post("/v1/chat/completions", server.chat_completions),
+                    web.post("/v1/responses", server.responses),
                     web.post("/tokenize", server.tokenize), web.post("/detokenize", server.detokenize),
                     web.get("/metrics", server.metrics)])
     app.on_startup.append(server.on_startup)

@@ -175,7 +175,7 @@ CHAT_UNSUPPORTED_FIELDS = {
 }
 
 
-def _reject_unsupported(body: Mapping, unsupported: Mapping[str, Callable[[Any], bool]]) -> None:
+def reject_unsupported(body: Mapping, unsupported: Mapping[str, Callable[[Any], bool]]) -> None:
     for name, is_neutral in unsupported.items():
         if name in body and not is_neutral(body[name]):
             raise bad_request(f"{name} is not supported by this server (got {body[name]!r:.100})", name)
@@ -518,7 +518,7 @@ def parse_completion_request(body: Mapping, tokenizer, defaults: SamplingParams,
                              no_tokenizer_reason: str = "") -> GenerationRequest:
     """Check a ``/v1/completions`` body (the module docstring lists the fields) and tokenize its
     prompt (``tokenizer`` None: token-id prompts only, ``no_tokenizer_reason`` says why)."""
-    _reject_unsupported(body, COMPLETION_UNSUPPORTED_FIELDS)
+    reject_unsupported(body, COMPLETION_UNSUPPORTED_FIELDS)
     items, prompts = _completion_prompts(body.get("prompt"), tokenizer, no_tokenizer_reason), []
     sequences = len(items) * (body.get("n") or 1)
     if sequences > MAX_REQUEST_SEQUENCES:
@@ -740,7 +740,7 @@ def parse_chat_request(body: Mapping, tokenizer, defaults: SamplingParams, max_l
     messages with the checkpoint's chat template and tokenize them (``tokenizer`` None: a 400,
     ``no_tokenizer_reason`` says why). ``reasoning_parser`` and ``tool_call_parser``: the
     server's (``reply_parser.REASONING_PARSERS``, ``TOOL_CALL_PARSERS``; None: none)."""
-    _reject_unsupported(body, CHAT_UNSUPPORTED_FIELDS)
+    reject_unsupported(body, CHAT_UNSUPPORTED_FIELDS)
     check_reply_parsers(reasoning_parser, tool_call_parser)
     if tokenizer is None:
         raise bad_request(f"chat needs a tokenizer and a chat template, and this server has none "
@@ -814,7 +814,7 @@ def tokenize_response(body: Mapping, tokenizer, max_len: int, no_tokenizer_reaso
     if body.get("messages") is not None and body.get("prompt") is not None:
         raise bad_request("expected one of prompt and messages, got both", "prompt")
     if field == "messages":
-        _reject_unsupported(body, CHAT_UNSUPPORTED_FIELDS)  # (tools, chat_template ...: as chat refuses them)
+        reject_unsupported(body, CHAT_UNSUPPORTED_FIELDS)  # (tools, chat_template ...: as chat refuses them)
         text = _chat_prompt(body, tokenizer)
     else:
         text = body.get("prompt")
@@ -886,6 +886,7 @@ class ResponseFormat:
     id_prefix: str  # of the request id, as OpenAI's ("cmpl-", "chatcmpl-")
     object_name: str  # of the whole answer
     chunk_object_name: str  # of a streamed chunk
+    named_events = False  # streamed events carry an "event: <type>" line (the Responses API's)
 
     def __init__(self, request_id: str, model: str, return_token_ids: bool, logprobs: int | None = None,
                  tokenizer=None):
@@ -929,6 +930,21 @@ class ResponseFormat:
     def usage_chunk(self, usage: dict) -> dict:
         """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
         return self._answer(self.chunk_object_name, [], usage=usage)
+
+    def chunks(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
+               stop_reason: str | int | None = None, logprobs: list[TokenLogprobs] | None = None,
+               echo: Echo | None = None) -> list[dict]:
+        """The events a step's new text of sequence ``index`` makes: its ``chunk``."""
+        return [self.chunk(index, text, token_ids, finish_reason, stop_reason, logprobs, echo)]
+
+    def closing_chunks(self, usage: dict, include_usage: bool, cut: bool = False) -> list[dict | str]:
+        """The events after every sequence's last (or after the error event of a stream ``cut``
+        short): the usage chunk when asked for, then [DONE]."""
+        return ([self.usage_chunk(usage)] if include_usage else []) + ["[DONE]"]
+
+    def error_chunk(self, error: APIError) -> dict:
+        """The event that ends a stream cut short: OpenAI's error JSON."""
+        return error.body
 
     def prompt_logprobs(self, entries: list[TokenLogprobs | None], num_top: int) -> list[dict | None]:
         """vLLM's ``prompt_logprobs`` JSON: per prompt token None (the first) or {"token id":
