@@ -232,6 +232,25 @@ def test_metrics_count_requests_tokens_and_latencies(server, client, llm):
     wait_until_idle(server)
 
 
+def test_continuous_usage_stats_put_each_sequences_usage_in_every_chunk(server, client):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk of a choice
+    carries the usage of its sequence so far (n = 2: each its own count), the last usage chunk the
+    whole request's; without include_usage it changes nothing."""
+    options = dict(model=model_name(server), prompt="Hi", max_tokens=3, temperature=0.8, seed=1, n=2, stream=True,
+                   extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(**options, stream_options={"include_usage": True,
+                                                                       "continuous_usage_stats": True}))
+    counts = {0: [], 1: []}
+    for chunk in chunks[:-1]:
+        counts[chunk.choices[0].index].append(chunk.usage.completion_tokens)
+        assert chunk.usage.prompt_tokens == chunks[-1].usage.prompt_tokens  # (one prompt: counted once)
+    assert counts == {0: [1, 2, 3], 1: [1, 2, 3]}, counts
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 6
+    plain = list(client.completions.create(**options, stream_options={"continuous_usage_stats": True}))
+    assert all(chunk.usage is None for chunk in plain)
+    wait_until_idle(server)
+
+
 def test_completion_streamed_equals_whole(server, client, llm):
     prompt = "The capital of France is"
     whole = client.completions.create(model=model_name(server), prompt=prompt, max_tokens=3, temperature=0,

@@ -326,9 +326,17 @@ class OpenAIServer:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         completion_tokens, echoed, named, cut = 0, set(), answer.named_events, False
+        generated = [0] * len(streams)  # each sequence's tokens so far (continuous usage)
+
+        def with_usage(chunk):  # vLLM's continuous_usage_stats: a choice's chunk, its sequence's usage so far
+            if generation.continuous_usage and isinstance(chunk, dict) and chunk.get("choices"):
+                index = chunk["choices"][0]["index"]
+                chunk["usage"] = token_usage(len(prompts[index].token_ids), generated[index])
+            return chunk
+
         try:
             for chunk in answer.first_chunks(len(streams)):
-                await _send_event(response, chunk, named)
+                await _send_event(response, with_usage(chunk), named)
             async with contextlib.aclosing(_deltas(streams)) as deltas:
                 async for index, delta in deltas:
                     if delta.error is not None:
@@ -337,6 +345,7 @@ class OpenAIServer:
                         cut = True
                         break
                     completion_tokens += len(delta.token_ids)
+                    generated[index] += len(delta.token_ids)
                     echo = None  # the prompt, before a sequence's first text (echo)
                     if index not in echoed:
                         echoed.add(index)
@@ -345,7 +354,7 @@ class OpenAIServer:
                         stop_reason = None if delta.output is None else delta.output.outputs[0].stop_reason
                         for chunk in answer.chunks(index, delta.text, delta.token_ids, delta.finish_reason,
                                                    stop_reason, delta.logprobs, echo):
-                            await _send_event(response, chunk, named)
+                            await _send_event(response, with_usage(chunk), named)
             usage = token_usage(generation.prompt_tokens, completion_tokens)
             for chunk in answer.closing_chunks(usage, generation.include_usage, cut):
                 await _send_event(response, chunk, named)

@@ -40,7 +40,8 @@ are ignored, as vLLM does):
                           template); -1: the last max_len
     n                     sequences for the prompt, 1 .. MAX_N: n engine requests (seeds seed,
                           seed + 1, ... when seeded, as vLLM's), choices[i] / chunks of index i
-    stream, stream_options.include_usage
+    stream, stream_options.include_usage, stream_options.continuous_usage_stats (vLLM's: with
+                          include_usage, every chunk carries the usage of its sequence so far)
     return_token_ids      (vLLM's) each choice carries its generated "token_ids"
     logprobs              completions: an int k in [0, MAX_LOGPROBS]; chat: true or false, with
     top_logprobs          chat: k in [0, MAX_LOGPROBS] (needs logprobs true) -> each generated
@@ -193,21 +194,24 @@ def _optional_bool(body: Mapping, name: str, default: bool) -> bool:
     return value
 
 
-def _stream_options(body: Mapping) -> tuple[bool, bool]:
-    """(stream, include_usage) of a request."""
+def _stream_options(body: Mapping) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage: vLLM's continuous_usage_stats, with include_usage)
+    of a request."""
     stream = _optional_bool(body, "stream", False)
     options = body.get("stream_options")
     if options is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if not isinstance(options, Mapping):
         raise bad_request(f"stream_options: expected an object, got {options!r:.100}", "stream_options")
-    include_usage = options.get("include_usage")
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise bad_request(f"stream_options.include_usage: expected true or false, got {include_usage!r:.100}",
-                          "stream_options")
-    return stream, bool(include_usage)
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        value = options.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise bad_request(f"stream_options.{name}: expected true or false, got {value!r:.100}", "stream_options")
+        flags.append(bool(value))
+    return stream, flags[0], flags[0] and flags[1]
 
 
 # ================================================================================== sampling
@@ -391,6 +395,7 @@ class GenerationRequest:
     prompt_logprobs: int | None = None  # vLLM's field: the answer carries the prompt's logprobs
     echo_text: str | None = None  # chat's echo: the last (assistant) message's text, before the reply
     grammar_starts_after: int | None = None  # structured outputs after the thinking: the end-of-thinking id
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: every chunk carries usage
 
     @property
     def logprobs(self) -> int | None:
@@ -545,10 +550,10 @@ def parse_completion_request(body: Mapping, tokenizer, defaults: SamplingParams,
     if tokenizer is None and prompts[0].params.stop:
         raise bad_request(f"stop strings need a tokenizer and this server has none ({no_tokenizer_reason}): use "
                           f"stop_token_ids", "stop")
-    stream, include_usage = _stream_options(body)
+    stream, include_usage, continuous_usage = _stream_options(body)
     return_token_ids = _optional_bool(body, "return_token_ids", tokenizer is None)
     return GenerationRequest(prompts, stream, include_usage, return_token_ids, "prompt", "max_tokens", echo,
-                             prompt_logprobs=asked)
+                             prompt_logprobs=asked, continuous_usage=continuous_usage)
 
 
 # Names apply_chat_template takes itself: a chat_template_kwargs entry may not set them.
@@ -763,7 +768,7 @@ def parse_chat_request(body: Mapping, tokenizer, defaults: SamplingParams, max_l
                                           default_max_tokens=None, max_tokens_fields=max_tokens_fields,
                                           logprobs=_chat_logprobs(body), prompt_logprobs=asked,
                                           forced_grammar=forced_grammar)
-    stream, include_usage = _stream_options(body)
+    stream, include_usage, continuous_usage = _stream_options(body)
     # With a reasoning parser and the prompt's think block open, the grammar constrains the answer
     # after it (vLLM's reasoning-aware structured outputs).
     starts_after = None
@@ -773,6 +778,7 @@ def parse_chat_request(body: Mapping, tokenizer, defaults: SamplingParams, max_l
                              _optional_bool(body, "return_token_ids", False), "messages",
                              _max_tokens_field(body, max_tokens_fields), reply_parsing=reply_parsing,
                              grammar_starts_after=starts_after, prompt_logprobs=asked,
+                             continuous_usage=continuous_usage,
                              echo_text=_chat_echo(body))
 
 
