@@ -45,13 +45,15 @@ def _seed():
     torch.manual_seed(1234)
 
 
-# A byte-level vocabulary for engine tests that need a tokenizer (structured outputs, bad words):
+# A byte-level vocabulary for engine tests that need a tokenizer (structured outputs, token masks):
 # 256 byte tokens and an eos, under logits of BYTE_VOCAB columns (the rest: padding rows no token
-# stands for), and a two-layer model (fp32, seeded random weights) over it.
+# stands for), a two-layer model (fp32, seeded random weights) over it, and an engine of 4 slots of
+# 64 tokens with that tokenizer (fixtures byte_tokenizer, byte_model, byte_engine: one per module).
 BYTE_EOS = 256
 BYTE_VOCAB = 264
 
 
+@pytest.fixture(scope="module")
 def byte_tokenizer():
     from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers
 
@@ -65,7 +67,8 @@ def byte_tokenizer():
     return Tokenizer(backend, {"eos_token": "<eos>"})
 
 
-def byte_level_model():
+@pytest.fixture(scope="module")
+def byte_model():
     from dataclasses import replace
 
     from fuselm.models.qwen35.presets import random_qwen35, tiny_config
@@ -73,3 +76,10 @@ def byte_level_model():
     config = replace(tiny_config(vocab_size=BYTE_VOCAB), num_hidden_layers=2,
                      layer_types=("linear_attention", "full_attention"), eos_token_id=BYTE_EOS)
     return random_qwen35(config, dtype=torch.float32, device=DEVICE, seed=3)
+
+
+@pytest.fixture(scope="module")
+def byte_engine(byte_model, byte_tokenizer):
+    from fuselm.engine import Engine
+
+    return Engine(byte_model, max_batch=4, max_len=64, seed=0, tokenizer=byte_tokenizer)

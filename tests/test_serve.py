@@ -526,7 +526,8 @@ def test_allowed_token_ids_bad_words_and_prompt_truncation_reach_the_engine(serv
              ({"truncate_prompt_tokens": 3}, {"truncate_prompt_tokens": 3})]
     answers = []
     for extra, fields in cases:
-        answer = client.completions.create(**options, extra_body={**extra, "ignore_eos": True, "return_token_ids": True})
+        answer = client.completions.create(**options, extra_body={**extra, "ignore_eos": True,
+                                                                  "return_token_ids": True})
         streamed = client.completions.create(**options, extra_body={**extra, "ignore_eos": True}, stream=True)
         assert "".join(chunk.choices[0].text for chunk in streamed) == answer.choices[0].text
         answers.append(answer)
@@ -1080,8 +1081,8 @@ def test_responses_give_the_chat_reply_whole_and_streamed(server, client, llm):
              {"role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
              {"role": "user", "content": "Again"}]
     answer = client.responses.create(input=items, instructions="You are a bot.", **options)
-    messages = [{"role": "system", "content": "You are a bot.\n\nBe brief."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
-                {"role": "user", "content": "Again"}]
+    messages = [{"role": "system", "content": "You are a bot.\n\nBe brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Again"}]
     chat = client.chat.completions.create(model=name, messages=messages, max_completion_tokens=4, temperature=0,
                                           extra_body={"ignore_eos": True})
     assert answer.output_text == chat.choices[0].message.content

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import BYTE_EOS, BYTE_VOCAB, DEVICE, byte_level_model, byte_tokenizer
+from conftest import BYTE_EOS, BYTE_VOCAB, DEVICE
 from fuselm.engine import Engine, SamplingParams
 from fuselm.engine.token_masks import (allowed_bitmask, bad_words_token_ids, banned_by_bad_words, bitmask_words,
                                        fill_bans)
@@ -24,30 +24,15 @@ from fuselm.ops.sampling.naive import apply_token_bitmask_ref
 PRINTABLE = range(33, 127)  # byte tokens of printable ASCII but the space
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return byte_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model():
-    return byte_level_model()
-
-
-@pytest.fixture(scope="module")
-def engine(model, tokenizer):
-    return Engine(model, max_batch=4, max_len=64, seed=0, tokenizer=tokenizer)
-
-
-def reference(model, prompt_ids, params: SamplingParams, bad_sequences=()) -> tuple[list[int], list[float]]:
+def reference(byte_model, prompt_ids, params: SamplingParams, bad_sequences=()) -> tuple[list[int], list[float]]:
     """(tokens, each one's raw log-probability) from an eager masked loop (module docstring)."""
     allowed = torch.ones(BYTE_VOCAB, dtype=torch.bool)
     if params.allowed_token_ids is not None:
         allowed[:] = False
         allowed[params.allowed_token_ids] = True
     prompt_ids = prompt_ids[-params.truncate_prompt_tokens:] if params.truncate_prompt_tokens else prompt_ids
-    cache = model.new_cache(1, len(prompt_ids) + params.max_tokens)
-    logits = model.prefill(torch.tensor([prompt_ids], device=DEVICE), cache)
+    cache = byte_model.new_cache(1, len(prompt_ids) + params.max_tokens)
+    logits = byte_model.prefill(torch.tensor([prompt_ids], device=DEVICE), cache)
     tokens, logprobs = [], []
     for position in range(params.max_tokens):
         scores = logits.masked_fill(~allowed.to(DEVICE), float("-inf"))
@@ -56,13 +41,14 @@ def reference(model, prompt_ids, params: SamplingParams, bad_sequences=()) -> tu
                 scores[:, sequence[-1]] = float("-inf")
         token = int(sample_tokens(scores, torch.tensor([float(params.temperature)], device=DEVICE),
                                   torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.ones(1, device=DEVICE),
-                                  torch.tensor([params.seed or 0], device=DEVICE), torch.tensor([position], device=DEVICE),
+                                  torch.tensor([params.seed or 0], device=DEVICE),
+                                  torch.tensor([position], device=DEVICE),
                                   filtered=False))
         tokens.append(token)
         logprobs.append(float(torch.log_softmax(logits.double(), -1)[0, token]))
         if token == BYTE_EOS and not params.ignore_eos:
             break
-        logits = model.decode_step(torch.tensor([token], device=DEVICE), cache)
+        logits = byte_model.decode_step(torch.tensor([token], device=DEVICE), cache)
     return tokens, logprobs
 
 
@@ -102,7 +88,7 @@ def test_bad_words_are_encoded_at_the_start_and_after_a_space_as_vllm_does():
     assert banned_by_bad_words([(1, 2)], [1, 3]) == []
 
 
-def test_allowed_token_ids_limit_the_draw_and_not_the_logprobs(model, engine):
+def test_allowed_token_ids_limit_the_draw_and_not_the_logprobs(byte_model, byte_engine):
     """Greedy and sampled requests with allowed_token_ids give the reference's tokens, all of them
     allowed; their logprobs are the raw distribution's (a top token that is not allowed shows up);
     a free request beside them gives its solo tokens."""
@@ -111,80 +97,81 @@ def test_allowed_token_ids_limit_the_draw_and_not_the_logprobs(model, engine):
             ([9, 8], SamplingParams(max_tokens=12, temperature=1.0, seed=11, allowed_token_ids=allowed[:4],
                                     ignore_eos=True)),
             ([3, 2, 1], SamplingParams(max_tokens=10, temperature=0.9, seed=3, ignore_eos=True))]
-    free_alone = engine.generate([jobs[2][0]], jobs[2][1])[0].outputs[0].token_ids
-    outputs = engine.generate([p for p, _ in jobs], [sp for _, sp in jobs])
+    free_alone = byte_engine.generate([jobs[2][0]], jobs[2][1])[0].outputs[0].token_ids
+    outputs = byte_engine.generate([p for p, _ in jobs], [sp for _, sp in jobs])
     for (prompt_ids, params), output in zip(jobs[:2], outputs):
-        tokens, logprobs = reference(model, prompt_ids, params)
+        tokens, logprobs = reference(byte_model, prompt_ids, params)
         completion = output.outputs[0]
         assert completion.token_ids == tokens and set(tokens) <= set(params.allowed_token_ids)
     completion = outputs[0].outputs[0]
-    _, raw = reference(model, *jobs[0])
+    _, raw = reference(byte_model, *jobs[0])
     assert [entry[t].logprob for t, entry in zip(completion.token_ids, completion.logprobs)] == pytest.approx(
         raw, abs=1e-4)
     assert any(set(entry) - set(allowed) for entry in completion.logprobs)  # raw top tokens, allowed or not
     assert outputs[2].outputs[0].token_ids == free_alone
 
 
-def test_bad_words_never_appear_and_the_rest_of_the_draw_is_unchanged(model, tokenizer, engine):
+def test_bad_words_never_appear_and_the_rest_of_the_draw_is_unchanged(byte_model, byte_tokenizer, byte_engine):
     """A two-token bad word (a pair the free output has) and a one-token one: the output is the
     reference's under vLLM's rule and holds neither; a greedy request with the same bans gives
     the reference's too."""
-    prompt_ids = tokenizer.encode("Words")
+    prompt_ids = byte_tokenizer.encode("Words")
     params = SamplingParams(max_tokens=40, temperature=1.0, seed=2, ignore_eos=True)
-    free = engine.generate([prompt_ids], params)[0].outputs[0].token_ids
+    free = byte_engine.generate([prompt_ids], params)[0].outputs[0].token_ids
     pair = next(free[i:i + 2] for i in range(len(free) - 1) if free[i] in PRINTABLE and free[i + 1] in PRINTABLE)
     single = next(t for t in free if t in PRINTABLE and t not in pair)
-    words = [tokenizer.decode(pair), tokenizer.decode([single])]
-    sequences = bad_words_token_ids(words, tokenizer)
+    words = [byte_tokenizer.decode(pair), byte_tokenizer.decode([single])]
+    sequences = bad_words_token_ids(words, byte_tokenizer)
     assert sequences == [tuple(pair), (single,)]  # (the byte vocabulary has no word tokens after a space)
     for banned in (replace(params, bad_words=words), replace(params, temperature=0.0, bad_words=words)):
-        (output,) = engine.generate([prompt_ids], banned)
+        (output,) = byte_engine.generate([prompt_ids], banned)
         tokens = output.outputs[0].token_ids
-        assert tokens == reference(model, prompt_ids, banned, sequences)[0]
+        assert tokens == reference(byte_model, prompt_ids, banned, sequences)[0]
         assert single not in tokens and all(tokens[i:i + 2] != pair for i in range(len(tokens) - 1))
-    assert engine.generate([prompt_ids], params)[0].outputs[0].token_ids == free
+    assert byte_engine.generate([prompt_ids], params)[0].outputs[0].token_ids == free
 
 
-def test_masked_requests_joining_a_running_batch_get_their_reference_tokens(model, tokenizer, engine):
+def test_masked_requests_joining_a_running_batch_get_their_reference_tokens(byte_model, byte_tokenizer, byte_engine):
     """allowed_token_ids and bad_words requests (n = 2) added while another decodes: their first
     ids drawn in mixed steps, the rest in decode steps with masks; each gives the reference's
     tokens, and the running request its solo ones."""
-    early = engine.add_request([7, 7, 7], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
-    engine.step()
-    engine.step()
+    early = byte_engine.add_request([7, 7, 7], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    byte_engine.step()
+    byte_engine.step()
     sampled = SamplingParams(max_tokens=16, temperature=1.0, seed=21, n=2, allowed_token_ids=list(range(97, 123)),
                              bad_words=["e", "th"], ignore_eos=True)
-    added = engine.add_requests([{"prompt_token_ids": tokenizer.encode("Q"), "params": sampled}])[0]
-    engine.step()
-    late = engine.add_request(tokenizer.encode("Late"), SamplingParams(max_tokens=12, temperature=0, bad_words=["!"]))
-    engine.run()
+    added = byte_engine.add_requests([{"prompt_token_ids": byte_tokenizer.encode("Q"), "params": sampled}])[0]
+    byte_engine.step()
+    late = byte_engine.add_request(byte_tokenizer.encode("Late"),
+                                   SamplingParams(max_tokens=12, temperature=0, bad_words=["!"]))
+    byte_engine.run()
     for request in added + [late]:
-        sequences = bad_words_token_ids(request.params.bad_words, tokenizer)
-        assert request.output_token_ids == reference(model, request.prompt_token_ids, request.params, sequences)[0]
-    assert "e" not in tokenizer.decode(added[0].output_token_ids) and "th" not in tokenizer.decode(
+        sequences = bad_words_token_ids(request.params.bad_words, byte_tokenizer)
+        assert request.output_token_ids == reference(byte_model, request.prompt_token_ids, request.params, sequences)[0]
+    assert "e" not in byte_tokenizer.decode(added[0].output_token_ids) and "th" not in byte_tokenizer.decode(
         added[0].output_token_ids)
-    alone = Engine(model, max_batch=1, max_len=64).generate([early.prompt_token_ids], early.params)
+    alone = Engine(byte_model, max_batch=1, max_len=64).generate([early.prompt_token_ids], early.params)
     assert early.output_token_ids == alone[0].outputs[0].token_ids
 
 
-def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(model, engine):
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(byte_model, byte_engine):
     """k >= 1: the request runs on its prompt's last k tokens (its prompt_token_ids are those);
     -1: the last max_len, so a prompt longer than the context is refused as the context's;
     k past max_len is refused naming the field."""
     prompt_ids = list(range(10, 40))
     params = SamplingParams(max_tokens=8, temperature=0, truncate_prompt_tokens=5, ignore_eos=True)
-    (output,) = engine.generate([prompt_ids], params)
+    (output,) = byte_engine.generate([prompt_ids], params)
     assert output.prompt_token_ids == prompt_ids[-5:]
-    assert output.outputs[0].token_ids == reference(model, prompt_ids, params)[0]
-    assert output.outputs[0].token_ids == engine.generate([prompt_ids[-5:]], replace(
+    assert output.outputs[0].token_ids == reference(byte_model, prompt_ids, params)[0]
+    assert output.outputs[0].token_ids == byte_engine.generate([prompt_ids[-5:]], replace(
         params, truncate_prompt_tokens=None))[0].outputs[0].token_ids
-    (whole,) = engine.generate([prompt_ids], replace(params, truncate_prompt_tokens=-1))
+    (whole,) = byte_engine.generate([prompt_ids], replace(params, truncate_prompt_tokens=-1))
     assert whole.prompt_token_ids == prompt_ids
     with pytest.raises(ValueError, match="prompt: 64 tokens leave no room"):
-        engine.add_request(list(range(100)), replace(params, truncate_prompt_tokens=-1))
+        byte_engine.add_request(list(range(100)), replace(params, truncate_prompt_tokens=-1))
     with pytest.raises(ValueError, match=re.escape("truncate_prompt_tokens: 65 is more than max_len = 64")):
-        engine.add_request(prompt_ids, replace(params, truncate_prompt_tokens=65))
-    assert not engine.has_unfinished_requests()
+        byte_engine.add_request(prompt_ids, replace(params, truncate_prompt_tokens=65))
+    assert not byte_engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -201,11 +188,11 @@ def test_bad_fields_are_refused_naming_them(fields, message):
         SamplingParams(**fields)
 
 
-def test_requests_the_engine_cannot_mask_are_refused_naming_the_field(model, engine):
+def test_requests_the_engine_cannot_mask_are_refused_naming_the_field(byte_model, byte_engine):
     with pytest.raises(ValueError, match=re.escape(f"allowed_token_ids: token ids [{BYTE_VOCAB}] are not in")):
-        engine.add_request([1, 2], SamplingParams(allowed_token_ids=[5, BYTE_VOCAB]))
+        byte_engine.add_request([1, 2], SamplingParams(allowed_token_ids=[5, BYTE_VOCAB]))
     with pytest.raises(ValueError, match="allowed_token_ids: every allowed id is a stop id"):
-        engine.add_request([1, 2], SamplingParams(allowed_token_ids=[BYTE_EOS], min_tokens=2))
+        byte_engine.add_request([1, 2], SamplingParams(allowed_token_ids=[BYTE_EOS], min_tokens=2))
     with pytest.raises(ValueError, match="bad_words: this engine has no tokenizer"):
-        Engine(model, max_batch=1, max_len=64).add_request([1, 2], SamplingParams(bad_words=["x"]))
-    assert not engine.has_unfinished_requests()
+        Engine(byte_model, max_batch=1, max_len=64).add_request([1, 2], SamplingParams(bad_words=["x"]))
+    assert not byte_engine.has_unfinished_requests()

@@ -157,9 +157,9 @@ class ModelRunner:
         its ``slot`` and ``pages`` set, in one right-padded ``model.prefill_step``. Requests whose
         prompt ends with this chunk get their first token drawn and their slot activated; the
         others stay inactive until their last chunk. Returns (those requests, the logits [n, V]
-        their first ids were drawn from (bans aside: module docstring), those ids [n]), on the device: not yet read, so the
-        caller can launch a decode step behind them first; other slots are untouched. No host
-        sync. ``masks``' rows index those requests (module docstring)."""
+        their first ids were drawn from (bans aside: module docstring), those ids [n]), on the
+        device: not yet read, so the caller can launch a decode step behind them first; other
+        slots are untouched. No host sync. ``masks``' rows index those requests (module docstring)."""
         packed, key = self._admit(plan)
         logits = self._run_graph(("prefill",) + key, packed, lambda inputs: self._prefill_body(inputs, key[2]))
         return self._first_tokens(plan, logits, masks)

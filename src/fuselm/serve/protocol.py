@@ -104,7 +104,8 @@ class APIError(Exception):
     """A request that gets an error answer: HTTP ``status`` and OpenAI's error JSON
     ``{"error": {"message", "type", "param", "code"}}`` (``body``)."""
 
-    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+             413: "RequestTooLargeError",
              500: "InternalServerError", 503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: str | None = None):
