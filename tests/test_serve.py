@@ -143,7 +143,7 @@ def test_models_and_health(server, client, checkpoint):
 def test_an_api_key_guards_the_v1_routes(checkpoint):
     """Keys (vLLM's --api-key): a /v1 request without one, or with a wrong one, gets a 401 in
     OpenAI's error JSON (the official client raises AuthenticationError); with one of the keys it
-    is served; /health and /tokenize stay open. (A server of its own.)"""
+    is served; /health, /tokenize and CORS preflights stay open. (A server of its own.)"""
     llm = LLM(checkpoint, dtype="float32", device="cpu", max_batch=1, max_len=MAX_LEN, seed=0, progress=False)
     server = ServerThread(ServedModel.from_llm(llm), api_keys=["key-one", "key-two"])
     try:
@@ -160,10 +160,14 @@ def test_an_api_key_guards_the_v1_routes(checkpoint):
         assert completion.usage.completion_tokens >= 1
         assert post(server, "/tokenize", {"prompt": "Hi"})[0] == 200
 
-        async def health():
-            async with aiohttp.ClientSession() as session, session.get(server.url + "/health") as response:
-                return response.status
-        assert asyncio.run(health()) == 200
+        async def health_and_preflight():
+            async with aiohttp.ClientSession() as session:
+                async with session.get(server.url + "/health") as response:
+                    health = response.status
+                async with session.options(server.url + COMPLETIONS, headers={
+                        "Origin": "https://ui.example", "Access-Control-Request-Method": "POST"}) as response:
+                    return health, response.status  # (a browser's preflight brings no key)
+        assert asyncio.run(health_and_preflight()) == (200, 200)
     finally:
         server.stop()
     with pytest.raises(ValueError, match="api_keys"):
@@ -249,6 +253,87 @@ def test_continuous_usage_stats_put_each_sequences_usage_in_every_chunk(server, 
     plain = list(client.completions.create(**options, stream_options={"continuous_usage_stats": True}))
     assert all(chunk.usage is None for chunk in plain)
     wait_until_idle(server)
+
+
+def test_browsers_may_call_the_server_cross_origin_by_default(server):
+    """vLLM's default CORS policy (any origin, method and header; no credentials): a preflight is
+    answered before routing and the API-key check, and answers (streamed ones too) carry
+    Access-Control-Allow-Origin; a request without an Origin gets none."""
+    async def calls():
+        async with aiohttp.ClientSession() as session:
+            async with session.options(server.url + CHAT, headers={
+                    "Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+                    "Access-Control-Request-Headers": "content-type, authorization"}) as response:
+                preflight = response.status, dict(response.headers)
+            body = {"prompt": "Hi", "max_tokens": 1, "stream": True}
+            async with session.post(server.url + COMPLETIONS, json=body, headers={"Origin": "https://ui.example"}) \
+                    as response:
+                await response.read()
+                streamed = response.status, dict(response.headers)
+            async with session.post(server.url + COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1}) as response:
+                plain = dict(response.headers)
+            return preflight, streamed, plain
+
+    (status, headers), (streamed_status, streamed), plain = asyncio.run(calls())
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == "*"
+    assert "POST" in headers["Access-Control-Allow-Methods"]
+    assert headers["Access-Control-Allow-Headers"] == "content-type, authorization"
+    assert streamed_status == 200 and streamed["Access-Control-Allow-Origin"] == "*"
+    assert "Access-Control-Allow-Origin" not in plain
+    wait_until_idle(server)
+
+
+def test_a_narrow_cors_policy_allows_only_its_origins_methods_and_headers():
+    """CorsPolicy(allowed_origins, methods, headers, credentials): an allowed origin gets itself back
+    (with Vary: Origin and the credentials header); another origin, method or header is a 400 at
+    preflight and gets no CORS header on an answer. (A bare aiohttp app: no engine needed.)"""
+    from fuselm.serve.cors import CorsPolicy
+
+    policy = CorsPolicy(["https://good.example"], ["POST"], ["Content-Type"], allow_credentials=True)
+
+    async def hello(request):
+        return web.json_response({"ok": True})
+
+    async def calls():
+        app = web.Application()
+        app.add_routes([web.post("/v1/x", hello)])
+        policy.install(app)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/x"
+        results = []
+        try:
+            async with aiohttp.ClientSession() as session:
+                for origin, method, asked in (("https://good.example", "POST", "content-type"),
+                                              ("https://evil.example", "POST", "content-type"),
+                                              ("https://good.example", "DELETE", ""),
+                                              ("https://good.example", "POST", "x-secret")):
+                    headers = {"Origin": origin, "Access-Control-Request-Method": method}
+                    if asked:
+                        headers["Access-Control-Request-Headers"] = asked
+                    async with session.options(url, headers=headers) as response:
+                        results.append((response.status, dict(response.headers), await response.text()))
+                for origin in ("https://good.example", "https://evil.example"):
+                    async with session.post(url, json={}, headers={"Origin": origin}) as response:
+                        results.append((response.status, dict(response.headers), await response.text()))
+        finally:
+            await runner.cleanup()
+        return results
+
+    good, evil, method, header, answered, unanswered = asyncio.run(calls())
+    assert good[0] == 200 and good[1]["Access-Control-Allow-Origin"] == "https://good.example"
+    assert good[1]["Access-Control-Allow-Credentials"] == "true" and good[1]["Vary"] == "Origin"
+    assert good[1]["Access-Control-Allow-Methods"] == "POST"
+    assert good[1]["Access-Control-Allow-Headers"] == "Content-Type"
+    assert (evil[0], evil[2]) == (400, "Disallowed CORS origin")
+    assert (method[0], method[2]) == (400, "Disallowed CORS method")
+    assert (header[0], header[2]) == (400, "Disallowed CORS headers")
+    assert answered[0] == 200 and answered[1]["Access-Control-Allow-Origin"] == "https://good.example"
+    assert unanswered[0] == 200 and "Access-Control-Allow-Origin" not in unanswered[1]
+    with pytest.raises(ValueError, match="allowed_origins"):
+        CorsPolicy("*")
 
 
 def test_completion_streamed_equals_whole(server, client, llm):

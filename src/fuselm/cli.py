@@ -138,6 +138,19 @@ def _chat(args) -> int:
 
 
 # ============================================================================ serve
+def _json_list(text: str) -> list:
+    """A flag's JSON list (vLLM's form: '["https://a.example"]')."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError(f"expected a JSON list, got {text!r}")
+    return value
+
+
 def _serve(args) -> int:
     """``fuselm serve``: MODEL_DIR (text and chat) or --config (random weights, token-id
     prompts only) behind ``fuselm.serve.run_server`` until SIGINT / SIGTERM (exit status 0)."""
@@ -166,6 +179,12 @@ def _serve(args) -> int:
     api_keys = args.api_key or ([os.environ["FUSELM_API_KEY"]] if os.environ.get("FUSELM_API_KEY") else [])
     if any(not key.strip() for key in api_keys):
         args.command_parser.error("--api-key: expected non-empty keys")
+    from fuselm.serve.cors import CorsPolicy
+
+    try:
+        cors = CorsPolicy(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
+    except ValueError as error:
+        args.command_parser.error(f"--allowed-origins / --allowed-methods / --allowed-headers: {error}")
     options = dict(max_batch=args.max_batch, max_len=args.max_len, seed=args.seed, name=args.served_model_name,
                    max_prefill_tokens=args.max_prefill_tokens, kv_cache_tokens=args.kv_cache_tokens,
                    state_dtype=args.state_dtype)
@@ -185,7 +204,7 @@ def _serve(args) -> int:
                       stall_dump=args.stall_dump, stall_dump_s=args.stall_dump_ms / 1e3,
                       stall_dump_wait_s=args.stall_dump_wait_ms and args.stall_dump_wait_ms / 1e3, **options)
     try:
-        run_server(spec, args.host, args.port, args.reasoning_parser, args.tool_call_parser, api_keys)
+        run_server(spec, args.host, args.port, args.reasoning_parser, args.tool_call_parser, api_keys, cors)
     except OSError as error:  # the address cannot be listened on
         raise ValueError(f"--host/--port: {error}") from None
     return 0
@@ -456,6 +475,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                        help="requests under /v1 must send 'Authorization: Bearer KEY' with one of these keys, "
                             "else 401 (vLLM's flag; default: the FUSELM_API_KEY environment variable, if set)")
+    for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
+                       ("--allowed-headers", "headers")):
+        serve.add_argument(flag, type=_json_list, default=["*"], metavar="JSON",
+                           help=f'the {what} browsers may send cross-origin requests with, a JSON list (vLLM\'s '
+                                f'flag; default ["*"])')
+    serve.add_argument("--allow-credentials", action="store_true",
+                       help="cross-origin requests may carry credentials (vLLM's flag)")
     serve.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                        help="split chat replies' reasoning (<think> ... </think>) into message.reasoning and "
                             "reasoning_content, as vLLM's qwen3 parser")

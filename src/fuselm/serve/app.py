@@ -55,6 +55,7 @@ from fuselm.engine.engine import Engine
 from fuselm.engine.request import SamplingParams
 from fuselm.serve.async_engine import (ADMISSION_WAIT_S, AsyncEngine, EngineClient, EngineUnavailableError,
                                        RequestStream)
+from fuselm.serve.cors import CorsPolicy
 from fuselm.serve.engine_process import EngineProcess, EngineSpec, gc_recorder
 from fuselm.serve.metrics import ServerMetrics, metrics_available
 from fuselm.serve.protocol import (APIError, ChatFormat, CompletionFormat, GenerationRequest, Prompt, ResponseFormat,
@@ -437,12 +438,15 @@ def _api_key_check(api_keys: Sequence[str]):
 
 
 def build_app(model: ServedModel, engine: EngineClient | None = None, max_queue: int | None = None,
-              admission_wait: float = ADMISSION_WAIT_S, api_keys: Sequence[str] = ()) -> web.Application:
+              admission_wait: float = ADMISSION_WAIT_S, api_keys: Sequence[str] = (),
+              cors: CorsPolicy | None = CorsPolicy()) -> web.Application:
     """The aiohttp application serving ``model`` (routes: module docstring) through ``engine``
     (default: an ``AsyncEngine`` over ``model.engine`` on a thread of this process, holding at
     most ``max_queue`` waiting requests and waiting ``admission_wait`` s for a closed-loop
     client's next request); ``app[SERVER]`` is its ``OpenAIServer``. With ``api_keys``, requests
-    under /v1 must bring one (``Authorization: Bearer <key>``; 401 otherwise). Run it with
+    under /v1 must bring one (``Authorization: Bearer <key>``; 401 otherwise). ``cors``: the
+    cross-origin requests browsers may make (``fuselm.serve.cors``; default vLLM's: any origin,
+    no credentials; None: no CORS headers). Run it with
     ``handler_cancellation=True`` so that a client that goes away has its request aborted
     (``run_server`` does)."""
     if any(not isinstance(key, str) or not key.strip() for key in api_keys):
@@ -457,6 +461,8 @@ def build_app(model: ServedModel, engine: EngineClient | None = None, max_queue:
     server = OpenAIServer(model, engine)
     middlewares = [_openai_errors] + ([_api_key_check(api_keys)] if api_keys else [])
     app = web.Application(middlewares=middlewares, client_max_size=MAX_REQUEST_BYTES)
+    if cors is not None:
+        cors.install(app)
     app[SERVER] = server
     app.add_routes([web.get("/health", server.health), web.get("/v1/models", server.models),
                     web.post("/v1/completions", server.completions),
@@ -470,12 +476,13 @@ def build_app(model: ServedModel, engine: EngineClient | None = None, max_queue:
 
 
 def run_server(spec: EngineSpec, host: str = "127.0.0.1", port: int = 8000, reasoning_parser: str | None = None,
-               tool_call_parser: str | None = None, api_keys: Sequence[str] = ()) -> None:
+               tool_call_parser: str | None = None, api_keys: Sequence[str] = (),
+               cors: CorsPolicy | None = CorsPolicy()) -> None:
     """Serve what ``spec`` builds on ``host:port`` until SIGINT or SIGTERM, then shut down
     cleanly (stop listening, abort unfinished requests, stop the engine process) and return. The
     engine runs in a process of its own (``EngineProcess``); this one only speaks HTTP, and parses
     chat replies with ``reasoning_parser`` and ``tool_call_parser`` (``ServedModel``'s).
-    ``api_keys``: as ``build_app``'s."""
+    ``api_keys``, ``cors``: as ``build_app``'s."""
     check_reply_parsers(reasoning_parser, tool_call_parser)
     if any(not isinstance(key, str) or not key.strip() for key in api_keys):
         raise ValueError("api_keys: expected non-empty strings")
@@ -493,7 +500,8 @@ def run_server(spec: EngineSpec, host: str = "127.0.0.1", port: int = 8000, reas
               f"engine process {engine.process.pid})", file=sys.stderr, flush=True)
         gc.collect()
         gc.freeze()  # the objects loaded at start-up stay out of the collections
-        web.run_app(build_app(model, engine, api_keys=api_keys), host=host, port=port, handler_cancellation=True,
+        web.run_app(build_app(model, engine, api_keys=api_keys, cors=cors), host=host, port=port,
+                    handler_cancellation=True,
                     print=lambda message: print(message, file=sys.stderr, flush=True))
     finally:
         engine.stop()  # (when serving never began or ended abnormally; after a shutdown, nothing)
