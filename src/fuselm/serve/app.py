@@ -6,7 +6,9 @@ runs it on a thread of the server's process (``fuselm.serve.async_engine.AsyncEn
 embedding). The routes see the same ``EngineClient`` either way.
 
     GET  /health               200 while the engine runs, else 503
+    GET  /version              {"version": fuselm's}
     GET  /v1/models            the served model, in OpenAI's list format
+    GET  /v1/models/{model}    the served model (404 for another name)
     POST /v1/completions       a prompt's completion; "stream": true for server-sent events
     POST /v1/chat/completions  the assistant's reply to "messages"; "stream" likewise
     POST /v1/responses         OpenAI's Responses API over the chat path (``fuselm.serve.responses``)
@@ -51,6 +53,7 @@ from typing import Sequence
 
 from aiohttp import web
 
+import fuselm
 from fuselm.engine.engine import Engine
 from fuselm.engine.request import SamplingParams
 from fuselm.serve.async_engine import (ADMISSION_WAIT_S, AsyncEngine, EngineClient, EngineUnavailableError,
@@ -60,8 +63,8 @@ from fuselm.serve.engine_process import EngineProcess, EngineSpec, gc_recorder
 from fuselm.serve.metrics import ServerMetrics, metrics_available
 from fuselm.serve.protocol import (APIError, ChatFormat, CompletionFormat, GenerationRequest, Prompt, ResponseFormat,
                                    bad_request, check_model, check_reply_parsers, detokenize_response, echo_of,
-                                   in_batch, model_list, parse_chat_request, parse_completion_request, token_usage,
-                                   tokenize_response)
+                                   in_batch, model_card, model_list, parse_chat_request, parse_completion_request,
+                                   token_usage, tokenize_response)
 from fuselm.serve.responses import ResponsesFormat, chat_body_of, responses_error
 from fuselm.tokenizer import Tokenizer
 
@@ -200,6 +203,13 @@ class OpenAIServer:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(model_list(self.model.name, self.created, self.engine.max_len))
+
+    async def retrieve_model(self, request: web.Request) -> web.Response:
+        check_model({"model": request.match_info["model"]}, self.model.name)
+        return web.json_response(model_card(self.model.name, self.created, self.engine.max_len))
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": fuselm.__version__})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
@@ -464,7 +474,8 @@ def build_app(model: ServedModel, engine: EngineClient | None = None, max_queue:
     if cors is not None:
         cors.install(app)
     app[SERVER] = server
-    app.add_routes([web.get("/health", server.health), web.get("/v1/models", server.models),
+    app.add_routes([web.get("/health", server.health), web.get("/version", server.version),
+                    web.get("/v1/models", server.models), web.get("/v1/models/{model}", server.retrieve_model),
                     web.post("/v1/completions", server.completions),
                     web.post("/v1/chat/completions", server.chat_completions),
                     web.post("/v1/responses", server.responses),

@@ -854,10 +854,14 @@ def token_usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def model_card(name: str, created: int, max_len: int) -> dict:
+    """``GET /v1/models/{name}``: the served model (OpenAI's model object, vLLM's max_model_len)."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "fuselm", "max_model_len": max_len}
+
+
 def model_list(name: str, created: int, max_len: int) -> dict:
     """``GET /v1/models``: the one served model."""
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "fuselm",
-                                        "max_model_len": max_len}]}
+    return {"object": "list", "data": [model_card(name, created, max_len)]}
 
 
 @dataclass(frozen=True)
