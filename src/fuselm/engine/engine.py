@@ -588,16 +588,17 @@ class Engine:
     def _token_masks(self, drawing: dict[int, Request], unread: Sequence[_Launched] = ()) -> Callable | None:
         """For a draw over ``drawing`` (row -> request) holding masked requests (``Request.masked``):
         the function the runner calls once the step's forward pass is queued. When a grammar or a
-        bad word of several tokens needs the tokens drawn so far, it first reads the launches not yet read (the step
-        before's, and ``unread``) and appends their ids (``_append``); it returns the draw's
-        ``TokenMasks`` (bitmasks in this step's pinned memory). None without masked requests."""
+        bad word of several tokens needs the tokens drawn so far, it first reads the launches not
+        yet read (the step before's, and ``unread``) and appends their ids (``_append``); it
+        returns the draw's ``TokenMasks`` (bitmasks in this step's pinned memory). None without
+        masked requests."""
         masked = {row: request for row, request in drawing.items() if request.masked}
         if not masked:
             return None
         words = bitmask_words(self.vocab_size)
 
         def masks() -> TokenMasks:
-            if any(request.grammar is not None or any(len(words) > 1 for words in request.bad_words_ids)
+            if any(request.grammar is not None or any(len(sequence) > 1 for sequence in request.bad_words_ids)
                    for request in masked.values()):
                 for launched in list(self._in_flight) + list(unread):
                     self._read_ahead += self._read(launched)

@@ -8,9 +8,8 @@ Pieces:
   ``("accepted", request_id, error)`` (the error that refused a submission, or None), ``("deltas",
   [(request_id, RequestDelta), ...], EngineStats)`` (a step's new tokens, detokenized and
   stop-string checked here, one message for many requests, and the engine's state after it) and,
-  at its exit, ``("closed", reason)``. When no request is
-  unfinished it blocks on its commands (no busy loop); while requests run it takes the commands
-  that came in between two steps.
+  at its exit, ``("closed", reason)``. When no request is unfinished it blocks on its commands
+  (no busy loop); while requests run it takes the commands that came in between two steps.
 - ``EngineClient``: the event loop's side: ``submit`` (a ``RequestStream`` per request),
   ``abort``, ``shutdown``; it routes the answers to their streams (and, given ``metrics``, records
   them: ``fuselm.serve.metrics``).

@@ -105,8 +105,7 @@ class APIError(Exception):
     ``{"error": {"message", "type", "param", "code"}}`` (``body``)."""
 
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-             413: "RequestTooLargeError",
-             500: "InternalServerError", 503: "ServiceUnavailableError"}
+             413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
