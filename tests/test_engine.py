@@ -144,6 +144,79 @@ def test_long_prompts_are_prefilled_in_chunks_beside_decode_steps(model, monkeyp
     assert token_ids(engine.generate([long], greedy(8))) == [solo[1]]
 
 
+SHARED = 72  # a prompt long enough to share (MIN_SHARED_PREFILL_TOKENS)
+
+
+def sampled(n, **kwargs):
+    return SamplingParams(max_tokens=6, temperature=1.0, seed=5, n=n, ignore_eos=True, logprobs=1, **kwargs)
+
+
+def assert_the_samples_of(outputs, model, prompt, samples):
+    """Each sample (output i of params ``samples[i]``) is what a request of its own gives: its
+    tokens, and logprobs within 1e-4 (its prefill went in other chunks)."""
+    assert len(outputs) == len(samples)
+    alone = Engine(model, max_batch=1, max_len=SHARED + 16)
+    for sample, output in zip(samples, outputs):
+        (reference,) = alone.generate([prompt], sample)[0].outputs
+        assert output.token_ids == reference.token_ids
+        assert [entry[t].logprob for t, entry in zip(output.token_ids, output.logprobs)] == pytest.approx(
+            [entry[t].logprob for t, entry in zip(reference.token_ids, reference.logprobs)], abs=1e-4)
+
+
+def test_the_samples_of_a_prompt_share_its_prefill(model):
+    """n = 3 samples of a 72-token prompt: one prefill of 71 tokens and three of one (the samples
+    copy the first one's state and pages), not three of 72; each sample is what a request of its
+    own gives."""
+    prompt = random.Random(1).choices(range(VOCAB), k=SHARED)
+    engine = Engine(model, max_batch=4, max_len=SHARED + 16, seed=0)
+    engine.step_log = []
+    (output,) = engine.generate([prompt], sampled(3))
+    assert [(entry["kind"], entry["prompt_tokens"]) for entry in engine.step_log[:2]] == [
+        ("prefill", SHARED - 1), ("prefill+decode", 3)]
+    assert len({tuple(o.token_ids) for o in output.outputs}) == 3  # three seeds, three draws
+    assert_the_samples_of(output.outputs, model, prompt, sampled(3).samples())
+
+
+def test_samples_joining_a_running_batch_share_the_prefill_in_mixed_steps(model):
+    """The samples come while another request decodes, under a budget of 40 tokens: the first
+    sample's chunks and then each sample's last token ride on decode steps (one chunk a mixed
+    step); every request gets what it gets alone."""
+    prompt = random.Random(2).choices(range(VOCAB), k=SHARED)
+    engine = Engine(model, max_batch=4, max_len=SHARED + 16, seed=0, max_prefill_tokens=40)
+    engine.step_log = []
+    early = engine.add_request([7, 8, 9], greedy(20))
+    engine.step()
+    groups = engine.add_requests([{"prompt_token_ids": prompt, "params": sampled(3)}])
+    engine.run()
+    assert sum(entry["prompt_tokens"] for entry in engine.step_log) == 3 + SHARED - 1 + 3
+    assert_the_samples_of([request.output().outputs[0] for request in groups[0]], model, prompt,
+                          sampled(3).samples())
+    alone = Engine(model, max_batch=1, max_len=SHARED + 16).generate([[7, 8, 9]], greedy(20))
+    assert early.output_token_ids == token_ids(alone)[0]
+
+
+def test_a_sample_without_room_or_source_prefills_its_prompt_itself(model):
+    """Two slots for three samples: the third finds no slot when the first has its shared tokens
+    and prefills its prompt itself later. A source aborted before that: its samples prefill
+    themselves. Every sample is still what a request of its own gives; a request given a source
+    with another prompt shares nothing."""
+    prompt = random.Random(3).choices(range(VOCAB), k=SHARED)
+    engine = Engine(model, max_batch=2, max_len=SHARED + 16, seed=0)
+    engine.step_log = []
+    (output,) = engine.generate([prompt], sampled(3))
+    assert sum(entry["prompt_tokens"] for entry in engine.step_log) == SHARED - 1 + 2 + SHARED
+    assert_the_samples_of(output.outputs, model, prompt, sampled(3).samples())
+
+    engine = Engine(model, max_batch=4, max_len=SHARED + 16, seed=0, max_prefill_tokens=40)
+    source, *others = engine.add_requests([{"prompt_token_ids": prompt, "params": sampled(3)}])[0]
+    engine.step()
+    engine.abort(source)
+    other = engine.add_request(prompt[::-1], sampled(1), shares_prefill_with=others[0])
+    engine.run()
+    assert other.shares_prefill_with is None
+    assert_the_samples_of([r.output().outputs[0] for r in others], model, prompt, sampled(3).samples()[1:])
+
+
 def test_the_budget_counts_the_decode_rows():
     """vLLM's max_num_batched_tokens: a step's prompt tokens are the budget less its decode rows,
     but never fewer than MIN_PREFILL_TOKENS (nor more than the budget)."""

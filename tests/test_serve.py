@@ -847,6 +847,30 @@ def test_a_forced_tool_call_comes_back_as_the_call_whole_and_streamed(checkpoint
     assert refused.value.param == "response_format"
 
 
+def test_the_n_samples_of_a_long_prompt_share_its_prefill(checkpoint):
+    """n = 3 of a 100-token prompt: the engine prefills 99 tokens once and each sample's last one
+    (Engine.add_request's shares_prefill_with), and each choice is what a request of its own gives.
+    (A server of its own: three slots, a longer context.)"""
+    llm = LLM(checkpoint, dtype="float32", device="cpu", max_batch=3, max_len=112, seed=0, progress=False)
+    server = ServerThread(ServedModel.from_llm(llm))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        engine = server.engine.engine
+        engine.step_log = []  # (the engine thread is idle: set between its steps)
+        prompt = list(range(1000, 1100))
+        options = dict(model=model_name(server), prompt=prompt, max_tokens=3, temperature=1.0,
+                       extra_body={"ignore_eos": True, "return_token_ids": True})
+        sampled = client.completions.create(**options, n=3, seed=2)
+        wait_until_idle(server)
+        assert sum(entry["prompt_tokens"] for entry in engine.step_log) == len(prompt) - 1 + 3
+        alone = [client.completions.create(**options, seed=2 + i).choices[0].model_extra["token_ids"]
+                 for i in range(3)]
+        assert [choice.model_extra["token_ids"] for choice in sampled.choices] == alone
+        wait_until_idle(server)
+    finally:
+        server.stop()
+
+
 def test_unknown_routes_methods_and_large_bodies_get_openai_error_json(server):
     """aiohttp's own refusals come as OpenAI's error JSON too: no such route (404), a wrong
     method (405, with its Allow header), a body over the size limit (413)."""

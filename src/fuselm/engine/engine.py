@@ -45,7 +45,7 @@ from fuselm.engine.request import (FinishReason, Logprob, Request, RequestOutput
                                    is_token_ids, params_per_prompt, samples_output)
 from fuselm.engine.runner import DEFAULT_GRAPH_BATCH_SIZES, ModelRunner
 from fuselm.engine.sampling import MAX_DEVICE_STOP_IDS, sampler_variant
-from fuselm.engine.scheduler import Scheduler
+from fuselm.engine.scheduler import MIN_SHARED_PREFILL_TOKENS, Scheduler
 from fuselm.engine.structured_outputs import GrammarCompiler
 from fuselm.engine.token_masks import (TokenMasks, allowed_bitmask, bad_words_token_ids, banned_by_bad_words,
                                        bitmask_words, fill_bans)
@@ -311,11 +311,15 @@ class Engine:
     # ------------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, prompt: str | None = None, detokenizer=None,
-                    grammar_starts_after: int | None = None) -> Request:
+                    grammar_starts_after: int | None = None, shares_prefill_with: Request | None = None) -> Request:
         """Queue one request; ValueError/TypeError naming the argument when it cannot run (the
         engine and every other request are left as they were). ``grammar_starts_after``: with
         ``params.structured_outputs``, a token id before which the output is free (a reasoning
-        model's end-of-thinking id: the grammar constrains the answer)."""
+        model's end-of-thinking id: the grammar constrains the answer). ``shares_prefill_with``:
+        an unfinished request of this engine with the same prompt (another sample of it) whose
+        prefill this one copies (``scheduler``'s prefill sharing) when the prompt has more than
+        ``MIN_SHARED_PREFILL_TOKENS`` tokens and that request has not yet prefilled past its last
+        but one; else this one prefills its prompt itself (the same tokens either way)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params: expected a SamplingParams, got {type(params).__name__}")
@@ -379,6 +383,11 @@ class Engine:
             request.bad_words_ids = bad_words_token_ids(params.bad_words, self.tokenizer)
         if params.prompt_logprobs is not None:  # queued now on the device, read with the first token
             request.pending_prompt_logprobs = _PromptLogprobs(self.runner.prompt_logprobs(ids, params.prompt_logprobs))
+        source = shares_prefill_with
+        if (source is not None and not source.finished and source.prompt_token_ids == ids
+                and len(ids) > MIN_SHARED_PREFILL_TOKENS and source.num_prompt_computed < len(ids) - 1
+                and (self.scheduler.holds(source) or source in self.scheduler.waiting)):
+            request.shares_prefill_with = source
         self.scheduler.add(request)
         return request
 
@@ -507,6 +516,7 @@ class Engine:
         decode_rows = self.runner.batch_size_for(self.scheduler.rows_in_use_after_admission()) if decoding else 0
         plan = self.scheduler.schedule_prefill(decode_rows)
         self.runner.set_rows(self.scheduler.row_slots())  # rows left and taken since the last launch
+        self.runner.share_prefill(self.scheduler.forked)  # (the requests admitted with a copy of a prefix)
         mixed = bool(plan and decoding)
         pending, prefilled = [], None
         # The step log's GPU time of a step: from an event queued just before its launches to its
@@ -643,8 +653,9 @@ class Engine:
         """Queue several prompts, each given as ``add_request``'s keyword arguments, all or none:
         when one is refused, none of them stays queued and the error names it as ``prompts[i]``.
         A prompt whose params ask for n > 1 sequences is n requests (``SamplingParams.samples``;
-        request ids "<id>-<i>" when an id is given). ``detokenizer(prompt_token_ids, params)``
-        builds each request's detokenizer. Returns each prompt's requests."""
+        request ids "<id>-<i>" when an id is given), which share its prefill
+        (``shares_prefill_with``). ``detokenizer(prompt_token_ids, params)`` builds each
+        request's detokenizer. Returns each prompt's requests."""
         added: list[list[Request]] = []
         try:
             for arguments in prompts:
@@ -656,6 +667,8 @@ class Engine:
                     sample_id = request_id if request_id is None or len(samples) == 1 else f"{request_id}-{index}"
                     made = {} if detokenizer is None else {
                         "detokenizer": detokenizer(list(arguments["prompt_token_ids"]), sample)}
+                    if index:  # the samples of a prompt share its prefill (Scheduler)
+                        made["shares_prefill_with"] = added[-1][0]
                     added[-1].append(self.add_request(**{**arguments, **made, "params": sample,
                                                          "request_id": sample_id}))
         except (ValueError, TypeError) as error:

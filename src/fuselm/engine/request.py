@@ -370,6 +370,10 @@ class Request:
     _new_text: list[str] = field(default_factory=list, repr=False)  # detokenized, not yet taken
     grammar: object | None = field(default=None, repr=False)  # with params.structured_outputs: its GrammarMatcher
     allowed_mask: object | None = field(default=None, repr=False)  # with params.allowed_token_ids: a bitmask row
+    # Prefill sharing (Scheduler): the request whose prefill of this same prompt's first T - 1 tokens
+    # this one copies instead of computing them; and, on such a source, the requests waiting to copy its.
+    shares_prefill_with: Request | None = field(default=None, repr=False)
+    sharers: list[Request] = field(default_factory=list, repr=False)
     bad_words_ids: list[tuple[int, ...]] = field(default_factory=list, repr=False)  # params.bad_words' sequences
     pending_prompt_logprobs: object | None = field(default=None, repr=False)  # the engine's, until its first token
 

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from fuselm.engine.request import MAX_LOGPROBS, Request
 from fuselm.engine.sampling import SAMPLER_VARIANTS, SlotSampling, sampler_variant
 from fuselm.models.qwen35 import Qwen35
-from fuselm.models.qwen35.cache import PAGE_SIZE
+from fuselm.models.qwen35.cache import PAGE_SIZE, DeltaNetCache
 from fuselm.ops.sampling import apply_token_bitmask, token_logprobs
 from fuselm.runtime import PinnedStaging, cublaslt_preferred, graph_capture
 
@@ -150,6 +150,35 @@ class ModelRunner:
             self.staging.copy_(self.row_slots, torch.tensor(table, dtype=torch.int64))
 
     # ------------------------------------------------------------------------ prefill
+    @torch.no_grad()
+    def share_prefill(self, pairs: Sequence[tuple[Request, Request]]) -> None:
+        """For each (source, sharer) pair (``Scheduler.forked``: the same prompt, the source's first
+        ``num_prompt_computed`` tokens in its slot): copy the source's cached prefix into the
+        sharer's slot and pages (each DeltaNet layer's conv and recurrent state, the K/V pages of
+        those positions, the length) and give the sharer its sampling parameters and block-table
+        row, so that its next chunk continues from there. Queued on the stream (between graph
+        replays), behind the step that computed the prefix and before the next one."""
+        if not pairs:
+            return
+        sharers = [sharer for _, sharer in pairs]
+        slots = [sharer.slot for sharer in sharers]
+        self.sampling.assign(sharers, slots, self.staging)
+        self.cache.assign_pages(slots, [sharer.pages for sharer in sharers], self.staging)
+        source_slots = self.staging.to_device(torch.tensor([source.slot for source, _ in pairs], dtype=torch.int64))
+        sharer_slots = self.staging.to_device(torch.tensor(slots, dtype=torch.int64))
+        pages = [(source.pages[k], sharer.pages[k]) for source, sharer in pairs
+                 for k in range(-(-source.num_prompt_computed // self.cache.page_size))]
+        source_pages, sharer_pages = (self.staging.to_device(torch.tensor(column, dtype=torch.int64))
+                                      for column in zip(*pages))
+        for layer in self.cache.layers:
+            if isinstance(layer, DeltaNetCache):
+                for state in (layer.conv, layer.recurrent):
+                    state.index_copy_(0, sharer_slots, state.index_select(0, source_slots))
+            else:
+                for kv in (layer.key, layer.value):
+                    kv.index_copy_(0, sharer_pages, kv.index_select(0, source_pages))
+        self.cache.lengths.index_copy_(0, sharer_slots, self.cache.lengths.index_select(0, source_slots))
+
     @torch.no_grad()
     def prefill(self, plan: list[tuple[Request, int, int]],
                 masks: Callable | None = None) -> tuple[list[Request], torch.Tensor, torch.Tensor]:

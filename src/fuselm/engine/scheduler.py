@@ -13,6 +13,15 @@ queue waits while either is short.
 A long prompt is so prefilled over several steps, each chunk in one pass with a decode step of
 the requests already decoding; such a mixed step takes one prompt's chunk (a step with nothing
 decoding prefills several prompts at once).
+Prefill sharing (the n samples of one prompt): a request added with ``shares_prefill_with`` a
+source request of the same prompt (T tokens) waits until the source has T - 1 of them in the
+cache; the source's chunks stop there while any such request waits. In the next
+``schedule_prefill`` each one that finds a free slot and pages is admitted with T - 1 tokens
+computed (``forked`` lists the (source, request) pairs: the caller copies the source's state
+into the new slot before the step runs), and all of them, the source too, then prefill their
+last token as a chunk of one and draw their first ids. A request that finds no room then, or
+whose source ends first, runs as any other. So n samples cost one prefill of T - 1 tokens and
+n of one, not n of T.
 ``finish`` frees a request's slot for the next one. A running request keeps its slot for its
 whole life: its state never moves. Its row may: the running requests (prefilling ones too: a
 prompt's first id is drawn in its row) hold rows 0 .. n-1, so the decode batch is the smallest
@@ -29,6 +38,8 @@ from fuselm.engine.request import Request
 
 MIN_PREFILL_TOKENS = 16  # prompt tokens a step may always take, however many rows decode
 MIXED_MAX_CHUNKS = 1  # prompt chunks beside a decode step (a step with nothing decoding takes more)
+# Shorter prompts are not shared (a source's prefill in two chunks costs a step more; their prefill little)
+MIN_SHARED_PREFILL_TOKENS = 64
 
 
 class Scheduler:
@@ -46,6 +57,7 @@ class Scheduler:
         self._free_pages = list(range(num_pages))
         self.page_size = page_size
         self.max_prefill_tokens = max_prefill_tokens
+        self.forked: list[tuple[Request, Request]] = []  # the last schedule_prefill's (source, sharer) pairs
 
     @property
     def free_pages(self) -> int:
@@ -57,6 +69,32 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        if request.shares_prefill_with is not None:
+            request.shares_prefill_with.sharers.append(request)
+
+    def _admit(self, request: Request, pages: int) -> None:
+        """Give a waiting request a slot, its pages and the next row."""
+        self.waiting.remove(request)
+        request.slot = heapq.heappop(self._free_slots)
+        request.pages = [heapq.heappop(self._free_pages) for _ in range(pages)]
+        request.row = len(self.rows)
+        self.rows.append(request)
+        self.prefilling.append(request)
+
+    def _admit_sharers(self) -> None:
+        """Admit the requests whose source has its shared tokens in the cache (``forked``), or
+        let them run as any other when there is no room for them now."""
+        self.forked = []
+        ready = [r for r in self.prefilling if r.sharers and r.num_prompt_computed == len(r.prompt_token_ids) - 1]
+        for source in ready:
+            for request in source.sharers:
+                request.shares_prefill_with = None
+                pages = self.pages_needed(request)
+                if self._free_slots and pages <= self.free_pages:
+                    self._admit(request, pages)
+                    request.num_prompt_computed = source.num_prompt_computed
+                    self.forked.append((source, request))
+            source.sharers = []
 
     def holds(self, request: Request) -> bool:
         """Whether ``request`` is running here (it holds a slot and a row)."""
@@ -81,33 +119,31 @@ class Scheduler:
         # prompt's start pads to two long rows and runs as continued chunks (H100, 9B, budget 512:
         # 32 + 240 tokens in two rows took 38 ms, 480 fresh tokens in one 19 ms; session 12,
         # benchmarks/engine_steps.py), and one-row mixed steps are the graphs captured up front.
+        self._admit_sharers()
         budget = self.prompt_budget(decode_rows)
         max_rows = MIXED_MAX_CHUNKS if decode_rows else None
         plan, longest = [], 0
 
-        def chunk(remaining: int) -> int:  # tokens the next row may take (0: it does not fit)
+        def chunk(request: Request) -> int:  # tokens its next row may take (0: it does not fit)
             rows = len(plan) + 1
             if max_rows is not None and rows > max_rows:
                 return 0
-            return min(remaining, budget // rows) if rows * longest <= budget else 0
+            end = len(request.prompt_token_ids) - (1 if request.sharers else 0)  # (sharers wait for T - 1)
+            return min(end - request.num_prompt_computed, budget // rows) if rows * longest <= budget else 0
 
         for request in self.prefilling:
-            count = chunk(len(request.prompt_token_ids) - request.num_prompt_computed)
+            count = chunk(request)
             if count == 0:
                 return plan
             plan.append((request, request.num_prompt_computed, count))
             longest = max(longest, count)
-        while self.waiting and self._free_slots:
-            count = chunk(len(self.waiting[0].prompt_token_ids))
-            pages = self.pages_needed(self.waiting[0])
+        # arrival order, but a request that shares a prefill waits for its source (_admit_sharers)
+        for request in [r for r in self.waiting if r.shares_prefill_with is None]:
+            count = chunk(request) if self._free_slots else 0
+            pages = self.pages_needed(request)
             if count == 0 or pages > self.free_pages:
                 break
-            request = self.waiting.popleft()
-            request.slot = heapq.heappop(self._free_slots)
-            request.pages = [heapq.heappop(self._free_pages) for _ in range(pages)]
-            request.row = len(self.rows)
-            self.rows.append(request)
-            self.prefilling.append(request)
+            self._admit(request, pages)
             plan.append((request, 0, count))
             longest = max(longest, count)
         return plan
@@ -133,7 +169,7 @@ class Scheduler:
     def rows_in_use_after_admission(self) -> int:
         """``rows_in_use`` once the next waiting request takes the next row (what a step that
         admits it covers; the same when nothing waits or no slot is free)."""
-        return len(self.rows) + bool(self.waiting and self._free_slots)
+        return len(self.rows) + bool(self.waiting and self._free_slots)  # (sharers aside: a few rows more)
 
     def finish(self, request: Request) -> None:
         """Free a finished (or aborted) request's slot, row and pages (the last row's request
@@ -152,3 +188,9 @@ class Scheduler:
                 self.prefilling.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        for sharer in request.sharers:  # they prefill their prompts themselves
+            sharer.shares_prefill_with = None
+        request.sharers = []
+        if request.shares_prefill_with is not None:
+            request.shares_prefill_with.sharers.remove(request)
+            request.shares_prefill_with = None

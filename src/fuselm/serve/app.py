@@ -269,11 +269,16 @@ class OpenAIServer:
                               f"engine request, and this server holds {capacity} at most (max batch + max queue)",
                               "n" if n > 1 else generation.prompt_field)
         ids = [request_id] if len(sequences) == 1 else [f"{request_id}-{index}" for index in range(len(sequences))]
+        # A prompt's first sequence's id: its others share its prefill (Engine.add_request).
+        first_of = {}
+        for (index, _, _), sequence_id in zip(sequences, ids):
+            first_of.setdefault(index, sequence_id)
         # All at once: the engine loop takes commands in order, so the sequences start together.
-        submissions = [asyncio.ensure_future(self.engine.submit(prompt.token_ids, params, request_id=sequence_id,
-                                                                prompt=prompt.text,
-                                                                grammar_starts_after=generation.grammar_starts_after))
-                       for (_, prompt, params), sequence_id in zip(sequences, ids)]
+        submissions = [asyncio.ensure_future(self.engine.submit(
+            prompt.token_ids, params, request_id=sequence_id, prompt=prompt.text,
+            grammar_starts_after=generation.grammar_starts_after,
+            shares_prefill_with=None if first_of[index] == sequence_id else first_of[index]))
+            for (index, prompt, params), sequence_id in zip(sequences, ids)]
         try:
             submitted = await asyncio.gather(*submissions, return_exceptions=True)
         except asyncio.CancelledError:  # the client went away: the pending ones abort themselves

@@ -139,6 +139,7 @@ class Submit:
     prompt: str | None
     submitted: float  # time.perf_counter() on the client's side: the request's arrival (one clock per host)
     grammar_starts_after: int | None = None  # Engine.add_request's
+    shares_prefill_with: str | None = None  # the id of a request whose prefill this one shares (Engine.add_request)
 
 
 @dataclass
@@ -253,9 +254,11 @@ class EngineLoop:
         try:
             detokenizer = None if self.tokenizer is None else self.tokenizer.detokenizer(
                 submit.prompt_token_ids, **submit.params.detokenizer_options)
+            source = self._running.get(submit.shares_prefill_with)
             request = self.engine.add_request(submit.prompt_token_ids, submit.params, request_id=submit.request_id,
                                               prompt=submit.prompt, detokenizer=detokenizer,
-                                              grammar_starts_after=submit.grammar_starts_after)
+                                              grammar_starts_after=submit.grammar_starts_after,
+                                              shares_prefill_with=None if source is None else source.request)
         except Exception as error:  # ValueError / TypeError: a bad request; anything else fails it alone
             self._answer(("accepted", submit.request_id, error))
             return
@@ -353,9 +356,11 @@ class EngineClient:
         return self._accepting
 
     async def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
-                     prompt: str | None = None, grammar_starts_after: int | None = None) -> RequestStream:
+                     prompt: str | None = None, grammar_starts_after: int | None = None,
+                     shares_prefill_with: str | None = None) -> RequestStream:
         """Queue a request and wait until the engine loop has taken it (``Engine.add_request``, which
-        takes ``grammar_starts_after`` too);
+        takes ``grammar_starts_after`` too, and ``shares_prefill_with``: the request of that id,
+        when it still runs);
         returns its ``RequestStream``. Raises what ``add_request`` raised (ValueError / TypeError
         naming the field for a request it cannot run), ``QueueFullError``, or
         ``EngineUnavailableError``. A submitter cancelled while waiting has its request aborted."""
@@ -371,7 +376,7 @@ class EngineClient:
         if self.metrics is not None:
             self.metrics.submitted(request_id, len(prompt_token_ids), submitted)
         if not self._send(Submit(request_id, list(prompt_token_ids), params, prompt, submitted,
-                                 grammar_starts_after)):
+                                 grammar_starts_after, shares_prefill_with)):
             self._end(self._closed_reason or "the engine is not running")
         try:
             await accepted
