@@ -6,9 +6,11 @@ One engine (max_batch = n, CUDA graphs). For each prompt length, in one run and 
   - shared:   one request of n samples (SamplingParams(n=...)): the first prefills T - 1 tokens,
               the others copy its state and pages, and each prefills its last token;
   - separate: n requests of one sample each with the same prompt and seeds (each prefills T).
-Both draw the same tokens (checked). Reported: the time to the last sample's first token and to
-the last token, from the requests' host clocks (median of --runs), and the prompt tokens the
-engine prefilled (its step log).
+Reported: the time to the last sample's first token and to the last token, from the requests'
+host clocks (median of --runs), the prompt tokens the engine prefilled (its step log), and how
+many samples drew the same tokens both ways (in bf16 the last token's chunk of one rounds
+otherwise than a whole prompt's chunk: a sampled token may then differ, as with any chunking;
+in fp32 they are the same, tests/test_engine.py).
 Prints a markdown table; writes prefill_sharing.md / .json to --out.
 """
 
@@ -66,23 +68,23 @@ def main() -> None:
         for _ in range(args.runs):
             for shared in (True, False):
                 measured[shared].append(run(engine, prompt, params, shared))
-        assert measured[True][0]["tokens"] == measured[False][0]["tokens"], "shared samples drew other tokens"
-        summary = {}
+        same = sum(a == b for a, b in zip(measured[True][0]["tokens"], measured[False][0]["tokens"]))
+        summary = {"same_tokens": same}
         for shared, label in ((True, "shared"), (False, "separate")):
             runs = measured[shared]
             summary[label] = {key: statistics.median(r[key] for r in runs)
                               for key in ("first_token_ms", "total_ms", "prompt_tokens_prefilled")}
         results.append({"prompt_len": length, "n": args.n, "max_tokens": args.max_tokens, **summary})
         s, p = summary["shared"], summary["separate"]
-        rows.append(f"| {length} | {args.n} | {p['prompt_tokens_prefilled']:,.0f} -> "
+        rows.append(f"| {length} | {args.n} | {same} of {args.n} | {p['prompt_tokens_prefilled']:,.0f} -> "
                     f"{s['prompt_tokens_prefilled']:,.0f} "
                     f"| {p['first_token_ms']:.1f} -> {s['first_token_ms']:.1f} "
                     f"({p['first_token_ms'] / s['first_token_ms']:.2f}x) | {p['total_ms']:.1f} -> {s['total_ms']:.1f} "
                     f"({p['total_ms'] / s['total_ms']:.2f}x) |")
     header = (f"Qwen3.5 {args.config} config, random bf16 weights, {torch.cuda.get_device_name()}; n = {args.n} "
               f"samples (T 0.8), {args.max_tokens} new tokens, ignore_eos; separate requests -> shared prefill; "
-              f"median of {args.runs} runs\n\n| prompt | n | prompt tokens prefilled | last first token ms | "
-              "last token ms |\n|---|---|---|---|---|\n")
+              f"median of {args.runs} runs\n\n| prompt | n | samples with the same tokens | prompt tokens prefilled | "
+              "last first token ms | last token ms |\n|---|---|---|---|---|---|\n")
     table = header + "\n".join(rows) + "\n"
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
