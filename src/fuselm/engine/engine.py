@@ -319,7 +319,8 @@ class Engine:
         an unfinished request of this engine with the same prompt (another sample of it) whose
         prefill this one copies (``scheduler``'s prefill sharing) when the prompt has more than
         ``MIN_SHARED_PREFILL_TOKENS`` tokens and that request has not yet prefilled past its last
-        but one; else this one prefills its prompt itself (the same tokens either way)."""
+        but one; else this one prefills its prompt itself (the same tokens in fp32 either way;
+        in 16 bits its last token's chunk of one rounds otherwise, as any chunking does)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params: expected a SamplingParams, got {type(params).__name__}")

@@ -115,7 +115,8 @@ class SamplingParams:
     stays at the end of the text. skip_special_tokens: special tokens are left out of the text
     (vLLM's default; off, they are decoded like any other). These two only shape the text.
     n: sequences drawn for the prompt (>= 1), each a request of its own (``samples``: seeds
-    seed, seed + 1, ..., as vLLM's parallel sampling; each prefills the prompt itself).
+    seed, seed + 1, ..., as vLLM's parallel sampling), which share the prompt's prefill (the
+    first prefills it, the others copy its state: ``engine.scheduler``).
     logprobs: None (off) or k in [0, MAX_LOGPROBS]: each generated token's log-probability and
     rank under the model's distribution, and the k most likely tokens' (``CompletionOutput.logprobs``,
     as vLLM's). prompt_logprobs: the same for each prompt token after the ones before it
