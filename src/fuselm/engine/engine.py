@@ -511,13 +511,14 @@ class Engine:
         began = time.perf_counter()
         staging = self.runner.staging
         staging.next_step()
+        forked = self.scheduler.admit_sharers()  # (requests admitted with a copy of a prefix: made below)
         decoding = self.scheduler.decoding()
         # The budget less the decode rows this step will run (the decode batch covers the row a
         # newly admitted request takes: mixed graphs are keyed by it, captured up front).
         decode_rows = self.runner.batch_size_for(self.scheduler.rows_in_use_after_admission()) if decoding else 0
         plan = self.scheduler.schedule_prefill(decode_rows)
         self.runner.set_rows(self.scheduler.row_slots())  # rows left and taken since the last launch
-        self.runner.share_prefill(self.scheduler.forked)  # (the requests admitted with a copy of a prefix)
+        self.runner.share_prefill(forked)
         mixed = bool(plan and decoding)
         pending, prefilled = [], None
         # The step log's GPU time of a step: from an event queued just before its launches to its

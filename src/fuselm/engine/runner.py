@@ -152,12 +152,13 @@ class ModelRunner:
     # ------------------------------------------------------------------------ prefill
     @torch.no_grad()
     def share_prefill(self, pairs: Sequence[tuple[Request, Request]]) -> None:
-        """For each (source, sharer) pair (``Scheduler.forked``: the same prompt, the source's first
-        ``num_prompt_computed`` tokens in its slot): copy the source's cached prefix into the
-        sharer's slot and pages (each DeltaNet layer's conv and recurrent state, the K/V pages of
-        those positions, the length) and give the sharer its sampling parameters and block-table
-        row, so that its next chunk continues from there. Queued on the stream (between graph
-        replays), behind the step that computed the prefix and before the next one."""
+        """For each (source, sharer) pair (``Scheduler.admit_sharers``: the same prompt, the
+        source's first ``num_prompt_computed`` tokens in its slot): copy the source's cached
+        prefix into the sharer's slot and pages (each DeltaNet layer's conv and recurrent state,
+        the K/V pages of those positions, the length) and give the sharer its sampling
+        parameters and block-table row, so that its next chunk continues from there. Queued on
+        the stream (between graph replays), behind the step that computed the prefix and before
+        the next one."""
         if not pairs:
             return
         sharers = [sharer for _, sharer in pairs]

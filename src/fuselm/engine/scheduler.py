@@ -15,11 +15,11 @@ the requests already decoding; such a mixed step takes one prompt's chunk (a ste
 decoding prefills several prompts at once).
 Prefill sharing (the n samples of one prompt): a request added with ``shares_prefill_with`` a
 source request of the same prompt (T tokens) waits until the source has T - 1 of them in the
-cache; the source's chunks stop there while any such request waits. In the next
-``schedule_prefill`` each one that finds a free slot and pages is admitted with T - 1 tokens
-computed (``forked`` lists the (source, request) pairs: the caller copies the source's state
-into the new slot before the step runs), and all of them, the source too, then prefill their
-last token as a chunk of one and draw their first ids. A request that finds no room then, or
+cache; the source's chunks stop there while any such request waits. The next step's
+``admit_sharers`` (before ``schedule_prefill``) admits each one that finds a free slot and pages
+with T - 1 tokens computed (it returns the (source, request) pairs: the caller copies the
+source's state into the new slot before the step runs), and all of them, the source too, then
+prefill their last token as a chunk of one and draw their first ids. A request that finds no room then, or
 whose source ends first, runs as any other. So n samples cost one prefill of T - 1 tokens and
 n of one, not n of T.
 ``finish`` frees a request's slot for the next one. A running request keeps its slot for its
@@ -57,7 +57,6 @@ class Scheduler:
         self._free_pages = list(range(num_pages))
         self.page_size = page_size
         self.max_prefill_tokens = max_prefill_tokens
-        self.forked: list[tuple[Request, Request]] = []  # the last schedule_prefill's (source, sharer) pairs
 
     @property
     def free_pages(self) -> int:
@@ -81,10 +80,11 @@ class Scheduler:
         self.rows.append(request)
         self.prefilling.append(request)
 
-    def _admit_sharers(self) -> None:
-        """Admit the requests whose source has its shared tokens in the cache (``forked``), or
-        let them run as any other when there is no room for them now."""
-        self.forked = []
+    def admit_sharers(self) -> list[tuple[Request, Request]]:
+        """Admit the requests whose source has its shared tokens in the cache, or let them run as
+        any other when there is no room for them now. Returns the (source, admitted request)
+        pairs: their state is to be copied before the next step."""
+        forked = []
         ready = [r for r in self.prefilling if r.sharers and r.num_prompt_computed == len(r.prompt_token_ids) - 1]
         for source in ready:
             for request in source.sharers:
@@ -93,8 +93,9 @@ class Scheduler:
                 if self._free_slots and pages <= self.free_pages:
                     self._admit(request, pages)
                     request.num_prompt_computed = source.num_prompt_computed
-                    self.forked.append((source, request))
+                    forked.append((source, request))
             source.sharers = []
+        return forked
 
     def holds(self, request: Request) -> bool:
         """Whether ``request`` is running here (it holds a slot and a row)."""
@@ -119,7 +120,6 @@ class Scheduler:
         # prompt's start pads to two long rows and runs as continued chunks (H100, 9B, budget 512:
         # 32 + 240 tokens in two rows took 38 ms, 480 fresh tokens in one 19 ms; session 12,
         # benchmarks/engine_steps.py), and one-row mixed steps are the graphs captured up front.
-        self._admit_sharers()
         budget = self.prompt_budget(decode_rows)
         max_rows = MIXED_MAX_CHUNKS if decode_rows else None
         plan, longest = [], 0
@@ -137,7 +137,7 @@ class Scheduler:
                 return plan
             plan.append((request, request.num_prompt_computed, count))
             longest = max(longest, count)
-        # arrival order, but a request that shares a prefill waits for its source (_admit_sharers)
+        # arrival order, but a request that shares a prefill waits for its source (admit_sharers)
         for request in [r for r in self.waiting if r.shares_prefill_with is None]:
             count = chunk(request) if self._free_slots else 0
             pages = self.pages_needed(request)
