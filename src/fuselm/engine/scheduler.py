@@ -19,9 +19,9 @@ cache; the source's chunks stop there while any such request waits. The next ste
 ``admit_sharers`` (before ``schedule_prefill``) admits each one that finds a free slot and pages
 with T - 1 tokens computed (it returns the (source, request) pairs: the caller copies the
 source's state into the new slot before the step runs), and all of them, the source too, then
-prefill their last token as a chunk of one and draw their first ids. A request that finds no room then, or
-whose source ends first, runs as any other. So n samples cost one prefill of T - 1 tokens and
-n of one, not n of T.
+prefill their last token as a chunk of one and draw their first ids. A request that finds no
+room then, or whose source ends first, runs as any other. So n samples cost one prefill of
+T - 1 tokens and n of one, not n of T.
 ``finish`` frees a request's slot for the next one. A running request keeps its slot for its
 whole life: its state never moves. Its row may: the running requests (prefilling ones too: a
 prompt's first id is drawn in its row) hold rows 0 .. n-1, so the decode batch is the smallest
@@ -32,6 +32,7 @@ its row (``row_slots``, the row -> slot table the runner's graphs read).
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import deque
 
 from fuselm.engine.request import Request
@@ -137,8 +138,10 @@ class Scheduler:
                 return plan
             plan.append((request, request.num_prompt_computed, count))
             longest = max(longest, count)
-        # arrival order, but a request that shares a prefill waits for its source (admit_sharers)
-        for request in [r for r in self.waiting if r.shares_prefill_with is None]:
+        # arrival order, but a request that shares a prefill waits for its source (admit_sharers);
+        # as many candidates as free slots (a copy: admitting one takes it out of the queue)
+        candidates = (r for r in self.waiting if r.shares_prefill_with is None)
+        for request in list(itertools.islice(candidates, len(self._free_slots))):
             count = chunk(request) if self._free_slots else 0
             pages = self.pages_needed(request)
             if count == 0 or pages > self.free_pages:
@@ -169,7 +172,7 @@ class Scheduler:
     def rows_in_use_after_admission(self) -> int:
         """``rows_in_use`` once the next waiting request takes the next row (what a step that
         admits it covers; the same when nothing waits or no slot is free)."""
-        return len(self.rows) + bool(self.waiting and self._free_slots)  # (sharers aside: a few rows more)
+        return len(self.rows) + bool(self.waiting and self._free_slots)
 
     def finish(self, request: Request) -> None:
         """Free a finished (or aborted) request's slot, row and pages (the last row's request
