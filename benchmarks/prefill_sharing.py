@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch
 
 from fuselm.engine import Engine, SamplingParams
 from fuselm.models.qwen35.presets import preset_config, random_qwen35
+from timing import write_table
 
 
 def run(engine: Engine, prompt: list[int], params: SamplingParams, shared: bool) -> dict:
@@ -85,11 +85,7 @@ def main() -> None:
               f"samples (T 0.8), {args.max_tokens} new tokens, ignore_eos; separate requests -> shared prefill; "
               f"median of {args.runs} runs\n\n| prompt | n | samples with the same tokens | prompt tokens prefilled | "
               "last first token ms | last token ms |\n|---|---|---|---|---|---|\n")
-    table = header + "\n".join(rows) + "\n"
-    print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "prefill_sharing.md").write_text(table)
-    (args.out / "prefill_sharing.json").write_text(json.dumps(results, indent=1))
+    write_table(args.out, "prefill_sharing", header + "\n".join(rows) + "\n", results)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import tempfile
 import time
@@ -39,6 +38,7 @@ from fuselm.engine.structured_outputs import GrammarCompiler
 from fuselm.engine.token_masks import bad_words_token_ids
 from fuselm.models.qwen35.presets import preset_config, random_qwen35
 from fuselm.tokenizer import Tokenizer, write_tokenizer_files
+from timing import write_table
 
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 4000}}, "required": ["text"]}
 
@@ -139,11 +139,7 @@ def main() -> None:
               f"(llguidance; vocabulary tables built in {warm_up_s:.2f} s); allowed_token_ids: 1,000 ids; "
               f"bad_words: 16 words, with logprobs 5; median of {args.runs} runs\n\n"
               "| batch | requests | decode ms / step | vs free | grammar host ms / step |\n|---|---|---|---|---|\n")
-    table = header + "\n".join(rows) + "\n"
-    print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "structured_outputs.md").write_text(table)
-    (args.out / "structured_outputs.json").write_text(json.dumps(results, indent=1))
+    write_table(args.out, "structured_outputs", header + "\n".join(rows) + "\n", results)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -116,6 +117,15 @@ def results_dir(out: Path | None) -> Path:
     out = out or Path(__file__).parent / "results" / torch.cuda.get_device_name().replace(" ", "_")
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def write_table(out: Path, name: str, table: str, results) -> None:
+    """Print a benchmark's markdown ``table`` and write it to ``out``/<name>.md, its ``results``
+    to ``out``/<name>.json (``out`` created)."""
+    print(table)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(table)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1))
 
 
 def graph_timeline(graph: torch.cuda.CUDAGraph, replays: int = 3) -> list[tuple[str, int, float, float]]:
