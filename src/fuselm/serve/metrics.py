@@ -4,7 +4,8 @@ vLLM names them with ``fuselm:`` in place of ``vllm:``, each labelled with ``mod
     fuselm:num_requests_running         gauge      requests holding an engine slot (prefilling or decoding)
     fuselm:num_requests_waiting         gauge      requests queued for a slot
     fuselm:kv_cache_usage_perc          gauge      the fraction (0-1, as vLLM's) of K/V pages requests hold
-    fuselm:prompt_tokens_total          counter    prompt tokens prefilled (each of n samples prefills its own)
+    fuselm:prompt_tokens_total          counter    prompt tokens of the requests that drew a first token
+                                                   (each sample's, shared prefill or not, as vLLM counts them)
     fuselm:generation_tokens_total      counter    tokens generated
     fuselm:request_success_total        counter    requests ended, by finished_reason: stop, length, abort
     fuselm:time_to_first_token_seconds  histogram  submission to the first token's arrival here
@@ -90,7 +91,8 @@ class ServerMetrics:
         def histogram(name, documentation, buckets):
             return Histogram(name, documentation, labels, buckets=buckets, registry=self.registry).labels(*values)
 
-        self._prompt_tokens = counter("fuselm:prompt_tokens", "Prompt tokens prefilled.").labels(*values)
+        self._prompt_tokens = counter("fuselm:prompt_tokens", "Prompt tokens of requests that drew a first token.") \
+            .labels(*values)
         self._generation_tokens = counter("fuselm:generation_tokens", "Tokens generated.").labels(*values)
         self._success = counter("fuselm:request_success", "Requests ended, by finished_reason.", ["finished_reason"])
         self._ttft = histogram("fuselm:time_to_first_token_seconds", "Time to the first token.", TTFT_BUCKETS)
