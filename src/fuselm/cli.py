@@ -154,7 +154,7 @@ def _json_list(text: str) -> list:
 def _serve(args) -> int:
     """``fuselm serve``: MODEL_DIR (text and chat) or --config (random weights, token-id
     prompts only) behind ``fuselm.serve.run_server`` until SIGINT / SIGTERM (exit status 0)."""
-    from fuselm.serve.app import run_server, serve_spec
+    from fuselm.serve.app import check_api_keys, run_server, serve_spec
 
     if (args.model_dir is None) == (args.config is None):
         args.command_parser.error("expected exactly one of MODEL_DIR (a checkpoint) and --config tiny|9b (random "
@@ -177,7 +177,9 @@ def _serve(args) -> int:
         args.command_parser.error("--reasoning-parser and --tool-call-parser parse chat replies, which need a "
                                   "checkpoint's tokenizer (MODEL_DIR); --config serves token-id prompts only")
     api_keys = args.api_key or ([os.environ["FUSELM_API_KEY"]] if os.environ.get("FUSELM_API_KEY") else [])
-    if any(not key.strip() for key in api_keys):
+    try:
+        check_api_keys(api_keys)
+    except ValueError:
         args.command_parser.error("--api-key: expected non-empty keys")
     from fuselm.serve.cors import CorsPolicy
 

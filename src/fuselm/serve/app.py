@@ -341,8 +341,8 @@ class OpenAIServer:
         (OpenAI's error JSON), then its closing chunks for a stream cut short."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        completion_tokens, echoed, named, cut = 0, set(), answer.named_events, False
-        generated = [0] * len(streams)  # each sequence's tokens so far (continuous usage)
+        echoed, named, cut = set(), answer.named_events, False
+        generated = [0] * len(streams)  # each sequence's tokens so far
 
         def with_usage(chunk):  # vLLM's continuous_usage_stats: a choice's chunk, its sequence's usage so far
             if generation.continuous_usage and isinstance(chunk, dict) and chunk.get("choices"):
@@ -360,7 +360,6 @@ class OpenAIServer:
                         await _send_event(response, answer.error_chunk(error), named)
                         cut = True
                         break
-                    completion_tokens += len(delta.token_ids)
                     generated[index] += len(delta.token_ids)
                     echo = None  # the prompt, before a sequence's first text (echo)
                     if index not in echoed:
@@ -371,7 +370,7 @@ class OpenAIServer:
                         for chunk in answer.chunks(index, delta.text, delta.token_ids, delta.finish_reason,
                                                    stop_reason, delta.logprobs, echo):
                             await _send_event(response, with_usage(chunk), named)
-            usage = token_usage(generation.prompt_tokens, completion_tokens)
+            usage = token_usage(generation.prompt_tokens, sum(generated))
             for chunk in answer.closing_chunks(usage, generation.include_usage, cut):
                 await _send_event(response, chunk, named)
             await response.write_eof()
@@ -429,6 +428,13 @@ async def _openai_errors(request: web.Request, handler):
         return web.json_response(APIError(500, f"internal error: {error!r}").body, status=500)
 
 
+def check_api_keys(api_keys: Sequence[str]) -> list[str]:
+    """``api_keys`` as a list; ValueError naming the argument unless each is a non-blank string."""
+    if any(not isinstance(key, str) or not key.strip() for key in api_keys):
+        raise ValueError("api_keys: expected non-empty strings")
+    return list(api_keys)
+
+
 def _api_key_check(api_keys: Sequence[str]):
     """A middleware that answers 401 (OpenAI's error JSON) to a request under /v1 whose
     ``Authorization`` header is not ``Bearer <one of api_keys>`` (vLLM's ``--api-key``: /health,
@@ -464,8 +470,7 @@ def build_app(model: ServedModel, engine: EngineClient | None = None, max_queue:
     no credentials; None: no CORS headers). Run it with
     ``handler_cancellation=True`` so that a client that goes away has its request aborted
     (``run_server`` does)."""
-    if any(not isinstance(key, str) or not key.strip() for key in api_keys):
-        raise ValueError("api_keys: expected non-empty strings")
+    check_api_keys(api_keys)
     if engine is None:
         engine = AsyncEngine(model.engine, tokenizer=model.tokenizer, max_queue=max_queue,
                              admission_wait=admission_wait)
@@ -500,8 +505,7 @@ def run_server(spec: EngineSpec, host: str = "127.0.0.1", port: int = 8000, reas
     chat replies with ``reasoning_parser`` and ``tool_call_parser`` (``ServedModel``'s).
     ``api_keys``, ``cors``: as ``build_app``'s."""
     check_reply_parsers(reasoning_parser, tool_call_parser)
-    if any(not isinstance(key, str) or not key.strip() for key in api_keys):
-        raise ValueError("api_keys: expected non-empty strings")
+    check_api_keys(api_keys)  # (before the engine process starts)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = EngineProcess(spec)
     info = engine.launch()

@@ -431,9 +431,11 @@ class EngineClient:
         for request_id, stream in streams.items():
             if request_id not in accepted:
                 stream._deltas.put_nowait(RequestDelta("", [], error=reason))
-            if self.metrics is not None and request_id in accepted:
+            if self.metrics is None:
+                continue
+            if request_id in accepted:
                 self.metrics.refused(request_id)
-            elif self.metrics is not None:
+            else:
                 self.metrics.delta(request_id, RequestDelta("", [], error=reason), now)
         if self.metrics is not None:
             self.metrics.engine_stats = EngineStats()

@@ -140,7 +140,7 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _absent_or(*neutral) -> Callable[[Any], bool]:
+def absent_or(*neutral) -> Callable[[Any], bool]:
     """A test for an unsupported field's neutral values: None or one of ``neutral`` (numbers by
     value, never a bool for a number)."""
     def is_neutral(value) -> bool:
@@ -155,24 +155,24 @@ def _absent_or(*neutral) -> Callable[[Any], bool]:
 # Documented fields that would change the answer and are not implemented: a request may send
 # them only with the neutral value (a 400 naming the field otherwise, never a silent ignore).
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "best_of": _absent_or(1),
+    "best_of": absent_or(1),
     # vLLM's own (its extra_body): users of a vLLM server send them
-    "use_beam_search": _absent_or(False),
-    "length_penalty": _absent_or(1),
-    "spaces_between_special_tokens": _absent_or(True),
-    "logits_processors": _absent_or(),
-    "guided_whitespace_pattern": _absent_or(),
+    "use_beam_search": absent_or(False),
+    "length_penalty": absent_or(1),
+    "spaces_between_special_tokens": absent_or(True),
+    "logits_processors": absent_or(),
+    "guided_whitespace_pattern": absent_or(),
 }
-COMPLETION_UNSUPPORTED_FIELDS = {**UNSUPPORTED_FIELDS, "suffix": _absent_or("")}
+COMPLETION_UNSUPPORTED_FIELDS = {**UNSUPPORTED_FIELDS, "suffix": absent_or("")}
 CHAT_UNSUPPORTED_FIELDS = {
     **UNSUPPORTED_FIELDS,
-    "chat_template": _absent_or(),
-    "documents": _absent_or([]),
-    "functions": _absent_or([]),
-    "function_call": _absent_or("none", "auto"),
-    "modalities": _absent_or(["text"]),
-    "audio": _absent_or({}),
-    "prediction": _absent_or({}),
+    "chat_template": absent_or(),
+    "documents": absent_or([]),
+    "functions": absent_or([]),
+    "function_call": absent_or("none", "auto"),
+    "modalities": absent_or(["text"]),
+    "audio": absent_or({}),
+    "prediction": absent_or({}),
 }
 
 

@@ -54,11 +54,12 @@ import uuid
 from typing import Mapping
 
 from fuselm.engine.request import TokenLogprobs
-from fuselm.serve.protocol import APIError, GenerationRequest, ResponseFormat, bad_request, reject_unsupported
+from fuselm.serve.protocol import (APIError, GenerationRequest, ResponseFormat, absent_or, bad_request,
+                                   reject_unsupported)
 from fuselm.serve.reply_parser import THINK_END, ReplyDelta, ReplyParser, ToolCall
 
 # Responses fields that would change the answer and are not implemented (a 400 unless neutral).
-UNSUPPORTED_FIELDS = {name: (lambda value: value in (None, False, [], "disabled")) for name in (
+UNSUPPORTED_FIELDS = {name: absent_or(False, 0, [], "disabled") for name in (
     "previous_response_id", "conversation", "background", "include", "top_logprobs", "truncation",
     "max_tool_calls", "prompt")}
 # Fields accepted that change nothing here.
@@ -284,7 +285,7 @@ class ResponsesFormat(ResponseFormat):
     def _response(self, status: str, output: list[dict], usage: dict | None) -> dict:
         params = self.generation.prompts[0].params
         body = self.body
-        tools = [tool for tool in body.get("tools") or []]
+        tools = list(body.get("tools") or [])
         text = body.get("text") or {"format": {"type": "text"}}
         return {"id": self.request_id, "object": "response", "created_at": self.created_at, "status": status,
                 "error": None,
@@ -326,8 +327,7 @@ class ResponsesFormat(ResponseFormat):
         if item is None:
             return []
         index, part = len(self._items) - 1, item["content"][0]
-        item["status"] = "completed" if self._finish_reason != "length" or item is not self._items[-1] \
-            else "incomplete"
+        item["status"] = "incomplete" if self._finish_reason == "length" else "completed"  # (cut: the last item)
         kind = "response.output_text.done" if item["type"] == "message" else "response.reasoning_text.done"
         extra = {"logprobs": []} if item["type"] == "message" else {}
         return [self._event(kind, item_id=item["id"], output_index=index, content_index=0, text=part["text"], **extra),
